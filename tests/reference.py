@@ -1,0 +1,120 @@
+"""Models, data and the single-process torch reference the engine is checked against."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 11
+
+
+class ParityNet(nn.Module):
+    """Small, but with every case the engine must get right.
+
+    Uneven parameter sizes (so buckets straddle ranks and need padding), a
+    weight tied between the embedding and the head, a frozen layer, a branch
+    used only on some steps, and a module called twice in one forward.
+    """
+
+    def __init__(self, d: int = 6, hidden: int = 13) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.frozen = nn.Linear(d, d)
+        self.frozen.requires_grad_(False)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, d)) for _ in range(2)
+        )
+        self.twice = nn.Linear(d, d)
+        self.extra = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        x = self.frozen(self.emb(idx))
+        for block in self.blocks:
+            x = x + block(x)
+        x = x + self.twice(torch.tanh(self.twice(x)))
+        if use_extra:
+            x = x + self.extra(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Decay / no-decay groups, as GPT training scripts build them."""
+    decay, no_decay = [], []
+    for p in dict.fromkeys(model.parameters()):
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "adamw": lambda m: torch.optim.AdamW(param_groups(m), lr=1e-2, betas=(0.9, 0.95)),
+    "sgd": lambda m: torch.optim.SGD(param_groups(m), lr=5e-2, momentum=0.9),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """What every rank sees at every step: the same global batch as the reference."""
+
+    steps: int = 20
+    accum: int = 1
+    micro_batch: int = 3
+    seq: int = 5
+    world_size: int = 1
+    extra_on_all_ranks: bool = False
+
+    def batch(self, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+        idx = torch.randint(0, VOCAB, (self.micro_batch, self.seq), generator=g)
+        return idx, torch.roll(idx, 1, dims=1)
+
+    def use_extra(self, step: int, micro: int, rank: int) -> bool:
+        """The extra branch is unused on most steps; on some only by some ranks."""
+        if step % 4 == 1:
+            return False
+        if self.extra_on_all_ranks:
+            return step % 4 == 3
+        return (step + micro + rank) % 3 == 0
+
+
+def seeded_model(seed: int = 0) -> ParityNet:
+    torch.manual_seed(seed)
+    return ParityNet()
+
+
+def reference_run(
+    schedule: Schedule, optimizer: str, clip: float = 0.0
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, plain torch: the whole global batch per step."""
+    model = seeded_model()
+    opt = OPTIMIZERS[optimizer](model)
+    losses = []
+    n = schedule.accum * schedule.world_size
+    for step in range(schedule.steps):
+        total = 0.0
+        for micro in range(schedule.accum):
+            for rank in range(schedule.world_size):
+                idx, tgt = schedule.batch(step, micro, rank)
+                loss = model(idx, tgt, schedule.use_extra(step, micro, rank)) / n
+                loss.backward()
+                total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}, losses
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert a.keys() == b.keys(), f"parameter names differ: {sorted(a.keys() ^ b.keys())}"
+    worst = max(a, key=lambda k: (a[k].float() - b[k].float()).abs().max().item())
+    return (a[worst].float() - b[worst].float()).abs().max().item(), worst

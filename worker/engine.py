@@ -1,0 +1,617 @@
+"""The ZeRO engine: stages 0–3 as compositions of three pieces.
+
+* parameter storage: replicated flat buffers (stages 0–2) or sharded with
+  per-unit gather and release (stage 3);
+* gradient reduction: all-reduce into replicated buffers (stage 0),
+  reduce-scatter of persistent full buffers (stage 1), or reduce-scatter of
+  transient staging buffers into persistent shards (stages 2–3);
+* the optimizer on this rank's partition of fp32 master weights: the whole
+  model at stage 0, one ``1/N`` range of every bucket at stages 1–3,
+  followed by an all-gather of the updated range at stages 1–2.
+
+See ``coordinator/layout.py`` [Note: shard layout], ``worker/flat.py``
+[Note: flat buffers] and ``worker/optim.py`` [Note: per-parameter shard views].
+
+[Note: bucket order]
+Collectives must be issued in the same order on every rank, but which
+parameters get gradients, and when, can differ by rank. Buckets are
+therefore launched strictly in index order: a bucket whose gradients are
+complete waits for every bucket before it. Parameters that are not in this
+micro-step's autograd graph are known before backward starts (a walk over
+``loss.grad_fn``) and count as complete from the start.
+
+[Note: unused parameters]
+A parameter that no rank used this step must behave as in torch.optim: no
+update, state untouched. The used-parameter bitmap of each rank is known
+before backward (the graph walk above), OR-ed over micro-steps, and MAX
+all-reduced once per optimizer step (a few bytes, overlapped with backward).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from coordinator.layout import Layout, compute_layout
+from worker.collectives import Collectives, Handle
+from worker.config import ZeroConfig
+from worker.flat import FlatBucket, GatherUnit
+from worker.inventory import Inventory, build_inventory
+from worker.optim import LossScaler, Piece, ShardOptimizer
+
+__all__ = ["ZeroEngine", "initialize"]
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+OptimizerArg = torch.optim.Optimizer | Callable[[list[dict]], torch.optim.Optimizer]
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    *,
+    config: ZeroConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> ZeroEngine:
+    """Wrap ``model`` and ``optimizer`` in a ZeRO engine over ``group``.
+
+    ``model`` must be identical on every rank (rank 0's values are broadcast
+    regardless). ``optimizer`` is an optimizer over the model's parameters with
+    no state yet, or a callable that takes param groups and returns one.
+    torch.distributed must be initialized already, or not at all for one process.
+    """
+    return ZeroEngine(model, optimizer, config=config or ZeroConfig(), group=group)
+
+
+class ZeroEngine:
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: OptimizerArg,
+        *,
+        config: ZeroConfig,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.comm = Collectives(group)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.stage = config.stage
+        self.dtype = _TORCH_DTYPES[config.dtype]
+        self.reduce_dtype = _TORCH_DTYPES[config.reduce_dtype or config.dtype]
+        if self.world_size == 1 and self.stage > 0:
+            logger.warning(
+                "ZeRO stage %d on a single rank saves no memory and costs time; "
+                "stage 0 with mixed precision or activation checkpointing is the lever here",
+                self.stage,
+            )
+        self.user_optimizer = _resolve_optimizer(module, optimizer)
+        self._sync_module_states()
+
+        self.inventory: Inventory = build_inventory(
+            module,
+            self.user_optimizer.param_groups,
+            compute_dtype=self.dtype,
+            min_unit_numel=config.stage3_min_unit_numel if self.stage == 3 else None,
+        )
+        self.layout: Layout = compute_layout(
+            self.inventory.specs,
+            self.world_size,
+            bucket_numel=config.bucket_numel,
+            by_unit=self.stage == 3,
+        )
+        self._index = {name: i for i, name in enumerate(self.inventory.trainable)}
+        self.buckets = [self._build_bucket(spec) for spec in self.layout.buckets]
+        self._bucket_of: dict[nn.Parameter, tuple[FlatBucket, int]] = {
+            p: (b, pos) for b in self.buckets for pos, p in enumerate(b.params)
+        }
+        self._cast_frozen_and_buffers()
+
+        pieces: list[list[Piece]] = [[] for _ in self.user_optimizer.param_groups]
+        for b in self.buckets:
+            for piece in b.pieces:
+                view = b.master[piece.shard_start : piece.shard_start + piece.numel]
+                index = self._index[piece.slot.name]
+                pieces[b.spec.group].append(Piece(index, view, b.spec.index, piece.shard_start))
+        self.optimizer = ShardOptimizer(self.user_optimizer, pieces)
+
+        self.scaler = LossScaler(
+            scale=(config.loss_scale or 2.0**config.initial_scale_power)
+            if config.dtype == "fp16"
+            else 1.0,
+            dynamic=config.dtype == "fp16" and config.loss_scale == 0,
+            window=config.loss_scale_window,
+            hysteresis=max(config.hysteresis, 1),
+            min_scale=config.min_loss_scale,
+        )
+        self._used = torch.zeros(len(self._index), dtype=torch.uint8)
+        self._used_handle: Handle | None = None
+        self._next_bucket = 0
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of
+        ]
+        self.units: list[GatherUnit] = []
+        if self.stage == 3:
+            self._build_units()
+
+    # ------------------------------------------------------------------ setup
+
+    def _sync_module_states(self) -> None:
+        """Broadcast rank 0's parameters and buffers, as DDP does at construction."""
+        if not self.comm.distributed:
+            return
+        tensors = list(dict.fromkeys([*self.module.parameters(), *self.module.buffers()]))
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                self.comm.broadcast(flat, src=0)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def _build_bucket(self, spec) -> FlatBucket:
+        params = [self.inventory.params[s.name] for s in spec.slots]
+        lo, hi = (0, spec.padded_numel) if self.stage == 0 else spec.shard_range(self.rank)
+        pieces = spec.pieces(lo, hi)
+        # fp32 master values come from the original parameters, before any cast.
+        master = torch.zeros(hi - lo, dtype=torch.float32)
+        with torch.no_grad():
+            for piece in pieces:
+                src = params[spec.slots.index(piece.slot)].detach().reshape(-1)
+                master[piece.shard_start : piece.shard_start + piece.numel] = src[
+                    piece.param_start : piece.param_start + piece.numel
+                ]
+            full = torch.zeros(spec.padded_numel, dtype=self.dtype)
+            if self.stage < 3:
+                for p, slot in zip(params, spec.slots, strict=True):
+                    full[slot.offset : slot.offset + slot.numel] = p.detach().reshape(-1)
+        bucket = FlatBucket(
+            spec=spec,
+            params=params,
+            param_index=[self._index[s.name] for s in spec.slots],
+            lo=lo,
+            hi=hi,
+            pieces=pieces,
+            full=full,
+            master=master,
+        )
+        bucket.param_views()
+        if self.stage == 3:
+            bucket.shard = master.to(self.dtype)
+            if not self.config.mixed_precision:
+                bucket.master = bucket.shard
+            full.untyped_storage().resize_(0)
+        elif not self.config.mixed_precision:
+            bucket.master = full[lo:hi]
+        if self.stage <= 1:
+            bucket.grad_full = torch.zeros(spec.padded_numel, dtype=self.dtype)
+            bucket.grad_views()
+        else:
+            bucket.grad_shard = torch.zeros(spec.shard_numel, dtype=self.dtype)
+        return bucket
+
+    def _cast_frozen_and_buffers(self) -> None:
+        if not self.config.mixed_precision:
+            return
+        with torch.no_grad():
+            for p in self.inventory.params.values():
+                if p not in self._bucket_of and p.is_floating_point():
+                    p.data = p.data.to(self.dtype)
+            for b in self.module.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(self.dtype)
+
+    def _build_units(self) -> None:
+        by_unit: dict[int, list[FlatBucket]] = {}
+        for b in self.buckets:
+            by_unit.setdefault(b.spec.unit, []).append(b)
+        for index, module in self.inventory.unit_modules.items():
+            if index not in by_unit:
+                continue
+            unit = GatherUnit(index, module, by_unit[index])
+            self.units.append(unit)
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(unit)))
+            self._hooks.append(module.register_forward_hook(self._post_forward_hook(unit)))
+        self._forward_order: list[GatherUnit] = []
+        self._order_recorded = False
+
+    # ------------------------------------------------------------ stage 3
+
+    def _pre_forward_hook(self, unit: GatherUnit):
+        def hook(module: nn.Module, args: Any) -> None:
+            unit.gather(self.comm)
+            unit.wait()
+            if not self._order_recorded and unit not in self._forward_order:
+                self._forward_order.append(unit)
+            self._prefetch(unit, +1)
+
+        return hook
+
+    def _post_forward_hook(self, unit: GatherUnit):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.is_grad_enabled():
+                outputs = [
+                    t
+                    for t in tree_leaves(output)
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+                if outputs:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        outputs, lambda grads: self._pre_backward(unit), mode="any"
+                    )
+                if unit.index == 0:
+                    return  # the root's parameters are used first in backward: keep them
+            unit.reshard()
+
+        return hook
+
+    def _pre_backward(self, unit: GatherUnit) -> None:
+        unit.gather(self.comm)
+        unit.wait()
+        self._prefetch(unit, -1)
+
+    def _prefetch(self, unit: GatherUnit, direction: int) -> None:
+        if not self._order_recorded or not self.config.stage3_prefetch:
+            return
+        try:
+            pos = self._forward_order.index(unit)
+        except ValueError:
+            return
+        for k in range(1, self.config.stage3_prefetch + 1):
+            j = pos + direction * k
+            if 0 <= j < len(self._forward_order):
+                self._forward_order[j].gather(self.comm)
+
+    # ------------------------------------------------------------ forward/backward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.mixed_precision:
+            args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        return self.module(*args, **kwargs)
+
+    def _cast_input(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(self.dtype)
+        return x
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
+        """Backward of one micro-batch loss, with gradient reduction overlapped."""
+        if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            raise ValueError("engine.backward expects a loss tensor that requires grad")
+        boundary = self.is_accumulation_boundary
+        in_graph = _params_in_graph(loss.grad_fn)
+        for p in in_graph:
+            if p in self._bucket_of:
+                b, pos = self._bucket_of[p]
+                self._used[b.param_index[pos]] = 1
+        reduce_now = self.stage >= 2 or boundary
+        if boundary and self.comm.distributed:
+            self._used_handle = self.comm.all_reduce(
+                self._used, op="max", async_op=True, control=True
+            )
+        if self.stage <= 1:
+            self._restore_grad_views()
+        self._next_bucket = 0
+        for b in self.buckets:
+            b.pending = sum(1 for p in b.params if p in in_graph) if reduce_now else -1
+            b.ready = b.launched = False
+        if reduce_now and self.config.overlap_comm:
+            for b in self.buckets:
+                if b.pending == 0:
+                    self._mark_ready(b)
+
+        scale = self.scaler.scale / self.config.gradient_accumulation_steps
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+
+        if reduce_now:
+            for b in self.buckets:
+                b.ready = True
+            self._launch_ready()
+            for b in self.buckets:
+                self._finish(b)
+        for unit in self.units:
+            unit.reshard()
+        self._order_recorded = bool(self.units)
+
+    def _restore_grad_views(self) -> None:
+        # A user's model.zero_grad() sets .grad to None; put the views back.
+        for b in self.buckets:
+            if any(p.grad is None for p in b.params):
+                b.grad_views()
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        b, pos = self._bucket_of[p]
+        if self.stage >= 2:
+            b.stage_grad(pos, p.grad)
+            p.grad = None
+        if b.pending <= 0:
+            return
+        b.pending -= 1
+        if b.pending == 0 and self.config.overlap_comm:
+            self._mark_ready(b)
+
+    def _mark_ready(self, b: FlatBucket) -> None:
+        b.ready = True
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch buckets in index order (see [Note: bucket order])."""
+        while self._next_bucket < len(self.buckets):
+            b = self.buckets[self._next_bucket]
+            if not b.ready:
+                return
+            self._launch(b)
+            self._next_bucket += 1
+
+    def _launch(self, b: FlatBucket) -> None:
+        b.launched = True
+        if self.stage == 0:
+            b.reduced = self._to_reduce_dtype(b.grad_full)
+            b.handle = self.comm.all_reduce(b.reduced[: b.spec.numel], async_op=True)
+            return
+        if self.stage == 1:
+            src = b.grad_full
+        else:
+            if b.staging is None:
+                b.staging = b.full.new_zeros(b.spec.padded_numel)
+            src = b.staging
+        src = self._to_reduce_dtype(src)
+        direct = self.stage >= 2 and not b.accumulated and src.dtype == b.grad_shard.dtype
+        b.reduced = b.grad_shard if direct else src.new_empty(b.spec.shard_numel)
+        b.handle = self.comm.reduce_scatter(b.reduced, src, async_op=True)
+        if self.stage == 3:
+            unit = self._unit_of_bucket(b)
+            if all(x.launched for x in unit.buckets):
+                unit.reshard()
+
+    def _to_reduce_dtype(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == self.reduce_dtype else t.to(self.reduce_dtype)
+
+    def _finish(self, b: FlatBucket) -> None:
+        if b.handle is None:
+            return
+        b.handle.wait()
+        b.handle = None
+        if self.stage >= 2:
+            if b.reduced is not b.grad_shard:
+                if b.accumulated:
+                    b.grad_shard.add_(b.reduced)
+                else:
+                    b.grad_shard.copy_(b.reduced)
+            b.accumulated = True
+            b.reduced = None
+            b.staging = None
+
+    def _unit_of_bucket(self, b: FlatBucket) -> GatherUnit:
+        return next(u for u in self.units if b in u.buckets)
+
+    # ------------------------------------------------------------ step
+
+    def step(self) -> bool:
+        """Count a micro-step; at the accumulation boundary, step the optimizer.
+
+        Returns True when the optimizer stepped (False between boundaries and
+        on an fp16 overflow, which skips the step).
+        """
+        boundary = self.is_accumulation_boundary
+        self.micro_steps += 1
+        if not boundary:
+            return False
+        if self._used_handle is not None:
+            self._used_handle.wait()
+            self._used_handle = None
+        grads = [self._fp32_partition_grad(b) for b in self.buckets]
+        factor = 1.0 / (self.world_size * self.scaler.scale)
+        for g in grads:
+            g.mul_(factor)
+        stepped = self._clip_or_skip(grads)
+        if stepped:
+            used = self._used.tolist()
+            piece_grads = [
+                grads[piece.bucket][piece.grad_offset : piece.grad_offset + piece.view.numel()]
+                if used[piece.param_index]
+                else None
+                for piece in self.optimizer.pieces
+            ]
+            self.optimizer.step(piece_grads)
+            self._publish_params()
+            self.global_steps += 1
+        else:
+            self.skipped_steps += 1
+        self._zero_grads()
+        return stepped
+
+    def _fp32_partition_grad(self, b: FlatBucket) -> torch.Tensor:
+        """This rank's reduced gradient over its optimizer partition, in fp32."""
+        if self.stage == 0:
+            g = b.reduced if b.reduced is not None else b.grad_full
+        elif self.stage == 1:
+            g = b.reduced if b.reduced is not None else b.grad_full.new_zeros(b.hi - b.lo)
+        else:
+            g = b.grad_shard
+        return g if g.dtype == torch.float32 else g.float()
+
+    def _clip_or_skip(self, grads: list[torch.Tensor]) -> bool:
+        clip = self.config.gradient_clipping
+        fp16 = self.config.dtype == "fp16"
+        if not clip and not fp16:
+            return True
+        sumsq = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            sumsq += g.pow(2).sum()
+        if self.stage >= 1:
+            self.comm.all_reduce(sumsq, control=True)
+        norm = math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else math.inf
+        self.last_grad_norm = norm
+        overflow = not math.isfinite(norm)
+        self.scaler.update(overflow)
+        if fp16 and overflow:
+            logger.info(
+                "fp16 gradient overflow: step skipped, loss scale now %g", self.scaler.scale
+            )
+            return False
+        if clip:
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        return True
+
+    def _publish_params(self) -> None:
+        """Write the updated master partition back into the compute parameters."""
+        handles = []
+        with torch.no_grad():
+            for b in self.buckets:
+                if self.stage == 0:
+                    if self.config.mixed_precision:
+                        b.full.copy_(b.master)
+                elif self.stage == 3:
+                    if self.config.mixed_precision:
+                        b.shard.copy_(b.master)
+                else:
+                    src = b.full[b.lo : b.hi]
+                    if self.config.mixed_precision:
+                        src = b.master.to(self.dtype)
+                    handles.append(self.comm.all_gather(b.full, src, async_op=True))
+        for h in handles:
+            h.wait()
+
+    def _zero_grads(self) -> None:
+        for b in self.buckets:
+            if b.grad_full is not None:
+                b.grad_full.zero_()
+            if b.grad_shard is not None:
+                b.grad_shard.zero_()
+            b.reduced = None
+            b.accumulated = False
+        self._used.zero_()
+
+    # ------------------------------------------------------------ reports
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter by name (tied ones under each name), fp32 master values
+        where they exist; identical on every rank. A collective: call on all ranks."""
+        values: dict[str, torch.Tensor] = {}
+        for b in self.buckets:
+            full = self._gather_master(b)
+            for slot in b.spec.slots:
+                values[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        out = {}
+        for name, first in self.inventory.aliases.items():
+            if first in values:
+                out[name] = values[first].clone()
+            else:
+                out[name] = self.inventory.params[first].detach().clone()
+        return out
+
+    def _gather_master(self, b: FlatBucket) -> torch.Tensor:
+        if self.stage == 0:
+            return b.master.detach()
+        if self.stage < 3 and not self.config.mixed_precision:
+            return b.full.detach()
+        full = torch.empty(b.spec.padded_numel, dtype=b.master.dtype)
+        self.comm.all_gather(full, b.master.detach())
+        return full
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, by kind (padding included)."""
+
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        in_bucket = set(self._bucket_of)
+        frozen = sum(nbytes(p) for p in self.inventory.params.values() if p not in in_bucket)
+        params = sum(nbytes(b.shard) if self.stage == 3 else nbytes(b.full) for b in self.buckets)
+        report = {
+            "params": params + frozen,
+            "grads": sum(nbytes(b.grad_full) + nbytes(b.grad_shard) for b in self.buckets),
+            "master": sum(nbytes(b.master) for b in self.buckets)
+            if self.config.mixed_precision
+            else 0,
+            "optimizer": self.optimizer.state_bytes(),
+            "buffers": sum(nbytes(t) for t in self.module.buffers()),
+        }
+        report["total"] = sum(report.values())
+        return report
+
+    def comm_report(self) -> dict[str, dict[str, int]]:
+        """Collective calls and logical bytes by op since start (see worker.collectives)."""
+        return self.comm.report()
+
+    # ------------------------------------------------------------ module passthrough
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+
+def _resolve_optimizer(module: nn.Module, optimizer: OptimizerArg) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError(
+                "the optimizer already has state; pass one that has not stepped yet "
+                "(zeroplane rebuilds its state on shards)"
+            )
+        return optimizer
+    if callable(optimizer):
+        params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
+        built = optimizer([{"params": params}])
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(
+                f"the optimizer factory returned {type(built).__name__}, "
+                "not a torch.optim.Optimizer"
+            )
+        return built
+    raise TypeError(
+        f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}"
+    )
+
+
+def _params_in_graph(root: Any) -> set[torch.Tensor]:
+    """The leaf tensors (parameters) whose AccumulateGrad nodes ``root`` reaches."""
+    seen, stack, found = set(), [root], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            found.add(var)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found

@@ -1,0 +1,112 @@
+"""One bucket's flat buffers on this rank, and the stage-3 gather units.
+
+[Note: flat buffers]
+A bucket's parameters are views into one flat buffer (``full``) so the
+all-gather after the optimizer step, and the stage-3 gather before forward,
+write every parameter with one collective. At stages 0–1 the gradients are
+views into one flat buffer (``grad_full``) that autograd accumulates into in
+place, so a bucket's all-reduce or reduce-scatter runs on that buffer with no
+copy. At stages 2–3 gradients are copied into a transient ``staging`` buffer
+as they arrive, reduce-scattered, and accumulated into the persistent
+``grad_shard``; the full gradient never persists.
+
+[Note: stage-3 storage]
+At stage 3 a unit's parameters stay views into ``full`` for the whole run;
+what changes is whether ``full``'s storage is allocated. Resharding resizes
+the storage to zero bytes; gathering resizes it back and all-gathers into it.
+Autograd's saved references to the parameters then see the re-gathered
+values in backward, with nothing re-registered on the module.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from coordinator.layout import Bucket, SlotShard
+from worker.collectives import Collectives, Handle
+
+__all__ = ["FlatBucket", "GatherUnit", "UnitState"]
+
+
+@dataclass(eq=False)
+class FlatBucket:
+    spec: Bucket
+    params: list[nn.Parameter]
+    param_index: list[int]
+    lo: int
+    hi: int
+    pieces: list[SlotShard]
+    full: torch.Tensor
+    master: torch.Tensor
+    shard: torch.Tensor | None = None
+    grad_full: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+    staging: torch.Tensor | None = None
+    reduced: torch.Tensor | None = None
+    accumulated: bool = False
+    pending: int = 0
+    ready: bool = False
+    launched: bool = False
+    handle: Handle | None = None
+
+    def param_views(self) -> None:
+        """Point every parameter's ``.data`` at its slot in ``full``."""
+        for p, slot in zip(self.params, self.spec.slots, strict=True):
+            p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def grad_views(self) -> None:
+        """Point every parameter's ``.grad`` at its slot in ``grad_full``."""
+        assert self.grad_full is not None
+        for p, slot in zip(self.params, self.spec.slots, strict=True):
+            p.grad = self.grad_full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def stage_grad(self, p_pos: int, grad: torch.Tensor) -> None:
+        """Copy one parameter's gradient into the transient staging buffer."""
+        if self.staging is None:
+            self.staging = self.full.new_zeros(self.spec.padded_numel)
+        slot = self.spec.slots[p_pos]
+        self.staging[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+@dataclass(eq=False)
+class GatherUnit:
+    """A stage-3 gather unit: one module's parameters, gathered and freed together."""
+
+    index: int
+    module: nn.Module
+    buckets: list[FlatBucket]
+    state: UnitState = UnitState.SHARDED
+    handles: list[Handle] = field(default_factory=list)
+
+    def gather(self, comm: Collectives) -> None:
+        """Start gathering (asynchronously) if sharded."""
+        if self.state is not UnitState.SHARDED:
+            return
+        for b in self.buckets:
+            b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
+            self.handles.append(comm.all_gather(b.full, b.shard, async_op=True))
+        self.state = UnitState.GATHERING
+
+    def wait(self) -> None:
+        if self.state is UnitState.GATHERING:
+            for h in self.handles:
+                h.wait()
+            self.handles.clear()
+            self.state = UnitState.GATHERED
+
+    def reshard(self) -> None:
+        self.wait()
+        if self.state is UnitState.GATHERED:
+            for b in self.buckets:
+                b.full.untyped_storage().resize_(0)
+            self.state = UnitState.SHARDED

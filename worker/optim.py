@@ -1,0 +1,155 @@
+"""The user's optimizer, run on this rank's fp32 shard, and fp16 loss scaling.
+
+[Note: per-parameter shard views]
+The optimizer does not run on one flat tensor. Each parameter's piece of this
+rank's master shard is a view (a leaf tensor that shares the flat storage),
+and the user's optimizer class is re-instantiated over those views with the
+same param groups and hyperparameters. That keeps torch.optim's semantics
+exactly: a parameter that got no gradient anywhere this step has its view's
+``grad`` set to ``None`` and is skipped, its state untouched, and Adam's step
+count stays per parameter. Only elementwise optimizers are correct on pieces
+of parameters; others are refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "LossScaler", "ShardOptimizer", "rebuild_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    cls
+    for cls in (
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.RMSprop,
+        torch.optim.Rprop,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.ASGD,
+    )
+)
+
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+def rebuild_optimizer(template: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """A new optimizer of ``template``'s class and defaults over ``groups``."""
+    cls = type(template)
+    if not (
+        issubclass(cls, ELEMENTWISE_OPTIMIZERS) or getattr(cls, "zeroplane_elementwise", False)
+    ):
+        raise TypeError(
+            f"optimizer {cls.__name__} is not known to be elementwise, so it cannot run on "
+            "shards of parameters; use one of "
+            + ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+            + " or set the class attribute zeroplane_elementwise = True"
+        )
+    # Every group carries all of its hyperparameters; the constructor only needs
+    # the defaults it accepts (torch adds internal ones it does not).
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls(groups, **{k: v for k, v in template.defaults.items() if k in accepted})
+
+
+def _hyperparams(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+@dataclass
+class Piece:
+    """A parameter's elements on this rank: a view of the master shard."""
+
+    param_index: int
+    view: torch.Tensor
+    bucket: int
+    grad_offset: int
+
+
+class ShardOptimizer:
+    """Runs the user's optimizer class over this rank's pieces of the master shard.
+
+    ``pieces_by_group[g]`` lists the pieces whose parameter is in the user's
+    param group ``g``. Hyperparameters are read from the user's optimizer
+    before every step, so an LR scheduler attached to it keeps working.
+    """
+
+    def __init__(
+        self,
+        user: torch.optim.Optimizer,
+        pieces_by_group: list[list[Piece]],
+    ) -> None:
+        self.user = user
+        self.pieces = [p for group in pieces_by_group for p in group]
+        groups = [
+            {"params": [p.view for p in pieces], **_hyperparams(ug)}
+            for pieces, ug in zip(pieces_by_group, user.param_groups, strict=True)
+        ]
+        self.inner = rebuild_optimizer(user, groups)
+
+    def step(self, grads: Iterable[torch.Tensor | None]) -> None:
+        """One step; ``grads[i]`` is piece i's fp32 gradient, ``None`` if unused."""
+        for ug, ig in zip(self.user.param_groups, self.inner.param_groups, strict=True):
+            for key, value in ug.items():
+                if key != "params":
+                    ig[key] = value
+        for piece, grad in zip(self.pieces, grads, strict=True):
+            piece.view.grad = grad
+        self.inner.step()
+        for piece in self.pieces:
+            piece.view.grad = None
+
+    def state_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for state in self.inner.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        )
+
+
+@dataclass
+class LossScaler:
+    """fp16 loss scaling: static, or dynamic with growth window and hysteresis.
+
+    On an overflowing step the step is skipped; after ``hysteresis``
+    consecutive overflows the scale halves (not below ``min_scale``). After
+    ``window`` steps without overflow the scale doubles.
+    """
+
+    scale: float
+    dynamic: bool
+    window: int = 1000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    _good_steps: int = 0
+    _overflows_left: int = 0
+
+    def __post_init__(self) -> None:
+        self._overflows_left = self.hysteresis
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            self._good_steps = 0
+            self._overflows_left -= 1
+            if self._overflows_left <= 0:
+                self.scale = max(self.scale / 2, self.min_scale)
+                self._overflows_left = self.hysteresis
+                logger.info("fp16 overflow: loss scale reduced to %g", self.scale)
+            return
+        self._overflows_left = self.hysteresis
+        self._good_steps += 1
+        if self._good_steps % self.window == 0:
+            self.scale *= 2
