@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["WorkerPool", "RankError"]
+__all__ = ["RankError", "WorkerPool"]
 
 
 class RankError(AssertionError):

@@ -111,7 +111,8 @@ def reference_run(
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
-    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}, losses
+    final = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return final, losses
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:

@@ -38,7 +38,8 @@ class ZeroConfig:
         loss_scale: fp16 only; 0 = dynamic loss scaling, otherwise a static scale.
         initial_scale_power: fp16 dynamic scaling starts at 2**this.
         loss_scale_window: good steps before the dynamic scale doubles.
-        hysteresis: overflows tolerated before the scale is halved.
+        hysteresis: consecutive overflows before the scale halves (1 = on every
+            overflow, as torch's GradScaler; DeepSpeed's default is 2).
         min_loss_scale: the dynamic scale never drops below this.
     """
 
@@ -54,7 +55,7 @@ class ZeroConfig:
     loss_scale: float = 0.0
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
-    hysteresis: int = 2
+    hysteresis: int = 1
     min_loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
@@ -67,11 +68,16 @@ class ZeroConfig:
             raise bad("dtype", f"one of {_PRECISIONS}")
         if self.reduce_dtype is not None and self.reduce_dtype not in _PRECISIONS:
             raise bad("reduce_dtype", f"None or one of {_PRECISIONS}")
-        for name in ("gradient_accumulation_steps", "bucket_numel", "loss_scale_window"):
+        for name in (
+            "gradient_accumulation_steps",
+            "bucket_numel",
+            "loss_scale_window",
+            "hysteresis",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(name, "an integer >= 1")
-        for name in ("stage3_prefetch", "stage3_min_unit_numel", "hysteresis"):
+        for name in ("stage3_prefetch", "stage3_min_unit_numel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "an integer >= 0")
@@ -109,7 +115,7 @@ class ZeroConfig:
             if key == "zero_optimization":
                 _read_zero_section(value, kw, unsupported, ignored)
             elif key in ("bf16", "fp16"):
-                _read_precision_section(key, value, kw, unsupported)
+                _read_precision_section(key, value, kw, unsupported, ignored)
             elif key == "gradient_accumulation_steps":
                 kw["gradient_accumulation_steps"] = value
             elif key == "gradient_clipping":
@@ -210,7 +216,7 @@ def _read_zero_section(
 
 
 def _read_precision_section(
-    key: str, section: Any, kw: dict[str, Any], unsupported: list[str]
+    key: str, section: Any, kw: dict[str, Any], unsupported: list[str], ignored: list[str]
 ) -> None:
     if not isinstance(section, Mapping):
         raise ValueError(f"DeepSpeed '{key}' must be a dict, got {section!r}")
@@ -232,6 +238,6 @@ def _read_precision_section(
         if key == "fp16" and sub in mapping:
             kw[mapping[sub]] = value
         elif sub in ("auto_cast", "immediate_grad_update", "consecutive_hysteresis"):
-            continue
+            ignored.append(f"{key}.{sub}")
         else:
             unsupported.append(f"{key}.{sub}")

@@ -130,7 +130,7 @@ class ZeroEngine:
             else 1.0,
             dynamic=config.dtype == "fp16" and config.loss_scale == 0,
             window=config.loss_scale_window,
-            hysteresis=max(config.hysteresis, 1),
+            hysteresis=config.hysteresis,
             min_scale=config.min_loss_scale,
         )
         self._used = torch.zeros(len(self._index), dtype=torch.uint8)

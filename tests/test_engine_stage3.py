@@ -1,0 +1,74 @@
+"""Stage 3 gathers each unit just before use, frees it right after, and prefetches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import worker
+from worker.flat import GatherUnit
+from worker.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
+
+
+def gathered(unit: GatherUnit) -> bool:
+    """What the memory says, not the state flag: is the unit's storage allocated?"""
+    return all(b.full.untyped_storage().nbytes() > 0 for b in unit.buckets)
+
+
+def trace_gathers(prefetch: int) -> dict:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = worker.ZeroConfig(stage=3, stage3_prefetch=prefetch)
+    engine = worker.initialize(model, opt, config=config)
+    units = {u.module: u for u in engine.units}
+    blocks = [units[b] for b in model.blocks]
+    events: list[tuple] = []
+
+    def snapshot(tag: str, k: int) -> None:
+        events.append((tag, k, tuple(gathered(u) for u in blocks)))
+
+    for k, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, a, k=k: snapshot("pre", k))
+        block.register_forward_hook(lambda m, a, o, k=k: snapshot("post", k))
+        # runs after the engine's post-accumulate hook on the same parameter
+        block.fc.weight.register_post_accumulate_grad_hook(lambda p, k=k: snapshot("grad", k))
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        events.clear()
+        idx = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=g)
+        engine.backward(engine(idx, idx))
+        engine.step()
+    return {
+        "events": events,
+        "after": [gathered(u) for u in engine.units],
+        "n_blocks": len(blocks),
+    }
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_units_gathered_just_in_time_and_freed(pools, prefetch: int) -> None:
+    case = pools(2).run(trace_gathers, prefetch)[0]
+    n = case["n_blocks"]
+    forward = [(tag, k, g) for tag, k, g in case["events"] if tag in ("pre", "post")]
+    assert len(forward) == 2 * n
+    for tag, k, state in forward:
+        if tag == "pre":
+            want = {k} | ({k + 1} if prefetch and k + 1 < n else set())
+        else:
+            want = {k + 1} if prefetch and k + 1 < n else set()
+        assert {i for i, s in enumerate(state) if s} == want, (tag, k, state)
+    grads = [(k, g) for tag, k, g in case["events"] if tag == "grad"]
+    assert [k for k, _ in grads] == list(reversed(range(n)))
+    for k, state in grads:
+        # while block k's gradients arrive, at most k itself and the prefetched k-1
+        held = {i for i, s in enumerate(state) if s}
+        assert held <= {k, k - 1}, (k, state)
+        assert k in held
+        if prefetch and k > 0:
+            assert k - 1 in held, "block k-1 was not prefetched during block k's backward"
+    assert not any(case["after"]), "units still gathered after the step"
