@@ -1,12 +1,14 @@
 """The one module that calls ``torch.distributed`` collectives, and counts them.
 
 Every collective the engine issues goes through :class:`Collectives`, which
-records calls, bytes and seconds per op. Bytes are the size of the full
-(unsharded) logical tensor of the call: the input of an all-reduce, the input
-of a reduce-scatter, the output of an all-gather. Small bookkeeping reductions
-(the used-parameter bitmap, the gradient norm, the fp16 overflow flag) are
-counted under ``"control"`` so the data-plane numbers can be checked against
-the ZeRO formulas exactly.
+records calls, bytes, wire bytes and seconds per op. Bytes are the size of the
+full (unsharded) logical tensor of the call: the input of an all-reduce, the
+input of a reduce-scatter, the output of an all-gather. Wire bytes are what
+the call actually moved: the same, unless the payload was compressed.
+Seconds run from issue to completion (for an async op, to its ``wait``).
+Small bookkeeping reductions (the used-parameter bitmap, the gradient norm,
+the fp16 overflow flag) are counted under ``"control"`` so the data-plane
+numbers can be checked against the ZeRO formulas exactly.
 
 gloo's ``ReduceOp.AVG`` has had a silent wrong-result bug (pytorch#162338), so
 averages are a SUM followed by a division by the caller.
@@ -34,6 +36,7 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 class OpStats:
     calls: int = 0
     bytes: int = 0
+    wire_bytes: int = 0
     seconds: float = 0.0
 
 
@@ -80,10 +83,11 @@ class Collectives:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def _book(self, op: Op, nbytes: int) -> tuple[OpStats, float]:
+    def _book(self, op: Op, nbytes: int, wire: int | None = None) -> tuple[OpStats, float]:
         stats = self.stats[op]
         stats.calls += 1
         stats.bytes += nbytes
+        stats.wire_bytes += nbytes if wire is None else wire
         return stats, time.perf_counter()
 
     def _finish(
@@ -120,14 +124,24 @@ class Collectives:
         return self._finish(work, stats, start, async_op)
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        async_op: bool = False,
+        logical_bytes: int | None = None,
     ) -> Handle:
-        """Concatenate every rank's ``input`` into ``output`` in rank order."""
+        """Concatenate every rank's ``input`` into ``output`` in rank order.
+
+        ``logical_bytes``: for a compressed payload, the size of the tensor it
+        stands for (``bytes`` counts that, ``wire_bytes`` the payload).
+        """
         if not self.distributed:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _DONE
-        stats, start = self._book("all_gather", _nbytes(output))
+        wire = _nbytes(output)
+        stats, start = self._book("all_gather", logical_bytes or wire, wire)
         work = all_gather_flat(output, input, group=self.group, async_op=async_op)
         return self._finish(work, stats, start, async_op)
 
@@ -140,12 +154,21 @@ class Collectives:
         return self._finish(work, stats, start, async_op)
 
     def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        async_op: bool = False,
+        as_op: Op = "all_to_all",
+        logical_bytes: int | None = None,
     ) -> Handle:
+        """Equal chunks of ``input`` to every rank; ``as_op`` books it under the op it
+        implements (a compressed reduce-scatter is an all-to-all of payloads)."""
         if not self.distributed:
             output.copy_(input)
             return _DONE
-        stats, start = self._book("all_to_all", _nbytes(input))
+        wire = _nbytes(input)
+        stats, start = self._book(as_op, logical_bytes or wire, wire)
         work = dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
         return self._finish(work, stats, start, async_op)
 
@@ -153,8 +176,16 @@ class Collectives:
         if self.distributed:
             dist.barrier(group=self.group)
 
-    def report(self) -> dict[str, dict[str, int]]:
-        return {op: {"calls": s.calls, "bytes": s.bytes} for op, s in sorted(self.stats.items())}
+    def report(self) -> dict[str, dict[str, int | float]]:
+        return {
+            op: {
+                "calls": s.calls,
+                "bytes": s.bytes,
+                "wire_bytes": s.wire_bytes,
+                "seconds": s.seconds,
+            }
+            for op, s in sorted(self.stats.items())
+        }
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -41,6 +41,14 @@ class ZeroConfig:
         hysteresis: consecutive overflows before the scale halves (1 = on every
             overflow, as torch's GradScaler; DeepSpeed's default is 2).
         min_loss_scale: the dynamic scale never drops below this.
+        compression: how gradients travel: ``none``; ``bf16``/``fp16`` (2×);
+            ``int8`` blockwise (≈3.9×); ``onebit`` signs with a scale per block
+            (≈28×). Reductions still sum in fp32 (see worker/compression.py).
+        compression_block: elements per scale block for ``int8``/``onebit``.
+        compression_warmup_steps: optimizer steps exchanged uncompressed first.
+        error_feedback: carry each step's compression error into the next.
+        stage3_gather_compression: ``int8`` sends stage-3 parameter all-gathers
+            as blockwise int8; the fp32 master weights stay exact.
     """
 
     stage: Literal[0, 1, 2, 3] = 0
@@ -57,6 +65,11 @@ class ZeroConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 1
     min_loss_scale: float = 1.0
+    compression: Literal["none", "bf16", "fp16", "int8", "onebit"] = "none"
+    compression_block: int = 256
+    compression_warmup_steps: int = 0
+    error_feedback: bool = True
+    stage3_gather_compression: Literal["none", "int8"] = "none"
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> ValueError:
@@ -77,7 +90,7 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(name, "an integer >= 1")
-        for name in ("stage3_prefetch", "stage3_min_unit_numel"):
+        for name in ("stage3_prefetch", "stage3_min_unit_numel", "compression_warmup_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "an integer >= 0")
@@ -88,8 +101,15 @@ class ZeroConfig:
                 raise bad(name, "a number >= 0")
         if not self.min_loss_scale > 0:
             raise bad("min_loss_scale", "> 0")
-        if not isinstance(self.overlap_comm, bool):
-            raise bad("overlap_comm", "a bool")
+        for name in ("overlap_comm", "error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a bool")
+        if self.compression not in ("none", "bf16", "fp16", "int8", "onebit"):
+            raise bad("compression", "one of none, bf16, fp16, int8, onebit")
+        if self.stage3_gather_compression not in ("none", "int8"):
+            raise bad("stage3_gather_compression", "none or int8")
+        if self.stage3_gather_compression != "none" and self.stage != 3:
+            raise bad("stage3_gather_compression", "'none' unless stage is 3")
 
     @property
     def mixed_precision(self) -> bool:

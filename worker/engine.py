@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from coordinator.layout import Layout, compute_layout
 from worker.collectives import Collectives, Handle
+from worker.compression import Codec, make_codec, start_all_gather, start_reduce_scatter
 from worker.config import ZeroConfig
 from worker.flat import FlatBucket, GatherUnit
 from worker.inventory import Inventory, build_inventory
@@ -144,6 +145,7 @@ class ZeroEngine:
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of
         ]
+        self.grad_codec = make_codec(config.compression, config.compression_block)
         self.units: list[GatherUnit] = []
         if self.stage == 3:
             self._build_units()
@@ -226,7 +228,8 @@ class ZeroEngine:
         for index, module in self.inventory.unit_modules.items():
             if index not in by_unit:
                 continue
-            unit = GatherUnit(index, module, by_unit[index])
+            codec = make_codec(self.config.stage3_gather_compression, self.config.compression_block)
+            unit = GatherUnit(index, module, by_unit[index], codec)
             self.units.append(unit)
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(unit)))
             self._hooks.append(module.register_forward_hook(self._post_forward_hook(unit)))
@@ -368,22 +371,41 @@ class ZeroEngine:
             self._launch(b)
             self._next_bucket += 1
 
+    def _active_codec(self) -> Codec | None:
+        if self.global_steps < self.config.compression_warmup_steps:
+            return None
+        return self.grad_codec
+
     def _launch(self, b: FlatBucket) -> None:
         b.launched = True
-        if self.stage == 0:
+        codec = self._active_codec() if self.comm.distributed else None
+        if codec is not None:
+            src = b.grad_full if self.stage <= 1 else b.staging
+            if src is None:
+                src = b.staging = b.full.new_zeros(b.spec.padded_numel)
+            if self.config.error_feedback and b.residual is None:
+                b.residual = torch.zeros(b.spec.padded_numel)
+            b.exchange = start_reduce_scatter(
+                self.comm,
+                codec,
+                src,
+                b.residual if self.config.error_feedback else None,
+                logical_bytes=src.numel() * src.element_size(),
+            )
+        elif self.stage == 0:
             b.reduced = self._to_reduce_dtype(b.grad_full)
             b.handle = self.comm.all_reduce(b.reduced[: b.spec.numel], async_op=True)
-            return
-        if self.stage == 1:
-            src = b.grad_full
         else:
-            if b.staging is None:
-                b.staging = b.full.new_zeros(b.spec.padded_numel)
-            src = b.staging
-        src = self._to_reduce_dtype(src)
-        direct = self.stage >= 2 and not b.accumulated and src.dtype == b.grad_shard.dtype
-        b.reduced = b.grad_shard if direct else src.new_empty(b.spec.shard_numel)
-        b.handle = self.comm.reduce_scatter(b.reduced, src, async_op=True)
+            if self.stage == 1:
+                src = b.grad_full
+            else:
+                if b.staging is None:
+                    b.staging = b.full.new_zeros(b.spec.padded_numel)
+                src = b.staging
+            src = self._to_reduce_dtype(src)
+            direct = self.stage >= 2 and not b.accumulated and src.dtype == b.grad_shard.dtype
+            b.reduced = b.grad_shard if direct else src.new_empty(b.spec.shard_numel)
+            b.handle = self.comm.reduce_scatter(b.reduced, src, async_op=True)
         if self.stage == 3:
             unit = self._unit_of_bucket(b)
             if all(x.launched for x in unit.buckets):
@@ -393,10 +415,24 @@ class ZeroEngine:
         return t if t.dtype == self.reduce_dtype else t.to(self.reduce_dtype)
 
     def _finish(self, b: FlatBucket) -> None:
-        if b.handle is None:
+        if b.exchange is not None:
+            shard = b.exchange.finish()
+            b.exchange = None
+            if self.stage == 0:
+                # the all-reduce's second half: every rank's summed shard to everyone
+                if self.config.error_feedback and b.server_residual is None:
+                    b.server_residual = torch.zeros(b.spec.shard_numel)
+                b.reduced = torch.empty(b.spec.padded_numel)
+                start_all_gather(
+                    self.comm, self._active_codec(), shard, b.reduced, b.server_residual
+                ).finish()
+                return
+            b.reduced = shard
+        elif b.handle is not None:
+            b.handle.wait()
+            b.handle = None
+        else:
             return
-        b.handle.wait()
-        b.handle = None
         if self.stage >= 2:
             if b.reduced is not b.grad_shard:
                 if b.accumulated:
@@ -555,6 +591,9 @@ class ZeroEngine:
             else 0,
             "optimizer": self.optimizer.state_bytes(),
             "buffers": sum(nbytes(t) for t in self.module.buffers()),
+            "compression": sum(
+                nbytes(b.residual) + nbytes(b.server_residual) for b in self.buckets
+            ),
         }
         report["total"] = sum(report.values())
         return report

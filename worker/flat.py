@@ -28,6 +28,7 @@ from torch import nn
 
 from coordinator.layout import Bucket, SlotShard
 from worker.collectives import Collectives, Handle
+from worker.compression import Codec, PendingAllGather, PendingReduceScatter, start_all_gather
 
 __all__ = ["FlatBucket", "GatherUnit", "UnitState"]
 
@@ -47,6 +48,9 @@ class FlatBucket:
     grad_shard: torch.Tensor | None = None
     staging: torch.Tensor | None = None
     reduced: torch.Tensor | None = None
+    exchange: PendingReduceScatter | None = None
+    residual: torch.Tensor | None = None
+    server_residual: torch.Tensor | None = None
     accumulated: bool = False
     pending: int = 0
     ready: bool = False
@@ -85,8 +89,9 @@ class GatherUnit:
     index: int
     module: nn.Module
     buckets: list[FlatBucket]
+    codec: Codec | None = None
     state: UnitState = UnitState.SHARDED
-    handles: list[Handle] = field(default_factory=list)
+    handles: list[Handle | PendingAllGather] = field(default_factory=list)
 
     def gather(self, comm: Collectives) -> None:
         """Start gathering (asynchronously) if sharded."""
@@ -94,13 +99,16 @@ class GatherUnit:
             return
         for b in self.buckets:
             b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
-            self.handles.append(comm.all_gather(b.full, b.shard, async_op=True))
+            if self.codec is None:
+                self.handles.append(comm.all_gather(b.full, b.shard, async_op=True))
+            else:
+                self.handles.append(start_all_gather(comm, self.codec, b.shard, b.full))
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
         if self.state is UnitState.GATHERING:
             for h in self.handles:
-                h.wait()
+                h.finish() if isinstance(h, PendingAllGather) else h.wait()
             self.handles.clear()
             self.state = UnitState.GATHERED
 
