@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from coordinator.layout import Layout, compute_layout
+from worker import checkpoint
 from worker.collectives import Collectives, Handle
 from worker.compression import Codec, make_codec, start_all_gather, start_reduce_scatter
 from worker.config import ZeroConfig
@@ -122,7 +125,16 @@ class ZeroEngine:
             for piece in b.pieces:
                 view = b.master[piece.shard_start : piece.shard_start + piece.numel]
                 index = self._index[piece.slot.name]
-                pieces[b.spec.group].append(Piece(index, view, b.spec.index, piece.shard_start))
+                pieces[b.spec.group].append(
+                    Piece(
+                        param_index=index,
+                        view=view,
+                        bucket=b.spec.index,
+                        grad_offset=piece.shard_start,
+                        name=piece.slot.name,
+                        param_start=piece.param_start,
+                    )
+                )
         self.optimizer = ShardOptimizer(self.user_optimizer, pieces)
 
         self.scaler = LossScaler(
@@ -601,6 +613,21 @@ class ZeroEngine:
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Collective calls and logical bytes by op since start (see worker.collectives)."""
         return self.comm.report()
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: str | os.PathLike, *, client_state: dict | None = None) -> Path:
+        """Save a checkpoint loadable at any world size and stage (all ranks call this).
+
+        ``client_state`` (tensors and plain Python values, e.g. a sampler's
+        ``state_dict()``) is stored with it and returned by ``load_checkpoint``.
+        See worker/checkpoint.py [Note: checkpoint format].
+        """
+        return checkpoint.save_checkpoint(self, path, client_state)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Load a checkpoint saved at any world size and stage; returns its client_state."""
+        return checkpoint.load_checkpoint(self, path)
 
     # ------------------------------------------------------------ module passthrough
 

@@ -74,6 +74,8 @@ class Piece:
     view: torch.Tensor
     bucket: int
     grad_offset: int
+    name: str
+    param_start: int
 
 
 class ShardOptimizer:

@@ -1,0 +1,410 @@
+"""Checkpoints that do not depend on the world size or the stage.
+
+[Note: checkpoint format]
+A checkpoint directory holds ``latest`` (the name of the newest step folder)
+and ``step-NNNNNNNN/`` folders. A step folder holds one file per rank that
+wrote it, ``rankNNNNN.pt``, and ``manifest.json``. Rank r writes the
+elements of range r of every bucket of the layout it trained with, whatever
+its stage (at stage 0 every rank holds everything, but each writes only its
+range, so writes still run in parallel). Every entry is addressed by
+parameter name and element range of the flattened parameter: the fp32 master
+values and each optimizer state tensor sliced to the same range. Rank 0's
+file also holds what is not sharded: frozen parameters, buffers, the
+optimizer's param-group hyperparameters and the caller's ``client_state``.
+
+The manifest lists every file with its size, SHA-256 and the ranges it
+holds, so a loader at any world size reads only the files that overlap the
+ranges it owns. Files load with ``torch.load(weights_only=True)``.
+
+Commit is atomic: ranks write into a hidden temporary folder; rank 0 writes
+the manifest, fsyncs, renames the folder to ``step-N`` and then replaces
+``latest`` by rename. A crash at any point leaves the previous checkpoint
+as ``latest``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from worker.engine import ZeroEngine
+
+__all__ = ["FORMAT", "CheckpointError", "load_checkpoint", "resolve", "save_checkpoint"]
+
+FORMAT = "zeroplane-checkpoint/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incompatible or damaged; the engine is unchanged."""
+
+
+@dataclass(frozen=True)
+class Range:
+    name: str
+    start: int
+    stop: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}[{self.start}:{self.stop}]"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, write) -> None:
+    with path.open("wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    engine: ZeroEngine, path: str | os.PathLike, client_state: dict | None = None
+) -> Path:
+    """Write this rank's part of a checkpoint of ``engine``; a collective."""
+    root = Path(path)
+    step_dir = root / f"step-{engine.global_steps:08d}"
+    tmp = root / f".tmp-step-{engine.global_steps:08d}"
+    rank = engine.rank
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
+        tmp.mkdir()
+    engine.comm.barrier()
+
+    entries, ranges = _export_ranges(engine)
+    payload: dict[str, Any] = {"entries": entries}
+    if rank == 0:
+        payload["unsharded"] = _export_unsharded(engine, client_state)
+    file = tmp / _rank_file(rank)
+    _write_durably(file, lambda f: torch.save(payload, f))
+    info = {
+        "bytes": file.stat().st_size,
+        "sha256": _sha256(file),
+        "ranges": [[r.name, r.start, r.stop] for r in ranges],
+    }
+    _write_durably(tmp / f"rank{rank:05d}.json", lambda f: f.write(json.dumps(info).encode()))
+    engine.comm.barrier()
+
+    if rank == 0:
+        files = {}
+        for r in range(engine.world_size):
+            sidecar = tmp / f"rank{r:05d}.json"
+            files[_rank_file(r)] = json.loads(sidecar.read_text())
+            sidecar.unlink()
+        manifest = {
+            "format": FORMAT,
+            "global_steps": engine.global_steps,
+            "world_size": engine.world_size,
+            "stage": engine.stage,
+            "dtype": engine.config.dtype,
+            "optimizer": type(engine.user_optimizer).__name__,
+            "loss_scale": engine.scaler.scale,
+            "params": {
+                s.name: {"shape": list(s.shape), "requires_grad": s.requires_grad, "group": s.group}
+                for s in engine.inventory.specs
+            },
+            "files": files,
+        }
+        _write_durably(
+            tmp / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=1).encode())
+        )
+        _fsync_dir(tmp)
+        if step_dir.exists():
+            shutil.rmtree(step_dir)
+        os.rename(tmp, step_dir)
+        latest_tmp = root / ".latest.tmp"
+        _write_durably(latest_tmp, lambda f: f.write(step_dir.name.encode()))
+        os.replace(latest_tmp, root / "latest")
+        _fsync_dir(root)
+    engine.comm.barrier()
+    return step_dir
+
+
+def _export_ranges(engine: ZeroEngine) -> tuple[dict[str, dict[str, Any]], list[Range]]:
+    """Master values and optimizer state for the elements of range ``rank`` of each bucket."""
+    by_name = _pieces_by_name(engine)
+    entries: dict[str, dict[str, Any]] = {}
+    ranges: list[Range] = []
+    for bucket in engine.layout.buckets:
+        for piece in bucket.slot_shards(engine.rank):
+            r = Range(piece.slot.name, piece.param_start, piece.param_start + piece.numel)
+            entry: dict[str, Any] = {}
+            for start, view, state in by_name[r.name]:
+                lo, hi = r.start - start, r.stop - start
+                if lo < 0 or hi > view.numel():
+                    continue
+                entry["master"] = view.detach()[lo:hi].clone()
+                entry["state"] = {k: _slice_state(v, lo, hi, view) for k, v in state.items()}
+                break
+            else:
+                raise CheckpointError(f"rank {engine.rank} does not hold {r.key}")
+            entries[r.key] = entry
+            ranges.append(r)
+    return entries, ranges
+
+
+def _pieces_by_name(engine: ZeroEngine) -> dict[str, list[tuple[int, torch.Tensor, dict]]]:
+    """name -> [(start within the parameter, master view, optimizer state)] on this rank."""
+    out: dict[str, list] = {}
+    state = engine.optimizer.inner.state
+    for piece in engine.optimizer.pieces:
+        out.setdefault(piece.name, []).append(
+            (piece.param_start, piece.view, state.get(piece.view, {}))
+        )
+    return out
+
+
+def _slice_state(value: Any, lo: int, hi: int, view: torch.Tensor) -> Any:
+    if isinstance(value, torch.Tensor) and value.shape == view.shape:
+        return value.detach()[lo:hi].clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value
+
+
+def _export_unsharded(engine: ZeroEngine, client_state: dict | None) -> dict[str, Any]:
+    in_bucket = set(engine._bucket_of)
+    return {
+        "frozen": {
+            name: p.detach().clone()
+            for name, p in engine.inventory.params.items()
+            if p not in in_bucket
+        },
+        "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers()},
+        "param_groups": [
+            {k: v for k, v in g.items() if k != "params"}
+            for g in engine.user_optimizer.param_groups
+        ],
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "client_state": client_state or {},
+    }
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The step folder ``path`` means: itself if it has a manifest, else its ``latest``."""
+    p = Path(path)
+    if (p / "manifest.json").is_file():
+        return p
+    latest = p / "latest"
+    if not latest.is_file():
+        raise CheckpointError(f"{p} is not a checkpoint: no manifest.json and no 'latest' file")
+    step_dir = p / latest.read_text().strip()
+    if not (step_dir / "manifest.json").is_file():
+        raise CheckpointError(f"{latest} names {step_dir.name}, which has no manifest.json")
+    return step_dir
+
+
+def read_manifest(step_dir: Path) -> dict:
+    try:
+        manifest = json.loads((step_dir / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{step_dir / 'manifest.json'} is unreadable: {exc}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{step_dir / 'manifest.json'}: format {manifest.get('format')!r}, expected {FORMAT!r}"
+        )
+    return manifest
+
+
+def load_checkpoint(engine: ZeroEngine, path: str | os.PathLike) -> dict:
+    """Load a checkpoint saved at any world size and stage; a collective.
+
+    Every file this rank needs is verified before anything is assigned; if any
+    rank finds a damaged file, every rank raises :class:`CheckpointError`
+    naming it and the engine keeps the state it had.
+    """
+    error = ""
+    try:
+        step_dir = resolve(path)
+        manifest = read_manifest(step_dir)
+        _check_inventory(engine, manifest)
+        needed = _files_needed(engine, manifest)
+        error = _verify(step_dir, manifest, needed)
+    except CheckpointError as exc:
+        error = str(exc)
+    _agree_on_error(engine, error)
+
+    loaded = {name: torch.load(step_dir / name, weights_only=True, mmap=True) for name in needed}
+    entries: dict[str, dict] = {}
+    for name in needed:
+        entries.update(loaded[name]["entries"])
+    index = _index_ranges(manifest)
+    unsharded = loaded[_rank_file(0)]["unsharded"]
+
+    # everything is read; only now change the engine
+    _import_ranges(engine, entries, index)
+    _import_unsharded(engine, unsharded)
+    engine.global_steps = manifest["global_steps"]
+    engine.scaler.scale = manifest["loss_scale"]
+    engine._publish_params()
+    engine._zero_grads()
+    return unsharded["client_state"]
+
+
+def _check_inventory(engine: ZeroEngine, manifest: dict) -> None:
+    saved = manifest["params"]
+    for spec in engine.inventory.specs:
+        if spec.name not in saved:
+            raise CheckpointError(f"parameter {spec.name!r} is not in the checkpoint")
+        want = saved[spec.name]
+        if tuple(want["shape"]) != tuple(spec.shape):
+            raise CheckpointError(
+                f"parameter {spec.name!r} has shape {tuple(spec.shape)} here "
+                f"but {tuple(want['shape'])} in the checkpoint"
+            )
+        if want["requires_grad"] != spec.requires_grad:
+            raise CheckpointError(f"parameter {spec.name!r} is frozen in one but not the other")
+        if spec.requires_grad and want["group"] != spec.group:
+            raise CheckpointError(
+                f"parameter {spec.name!r} is in optimizer param group {spec.group} here "
+                f"but {want['group']} in the checkpoint"
+            )
+    extra = set(saved) - {s.name for s in engine.inventory.specs}
+    if extra:
+        raise CheckpointError(f"checkpoint has parameters the model lacks: {sorted(extra)[:5]}")
+    if manifest["optimizer"] != type(engine.user_optimizer).__name__:
+        raise CheckpointError(
+            f"checkpoint was trained with {manifest['optimizer']}, "
+            f"not {type(engine.user_optimizer).__name__}"
+        )
+
+
+def _index_ranges(manifest: dict) -> dict[str, list[tuple[int, int, str]]]:
+    """name -> [(start, stop, file)] over every file of the checkpoint."""
+    index: dict[str, list[tuple[int, int, str]]] = {}
+    for file, info in manifest["files"].items():
+        for name, start, stop in info["ranges"]:
+            index.setdefault(name, []).append((start, stop, file))
+    return index
+
+
+def _wanted(engine: ZeroEngine) -> Iterable[tuple[str, int, int]]:
+    for piece in engine.optimizer.pieces:
+        yield piece.name, piece.param_start, piece.param_start + piece.view.numel()
+
+
+def _files_needed(engine: ZeroEngine, manifest: dict) -> list[str]:
+    index = _index_ranges(manifest)
+    needed = {_rank_file(0)}
+    for name, start, stop in _wanted(engine):
+        for lo, hi, file in index.get(name, []):
+            if lo < stop and start < hi:
+                needed.add(file)
+    return sorted(needed)
+
+
+def _verify(step_dir: Path, manifest: dict, needed: list[str]) -> str:
+    for name in needed:
+        path = step_dir / name
+        info = manifest["files"].get(name)
+        if info is None:
+            return f"{path} is not listed in the manifest"
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != info["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, the manifest says {info['bytes']}"
+        if _sha256(path) != info["sha256"]:
+            return f"{path} does not match its SHA-256 in the manifest (altered or corrupt)"
+    return ""
+
+
+def _agree_on_error(engine: ZeroEngine, error: str) -> None:
+    """Every rank raises if any rank found a problem, with that rank's message."""
+    msg = torch.zeros(512, dtype=torch.uint8)
+    raw = error.encode()[:511]
+    msg[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else msg[:0]
+    flag = torch.tensor([engine.rank + 1 if error else 0], dtype=torch.int64)
+    engine.comm.all_reduce(flag, op="max", control=True)
+    if int(flag) == 0:
+        return
+    source = int(flag) - 1
+    engine.comm.broadcast(msg, src=source)
+    text = bytes(msg.tolist()).rstrip(b"\0").decode(errors="replace")
+    raise CheckpointError(f"checkpoint not loaded (rank {source}): {text}")
+
+
+def _import_ranges(engine: ZeroEngine, entries: dict, index: dict) -> None:
+    inner = engine.optimizer.inner
+    new_state: dict[torch.Tensor, dict] = {}
+    new_master: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for (name, start, stop), opt_piece in zip(
+        _wanted(engine), engine.optimizer.pieces, strict=True
+    ):
+        values = torch.empty(stop - start, dtype=torch.float32)
+        state: dict[str, Any] = {}
+        covered = 0
+        for lo, hi, _file in sorted(index[name]):
+            a, b = max(lo, start), min(hi, stop)
+            if a >= b:
+                continue
+            entry = entries[Range(name, lo, hi).key]
+            values[a - start : b - start] = entry["master"][a - lo : b - lo]
+            for k, v in entry["state"].items():
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == hi - lo:
+                    if k not in state:
+                        state[k] = torch.zeros(stop - start, dtype=v.dtype)
+                    state[k][a - start : b - start] = v[a - lo : b - lo]
+                else:
+                    state.setdefault(k, v.clone() if isinstance(v, torch.Tensor) else v)
+            covered += b - a
+        if covered != stop - start:
+            raise CheckpointError(f"checkpoint lacks elements of {name}[{start}:{stop}]")
+        new_master.append((opt_piece.view, values))
+        if state:
+            new_state[opt_piece.view] = state
+    with torch.no_grad():
+        for view, values in new_master:
+            view.copy_(values)
+    inner.state.clear()
+    for view, state in new_state.items():
+        inner.state[view] = state
+
+
+def _import_unsharded(engine: ZeroEngine, unsharded: dict) -> None:
+    with torch.no_grad():
+        for name, value in unsharded["frozen"].items():
+            engine.inventory.params[name].copy_(value)
+        buffers = dict(engine.module.named_buffers())
+        for name, value in unsharded["buffers"].items():
+            if name in buffers:
+                buffers[name].copy_(value)
+    groups = zip(engine.user_optimizer.param_groups, unsharded["param_groups"], strict=True)
+    for group, saved in groups:
+        group.update(saved)
+    engine.micro_steps = unsharded["micro_steps"]
+    engine.skipped_steps = unsharded["skipped_steps"]

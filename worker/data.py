@@ -1,0 +1,66 @@
+"""A sampler whose global batches do not depend on the world size.
+
+Data-parallel training on a constant global batch with the same samples is
+the same computation at any world size. :class:`GlobalBatchSampler` fixes
+the sample order by (seed, epoch) alone and counts its position in samples,
+so a job that resumes, or changes its world size, continues at exactly the
+next sample: rank r of N takes its slice of the same global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GlobalBatchSampler"]
+
+
+@dataclass
+class GlobalBatchSampler:
+    num_samples: int
+    global_batch: int
+    seed: int = 0
+    epoch: int = 0
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.global_batch > self.num_samples:
+            raise ValueError(
+                f"global_batch must be between 1 and num_samples ({self.num_samples}), "
+                f"got {self.global_batch}"
+            )
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def next_global_batch(self) -> list[int]:
+        """The next global batch's sample indices; an incomplete tail starts the next epoch."""
+        if self.offset + self.global_batch > self.num_samples:
+            self.epoch, self.offset = self.epoch + 1, 0
+        batch = self._order(self.epoch)[self.offset : self.offset + self.global_batch]
+        self.offset += self.global_batch
+        return batch.tolist()
+
+    def micro_batches(
+        self, batch: list[int], rank: int, world_size: int, micro: int
+    ) -> list[list[int]]:
+        """Rank ``rank``'s micro-batches of ``batch``: ``global_batch / (world_size * micro)``
+        of them, which is the gradient accumulation that keeps the global batch constant."""
+        per_rank, rest = divmod(len(batch), world_size)
+        if rest or per_rank % micro:
+            raise ValueError(
+                f"global batch {len(batch)} does not split into {world_size} ranks "
+                f"of micro-batches of {micro}"
+            )
+        mine = batch[rank * per_rank : (rank + 1) * per_rank]
+        return [mine[i : i + micro] for i in range(0, per_rank, micro)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(f"sampler seed {self.seed} differs from the saved {state['seed']}")
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
