@@ -1,0 +1,480 @@
+"""``zeroplane demo``: train a small GPT on the shipped corpus at each ZeRO stage.
+
+For each stage in turn it launches ``--nproc`` local workers of
+``python -m worker.demo`` through :class:`~coordinator.launch.LocalJob`, shows
+their progress (step, loss, step time), and ends with a table that puts the
+model-state bytes each rank measured (``engine.memory_report()``) beside the
+planner's prediction (:func:`coordinator.memory.model_state_bytes`) and the
+stage-0 baseline. Every stage uses the same seed, so the losses are comparable.
+
+Workers report through JSON files in a temporary directory; this module never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from coordinator.launch import JobResult, LaunchSpec, LocalJob, forward_signals, prefix_lines
+from coordinator.memory import model_state_bytes
+
+__all__ = [
+    "DemoError",
+    "DemoOptions",
+    "ProgressDisplay",
+    "StageResult",
+    "add_parser",
+    "render_table",
+    "run_demo",
+]
+
+# (stage, step, steps, mean loss over ranks, slowest rank's step seconds)
+ProgressHandler = Callable[[int, int, int, float, float], None]
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    """What the demo runs.
+
+    nproc: local workers per stage. stages: ZeRO stages, run in this order.
+    steps: optimizer steps per stage. dtype: "fp32" or "bf16".
+    batch_size: sequences per global batch (split across the workers).
+    seed: the same for every stage. grace_s: the launcher's SIGTERM-to-SIGKILL grace.
+    """
+
+    nproc: int = 2
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    steps: int = 40
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    batch_size: int = 16
+    seed: int = 0
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nproc, int) or self.nproc < 1:
+            raise ValueError(f"DemoOptions.nproc must be an integer >= 1, got {self.nproc!r}")
+        stages = tuple(self.stages)
+        if not stages or any(s not in (0, 1, 2, 3) for s in stages):
+            raise ValueError(f"DemoOptions.stages must be stages among 0-3, got {self.stages!r}")
+        object.__setattr__(self, "stages", stages)
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"DemoOptions.steps must be an integer >= 1, got {self.steps!r}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"DemoOptions.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(
+                f"DemoOptions.batch_size must be an integer >= 1, got {self.batch_size!r}"
+            )
+        if self.batch_size % self.nproc:
+            raise ValueError(
+                f"DemoOptions.batch_size ({self.batch_size}) must be divisible by "
+                f"nproc ({self.nproc})"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageResult:
+    """One stage's outcome, gathered from every rank's report.
+
+    measured: bytes by kind on the rank that holds the most.
+    predicted: the planner's bytes by kind for the same numel, stage, N and dtype.
+    losses: per step, the mean of the ranks' losses (the global-batch loss).
+    step_s: median step time of the slowest rank, first step excluded (warm-up).
+    comm_bytes_per_step: logical bytes of rank 0's collectives per training step.
+    """
+
+    stage: int
+    world_size: int
+    dtype: str
+    numel: int
+    measured: dict[str, int]
+    predicted: dict[str, float]
+    losses: list[float]
+    step_s: float
+    comm_bytes_per_step: float
+    wall_s: float
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1]
+
+
+class DemoError(RuntimeError):
+    """A stage failed or was interrupted.
+
+    ``returncode`` is the job's, ``output`` the workers' last lines, ``interrupted``
+    whether a signal (Ctrl-C, SIGTERM) ended it rather than a worker failing.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        returncode: int = 1,
+        output: Sequence[str] = (),
+        interrupted: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.output = list(output)
+        self.interrupted = interrupted
+
+
+class _ProgressReader:
+    """Follows every rank's progress file; reports a step once all ranks have done it."""
+
+    def __init__(self, out: Path, world_size: int) -> None:
+        self._paths = [out / f"rank{r}.progress.jsonl" for r in range(world_size)]
+        self._offsets = [0] * world_size
+        self._pending: list[str] = [""] * world_size
+        self._steps: list[dict[int, tuple[float, float]]] = [{} for _ in range(world_size)]
+        self._reported = 0
+
+    def poll(self) -> list[tuple[int, float, float]]:
+        for r, path in enumerate(self._paths):
+            try:
+                with path.open() as f:
+                    f.seek(self._offsets[r])
+                    chunk = f.read()
+                    self._offsets[r] = f.tell()
+            except FileNotFoundError:
+                continue
+            text = self._pending[r] + chunk
+            *lines, self._pending[r] = text.split("\n")  # keep a partial last line
+            for line in lines:
+                if line.strip():
+                    rec = json.loads(line)
+                    self._steps[r][int(rec["step"])] = (float(rec["loss"]), float(rec["step_s"]))
+        new: list[tuple[int, float, float]] = []
+        while all(self._reported + 1 in s for s in self._steps):
+            step = self._reported + 1
+            per_rank = [s[step] for s in self._steps]
+            loss = statistics.fmean(x[0] for x in per_rank)
+            new.append((step, loss, max(x[1] for x in per_rank)))
+            self._reported = step
+        return new
+
+
+def _worker_command(options: DemoOptions, stage: int, out: Path) -> tuple[str, ...]:
+    return (
+        sys.executable,
+        "-m",
+        "worker.demo",
+        "--out",
+        str(out),
+        "--stage",
+        str(stage),
+        "--dtype",
+        options.dtype,
+        "--steps",
+        str(options.steps),
+        "--batch-size",
+        str(options.batch_size),
+        "--seed",
+        str(options.seed),
+    )
+
+
+def _collect(options: DemoOptions, stage: int, out: Path, wall_s: float) -> StageResult:
+    reports: list[dict[str, Any]] = []
+    for r in range(options.nproc):
+        path = out / f"rank{r}.json"
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise DemoError(f"stage {stage}: rank {r} left no readable report ({exc})") from exc
+    numel = int(reports[0]["numel"])
+    kinds = ("params", "grads", "master", "optimizer", "total")
+    measured = {k: max(int(rep["memory"].get(k, 0)) for rep in reports) for k in kinds}
+    predicted = model_state_bytes(
+        numel, stage=stage, world_size=options.nproc, dtype=options.dtype
+    ).as_dict()
+    losses = [
+        statistics.fmean(step) for step in zip(*(rep["losses"] for rep in reports), strict=True)
+    ]
+    slowest = [max(step) for step in zip(*(rep["step_s"] for rep in reports), strict=True)]
+    timed = slowest[1:] or slowest
+    comm_bytes = sum(int(v.get("bytes", 0)) for v in reports[0].get("comm", {}).values())
+    return StageResult(
+        stage=stage,
+        world_size=options.nproc,
+        dtype=options.dtype,
+        numel=numel,
+        measured=measured,
+        predicted=predicted,
+        losses=losses,
+        step_s=statistics.median(timed),
+        comm_bytes_per_step=comm_bytes / options.steps,
+        wall_s=wall_s,
+    )
+
+
+def _run_stage(
+    options: DemoOptions,
+    stage: int,
+    out: Path,
+    on_progress: ProgressHandler | None,
+    on_line: Callable[[int, str, str], None],
+) -> StageResult:
+    out.mkdir()
+    spec = LaunchSpec(
+        command=_worker_command(options, stage, out),
+        nproc=options.nproc,
+        stage=str(stage),
+        grace_s=options.grace_s,
+    )
+    reader = _ProgressReader(out, options.nproc)
+    t0 = time.monotonic()
+    job = LocalJob(spec, on_line=on_line)
+    result: JobResult | None = None
+    with forward_signals(job), job:
+        while result is None:
+            result = job.poll()
+            for step, loss, step_s in reader.poll():
+                if on_progress is not None:
+                    on_progress(stage, step, options.steps, loss, step_s)
+            if result is None:
+                time.sleep(0.1)
+    if not result.ok:
+        raise DemoError(
+            f"stage {stage}: {result.message}",
+            returncode=result.returncode,
+            interrupted=result.signal is not None,
+        )
+    return _collect(options, stage, out, time.monotonic() - t0)
+
+
+def run_demo(
+    options: DemoOptions,
+    *,
+    on_progress: ProgressHandler | None = None,
+    on_line: Callable[[int, str, str], None] | None = None,
+    on_stage_done: Callable[[StageResult], None] | None = None,
+) -> list[StageResult]:
+    """Run every stage in ``options.stages``; raises :class:`DemoError` if one fails.
+
+    Worker output goes to ``on_line`` (rank, stream, line); by default it is kept
+    and attached to the error if a stage fails.
+    """
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+
+    def keep(rank: int, stream: str, line: str) -> None:
+        tail.append(f"[rank{rank}] {line}")
+
+    results: list[StageResult] = []
+    with tempfile.TemporaryDirectory(prefix="zeroplane-demo-") as tmp:
+        for stage in options.stages:
+            try:
+                result = _run_stage(
+                    options, stage, Path(tmp) / f"stage{stage}", on_progress, on_line or keep
+                )
+            except DemoError as exc:
+                exc.output = list(tail)
+                raise
+            results.append(result)
+            if on_stage_done is not None:
+                on_stage_done(result)
+    return results
+
+
+# -- rendering -----------------------------------------------------------------
+
+
+class ProgressDisplay:
+    """Per-stage progress: one line rewritten in place on a terminal, a few lines otherwise."""
+
+    def __init__(self, stream: IO[str], *, interactive: bool | None = None) -> None:
+        self._stream = stream
+        self._tty = stream.isatty() if interactive is None else interactive
+        self._width = 0
+
+    def update(self, stage: int, step: int, steps: int, loss: float, step_s: float) -> None:
+        filled = round(20 * step / steps)
+        line = (
+            f"stage {stage}  [{'#' * filled}{'.' * (20 - filled)}]  step {step:>{len(str(steps))}}"
+            f"/{steps}  loss {loss:6.3f}  {step_s * 1e3:7.1f} ms/step"
+        )
+        if self._tty:
+            pad = " " * max(0, self._width - len(line))
+            self._stream.write(f"\r{line}{pad}")
+            self._width = len(line)
+        elif step == 1 or step == steps or step % max(1, steps // 4) == 0:
+            self._stream.write(line + "\n")
+        self._stream.flush()
+
+    def stage_done(self, result: StageResult) -> None:
+        if self._tty:
+            self._stream.write("\n")
+            self._width = 0
+        self._stream.write(
+            f"stage {result.stage}  done in {result.wall_s:.1f}s, final loss "
+            f"{result.final_loss:.3f}\n"
+        )
+        self._stream.flush()
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:.2f}"
+
+
+def render_table(results: Sequence[StageResult]) -> str:
+    """The closing table: measured vs predicted model-state MiB per rank, time, loss."""
+    if not results:
+        return ""
+    first = results[0]
+    baseline_result = next((r for r in results if r.stage == 0), None)
+    if baseline_result is not None:
+        baseline = float(baseline_result.measured["total"])
+        baseline_note = "measured"
+    else:
+        baseline = model_state_bytes(
+            first.numel, stage=0, world_size=first.world_size, dtype=first.dtype
+        ).total
+        baseline_note = "predicted"
+    header = (
+        "stage",
+        "params",
+        "grads",
+        "optimizer",
+        "measured",
+        "predicted",
+        "vs stage 0",
+        "ms/step",
+        "final loss",
+    )
+    rows = [header]
+    for r in results:
+        m = r.measured
+        rows.append(
+            (
+                str(r.stage),
+                _mib(m["params"]),
+                _mib(m["grads"]),
+                _mib(m["optimizer"] + m["master"]),
+                _mib(m["total"]),
+                _mib(r.predicted["total"]),
+                f"{100 * m['total'] / baseline:.1f}%" if baseline else "-",
+                f"{r.step_s * 1e3:.1f}",
+                f"{r.final_loss:.4f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        f"GPT, {first.numel:,} trainable parameters, {first.world_size} rank(s), "
+        f"{first.dtype}, AdamW.",
+        "Model state per rank in MiB, measured by the engine vs predicted by the planner;",
+        "optimizer includes any fp32 master weights. "
+        f"Stage-0 baseline: {_mib(baseline)} MiB ({baseline_note}).",
+        "",
+    ]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# -- CLI -----------------------------------------------------------------------
+
+
+def _parse_stages(text: str) -> tuple[int, ...]:
+    try:
+        stages = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stages wants e.g. 0,1,2,3, got {text!r}") from None
+    if not stages or any(s not in (0, 1, 2, 3) for s in stages):
+        raise argparse.ArgumentTypeError(f"--stages must list stages among 0-3, got {text!r}")
+    return stages
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    default = DemoOptions()
+    parser = subparsers.add_parser(
+        "demo",
+        help="train a small GPT at each ZeRO stage and compare memory",
+        description=(
+            "Train a small byte-level GPT on the shipped corpus (Austen's Persuasion) on "
+            "local workers, once per ZeRO stage with the same seed, and compare each "
+            "rank's model-state bytes with the planner's prediction."
+        ),
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=default.nproc, help="local workers (default %(default)s)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=default.steps, help="steps per stage (default %(default)s)"
+    )
+    parser.add_argument(
+        "--stages",
+        type=_parse_stages,
+        default=default.stages,
+        help="comma-separated ZeRO stages to run, in order (default 0,1,2,3)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default=default.dtype,
+        help="parameter and gradient dtype (default %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=default.batch_size,
+        help="sequences per global batch, split across workers (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=default.seed, help="same for every stage (default %(default)s)"
+    )
+    parser.set_defaults(func=demo)
+    return parser
+
+
+def demo(args: argparse.Namespace) -> int:
+    try:
+        options = DemoOptions(
+            nproc=args.nproc,
+            stages=args.stages,
+            steps=args.steps,
+            dtype=args.dtype,
+            batch_size=args.batch_size,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        print(f"zeroplane demo: {exc}", file=sys.stderr)
+        return 2
+    display = ProgressDisplay(sys.stdout)
+    print(
+        f"zeroplane demo: {options.nproc} worker(s), stages "
+        f"{','.join(map(str, options.stages))}, {options.steps} steps each, {options.dtype}"
+    )
+    t0 = time.monotonic()
+    try:
+        results = run_demo(
+            options,
+            on_progress=display.update,
+            on_line=prefix_lines() if getattr(args, "verbose", False) else None,
+            on_stage_done=display.stage_done,
+        )
+    except DemoError as exc:
+        print(file=sys.stdout)
+        if exc.output and not exc.interrupted:
+            print("last worker output:", file=sys.stderr)
+            print("\n".join(exc.output), file=sys.stderr)
+        print(f"zeroplane demo: {exc}", file=sys.stderr)
+        return exc.returncode
+    print()
+    print(render_table(results))
+    print(f"\ntotal {time.monotonic() - t0:.1f}s")
+    return 0

@@ -1,0 +1,505 @@
+"""Local launcher: N worker processes on this machine, torchrun-style.
+
+A :class:`LocalJob` spawns ``nproc`` copies of one command with the environment
+torchrun gives its workers (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), prefixes each line the
+workers print with their rank, and owns their whole lifetime:
+
+* every worker runs in its own session and process group, so stopping the job
+  signals everything a worker started, not only the worker itself;
+* on Linux each worker also gets ``PR_SET_PDEATHSIG``, so even a launcher killed
+  with SIGKILL leaves no worker behind;
+* the first worker to fail fails the job with its exit code; the others get
+  SIGTERM, then SIGKILL after a grace period;
+* :func:`forward_signals` passes Ctrl-C/SIGTERM on to the workers (they are in
+  their own sessions, so the terminal's SIGINT does not reach them directly).
+
+Services (the embedded coordinator, later) plug in through :class:`JobService`:
+the job starts them before the workers, adds the environment they return to
+every worker, and stops them after the last worker is gone.
+
+Usage from Python::
+
+    spec = LaunchSpec(command=(sys.executable, "train.py"), nproc=2)
+    job = LocalJob(spec)
+    with forward_signals(job), job:
+        result = job.wait()
+    sys.exit(result.returncode)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import IO, Protocol
+
+__all__ = [
+    "STAGE_CHOICES",
+    "JobResult",
+    "JobService",
+    "LaunchSpec",
+    "LineHandler",
+    "LocalJob",
+    "find_free_port",
+    "forward_signals",
+    "prefix_lines",
+]
+
+logger = logging.getLogger(__name__)
+
+STAGE_CHOICES = ("0", "1", "2", "3", "auto")
+
+# (rank, stream name "stdout" | "stderr", line without its newline)
+LineHandler = Callable[[int, str, str], None]
+
+# Runs in each child before the real command: ask the kernel to SIGKILL the
+# worker when the launcher dies, then exec the command. A trampoline instead of
+# preexec_fn because preexec_fn is unsafe once the launcher has threads.
+_PDEATHSIG_TRAMPOLINE = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)  # the launcher died before prctl took effect
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as e:
+    sys.stderr.write(f"zeroplane: cannot run {sys.argv[2]!r}: {e}\\n")
+    os._exit(127)
+"""
+
+
+class JobService(Protocol):
+    """Something a job runs beside its workers (e.g. an embedded coordinator)."""
+
+    def start(self) -> Mapping[str, str]:
+        """Start; return environment variables every worker should see."""
+        ...
+
+    def stop(self) -> None:
+        """Stop; called once, after every worker has exited."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """What to launch.
+
+    command: the argv each worker runs, e.g. ``(sys.executable, "train.py")``.
+    nproc: number of local workers (the world size on one machine).
+    stage: exported as ``ZEROPLANE_STAGE`` when set: "0"-"3" or "auto".
+    env: extra environment for every worker, applied over the launcher's own.
+    master_addr / master_port: the torch.distributed rendezvous; port 0 picks a
+        free port at start.
+    grace_s: how long workers get between SIGTERM (or a forwarded signal) and
+        SIGKILL.
+    """
+
+    command: tuple[str, ...]
+    nproc: int = 1
+    stage: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        command = tuple(self.command)
+        if not command or not all(isinstance(a, str) for a in command):
+            raise ValueError(f"LaunchSpec.command must be a non-empty argv of str, got {command!r}")
+        object.__setattr__(self, "command", command)
+        if not isinstance(self.nproc, int) or self.nproc < 1:
+            raise ValueError(f"LaunchSpec.nproc must be an int >= 1, got {self.nproc!r}")
+        if self.stage is not None:
+            stage = str(self.stage)
+            if stage not in STAGE_CHOICES:
+                raise ValueError(
+                    f"LaunchSpec.stage must be one of {', '.join(STAGE_CHOICES)}, "
+                    f"got {self.stage!r}"
+                )
+            object.__setattr__(self, "stage", stage)
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"LaunchSpec.master_port must be in 0..65535, got {self.master_port}")
+        if self.grace_s < 0:
+            raise ValueError(f"LaunchSpec.grace_s must be >= 0, got {self.grace_s}")
+        env = dict(self.env)
+        bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
+        if bad:
+            raise ValueError(f"LaunchSpec.env must map str to str, got {bad!r}")
+        object.__setattr__(self, "env", MappingProxyType(env))
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobResult:
+    """How a job ended.
+
+    returncode: 0 on success; the failing worker's exit code (128 + signal
+        number if it was killed by a signal); 128 + signal number when the job
+        was interrupted or stopped.
+    returncodes: each rank's raw ``Popen.returncode`` (negative: killed by that
+        signal).
+    failed_rank: the first rank that failed, if one did.
+    signal: the signal that interrupted or stopped the job, if any.
+    """
+
+    returncode: int
+    returncodes: tuple[int, ...]
+    failed_rank: int | None = None
+    signal: int | None = None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (what torchrun does too; racy by nature)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def prefix_lines(stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> LineHandler:
+    """A line handler that writes ``[rankN] line`` to stdout/stderr as the worker did."""
+
+    def handle(rank: int, stream: str, line: str) -> None:
+        out = (stderr or sys.stderr) if stream == "stderr" else (stdout or sys.stdout)
+        out.write(f"[rank{rank}] {line}\n")
+        out.flush()
+
+    return handle
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _exit_code(returncode: int) -> int:
+    # The shell's convention for a process killed by a signal.
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        return f"was killed by {_signal_name(-returncode)}"
+    return f"failed with exit code {returncode}"
+
+
+class LocalJob:
+    """``nproc`` local workers of one command, from start to cleanup.
+
+    ``start()`` spawns them; ``poll()`` checks on them without blocking and
+    drives failure handling; ``wait()`` blocks until the job is over;
+    ``stop()`` ends it (SIGTERM, then SIGKILL after ``grace_s``);
+    ``send_signal()`` forwards a signal, and a second one escalates to SIGKILL.
+    Used as a context manager it starts on entry and always stops on exit.
+
+    Call ``start()`` from a thread that outlives the job (normally the main
+    thread): on Linux the kernel kills the workers when that thread exits.
+    """
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        *,
+        on_line: LineHandler | None = None,
+        services: Sequence[JobService] = (),
+    ) -> None:
+        self.spec = spec
+        self._on_line = on_line or prefix_lines()
+        self._services = list(services)
+        self._started_services: list[JobService] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._readers: list[threading.Thread] = []
+        self._output_lock = threading.Lock()
+        self._master_port: int | None = None
+        self._failed_rank: int | None = None
+        self._signal: int | None = None
+        self._kill_deadline: float | None = None
+        self._killed = False
+        self._stopped = False
+        self._result: JobResult | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    @property
+    def master_port(self) -> int | None:
+        return self._master_port
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    @property
+    def result(self) -> JobResult | None:
+        return self._result
+
+    def start(self) -> LocalJob:
+        if self._procs or self._result is not None:
+            raise RuntimeError("LocalJob.start() called twice")
+        spec = self.spec
+        self._master_port = spec.master_port or find_free_port(spec.master_addr)
+        try:
+            extra_env: dict[str, str] = {}
+            for service in self._services:
+                extra_env.update(service.start())
+                self._started_services.append(service)
+            for rank in range(spec.nproc):
+                self._spawn(rank, self._worker_env(rank, extra_env))
+        except BaseException:
+            self._kill_all(signal.SIGKILL)
+            self._reap()
+            self._finish_cleanup()
+            raise
+        logger.debug(
+            "started %d worker(s), pids %s, master %s:%d",
+            spec.nproc,
+            self.pids,
+            spec.master_addr,
+            self._master_port,
+        )
+        return self
+
+    def poll(self) -> JobResult | None:
+        """Check on the workers; the job's result once every worker is gone, else None."""
+        if self._result is not None:
+            return self._result
+        if not self._procs:
+            raise RuntimeError("LocalJob.poll() before start()")
+        codes = [p.poll() for p in self._procs]
+        if self._failed_rank is None and self._signal is None:
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                self._failed_rank = failed[0]
+                logger.debug("rank %d %s", failed[0], _describe(codes[failed[0]] or 0))
+                self._begin_shutdown(signal.SIGTERM)
+        if all(c is not None for c in codes):
+            return self._finish([c for c in codes if c is not None])
+        if (
+            self._kill_deadline is not None
+            and not self._killed
+            and time.monotonic() >= self._kill_deadline
+        ):
+            logger.warning(
+                "workers still running %.1fs after the signal; sending SIGKILL", self.spec.grace_s
+            )
+            self._kill_all(signal.SIGKILL)
+        return None
+
+    def wait(self, timeout: float | None = None) -> JobResult:
+        """Block until the job is over; TimeoutError if ``timeout`` passes first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (result := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job still running after {timeout}s")
+            time.sleep(0.05)
+        return result
+
+    def send_signal(self, signum: int) -> None:
+        """Forward ``signum`` to every worker; a second call sends SIGKILL.
+
+        Safe to call from a signal handler (no locks taken).
+        """
+        if self._result is not None:
+            return
+        if self._signal is not None or self._failed_rank is not None:
+            self._kill_all(signal.SIGKILL)
+            return
+        self._signal = signum
+        self._begin_shutdown(signum)
+
+    def stop(self) -> JobResult | None:
+        """End the job (SIGTERM, then SIGKILL after grace) and clean up; idempotent."""
+        if self._result is not None:
+            return self._result
+        if not self._procs:
+            self._finish_cleanup()
+            return None
+        if self.poll() is None:
+            self._stopped = self._signal is None and self._failed_rank is None
+            self.send_signal(signal.SIGTERM)
+        return self.wait()
+
+    def __enter__(self) -> LocalJob:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- internals -----------------------------------------------------------
+
+    def _worker_env(self, rank: int, extra: Mapping[str, str]) -> dict[str, str]:
+        spec = self.spec
+        env = dict(os.environ)
+        # Lines should reach the launcher as they are printed, not at exit.
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        # torchrun's default: N processes each with all cores oversubscribe the machine.
+        if spec.nproc > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(spec.env)
+        env.update(extra)
+        n = str(spec.nproc)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            ROLE_RANK=str(rank),
+            WORLD_SIZE=n,
+            LOCAL_WORLD_SIZE=n,
+            ROLE_WORLD_SIZE=n,
+            GROUP_WORLD_SIZE="1",
+            MASTER_ADDR=spec.master_addr,
+            MASTER_PORT=str(self._master_port),
+        )
+        if spec.stage is not None:
+            env["ZEROPLANE_STAGE"] = spec.stage
+        return env
+
+    def _spawn(self, rank: int, env: dict[str, str]) -> None:
+        argv = list(self.spec.command)
+        if sys.platform.startswith("linux"):
+            argv = [
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                _PDEATHSIG_TRAMPOLINE,
+                str(os.getpid()),
+                *argv,
+            ]
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self._procs.append(proc)
+        if self._signal is not None:
+            # A signal arrived while the job was starting: this worker gets it too.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, self._signal)
+        for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            reader = threading.Thread(
+                target=self._pump,
+                args=(rank, name, pipe),
+                name=f"zeroplane-rank{rank}-{name}",
+                daemon=True,
+            )
+            reader.start()
+            self._readers.append(reader)
+
+    def _pump(self, rank: int, stream: str, pipe: IO[bytes] | None) -> None:
+        if pipe is None:
+            return
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                with self._output_lock:
+                    try:
+                        self._on_line(rank, stream, line)
+                    except Exception:
+                        logger.exception("output handler failed on a line from rank %d", rank)
+
+    def _begin_shutdown(self, signum: int) -> None:
+        self._kill_deadline = time.monotonic() + self.spec.grace_s
+        self._kill_all(signum)
+
+    def _kill_all(self, signum: int) -> None:
+        if signum == signal.SIGKILL:
+            self._killed = True
+        for proc in self._procs:
+            # The group outlives its leader while anything the worker started is alive.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signum)
+
+    def _reap(self) -> None:
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(self.spec.grace_s, 1.0))
+
+    def _finish(self, codes: list[int]) -> JobResult:
+        if self._failed_rank is not None:
+            rank = self._failed_rank
+            code = codes[rank]
+            others = len(codes) - 1
+            message = f"rank {rank} {_describe(code)}"
+            if others:
+                message += f"; stopped the other {others} worker(s)"
+            result = JobResult(
+                returncode=_exit_code(code),
+                returncodes=tuple(codes),
+                failed_rank=rank,
+                message=message,
+            )
+        elif self._signal is not None:
+            result = JobResult(
+                returncode=128 + self._signal,
+                returncodes=tuple(codes),
+                signal=self._signal,
+                message=(
+                    "stopped by the launcher"
+                    if self._stopped
+                    else f"interrupted by {_signal_name(self._signal)}"
+                ),
+            )
+        else:
+            result = JobResult(
+                returncode=0, returncodes=tuple(codes), message="all workers exited 0"
+            )
+        self._result = result
+        self._finish_cleanup()
+        logger.debug("job finished: %s", result.message)
+        return result
+
+    def _finish_cleanup(self) -> None:
+        # Leftovers a worker started and did not wait for die with the job.
+        self._kill_all(signal.SIGKILL)
+        for reader in self._readers:
+            reader.join(timeout=1.0)
+        while self._started_services:
+            service = self._started_services.pop()
+            try:
+                service.stop()
+            except Exception:
+                logger.exception("stopping service %r failed", service)
+
+
+@contextlib.contextmanager
+def forward_signals(
+    job: LocalJob,
+    signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
+) -> Iterator[LocalJob]:
+    """Forward these signals to the job's workers while the block runs.
+
+    Only the main thread can install signal handlers; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield job
+        return
+    previous = {s: signal.getsignal(s) for s in signals}
+
+    def handler(signum: int, frame: object) -> None:
+        job.send_signal(signum)
+
+    try:
+        for s in signals:
+            signal.signal(s, handler)
+        yield job
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

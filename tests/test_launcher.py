@@ -1,0 +1,434 @@
+"""The local launcher with real child processes (tiny Python scripts, no torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.launch import LaunchSpec, LocalJob, find_free_port, prefix_lines
+
+REPO = Path(__file__).resolve().parents[1]
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux")
+
+
+def write_script(tmp_path: Path, source: str, name: str = "w.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def python(script: Path, *args: str) -> tuple[str, ...]:
+    return (sys.executable, str(script), *args)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie nobody has reaped yet counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def read_pids(directory: Path, n: int, timeout: float = 10.0) -> list[int]:
+    files = [directory / f"pid{r}" for r in range(n)]
+    assert wait_until(lambda: all(f.exists() and f.read_text().strip() for f in files), timeout)
+    return [int(f.read_text()) for f in files]
+
+
+class Lines:
+    """An ``on_line`` handler that keeps what the workers printed."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[int, str, str]] = []
+
+    def __call__(self, rank: int, stream: str, line: str) -> None:
+        self.lines.append((rank, stream, line))
+
+
+def cli(*args: str, **kw) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # our signals to it must not reach pytest
+        **kw,
+    )
+
+
+def sleeper(before: str = "", after_pid: str = "") -> str:
+    """A worker that runs ``before``, writes its pid, runs ``after_pid``, then sleeps."""
+    return "\n".join(
+        [
+            "import os, signal, sys, time",
+            "from pathlib import Path",
+            before,
+            "out = Path(sys.argv[1])",
+            "rank = os.environ['RANK']",
+            "(out / f'pid{rank}.tmp').write_text(str(os.getpid()))",
+            "os.replace(out / f'pid{rank}.tmp', out / f'pid{rank}')",
+            after_pid,
+            "time.sleep(60)",
+        ]
+    )
+
+
+# -- spec ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"command": ()}, "command"),
+        ({"command": ("x",), "nproc": 0}, "nproc"),
+        ({"command": ("x",), "stage": "4"}, "stage"),
+        ({"command": ("x",), "master_port": 70000}, "master_port"),
+        ({"command": ("x",), "grace_s": -1}, "grace_s"),
+        ({"command": ("x",), "env": {"A": 1}}, "env"),
+    ],
+)
+def test_spec_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"LaunchSpec\.{field}"):
+        LaunchSpec(**kwargs)
+
+
+def test_spec_normalises_stage_and_freezes_env():
+    spec = LaunchSpec(command=["a", "b"], stage=2, env={"A": "1"})
+    assert spec.command == ("a", "b")
+    assert spec.stage == "2"
+    with pytest.raises(TypeError):
+        spec.env["B"] = "2"  # type: ignore[index]
+
+
+def test_find_free_port():
+    assert 0 < find_free_port() < 65536
+
+
+# -- environment and output ------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_workers_get_torchrun_environment(tmp_path):
+    script = write_script(
+        tmp_path,
+        """
+        import json, os, sys
+        keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "ZEROPLANE_STAGE", "EXTRA", "OMP_NUM_THREADS"]
+        env = {k: os.environ.get(k) for k in keys}
+        with open(os.path.join(sys.argv[1], f"env{os.environ['RANK']}.json"), "w") as f:
+            json.dump(env, f)
+        """,
+    )
+    spec = LaunchSpec(
+        command=python(script, str(tmp_path)), nproc=3, stage="auto", env={"EXTRA": "x"}
+    )
+    with LocalJob(spec, on_line=Lines()) as job:
+        result = job.wait(timeout=20)
+    assert result.ok and result.returncodes == (0, 0, 0)
+    for rank in range(3):
+        env = json.loads((tmp_path / f"env{rank}.json").read_text())
+        assert env == {
+            "RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(job.master_port),
+            "ZEROPLANE_STAGE": "auto",
+            "EXTRA": "x",
+            "OMP_NUM_THREADS": env["OMP_NUM_THREADS"],
+        }
+    assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
+
+
+@pytest.mark.timeout(30)
+def test_no_stage_means_no_stage_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv("ZEROPLANE_STAGE", raising=False)
+    script = write_script(
+        tmp_path, "import os, sys; sys.exit(3 if 'ZEROPLANE_STAGE' in os.environ else 0)"
+    )
+    with LocalJob(LaunchSpec(command=python(script), nproc=1), on_line=Lines()) as job:
+        assert job.wait(timeout=20).ok
+
+
+@pytest.mark.timeout(30)
+def test_output_lines_carry_rank_and_stream(tmp_path):
+    script = write_script(
+        tmp_path,
+        """
+        import os, sys
+        r = os.environ["RANK"]
+        print(f"out {r} a"); print(f"out {r} b")
+        print(f"err {r}", file=sys.stderr)
+        sys.stdout.write(f"tail {r} without newline")
+        """,
+    )
+    lines = Lines()
+    with LocalJob(LaunchSpec(command=python(script), nproc=2), on_line=lines) as job:
+        assert job.wait(timeout=20).ok
+    for r in (0, 1):
+        mine = [(s, t) for rank, s, t in lines.lines if rank == r]
+        assert [t for s, t in mine if s == "stdout"] == [
+            f"out {r} a",
+            f"out {r} b",
+            f"tail {r} without newline",
+        ]
+        assert [t for s, t in mine if s == "stderr"] == [f"err {r}"]
+
+
+def test_prefix_lines_format(capsys):
+    handle = prefix_lines()
+    handle(0, "stdout", "hello")
+    handle(3, "stderr", "oops")
+    captured = capsys.readouterr()
+    assert captured.out == "[rank0] hello\n"
+    assert captured.err == "[rank3] oops\n"
+
+
+@pytest.mark.timeout(30)
+def test_cli_prefixes_output_and_returns_zero(tmp_path):
+    script = write_script(tmp_path, "import os; print('hello from', os.environ['RANK'])")
+    proc = cli("run", "--nproc", "2", "--stage", "1", str(script))
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert sorted(out.splitlines()) == ["[rank0] hello from 0", "[rank1] hello from 1"]
+
+
+@pytest.mark.timeout(30)
+def test_cli_passes_script_arguments(tmp_path):
+    script = write_script(tmp_path, "import sys; print(sys.argv[1:])")
+    proc = cli("run", str(script), "--flag", "x", "--nproc", "5")
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert out.strip() == "[rank0] ['--flag', 'x', '--nproc', '5']"
+
+
+# -- failure ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_failing_worker_fails_job_with_its_code_and_stops_the_others(tmp_path):
+    script = write_script(
+        tmp_path,
+        sleeper(
+            after_pid=(
+                "while rank == '1' and not all((out / f'pid{r}').exists() for r in (0, 2)):\n"
+                "    time.sleep(0.01)\n"
+                "if rank == '1': sys.exit(7)"
+            )
+        ),
+    )
+    t0 = time.monotonic()
+    with LocalJob(
+        LaunchSpec(command=python(script, str(tmp_path)), nproc=3), on_line=Lines()
+    ) as job:
+        result = job.wait(timeout=20)
+        pids = read_pids(tmp_path, 3)
+    assert time.monotonic() - t0 < 15
+    assert result.returncode == 7
+    assert result.failed_rank == 1
+    assert "rank 1 failed with exit code 7" in result.message
+    assert result.returncodes[1] == 7
+    assert result.returncodes[0] == result.returncodes[2] == -signal.SIGTERM
+    assert not any(alive(p) for p in pids)
+
+
+@pytest.mark.timeout(30)
+def test_worker_killed_by_signal_gives_128_plus_signal(tmp_path):
+    script = write_script(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    with LocalJob(LaunchSpec(command=python(script), nproc=1), on_line=Lines()) as job:
+        result = job.wait(timeout=20)
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "rank 0 was killed by SIGKILL" in result.message
+
+
+@pytest.mark.timeout(30)
+def test_cli_failure_exit_code_and_message(tmp_path):
+    script = write_script(
+        tmp_path, "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(5)\ntime.sleep(60)"
+    )
+    proc = cli("run", "--nproc", "2", str(script))
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 5
+    assert "rank 1 failed with exit code 5" in err
+
+
+@pytest.mark.timeout(30)
+def test_cli_missing_script_fails_cleanly(tmp_path):
+    proc = cli("run", "--nproc", "2", str(tmp_path / "missing.py"))
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 2
+    assert "missing.py" in err
+
+
+# -- stopping, signals and cleanup --------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_stop_escalates_to_sigkill_after_grace(tmp_path):
+    script = write_script(
+        tmp_path,
+        sleeper("signal.signal(signal.SIGTERM, signal.SIG_IGN)"),
+    )
+    job = LocalJob(
+        LaunchSpec(command=python(script, str(tmp_path)), nproc=2, grace_s=0.5), on_line=Lines()
+    )
+    job.start()
+    pids = read_pids(tmp_path, 2)
+    t0 = time.monotonic()
+    result = job.stop()
+    assert result is not None and result.returncodes == (-signal.SIGKILL, -signal.SIGKILL)
+    assert result.returncode == 128 + signal.SIGTERM
+    assert result.message == "stopped by the launcher"
+    assert 0.4 < time.monotonic() - t0 < 10
+    assert not any(alive(p) for p in pids)
+    assert job.stop() is result  # idempotent
+
+
+@pytest.mark.timeout(30)
+def test_context_manager_stops_workers_on_exception(tmp_path):
+    script = write_script(tmp_path, sleeper())
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        LocalJob(LaunchSpec(command=python(script, str(tmp_path)), nproc=2), on_line=Lines()),
+    ):
+        pids = read_pids(tmp_path, 2)
+        raise RuntimeError("boom")
+    assert wait_until(lambda: not any(alive(p) for p in pids), 5)
+
+
+@pytest.mark.timeout(30)
+def test_leftover_grandchildren_are_killed(tmp_path):
+    # The worker exits 0 but leaves a child behind in its process group.
+    script = write_script(
+        tmp_path,
+        f"""
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        open({str(tmp_path / "grandchild")!r}, "w").write(str(child.pid))
+        """,
+    )
+    with LocalJob(LaunchSpec(command=python(script), nproc=1), on_line=Lines()) as job:
+        assert job.wait(timeout=20).ok
+    grandchild = int((tmp_path / "grandchild").read_text())
+    assert wait_until(lambda: not alive(grandchild), 5)
+
+
+class FakeService:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def start(self) -> dict[str, str]:
+        self.events.append("start")
+        return {"ZEROPLANE_COORDINATOR": "127.0.0.1:1234"}
+
+    def stop(self) -> None:
+        self.events.append("stop")
+
+
+@pytest.mark.timeout(30)
+def test_services_start_first_add_env_and_stop_last(tmp_path):
+    script = write_script(tmp_path, "import os; print(os.environ['ZEROPLANE_COORDINATOR'])")
+    service, lines = FakeService(), Lines()
+    job = LocalJob(LaunchSpec(command=python(script), nproc=2), on_line=lines, services=[service])
+    with job:
+        assert service.events == ["start"]
+        assert job.wait(timeout=20).ok
+        assert service.events == ["start", "stop"]
+    assert service.events == ["start", "stop"]
+    assert sorted(lines.lines) == [(r, "stdout", "127.0.0.1:1234") for r in (0, 1)]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_cli_forwards_signals_and_leaves_no_worker(tmp_path, signum):
+    # The workers note which signal reached them: proof it was forwarded, not a kill.
+    note = textwrap.dedent(
+        """
+        def note(signum, frame):
+            Path(sys.argv[1], f"got{os.environ['RANK']}").write_text(str(signum))
+            sys.exit(0)
+        signal.signal(signal.SIGINT, note)
+        signal.signal(signal.SIGTERM, note)
+        """
+    )
+    script = write_script(tmp_path, sleeper(note))
+    proc = cli("run", "--nproc", "2", str(script), str(tmp_path))
+    pids = read_pids(tmp_path, 2)
+    proc.send_signal(signum)
+    proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signum
+    for rank in (0, 1):
+        assert (tmp_path / f"got{rank}").read_text() == str(int(signum))
+    assert wait_until(lambda: not any(alive(p) for p in pids), 5)
+
+
+@pytest.mark.timeout(30)
+def test_second_signal_kills_stubborn_workers(tmp_path):
+    script = write_script(
+        tmp_path,
+        sleeper("signal.signal(signal.SIGINT, signal.SIG_IGN)"),
+    )
+    proc = cli("run", "--nproc", "2", "--grace", "30", str(script), str(tmp_path))
+    pids = read_pids(tmp_path, 2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    assert all(alive(p) for p in pids)  # they ignore SIGINT; grace is long
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=10)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert wait_until(lambda: not any(alive(p) for p in pids), 5)
+
+
+@linux_only
+@pytest.mark.timeout(30)
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    proc = cli("run", "--nproc", "2", str(write_script(tmp_path, sleeper())), str(tmp_path))
+    pids = read_pids(tmp_path, 2)
+    proc.kill()  # SIGKILL: the launcher gets no chance to clean up
+    proc.communicate(timeout=10)
+    assert wait_until(lambda: not any(alive(p) for p in pids), 5)
+
+
+@pytest.mark.timeout(30)
+def test_launcher_and_commands_do_not_import_torch():
+    code = (
+        "import sys, coordinator.launch, coordinator.commands.run, coordinator.commands.demo\n"
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert proc.returncode == 0, proc.stderr or "torch was imported"
