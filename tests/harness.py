@@ -84,6 +84,8 @@ class WorkerPool:
         while len(out) + len(errors) < self.world_size:
             remaining = deadline - time.monotonic()
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            if (remaining <= 0 or dead) and errors:
+                break
             if remaining <= 0 or dead:
                 self.close(kill=True)
                 why = f"ranks {dead} died" if dead else f"timed out after {timeout:.0f}s"

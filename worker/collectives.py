@@ -161,15 +161,25 @@ class Collectives:
         async_op: bool = False,
         as_op: Op = "all_to_all",
         logical_bytes: int | None = None,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
     ) -> Handle:
-        """Equal chunks of ``input`` to every rank; ``as_op`` books it under the op it
-        implements (a compressed reduce-scatter is an all-to-all of payloads)."""
+        """Chunks of ``input`` to every rank (equal, or as the split sizes say);
+        ``as_op`` books it under the op it implements (a compressed reduce-scatter
+        is an all-to-all of payloads)."""
         if not self.distributed:
             output.copy_(input)
             return _DONE
         wire = _nbytes(input)
         stats, start = self._book(as_op, logical_bytes or wire, wire)
-        work = dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+        work = dist.all_to_all_single(
+            output,
+            input,
+            output_split_sizes=output_split_sizes,
+            input_split_sizes=input_split_sizes,
+            group=self.group,
+            async_op=async_op,
+        )
         return self._finish(work, stats, start, async_op)
 
     def barrier(self) -> None:

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from coordinator.layout import Layout, compute_layout
-from worker import checkpoint
+from worker import checkpoint, elastic
 from worker.collectives import Collectives, Handle
 from worker.compression import Codec, make_codec, start_all_gather, start_reduce_scatter
 from worker.config import ZeroConfig
@@ -84,59 +84,21 @@ class ZeroEngine:
         *,
         config: ZeroConfig,
         group: dist.ProcessGroup | None = None,
+        joining: bool = False,
     ) -> None:
         self.module = module
         self.config = config
-        self.comm = Collectives(group)
-        self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.stage = config.stage
         self.dtype = _TORCH_DTYPES[config.dtype]
         self.reduce_dtype = _TORCH_DTYPES[config.reduce_dtype or config.dtype]
-        if self.world_size == 1 and self.stage > 0:
-            logger.warning(
-                "ZeRO stage %d on a single rank saves no memory and costs time; "
-                "stage 0 with mixed precision or activation checkpointing is the lever here",
-                self.stage,
-            )
         self.user_optimizer = _resolve_optimizer(module, optimizer)
-        self._sync_module_states()
-
         self.inventory: Inventory = build_inventory(
             module,
             self.user_optimizer.param_groups,
             compute_dtype=self.dtype,
             min_unit_numel=config.stage3_min_unit_numel if self.stage == 3 else None,
         )
-        self.layout: Layout = compute_layout(
-            self.inventory.specs,
-            self.world_size,
-            bucket_numel=config.bucket_numel,
-            by_unit=self.stage == 3,
-        )
         self._index = {name: i for i, name in enumerate(self.inventory.trainable)}
-        self.buckets = [self._build_bucket(spec) for spec in self.layout.buckets]
-        self._bucket_of: dict[nn.Parameter, tuple[FlatBucket, int]] = {
-            p: (b, pos) for b in self.buckets for pos, p in enumerate(b.params)
-        }
-        self._cast_frozen_and_buffers()
-
-        pieces: list[list[Piece]] = [[] for _ in self.user_optimizer.param_groups]
-        for b in self.buckets:
-            for piece in b.pieces:
-                view = b.master[piece.shard_start : piece.shard_start + piece.numel]
-                index = self._index[piece.slot.name]
-                pieces[b.spec.group].append(
-                    Piece(
-                        param_index=index,
-                        view=view,
-                        bucket=b.spec.index,
-                        grad_offset=piece.shard_start,
-                        name=piece.slot.name,
-                        param_start=piece.param_start,
-                    )
-                )
-        self.optimizer = ShardOptimizer(self.user_optimizer, pieces)
-
         self.scaler = LossScaler(
             scale=(config.loss_scale or 2.0**config.initial_scale_power)
             if config.dtype == "fp16"
@@ -146,6 +108,7 @@ class ZeroEngine:
             hysteresis=config.hysteresis,
             min_scale=config.min_loss_scale,
         )
+        self.grad_codec = make_codec(config.compression, config.compression_block)
         self._used = torch.zeros(len(self._index), dtype=torch.uint8)
         self._used_handle: Handle | None = None
         self._next_bucket = 0
@@ -153,14 +116,117 @@ class ZeroEngine:
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
-
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of
-        ]
-        self.grad_codec = make_codec(config.compression, config.compression_block)
+        self._module_hooks: list = []
         self.units: list[GatherUnit] = []
+        self.buckets: list[FlatBucket] = []
+        self._bucket_of: dict[nn.Parameter, tuple[FlatBucket, int]] = {}
+
+        self._cast_frozen_and_buffers()
+        if not joining:
+            self._attach(Collectives(group), from_module=True)
+        self._grad_hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for p in self.inventory.params.values()
+            if p.requires_grad
+        ]
+
+    def _attach(self, comm: Collectives, *, from_module: bool) -> None:
+        """Build this rank's buffers, optimizer and hooks for ``comm``'s world.
+
+        ``from_module``: take values from the module's parameters (after a
+        broadcast from rank 0); otherwise start from zeros, for state that a
+        transfer or a checkpoint then fills in.
+        """
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        if self.world_size == 1 and self.stage > 0:
+            logger.warning(
+                "ZeRO stage %d on a single rank saves no memory and costs time; "
+                "stage 0 with mixed precision or activation checkpointing is the lever here",
+                self.stage,
+            )
+        if from_module:
+            self._sync_module_states()
+        self.layout: Layout = self.layout_for(self.world_size)
+        self.buckets = [self._build_bucket(spec, from_module) for spec in self.layout.buckets]
+        self._bucket_of = {p: (b, pos) for b in self.buckets for pos, p in enumerate(b.params)}
+
+        pieces: list[list[Piece]] = [[] for _ in self.user_optimizer.param_groups]
+        for b in self.buckets:
+            for piece in b.pieces:
+                view = b.master[piece.shard_start : piece.shard_start + piece.numel]
+                pieces[b.spec.group].append(
+                    Piece(
+                        param_index=self._index[piece.slot.name],
+                        view=view,
+                        bucket=b.spec.index,
+                        grad_offset=piece.shard_start,
+                        name=piece.slot.name,
+                        param_start=piece.param_start,
+                    )
+                )
+        self.optimizer = ShardOptimizer(self.user_optimizer, pieces)
         if self.stage == 3:
             self._build_units()
+
+    def _detach(self) -> None:
+        """Drop this rank's buffers and hooks (before re-attaching to another world)."""
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks.clear()
+        self.units, self.buckets, self._bucket_of = [], [], {}
+        self.optimizer = ShardOptimizer(self.user_optimizer, [[] for _ in self._groups()])
+
+    def _groups(self) -> list[dict]:
+        return self.user_optimizer.param_groups
+
+    def reconfigure(
+        self,
+        new_group: dist.ProcessGroup | None,
+        *,
+        via: dist.ProcessGroup | None,
+        new_members: list[int],
+        holds_state: bool = True,
+    ) -> None:
+        """Re-shard live onto ``new_group`` without a restart (a collective over ``via``).
+
+        Every rank of ``via`` calls this at the same step boundary: the old
+        members (``holds_state``), the new members (``new_members``, ranks
+        of ``via`` in new-rank order; a newcomer built its engine with
+        ``joining=True`` and passes ``holds_state=False``) and any leaving
+        ranks (not in ``new_members``; their engine ends detached). See
+        worker/elastic.py [Note: live reshard].
+        """
+        if self.micro_steps % self.config.gradient_accumulation_steps:
+            raise RuntimeError("reconfigure() must be called at an accumulation boundary")
+        via_comm = Collectives(via)
+        entries = checkpoint._export_ranges(self)[0] if holds_state else {}
+        shared = torch.tensor(
+            [self.global_steps, self.scaler.scale, self.skipped_steps]
+            if holds_state
+            else [0, 0, 0],
+            dtype=torch.float64,
+        )
+        via_comm.all_reduce(shared, op="max", control=True)
+        elastic.reconfigure(
+            self,
+            entries=entries,
+            new_group=new_group,
+            via=via,
+            new_members=new_members,
+            global_steps=int(shared[0]),
+        )
+        self.scaler.scale = float(shared[1])
+        self.skipped_steps = int(shared[2])
+
+    def layout_for(self, world_size: int) -> Layout:
+        """The shard layout of this model at ``world_size`` ranks."""
+        return compute_layout(
+            self.inventory.specs,
+            world_size,
+            bucket_numel=self.config.bucket_numel,
+            by_unit=self.stage == 3,
+        )
 
     # ------------------------------------------------------------------ setup
 
@@ -181,20 +247,20 @@ class ZeroEngine:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
 
-    def _build_bucket(self, spec) -> FlatBucket:
+    def _build_bucket(self, spec, from_module: bool) -> FlatBucket:
         params = [self.inventory.params[s.name] for s in spec.slots]
         lo, hi = (0, spec.padded_numel) if self.stage == 0 else spec.shard_range(self.rank)
         pieces = spec.pieces(lo, hi)
         # fp32 master values come from the original parameters, before any cast.
         master = torch.zeros(hi - lo, dtype=torch.float32)
         with torch.no_grad():
-            for piece in pieces:
+            for piece in pieces if from_module else ():
                 src = params[spec.slots.index(piece.slot)].detach().reshape(-1)
                 master[piece.shard_start : piece.shard_start + piece.numel] = src[
                     piece.param_start : piece.param_start + piece.numel
                 ]
             full = torch.zeros(spec.padded_numel, dtype=self.dtype)
-            if self.stage < 3:
+            if self.stage < 3 and from_module:
                 for p, slot in zip(params, spec.slots, strict=True):
                     full[slot.offset : slot.offset + slot.numel] = p.detach().reshape(-1)
         bucket = FlatBucket(
@@ -227,13 +293,17 @@ class ZeroEngine:
             return
         with torch.no_grad():
             for p in self.inventory.params.values():
-                if p not in self._bucket_of and p.is_floating_point():
+                if not p.requires_grad and p.is_floating_point():
                     p.data = p.data.to(self.dtype)
             for b in self.module.buffers():
                 if b.is_floating_point():
                     b.data = b.data.to(self.dtype)
 
     def _build_units(self) -> None:
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks.clear()
+        self.units = []
         by_unit: dict[int, list[FlatBucket]] = {}
         for b in self.buckets:
             by_unit.setdefault(b.spec.unit, []).append(b)
@@ -243,8 +313,10 @@ class ZeroEngine:
             codec = make_codec(self.config.stage3_gather_compression, self.config.compression_block)
             unit = GatherUnit(index, module, by_unit[index], codec)
             self.units.append(unit)
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(unit)))
-            self._hooks.append(module.register_forward_hook(self._post_forward_hook(unit)))
+            self._module_hooks += [
+                module.register_forward_pre_hook(self._pre_forward_hook(unit)),
+                module.register_forward_hook(self._post_forward_hook(unit)),
+            ]
         self._forward_order: list[GatherUnit] = []
         self._order_recorded = False
 

@@ -1,0 +1,330 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ParamInfo(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "requires_grad", "group", "unit")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    requires_grad: bool
+    group: int
+    unit: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., requires_grad: _Optional[bool] = ..., group: _Optional[int] = ..., unit: _Optional[int] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "host", "device_kind", "device_memory_bytes", "metrics_endpoint", "free_ports", "incarnation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    host: str
+    device_kind: str
+    device_memory_bytes: int
+    metrics_endpoint: str
+    free_ports: _containers.RepeatedScalarFieldContainer[int]
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ..., free_ports: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker", "inventory")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerInfo
+    inventory: _containers.RepeatedCompositeFieldContainer[ParamInfo]
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., inventory: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("worker_id", "lease_timeout_s", "heartbeat_interval_s", "generation_id", "reattached", "epoch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REATTACHED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    lease_timeout_s: float
+    heartbeat_interval_s: float
+    generation_id: int
+    reattached: bool
+    epoch: str
+    def __init__(self, worker_id: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., generation_id: _Optional[int] = ..., reattached: _Optional[bool] = ..., epoch: _Optional[str] = ...) -> None: ...
+
+class WorkerReport(_message.Message):
+    __slots__ = ("model_state_bytes", "device_allocated_bytes", "device_reserved_bytes", "step", "applied_generation_id")
+    class ModelStateBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MODEL_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    model_state_bytes: _containers.ScalarMap[str, int]
+    device_allocated_bytes: int
+    device_reserved_bytes: int
+    step: int
+    applied_generation_id: int
+    def __init__(self, model_state_bytes: _Optional[_Mapping[str, int]] = ..., device_allocated_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ..., step: _Optional[int] = ..., applied_generation_id: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "generation_id", "report", "free_ports")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    generation_id: int
+    report: WorkerReport
+    free_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("generation_id", "lease_remaining_s")
+    GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    generation_id: int
+    lease_remaining_s: float
+    def __init__(self, generation_id: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ...) -> None: ...
+
+class WatchGenerationsRequest(_message.Message):
+    __slots__ = ("worker_id", "after_generation_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    after_generation_id: int
+    def __init__(self, worker_id: _Optional[str] = ..., after_generation_id: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("worker_id", "rank", "host", "previous_rank", "device_memory_bytes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    rank: int
+    host: str
+    previous_rank: int
+    device_memory_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., previous_rank: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
+
+class Slot(_message.Message):
+    __slots__ = ("name", "offset", "numel", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    numel: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Bucket(_message.Message):
+    __slots__ = ("index", "group", "dtype", "unit", "slots", "numel", "padded_numel")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    PADDED_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    group: int
+    dtype: str
+    unit: int
+    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    numel: int
+    padded_numel: int
+    def __init__(self, index: _Optional[int] = ..., group: _Optional[int] = ..., dtype: _Optional[str] = ..., unit: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., numel: _Optional[int] = ..., padded_numel: _Optional[int] = ...) -> None: ...
+
+class Layout(_message.Message):
+    __slots__ = ("world_size", "bucket_numel", "align", "by_unit", "buckets")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    ALIGN_FIELD_NUMBER: _ClassVar[int]
+    BY_UNIT_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    bucket_numel: int
+    align: int
+    by_unit: bool
+    buckets: _containers.RepeatedCompositeFieldContainer[Bucket]
+    def __init__(self, world_size: _Optional[int] = ..., bucket_numel: _Optional[int] = ..., align: _Optional[int] = ..., by_unit: _Optional[bool] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ...) -> None: ...
+
+class Move(_message.Message):
+    __slots__ = ("name", "start", "stop", "old_owner", "new_owner")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    OLD_OWNER_FIELD_NUMBER: _ClassVar[int]
+    NEW_OWNER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    start: int
+    stop: int
+    old_owner: int
+    new_owner: int
+    def __init__(self, name: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., old_owner: _Optional[int] = ..., new_owner: _Optional[int] = ...) -> None: ...
+
+class ReshardSchedule(_message.Message):
+    __slots__ = ("from_generation_id", "from_world_size", "from_stage", "moves", "lost_ranks")
+    FROM_GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    LOST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    from_generation_id: int
+    from_world_size: int
+    from_stage: int
+    moves: _containers.RepeatedCompositeFieldContainer[Move]
+    lost_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, from_generation_id: _Optional[int] = ..., from_world_size: _Optional[int] = ..., from_stage: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., lost_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Generation(_message.Message):
+    __slots__ = ("id", "members", "world_size", "rendezvous_endpoint", "stage", "stage_reason", "layout", "reshard", "inventory_digest", "created_unix_s", "epoch")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_REASON_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    RESHARD_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    world_size: int
+    rendezvous_endpoint: str
+    stage: int
+    stage_reason: str
+    layout: Layout
+    reshard: ReshardSchedule
+    inventory_digest: str
+    created_unix_s: float
+    epoch: str
+    def __init__(self, id: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., world_size: _Optional[int] = ..., rendezvous_endpoint: _Optional[str] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., reshard: _Optional[_Union[ReshardSchedule, _Mapping]] = ..., inventory_digest: _Optional[str] = ..., created_unix_s: _Optional[float] = ..., epoch: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("info", "rank", "lease_remaining_s", "report", "state")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    info: WorkerInfo
+    rank: int
+    lease_remaining_s: float
+    report: WorkerReport
+    state: str
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., rank: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., state: _Optional[str] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("unix_s", "kind", "worker_id", "generation_id", "detail")
+    UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    unix_s: float
+    kind: str
+    worker_id: str
+    generation_id: int
+    detail: str
+    def __init__(self, unix_s: _Optional[float] = ..., kind: _Optional[str] = ..., worker_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class MembershipSettings(_message.Message):
+    __slots__ = ("min_workers", "max_workers", "join_window_s", "lease_timeout_s", "heartbeat_interval_s")
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    min_workers: int
+    max_workers: int
+    join_window_s: float
+    lease_timeout_s: float
+    heartbeat_interval_s: float
+    def __init__(self, min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., join_window_s: _Optional[float] = ..., lease_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("phase", "waiting_reason", "generation_id", "world_size", "stage", "stage_reason", "rendezvous_endpoint", "workers", "events", "settings", "trainable_numel", "inventory_digest", "server_version", "epoch")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_REASON_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    waiting_reason: str
+    generation_id: int
+    world_size: int
+    stage: int
+    stage_reason: str
+    rendezvous_endpoint: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    settings: MembershipSettings
+    trainable_numel: int
+    inventory_digest: str
+    server_version: str
+    epoch: str
+    def __init__(self, phase: _Optional[str] = ..., waiting_reason: _Optional[str] = ..., generation_id: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., rendezvous_endpoint: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., settings: _Optional[_Union[MembershipSettings, _Mapping]] = ..., trainable_numel: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., server_version: _Optional[str] = ..., epoch: _Optional[str] = ...) -> None: ...
+
+class PersistedState(_message.Message):
+    __slots__ = ("format_version", "inventory", "generation", "members", "epoch")
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    format_version: int
+    inventory: _containers.RepeatedCompositeFieldContainer[ParamInfo]
+    generation: Generation
+    members: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    epoch: str
+    def __init__(self, format_version: _Optional[int] = ..., inventory: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ..., members: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., epoch: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,559 @@
+"""The client a worker uses to talk to the coordinator.
+
+    client = CoordinatorClient(ClientConfig(address="coord:50051", token=load_token(path)))
+    client.register(WorkerInfo(worker_id=..., host=..., device_kind="cuda",
+                               device_memory_bytes=...), inventory)
+    client.start()                          # heartbeat and watch threads
+    gen = client.wait_for_generation()      # the first generation with this worker in it
+    rank = gen.rank_of(client.worker_id)    # init_process_group at gen.rendezvous_endpoint
+    ...
+    client.set_report(WorkerReport(model_state_bytes={...}, step=step,
+                                   applied_generation_id=gen.id))
+    if client.generation.id != gen.id: ...  # at a step boundary: apply the new generation
+    ...
+    client.close(leave=True)
+
+The background threads never raise into training. While the coordinator is
+unreachable they log once, keep retrying (heartbeats at the heartbeat
+interval, the watch stream with exponential backoff) and re-attach when it is
+back: a coordinator restarted from its state file knows the worker and its
+generation. A heartbeat fenced as stale fetches the newer generation first;
+a lease the coordinator no longer holds is registered again.
+
+Rendezvous: every worker reports a few ports free on its host at register
+time and again with each heartbeat; the coordinator hosts each generation's
+rendezvous store on a reported port of that generation's rank 0, never the
+previous generation's. ``Generation.rendezvous_endpoint`` is ``host:port``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
+from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.config import ADDRESS_ENV, load_token
+from coordinator.layout import ParamSpec
+from coordinator.messages import (
+    GENERATION_METADATA_KEY,
+    Generation,
+    StatusReport,
+    WorkerInfo,
+    WorkerReport,
+    generation_from_proto,
+    param_to_proto,
+    report_to_proto,
+    status_from_proto,
+    worker_to_proto,
+)
+
+__all__ = [
+    "ClientConfig",
+    "CoordinatorAuthError",
+    "CoordinatorClient",
+    "CoordinatorError",
+    "CoordinatorUnavailableError",
+    "LeaseLostError",
+    "Registration",
+    "RequestRejectedError",
+    "StaleGenerationError",
+    "free_ports",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class CoordinatorError(Exception):
+    """A coordinator RPC failed."""
+
+
+class CoordinatorUnavailableError(CoordinatorError):
+    """The coordinator could not be reached."""
+
+
+class CoordinatorAuthError(CoordinatorError):
+    """The coordinator rejected the bearer token."""
+
+
+class RequestRejectedError(CoordinatorError):
+    """A malformed request, or an inventory that is not the job's."""
+
+
+class StaleGenerationError(CoordinatorError):
+    def __init__(self, message: str, current: int) -> None:
+        super().__init__(message)
+        self.current = current
+
+
+class LeaseLostError(CoordinatorError):
+    """The coordinator holds no lease for this worker."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    # host:port of the coordinator.
+    address: str
+    token: str | None = field(default=None, repr=False)
+    tls: bool = False
+    # PEM roots to trust; None: the system's.
+    tls_root_cert_file: Path | None = None
+    # Expected name in the server's certificate, when it is not the address's host.
+    tls_server_name: str | None = None
+    # How long register/status keep trying an unreachable coordinator.
+    connect_timeout_s: float = 30.0
+    rpc_timeout_s: float = 10.0
+    # Reconnect backoff of the watch stream and of register.
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
+    max_message_bytes: int = 1 << 30
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> ClientConfig:
+        """Address from ``$ZEROPLANE_COORDINATOR``, token from ``$ZEROPLANE_TOKEN_FILE`` or
+        ``$ZEROPLANE_TOKEN`` (what ``EmbeddedCoordinator`` exports to local workers)."""
+        address = os.environ.get(ADDRESS_ENV)
+        if not address and "address" not in overrides:
+            raise ValueError(f"${ADDRESS_ENV} is not set: where is the coordinator?")
+        fields: dict[str, object] = {"address": address, "token": load_token()}
+        return cls(**{**fields, **overrides})
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"ClientConfig.address must be host:port, got {self.address!r}")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("ClientConfig.token must be None or non-empty")
+        if self.tls_root_cert_file is not None and not Path(self.tls_root_cert_file).is_file():
+            raise ValueError(
+                f"ClientConfig.tls_root_cert_file {str(self.tls_root_cert_file)!r} is not a file"
+            )
+        for name in ("connect_timeout_s", "rpc_timeout_s", "backoff_initial_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ClientConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError(
+                f"ClientConfig.backoff_max_s ({self.backoff_max_s}) must be >= "
+                f"backoff_initial_s ({self.backoff_initial_s})"
+            )
+
+
+@dataclass(frozen=True)
+class Registration:
+    worker_id: str
+    generation_id: int
+    lease_timeout_s: float
+    heartbeat_interval_s: float
+    reattached: bool
+    epoch: str
+
+
+def free_ports(count: int = 2, *, exclude: Sequence[int] = ()) -> tuple[int, ...]:
+    """``count`` distinct ports free on this host right now (none in ``exclude``)."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        if port not in exclude:
+            ports.add(port)
+    return tuple(sorted(ports))
+
+
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class CoordinatorClient:
+    """One worker's connection to the coordinator (see the module docstring)."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            # grpc's own reconnect backoff reaches minutes; a restarted coordinator
+            # should be found within about a second.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
+            # Notice a vanished coordinator host on the watch stream.
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+        ]
+        if config.tls:
+            roots = None
+            if config.tls_root_cert_file is not None:
+                roots = Path(config.tls_root_cert_file).read_bytes()
+            if config.tls_server_name:
+                options.append(("grpc.ssl_target_name_override", config.tls_server_name))
+            credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+            self._channel = grpc.secure_channel(config.address, credentials, options)
+        else:
+            self._channel = grpc.insecure_channel(config.address, options)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._metadata = (
+            () if config.token is None else (("authorization", f"Bearer {config.token}"),)
+        )
+        self._cond = threading.Condition()
+        self._closed = threading.Event()
+        self._stop_heartbeats = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._watch_call: grpc.Future | None = None
+        self._on_generation: Callable[[Generation], None] | None = None
+        self._incarnation = uuid.uuid4().hex
+        self._worker: WorkerInfo | None = None
+        self._inventory: tuple[ParamSpec, ...] = ()
+        self._registration: Registration | None = None
+        self._generation: Generation | None = None
+        self._report: WorkerReport | None = None
+        self.connected = False
+
+    # ---- properties -------------------------------------------------------------------
+
+    @property
+    def worker_id(self) -> str:
+        if self._worker is None:
+            raise RuntimeError("register() first")
+        return self._worker.worker_id
+
+    @property
+    def registration(self) -> Registration | None:
+        return self._registration
+
+    @property
+    def generation(self) -> Generation | None:
+        """The newest generation this client has received (None before the first)."""
+        with self._cond:
+            return self._generation
+
+    def _known_id(self) -> int:
+        with self._cond:
+            return 0 if self._generation is None else self._generation.id
+
+    # ---- RPCs -------------------------------------------------------------------------
+
+    def register(self, worker: WorkerInfo, inventory: Sequence[ParamSpec]) -> Registration:
+        """Register (or re-attach) ``worker`` with the model's parameter ``inventory``.
+
+        Keeps trying an unreachable coordinator for ``connect_timeout_s``, then
+        raises CoordinatorUnavailableError. Missing ``free_ports`` and
+        ``incarnation`` are filled in.
+        """
+        worker = dataclasses.replace(
+            worker,
+            free_ports=worker.free_ports or free_ports(),
+            incarnation=worker.incarnation or self._incarnation,
+        )
+        request = pb.RegisterRequest(
+            worker=worker_to_proto(worker), inventory=[param_to_proto(p) for p in inventory]
+        )
+        response = self._unary("Register", request, retry_for=self.config.connect_timeout_s)
+        self._worker, self._inventory = worker, tuple(inventory)
+        self._registration = Registration(
+            worker_id=response.worker_id,
+            generation_id=response.generation_id,
+            lease_timeout_s=response.lease_timeout_s,
+            heartbeat_interval_s=response.heartbeat_interval_s,
+            reattached=response.reattached,
+            epoch=response.epoch,
+        )
+        self.connected = True
+        known = self.generation
+        if known is not None and known.epoch != response.epoch:
+            self._forget_generations(response.generation_id, "a new epoch")
+        if response.generation_id != self._known_id():
+            self._catch_up(response.generation_id)
+        return self._registration
+
+    def heartbeat(self) -> float:
+        """One heartbeat now; returns the lease's remaining seconds. The thread calls this."""
+        worker = self._worker
+        if worker is None:
+            raise RuntimeError("register() first")
+        generation = self.generation
+        exclude = () if generation is None else (generation.rendezvous_port,)
+        request = pb.HeartbeatRequest(
+            worker_id=worker.worker_id,
+            generation_id=self._known_id(),
+            free_ports=free_ports(exclude=exclude),
+        )
+        report = self._report
+        if report is not None:
+            request.report.CopyFrom(report_to_proto(report))
+        # A heartbeat stuck for most of a lease is worth less than a fresh one.
+        timeout = self.config.rpc_timeout_s
+        if self._registration is not None:
+            timeout = min(timeout, self._registration.lease_timeout_s / 3)
+        return self._unary("Heartbeat", request, timeout=timeout).lease_remaining_s
+
+    def fetch_generation(self, *, after: int = 0, timeout: float | None = None) -> Generation:
+        """The first generation newer than ``after`` (waiting for it up to ``timeout``)."""
+        worker_id = "" if self._worker is None else self._worker.worker_id
+        call = self._stub.WatchGenerations(
+            pb.WatchGenerationsRequest(worker_id=worker_id, after_generation_id=after),
+            metadata=self._metadata,
+            timeout=timeout or self.config.rpc_timeout_s,
+        )
+        try:
+            msg = next(call)
+        except StopIteration:
+            raise CoordinatorUnavailableError(
+                f"coordinator at {self.config.address} closed the generation stream"
+            ) from None
+        except grpc.RpcError as exc:
+            raise self._translate(exc, "WatchGenerations") from None
+        finally:
+            call.cancel()
+        generation = generation_from_proto(msg)
+        self._accept(generation)
+        return generation
+
+    def leave(self, reason: str = "") -> None:
+        """Give up the lease (heartbeats stop first, so the worker is not re-registered)."""
+        self._stop_heartbeats.set()
+        if self._worker is None:
+            return
+        request = pb.LeaveRequest(worker_id=self._worker.worker_id, reason=reason)
+        self._unary("Leave", request, retry_for=self.config.rpc_timeout_s)
+
+    def status(self) -> StatusReport:
+        response = self._unary(
+            "Status", pb.StatusRequest(), retry_for=self.config.connect_timeout_s
+        )
+        return status_from_proto(response)
+
+    def _unary(
+        self,
+        method: str,
+        request: object,
+        *,
+        retry_for: float = 0.0,
+        timeout: float | None = None,
+    ) -> Any:
+        deadline = time.monotonic() + retry_for
+        delay = self.config.backoff_initial_s
+        while True:
+            try:
+                return getattr(self._stub, method)(
+                    request, metadata=self._metadata, timeout=timeout or self.config.rpc_timeout_s
+                )
+            except grpc.RpcError as exc:
+                retry = exc.code() in _UNREACHABLE and time.monotonic() + delay < deadline
+                if not retry or self._closed.is_set():
+                    raise self._translate(exc, method, retry_for) from None
+            self._closed.wait(delay)
+            delay = min(2 * delay, self.config.backoff_max_s)
+
+    def _translate(self, exc: grpc.RpcError, method: str, waited: float = 0.0) -> CoordinatorError:
+        code, detail = exc.code(), exc.details()
+        where = f"coordinator at {self.config.address}"
+        if code in _UNREACHABLE:
+            waited_s = f" for {waited:g}s" if waited else ""
+            return CoordinatorUnavailableError(
+                f"{where} is unreachable{waited_s} ({code.name}: {detail}); "
+                "is it running, and is the address right?"
+            )
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return CoordinatorAuthError(f"{where} rejected the credentials: {detail}")
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            trailing = dict(exc.trailing_metadata() or ())
+            if GENERATION_METADATA_KEY in trailing:
+                return StaleGenerationError(detail, int(trailing[GENERATION_METADATA_KEY]))
+            return RequestRejectedError(f"{where} rejected {method}: {detail}")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return RequestRejectedError(f"{where} rejected {method}: {detail}")
+        if code == grpc.StatusCode.NOT_FOUND:
+            return LeaseLostError(detail)
+        return CoordinatorError(f"{method} to {where} failed ({code.name}): {detail}")
+
+    # ---- background threads -----------------------------------------------------------
+
+    def set_report(self, report: WorkerReport) -> None:
+        """What the next heartbeats carry (model-state bytes by kind, step, ...)."""
+        self._report = report
+
+    def start(self, *, on_generation: Callable[[Generation], None] | None = None) -> None:
+        """Start the heartbeat and watch threads; ``on_generation`` runs on the watch thread."""
+        if self._worker is None:
+            raise RuntimeError("register() before start()")
+        if self._threads:
+            raise RuntimeError("start() was already called")
+        self._on_generation = on_generation
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch")):
+            thread = threading.Thread(target=target, name=f"zeroplane-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def wait_for_generation(
+        self, *, after: int = 0, member: bool = True, timeout: float | None = None
+    ) -> Generation:
+        """Block until a generation newer than ``after`` (with this worker in it, if ``member``)."""
+        worker_id = self.worker_id
+
+        def ready() -> bool:
+            g = self._generation
+            if self._closed.is_set() or g is None or g.id <= after:
+                return self._closed.is_set()
+            return not member or g.rank_of(worker_id) is not None
+
+        with self._cond:
+            if not ready() and not self._threads:
+                raise RuntimeError("start() the client before waiting for a generation")
+            if not self._cond.wait_for(ready, timeout):
+                who = " with this worker as a member" if member else ""
+                raise TimeoutError(f"no generation newer than {after}{who} within {timeout}s")
+            if self._closed.is_set():
+                raise CoordinatorError("client closed")
+            assert self._generation is not None
+            return self._generation
+
+    def _accept(self, generation: Generation) -> None:
+        with self._cond:
+            if self._generation is not None and generation.id <= self._generation.id:
+                return
+            self._generation = generation
+            self._cond.notify_all()
+        logger.info(
+            "generation %d: world size %d, stage %d, rank %s, rendezvous %s",
+            generation.id,
+            generation.world_size,
+            generation.stage,
+            generation.rank_of(self.worker_id),
+            generation.rendezvous_endpoint,
+        )
+        if self._on_generation is not None:
+            try:
+                self._on_generation(generation)
+            except Exception:
+                logger.exception("on_generation callback failed")
+
+    def _heartbeat_loop(self) -> None:
+        assert self._registration is not None
+        interval = self._registration.heartbeat_interval_s
+        outage_since: float | None = None
+        delay = interval
+        while not (self._closed.wait(delay) or self._stop_heartbeats.is_set()):
+            # Retrying at the heartbeat interval, not slower, keeps the lease alive across
+            # a coordinator restart (it grants members one fresh lease when it comes back).
+            delay = interval
+            try:
+                self.heartbeat()
+            except StaleGenerationError as exc:
+                logger.info("%s; fetching it", exc)
+                delay = 0 if self._catch_up(exc.current) else interval
+                continue
+            except LeaseLostError as exc:
+                logger.warning("%s; registering again", exc)
+                self._register_again()
+                continue
+            except CoordinatorUnavailableError as exc:
+                if outage_since is None:
+                    outage_since = time.monotonic()
+                    logger.warning("%s; training continues, retrying", exc)
+                self.connected = False
+                continue
+            except CoordinatorError as exc:
+                logger.error("heartbeat failed: %s", exc)
+                self.connected = False
+                continue
+            self.connected = True
+            if outage_since is not None:
+                logger.info(
+                    "re-attached to the coordinator after %.1fs", time.monotonic() - outage_since
+                )
+                outage_since = None
+
+    def _catch_up(self, current: int) -> bool:
+        """Get to the coordinator's ``current`` generation; True once there."""
+        if self._known_id() > current:
+            self._forget_generations(current, "generation ids going backwards")
+        if self._known_id() < current:
+            try:
+                self.fetch_generation(after=self._known_id())
+            except CoordinatorError as exc:
+                logger.warning("cannot fetch generation %d: %s", current, exc)
+                return False
+        return self._known_id() == current
+
+    def _forget_generations(self, current: int, sign: str) -> None:
+        # Only a coordinator restarted without its state file does this: follow it.
+        with self._cond:
+            logger.error(
+                "the coordinator lost its state (%s: its generation is %d, this worker's %d; "
+                "no --state-file?): following it, this worker's state counts as lost",
+                sign,
+                current,
+                self._generation.id if self._generation else 0,
+            )
+            self._generation = None
+            if self._watch_call is not None:
+                self._watch_call.cancel()  # the watch loop reconnects from generation 0
+
+    def _register_again(self) -> None:
+        assert self._worker is not None
+        try:
+            self.register(self._worker, self._inventory)
+        except CoordinatorError as exc:
+            logger.error("registering again failed: %s", exc)
+
+    def _watch_loop(self) -> None:
+        delay = self.config.backoff_initial_s
+        while not self._closed.is_set():
+            request = pb.WatchGenerationsRequest(
+                worker_id=self.worker_id, after_generation_id=self._known_id()
+            )
+            try:
+                with self._cond:
+                    if self._closed.is_set():
+                        return
+                    call = self._stub.WatchGenerations(request, metadata=self._metadata)
+                    self._watch_call = call
+                for msg in call:
+                    self._accept(generation_from_proto(msg))
+                    delay = self.config.backoff_initial_s
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    return
+                logger.debug("generation stream: %s", self._translate(exc, "WatchGenerations"))
+            except ValueError as exc:
+                logger.error("the coordinator sent an invalid generation: %s", exc)
+            if self._closed.wait(delay):
+                return
+            delay = min(2 * delay, self.config.backoff_max_s)
+
+    # ---- shutdown ---------------------------------------------------------------------
+
+    def close(self, *, leave: bool = False, reason: str = "") -> None:
+        """Stop the threads and the channel; ``leave`` gives up the lease first."""
+        if self._closed.is_set():
+            return
+        if leave:
+            try:
+                self.leave(reason)
+            except CoordinatorError as exc:
+                logger.warning("leave failed: %s", exc)
+        with self._cond:
+            self._closed.set()
+            if self._watch_call is not None:
+                self._watch_call.cancel()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._channel.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

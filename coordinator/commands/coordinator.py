@@ -1,0 +1,145 @@
+"""``zeroplane coordinator``: serve the control plane until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from coordinator.config import (
+    TOKEN_ENV,
+    CoordinatorConfig,
+    MembershipConfig,
+    PlanConfig,
+    ServerConfig,
+    load_token,
+)
+from coordinator.planner import parse_count
+
+__all__ = ["DEFAULT_PORT", "add_parser", "coordinator"]
+
+DEFAULT_PORT = 50051
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "coordinator",
+        help="serve the coordinator (control plane)",
+        description=(
+            "Serve the zeroplane coordinator: admits workers, forms generations, plans "
+            "stage, layout and reshard schedules, and watches leases. Prints "
+            "'zeroplane coordinator listening on HOST:PORT' once serving."
+        ),
+    )
+    net = parser.add_argument_group("serving")
+    net.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    net.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"0 picks a free port (default {DEFAULT_PORT})",
+    )
+    net.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help=f"bearer token file, e.g. a mounted Secret (default: ${TOKEN_ENV}; none: no auth)",
+    )
+    net.add_argument("--tls-cert", metavar="FILE", type=Path, help="PEM certificate chain")
+    net.add_argument("--tls-key", metavar="FILE", type=Path, help="PEM private key")
+    net.add_argument(
+        "--state-file",
+        metavar="FILE",
+        type=Path,
+        help="persist the current generation here, so a restart keeps the job",
+    )
+    net.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="stop grace")
+
+    members = parser.add_argument_group("membership")
+    members.add_argument("--min-workers", type=int, default=1, metavar="N")
+    members.add_argument("--max-workers", type=int, default=4096, metavar="N")
+    members.add_argument(
+        "--join-window",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="batch joins this long before forming a generation (default 2)",
+    )
+    members.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="drop a worker silent this long (default 10)",
+    )
+    members.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        metavar="SECONDS",
+        help="how often workers heartbeat (default lease timeout / 5)",
+    )
+
+    plan = parser.add_argument_group("planning")
+    plan.add_argument(
+        "--stage",
+        choices=("auto", "0", "1", "2", "3"),
+        default="auto",
+        help="ZeRO stage; auto picks the lowest that fits the smallest worker (default)",
+    )
+    plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    plan.add_argument("--optimizer-states", type=int, default=2, metavar="K")
+    plan.add_argument("--headroom", type=float, default=0.1, metavar="FRACTION")
+    plan.add_argument(
+        "--bucket-numel",
+        default=str(PlanConfig().bucket_numel),
+        metavar="N",
+        help="elements per bucket (default 2**24)",
+    )
+    plan.add_argument("--align", type=int, default=1, metavar="N", help="shard alignment")
+    parser.set_defaults(func=coordinator)
+    return parser
+
+
+def coordinator(args: argparse.Namespace) -> int:
+    from coordinator.server import serve
+
+    try:
+        interval = args.heartbeat_interval or args.lease_timeout / 5
+        config = CoordinatorConfig(
+            server=ServerConfig(
+                host=args.host,
+                port=args.port,
+                token=load_token(args.token_file),
+                tls_cert_file=args.tls_cert,
+                tls_key_file=args.tls_key,
+                state_file=args.state_file,
+                grace_s=args.grace,
+            ),
+            membership=MembershipConfig(
+                min_workers=args.min_workers,
+                max_workers=args.max_workers,
+                join_window_s=args.join_window,
+                lease_timeout_s=args.lease_timeout,
+                heartbeat_interval_s=interval,
+            ),
+            plan=PlanConfig(
+                stage=None if args.stage == "auto" else int(args.stage),
+                precision=args.precision,
+                optimizer_states=args.optimizer_states,
+                headroom=args.headroom,
+                bucket_numel=parse_count(args.bucket_numel),
+                align=args.align,
+            ),
+        )
+    except ValueError as exc:
+        print(f"zeroplane coordinator: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(port: int) -> None:
+        print(f"zeroplane coordinator listening on {args.host}:{port}", flush=True)
+
+    try:
+        serve(config, on_ready=ready)
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"zeroplane coordinator: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,211 @@
+"""``zeroplane plan``: memory per rank for every ZeRO stage, and the stage to run.
+
+Like DeepSpeed's ``estimate_zero*_model_states_mem_needs``, but for all stages
+and several world sizes at once. The model is a parameter count
+(``--params 7.5e9``) or ``--model module:factory``, a callable returning an
+``nn.Module``; only that branch imports the user's code (and so torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from decimal import ROUND_HALF_UP, Decimal
+
+from coordinator.layout import ParamSpec
+from coordinator.planner import STAGES, PlanConfig, choose_stage, parse_bytes, parse_count
+
+__all__ = ["add_parser", "inventory_of", "plan"]
+
+_UNITS = (("TB", 1e12, "1e12"), ("GB", 1e9, "1e9"), ("MB", 1e6, "1e6"), ("KB", 1e3, "1e3"))
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan",
+        help="memory per rank for each ZeRO stage, and the recommended stage",
+        description=(
+            "Model-state memory per rank for ZeRO stages 0-3 (the ZeRO paper's formulas: "
+            "bf16/fp16 mixed precision 2+2+K bytes per parameter, fp32 4+4+K), plus a stated "
+            "activation term, for each world size; and the lowest stage that fits the "
+            "device memory with headroom. 1 GB = 1e9 bytes."
+        ),
+    )
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument(
+        "--params", metavar="N", help="trainable parameter count: 7.5e9, 7.5B, 350M, ..."
+    )
+    model.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="a callable returning an nn.Module, e.g. mypkg.models:build (it is called once)",
+    )
+    parser.add_argument(
+        "--world-sizes",
+        default="1,2,4,8",
+        metavar="N,N,...",
+        help="data-parallel world sizes to plan for (default 1,2,4,8)",
+    )
+    parser.add_argument(
+        "--device-memory",
+        default="80GB",
+        metavar="BYTES",
+        help="memory of one device: 80GB, 24GiB, ... (default 80GB)",
+    )
+    parser.add_argument(
+        "--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="default bf16"
+    )
+    parser.add_argument(
+        "--optimizer-states",
+        type=int,
+        default=2,
+        metavar="K",
+        help="fp32 states per parameter the optimizer keeps (Adam 2, momentum SGD 1)",
+    )
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=0.1,
+        metavar="FRACTION",
+        help="fraction of device memory kept free (default 0.1)",
+    )
+    parser.add_argument(
+        "--activations",
+        default="0",
+        metavar="BYTES",
+        help="activation memory per rank, added to every stage (default 0: not included)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(func=plan)
+    return parser
+
+
+def inventory_of(module: object) -> list[ParamSpec]:
+    """The parameter inventory of an ``nn.Module`` (duck-typed: no torch import here)."""
+    return [
+        ParamSpec(
+            name=name,
+            shape=tuple(p.shape),
+            dtype=str(p.dtype).removeprefix("torch."),
+            requires_grad=bool(p.requires_grad),
+        )
+        for name, p in module.named_parameters()
+    ]
+
+
+def _load_model(spec: str) -> tuple[int, str]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model must be MODULE:FACTORY, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {spec!r}: {exc}") from exc
+    model = factory()
+    if not hasattr(model, "named_parameters"):
+        raise ValueError(f"{spec} returned {type(model).__name__}, not an nn.Module")
+    inventory = inventory_of(model)
+    numel = sum(p.numel for p in inventory if p.requires_grad)
+    frozen = sum(p.numel for p in inventory if not p.requires_grad)
+    note = f"{type(model).__name__} from {spec}: {len(inventory)} parameter tensors"
+    if frozen:
+        note += f", {frozen:,} frozen elements not counted"
+    return numel, note
+
+
+def _fixed(value: float, places: int) -> str:
+    # Half up, as the ZeRO paper prints its table (41.25 -> 41.3).
+    quantum = Decimal(1).scaleb(-places)
+    return str(Decimal(repr(value)).quantize(quantum, rounding=ROUND_HALF_UP))
+
+
+def _cell(value: float, scale: float) -> str:
+    scaled = value / scale
+    return _fixed(scaled, 1 if scaled >= 10 else 2)
+
+
+def plan(args: argparse.Namespace) -> int:
+    try:
+        world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()]
+        if not world_sizes or min(world_sizes) < 1:
+            raise ValueError(f"--world-sizes must be positive integers, got {args.world_sizes!r}")
+        device_memory = parse_bytes(args.device_memory)
+        config = PlanConfig(
+            precision=args.precision,
+            optimizer_states=args.optimizer_states,
+            headroom=args.headroom,
+            activation_bytes=parse_bytes(args.activations),
+        )
+        if args.params is not None:
+            numel, source = parse_count(args.params), "given"
+        else:
+            numel, source = _load_model(args.model)
+    except ValueError as exc:
+        print(f"zeroplane plan: {exc}", file=sys.stderr)
+        return 2
+
+    choices = [
+        choose_stage(numel, world_size=n, device_memory_bytes=device_memory, config=config)
+        for n in world_sizes
+    ]
+    if args.json:
+        out = {
+            "trainable_params": numel,
+            "precision": config.precision,
+            "optimizer_states": config.optimizer_states,
+            "device_memory_bytes": device_memory,
+            "headroom": config.headroom,
+            "activation_bytes": config.activation_bytes,
+            "plans": [
+                {
+                    "world_size": n,
+                    "recommended_stage": c.stage,
+                    "fits": c.fits,
+                    "reason": c.reason,
+                    "bytes_per_rank": {
+                        str(e.stage): {**e.model_states.as_dict(), "total": e.total}
+                        for e in c.estimates
+                    },
+                }
+                for n, c in zip(world_sizes, choices, strict=True)
+            ],
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+
+    largest = max(e.total for c in choices for e in c.estimates)
+    unit, scale, power = next((u for u in _UNITS if largest >= u[1]), ("B", 1.0, "1"))
+    mixed = "mixed precision" if config.precision != "fp32" else "full precision"
+    usable = device_memory * (1 - config.headroom)
+    print(f"model: {numel:,} trainable parameters ({source})")
+    print(
+        f"precision: {config.precision} ({mixed}); optimizer: {config.optimizer_states} fp32 "
+        "state(s) per parameter"
+    )
+    print(
+        f"device memory: {_cell(device_memory, 1e9)} GB per rank, {config.headroom:.0%} "
+        f"headroom -> {_cell(usable, 1e9)} GB usable"
+    )
+    if config.activation_bytes:
+        print(f"activations: {_cell(config.activation_bytes, 1e9)} GB per rank, in every column")
+    else:
+        print("activations: not included (0 per rank; --activations adds them)")
+    print()
+    header = ["world size", *(f"stage {s}" for s in STAGES), "recommended"]
+    rows = [
+        [str(n), *(_cell(e.total, scale) for e in c.estimates), f"{c.stage}{'' if c.fits else '*'}"]
+        for n, c in zip(world_sizes, choices, strict=True)
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print(f"memory per rank, {unit} (1 {unit} = {power} bytes)")
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
+    for row in rows:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
+    if any(not c.fits for c in choices):
+        print("* does not fit in the usable device memory")
+    print()
+    for n, c in zip(world_sizes, choices, strict=True):
+        print(f"N={n}: stage {c.stage}: {c.reason}")
+    return 0

@@ -1,0 +1,185 @@
+"""Configuration of the coordinator: one frozen dataclass per concern.
+
+* ``ServerConfig``: where it listens, authentication, TLS, the state file, limits;
+* ``MembershipConfig``: how many workers, the join window, leases;
+* ``PlanConfig`` (from ``coordinator.planner``): stage choice and layout.
+
+The bearer token is read from a file (a mounted Kubernetes Secret) or an
+environment variable by ``load_token``; it never appears in a repr.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coordinator.planner import PlanConfig
+
+__all__ = [
+    "ADDRESS_ENV",
+    "TOKEN_ENV",
+    "TOKEN_FILE_ENV",
+    "CoordinatorConfig",
+    "MembershipConfig",
+    "PlanConfig",
+    "ServerConfig",
+    "load_token",
+]
+
+logger = logging.getLogger(__name__)
+
+# What a launcher exports to its workers (and what ``zeroplane status`` reads).
+ADDRESS_ENV = "ZEROPLANE_COORDINATOR"
+TOKEN_ENV = "ZEROPLANE_TOKEN"
+TOKEN_FILE_ENV = "ZEROPLANE_TOKEN_FILE"
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """Where and how the coordinator serves."""
+
+    host: str = "127.0.0.1"
+    # 0 picks a free port (tests); create_server returns the bound one.
+    port: int = 0
+    # Bearer token every RPC but the health service must carry; None disables auth.
+    token: str | None = field(default=None, repr=False)
+    # PEM files; both or neither. Without them the server is plaintext.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    # Where the current generation and its members survive a restart; None: in memory only.
+    state_file: Path | None = None
+    # Seconds in-flight RPCs get to finish on stop.
+    grace_s: float = 5.0
+    # Larger requests are rejected with INVALID_ARGUMENT.
+    max_request_bytes: int = 64 * MiB
+    # Largest message the server sends (a generation with a big reshard schedule).
+    max_send_bytes: int = 1024 * MiB
+    # Largest parameter inventory a worker may register.
+    max_params: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("ServerConfig.host must be non-empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServerConfig.port must be in [0, 65535], got {self.port}")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("ServerConfig.token must be None or non-empty")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("ServerConfig.tls_cert_file and tls_key_file go together")
+        for name in ("tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"ServerConfig.{name} {str(path)!r} is not a file")
+        if self.grace_s < 0:
+            raise ValueError(f"ServerConfig.grace_s must be >= 0, got {self.grace_s}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(
+                f"ServerConfig.max_request_bytes must be >= 1024, got {self.max_request_bytes}"
+            )
+        if self.max_send_bytes < MiB:
+            raise ValueError(
+                f"ServerConfig.max_send_bytes must be >= {MiB}, got {self.max_send_bytes}"
+            )
+        if self.max_params < 1:
+            raise ValueError(f"ServerConfig.max_params must be >= 1, got {self.max_params}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MembershipConfig:
+    """Who is in a generation, and when a new one forms.
+
+    The first generation forms once ``min_workers`` have registered and the
+    join window (counted from the earliest waiting registration) has passed,
+    or at once when ``max_workers`` have. Joins later are batched by the same
+    window; a leave or an expired lease forms the next generation at once,
+    since survivors are blocked on the lost peer. Workers beyond
+    ``max_workers`` wait as standbys.
+    """
+
+    min_workers: int = 1
+    max_workers: int = 4096
+    join_window_s: float = 2.0
+    # A worker silent for this long is dropped.
+    lease_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 2.0
+    # Added to the first lease of members restored from the state file: time for
+    # their clients to notice the restarted coordinator and reconnect.
+    reattach_grace_s: float = 10.0
+    # Membership events kept for status.
+    event_history: int = 256
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1:
+            raise ValueError(f"MembershipConfig.min_workers must be >= 1, got {self.min_workers}")
+        if self.max_workers < self.min_workers:
+            raise ValueError(
+                f"MembershipConfig.max_workers ({self.max_workers}) must be >= "
+                f"min_workers ({self.min_workers})"
+            )
+        if self.join_window_s < 0:
+            raise ValueError(
+                f"MembershipConfig.join_window_s must be >= 0, got {self.join_window_s}"
+            )
+        if self.lease_timeout_s <= 0:
+            raise ValueError(
+                f"MembershipConfig.lease_timeout_s must be > 0, got {self.lease_timeout_s}"
+            )
+        if not 0 < self.heartbeat_interval_s <= self.lease_timeout_s / 2:
+            raise ValueError(
+                f"MembershipConfig.heartbeat_interval_s must be in (0, lease_timeout_s / 2 = "
+                f"{self.lease_timeout_s / 2}], got {self.heartbeat_interval_s}"
+            )
+        if self.reattach_grace_s < 0:
+            raise ValueError(
+                f"MembershipConfig.reattach_grace_s must be >= 0, got {self.reattach_grace_s}"
+            )
+        if self.event_history < 1:
+            raise ValueError(
+                f"MembershipConfig.event_history must be >= 1, got {self.event_history}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+    def __post_init__(self) -> None:
+        for name, kind in (
+            ("server", ServerConfig),
+            ("membership", MembershipConfig),
+            ("plan", PlanConfig),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"CoordinatorConfig.{name} must be a {kind.__name__}")
+
+
+def load_token(
+    token_file: str | os.PathLike[str] | None = None, *, env: str = TOKEN_ENV
+) -> str | None:
+    """The bearer token from ``token_file`` if given, else ``$ZEROPLANE_TOKEN_FILE``, else
+    ``$env``; None if none is set.
+
+    Surrounding whitespace is stripped (Secrets mounted from files often end in a newline).
+    """
+    if token_file is None:
+        token_file = os.environ.get(TOKEN_FILE_ENV) or None
+    if token_file is not None:
+        path = Path(token_file)
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read token file {str(path)!r}: {exc.strerror}") from exc
+        if not token:
+            raise ValueError(f"token file {str(path)!r} is empty")
+        return token
+    token = os.environ.get(env, "").strip()
+    return token or None

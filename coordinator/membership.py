@@ -1,0 +1,478 @@
+"""Membership: leases, standbys and the formation of generations.
+
+A pure state machine (no gRPC, no threads): the server calls it from one event
+loop and passes no time in; the clock is injected so tests can drive it.
+
+[Note: generations]
+A generation is a fixed membership. Its members keep their relative order
+from one generation to the next (so a surviving rank 0 stays rank 0 and keeps
+hosting the rendezvous); joiners are appended, grouped by host. A member that
+leaves, loses its lease, or comes back as a new process (a new incarnation)
+is *lost*: its state is gone, and the next generation's reshard schedule
+lists its old rank in ``lost_ranks``. Heartbeats are fenced by generation id
+so that no worker keeps a lease without knowing the current membership.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from coordinator.config import MembershipConfig
+from coordinator.layout import ParamSpec, compute_layout, inventory_digest
+from coordinator.messages import (
+    Event,
+    Generation,
+    Member,
+    StatusReport,
+    WorkerInfo,
+    WorkerReport,
+    WorkerStatus,
+)
+from coordinator.planner import PlanConfig, choose_stage
+from coordinator.reshard import ReshardSchedule, reshard_schedule
+
+__all__ = [
+    "InvalidRequest",
+    "InventoryMismatch",
+    "Membership",
+    "MembershipError",
+    "Snapshot",
+    "StaleGeneration",
+    "UnknownWorker",
+    "first_difference",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class MembershipError(Exception):
+    """A request the membership cannot honour; the server maps each kind to a status code."""
+
+
+class InvalidRequest(MembershipError):
+    """Malformed or out of range (INVALID_ARGUMENT)."""
+
+
+class InventoryMismatch(MembershipError):
+    """The worker's parameter inventory is not the job's (FAILED_PRECONDITION)."""
+
+
+class UnknownWorker(MembershipError):
+    """No lease for this worker: it must register again (NOT_FOUND)."""
+
+
+class StaleGeneration(MembershipError):
+    """The request carries a generation other than the current one (FAILED_PRECONDITION)."""
+
+    def __init__(self, given: int, current: int) -> None:
+        super().__init__(f"generation {given} is stale: the current generation is {current}")
+        self.given = given
+        self.current = current
+
+
+@dataclass
+class _Worker:
+    info: WorkerInfo
+    registered_at: float
+    deadline: float
+    free_ports: tuple[int, ...]
+    report: WorkerReport | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    """What running workers need to survive a coordinator restart."""
+
+    inventory: tuple[ParamSpec, ...]
+    generation: Generation | None
+    members: tuple[WorkerInfo, ...]
+    epoch: str
+
+
+def first_difference(job: Sequence[ParamSpec], given: Sequence[ParamSpec]) -> str | None:
+    """The first parameter where ``given`` differs from ``job``, in words; None if equal."""
+    for i, (a, b) in enumerate(zip(job, given, strict=False)):
+        if a.name != b.name:
+            return f"parameter {i} is {b.name!r} where the job's is {a.name!r}"
+        for attr in ("shape", "dtype", "requires_grad", "group", "unit"):
+            mine, theirs = getattr(b, attr), getattr(a, attr)
+            if mine != theirs:
+                return f"parameter {b.name!r} has {attr} {mine!r} where the job's has {theirs!r}"
+    if len(given) < len(job):
+        return (
+            f"parameter {job[len(given)].name!r} is missing "
+            f"({len(given)} parameters where the job has {len(job)})"
+        )
+    if len(given) > len(job):
+        return (
+            f"parameter {given[len(job)].name!r} is not in the job's inventory "
+            f"({len(given)} parameters where the job has {len(job)})"
+        )
+    return None
+
+
+class Membership:
+    """Workers, their leases, and the current generation of one job (see the module notes)."""
+
+    def __init__(
+        self,
+        config: MembershipConfig,
+        plan: PlanConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.plan = plan
+        self._clock = clock
+        self._wall = wall_clock
+        # Replaced by the snapshot's on restore; a fresh start is a new epoch.
+        self.epoch = uuid.uuid4().hex[:16]
+        self.inventory: tuple[ParamSpec, ...] | None = None
+        self.digest = ""
+        self.trainable_numel = 0
+        self.generation: Generation | None = None
+        self._workers: dict[str, _Worker] = {}
+        # Registered workers not in the current generation, in registration order.
+        self._joiners: dict[str, None] = {}
+        # Members of the current generation that are gone (left, expired, replaced).
+        self._lost: dict[str, _Worker] = {}
+        self.events: deque[Event] = deque(maxlen=config.event_history)
+
+    # ---- requests ---------------------------------------------------------------------
+
+    @property
+    def generation_id(self) -> int:
+        return 0 if self.generation is None else self.generation.id
+
+    def register(self, info: WorkerInfo, inventory: Sequence[ParamSpec]) -> bool:
+        """Admit ``info`` (or re-attach it); True when it was a re-attach."""
+        self._check_inventory(inventory)
+        now = self._clock()
+        lease = now + self.config.lease_timeout_s
+        old = self._workers.get(info.worker_id)
+        if old is not None and old.info.incarnation == info.incarnation:
+            old.info, old.deadline = info, lease
+            old.free_ports = info.free_ports or old.free_ports
+            self._event("reattached", info.worker_id)
+            return True
+        if old is not None:
+            self._drop(info.worker_id, "replaced", "registered again as a new process")
+        self._workers[info.worker_id] = _Worker(info, now, lease, info.free_ports)
+        self._joiners[info.worker_id] = None
+        self._event("registered", info.worker_id, f"host {info.host}")
+        return False
+
+    def heartbeat(
+        self,
+        worker_id: str,
+        generation_id: int,
+        report: WorkerReport | None = None,
+        free_ports: tuple[int, ...] = (),
+    ) -> float:
+        """Renew the lease; returns the seconds it now has left."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise UnknownWorker(f"no lease for worker {worker_id!r}: register again")
+        if generation_id != self.generation_id:
+            raise StaleGeneration(generation_id, self.generation_id)
+        worker.deadline = self._clock() + self.config.lease_timeout_s
+        if report is not None:
+            worker.report = report
+        if free_ports:
+            worker.free_ports = free_ports
+        return self.config.lease_timeout_s
+
+    def leave(self, worker_id: str, reason: str = "") -> bool:
+        """Drop ``worker_id``; False if it held no lease (leaving twice is fine)."""
+        if worker_id not in self._workers:
+            return False
+        self._drop(worker_id, "left", reason)
+        return True
+
+    def expire(self) -> list[str]:
+        """Drop every worker whose lease has run out; returns their ids."""
+        now = self._clock()
+        gone = [wid for wid, w in self._workers.items() if w.deadline < now]
+        for wid in gone:
+            self._drop(wid, "expired", f"no heartbeat for {self.config.lease_timeout_s:g}s")
+        return gone
+
+    # ---- generations ------------------------------------------------------------------
+
+    def maybe_form(self) -> Generation | None:
+        """Form the next generation if one is due (see MembershipConfig); else None."""
+        if not self._due():
+            return None
+        return self._form()
+
+    def _target_size(self) -> tuple[int, int]:
+        survivors = 0 if self.generation is None else self.generation.world_size - len(self._lost)
+        admitted = min(len(self._joiners), self.config.max_workers - survivors)
+        return survivors, admitted
+
+    def _due(self) -> bool:
+        survivors, admitted = self._target_size()
+        if not self._lost and admitted == 0:
+            return False
+        if survivors + admitted < self.config.min_workers:
+            return False
+        if self._lost or survivors + admitted >= self.config.max_workers:
+            return True
+        return self._clock() - self._window_start() >= self.config.join_window_s
+
+    def _window_start(self) -> float:
+        first = next(iter(self._joiners))
+        return self._workers[first].registered_at
+
+    def waiting_reason(self) -> str:
+        survivors, admitted = self._target_size()
+        have, need = survivors + admitted, self.config.min_workers
+        if self._lost and have < need:
+            return (
+                f"generation {self.generation_id} lost {len(self._lost)} member(s); "
+                f"{have} worker(s) left, the job needs at least {need}"
+            )
+        if admitted == 0:
+            return "" if self.generation is not None else f"no workers yet (need at least {need})"
+        if have < need:
+            return f"{have} of at least {need} workers registered"
+        left = self.config.join_window_s - (self._clock() - self._window_start())
+        return f"join window: generation {self.generation_id + 1} forms in {max(left, 0):.1f}s"
+
+    def _form(self) -> Generation:
+        assert self.inventory is not None
+        previous = self.generation
+        survivors = (
+            []
+            if previous is None
+            else [m for m in previous.members if m.worker_id not in self._lost]
+        )
+        _, admitted_count = self._target_size()
+        admitted = list(self._joiners)[:admitted_count]
+        # Joiners grouped by host, so that ranks on one machine are neighbours.
+        admitted.sort(key=lambda wid: (self._workers[wid].info.host, wid))
+        ids = [m.worker_id for m in survivors] + admitted
+        previous_rank = {m.worker_id: m.rank for m in survivors}
+        workers = [self._workers[wid] for wid in ids]
+
+        memories = [w.info.device_memory_bytes for w in workers if w.info.device_memory_bytes > 0]
+        choice = choose_stage(
+            self.trainable_numel,
+            world_size=len(ids),
+            device_memory_bytes=min(memories, default=0),
+            config=self.plan,
+        )
+        if not choice.fits and memories:
+            logger.warning("generation %d: %s", self.generation_id + 1, choice.reason)
+        layout = compute_layout(
+            self.inventory,
+            len(ids),
+            bucket_numel=self.plan.bucket_numel,
+            align=self.plan.align,
+            by_unit=choice.stage == 3,
+        )
+        reshard = None
+        if previous is not None:
+            reshard = ReshardSchedule(
+                from_generation_id=previous.id,
+                from_world_size=previous.world_size,
+                from_stage=previous.stage,
+                moves=tuple(reshard_schedule(previous.layout, layout)),
+                lost_ranks=tuple(
+                    sorted(m.rank for m in previous.members if m.worker_id in self._lost)
+                ),
+            )
+        members = tuple(
+            Member(
+                worker_id=w.info.worker_id,
+                rank=rank,
+                host=w.info.host,
+                previous_rank=previous_rank.get(w.info.worker_id),
+                device_memory_bytes=w.info.device_memory_bytes,
+            )
+            for rank, w in enumerate(workers)
+        )
+        generation = Generation(
+            id=self.generation_id + 1,
+            members=members,
+            rendezvous_endpoint=self._rendezvous(workers[0], previous),
+            stage=choice.stage,
+            stage_reason=choice.reason,
+            layout=layout,
+            bucket_numel=self.plan.bucket_numel,
+            align=self.plan.align,
+            reshard=reshard,
+            inventory_digest=self.digest,
+            created_unix_s=self._wall(),
+            epoch=self.epoch,
+        )
+        self.generation = generation
+        for wid in admitted:
+            del self._joiners[wid]
+        self._lost.clear()
+        self._event(
+            "generation",
+            detail=f"world size {generation.world_size}, stage {generation.stage}, "
+            f"rendezvous {generation.rendezvous_endpoint}",
+        )
+        return generation
+
+    def _rendezvous(self, rank0: _Worker, previous: Generation | None) -> str:
+        # A fresh port per generation: the old store may still be up while ranks move over.
+        used = None if previous is None else previous.rendezvous_endpoint
+        for port in rank0.free_ports:
+            endpoint = _endpoint(rank0.info.host, port)
+            if endpoint != used:
+                return endpoint
+        # Correct only when rank 0 runs beside the coordinator (local runs).
+        while True:
+            endpoint = _endpoint(rank0.info.host, _free_local_port())
+            if endpoint != used:
+                logger.warning(
+                    "rank 0 (%s) reported no free port; using %s, free on the coordinator's host",
+                    rank0.info.worker_id,
+                    endpoint,
+                )
+                return endpoint
+
+    # ---- status and persistence -------------------------------------------------------
+
+    def status(self, server_version: str = "") -> StatusReport:
+        now = self._clock()
+        rows: list[WorkerStatus] = []
+        gen = self.generation
+        for m in () if gen is None else gen.members:
+            lost = self._lost.get(m.worker_id)
+            w = lost or self._workers[m.worker_id]
+            rows.append(
+                WorkerStatus(
+                    info=w.info,
+                    state="lost" if lost else "member",
+                    rank=m.rank,
+                    lease_remaining_s=w.deadline - now,
+                    report=w.report,
+                )
+            )
+        for wid in self._joiners:
+            w = self._workers[wid]
+            rows.append(
+                WorkerStatus(
+                    info=w.info,
+                    state="standby",
+                    rank=None,
+                    lease_remaining_s=w.deadline - now,
+                    report=w.report,
+                )
+            )
+        reason = self.waiting_reason()
+        return StatusReport(
+            phase="running" if gen is not None and not self._lost else "waiting",
+            waiting_reason=reason,
+            generation_id=self.generation_id,
+            world_size=0 if gen is None else gen.world_size,
+            stage=0 if gen is None else gen.stage,
+            stage_reason="" if gen is None else gen.stage_reason,
+            rendezvous_endpoint="" if gen is None else gen.rendezvous_endpoint,
+            workers=tuple(rows),
+            events=tuple(self.events),
+            settings=self.config,
+            trainable_numel=self.trainable_numel,
+            inventory_digest=self.digest,
+            server_version=server_version,
+            epoch=self.epoch,
+        )
+
+    def snapshot(self) -> Snapshot:
+        gen = self.generation
+        members = ()
+        if gen is not None:
+            members = tuple(
+                (self._lost.get(m.worker_id) or self._workers[m.worker_id]).info
+                for m in gen.members
+            )
+        return Snapshot(
+            inventory=self.inventory or (), generation=gen, members=members, epoch=self.epoch
+        )
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Take over a snapshot after a restart; every member gets a fresh lease to re-attach."""
+        if self._workers or self.generation is not None:
+            raise RuntimeError("restore() needs a fresh Membership")
+        if snapshot.epoch:
+            self.epoch = snapshot.epoch
+        if snapshot.inventory:
+            self._set_inventory(snapshot.inventory)
+        self.generation = snapshot.generation
+        now = self._clock()
+        grace = self.config.lease_timeout_s + self.config.reattach_grace_s
+        for info in snapshot.members:
+            self._workers[info.worker_id] = _Worker(info, now, now + grace, info.free_ports)
+        self._event(
+            "restored",
+            detail=f"{len(snapshot.members)} member(s) get {grace:g}s to re-attach",
+        )
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _check_inventory(self, inventory: Sequence[ParamSpec]) -> None:
+        if not inventory:
+            raise InvalidRequest("inventory is empty")
+        if self.inventory is None:
+            names = [p.name for p in inventory]
+            if len(set(names)) != len(names):
+                dup = next(n for n in names if names.count(n) > 1)
+                raise InvalidRequest(f"inventory: parameter {dup!r} appears twice")
+            if not any(p.requires_grad for p in inventory):
+                raise InvalidRequest("inventory has no trainable parameter")
+            self._set_inventory(tuple(inventory))
+            return
+        diff = first_difference(self.inventory, inventory)
+        if diff is not None:
+            raise InventoryMismatch(f"parameter inventory differs from the job's: {diff}")
+
+    def _set_inventory(self, inventory: tuple[ParamSpec, ...]) -> None:
+        self.inventory = inventory
+        self.digest = inventory_digest(inventory)
+        self.trainable_numel = sum(p.numel for p in inventory if p.requires_grad)
+
+    def _drop(self, worker_id: str, kind: str, detail: str) -> None:
+        worker = self._workers.pop(worker_id)
+        if worker_id in self._joiners:
+            del self._joiners[worker_id]
+        else:  # not a standby, so a member of the current generation
+            self._lost[worker_id] = worker
+        self._event(kind, worker_id, detail)
+
+    def _event(self, kind: str, worker_id: str = "", detail: str = "") -> None:
+        event = Event(
+            unix_s=self._wall(),
+            kind=kind,
+            worker_id=worker_id,
+            generation_id=self.generation_id,
+            detail=detail,
+        )
+        self.events.append(event)
+        logger.info(
+            "%s%s (generation %d)%s",
+            kind,
+            f" {worker_id}" if worker_id else "",
+            event.generation_id,
+            f": {detail}" if detail else "",
+        )
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _free_local_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,235 @@
+"""The planner: memory per rank for each ZeRO stage, and the stage to run.
+
+Model states come from ``coordinator.memory`` (the ZeRO paper's formulas).
+Activations are not derivable from a parameter inventory, so they enter as a
+stated per-rank term (``PlanConfig.activation_bytes``) that every estimate
+shows beside the model states. A stage fits when model states plus
+activations stay within the device memory less a headroom fraction (CUDA
+context, allocator fragmentation, communication buffers).
+
+The choice is the lowest stage that fits the smallest worker: a lower stage
+moves fewer bytes (stage 3 gathers parameters every step). With one rank no
+stage saves anything and each costs time, so the planner picks stage 0 and
+says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from coordinator.memory import DTYPE_BYTES, ModelStateBytes, model_state_bytes
+
+__all__ = [
+    "STAGES",
+    "MemoryEstimate",
+    "PlanConfig",
+    "StageChoice",
+    "choose_stage",
+    "estimate_memory",
+    "format_bytes",
+    "parse_bytes",
+    "parse_count",
+]
+
+logger = logging.getLogger(__name__)
+
+STAGES = (0, 1, 2, 3)
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """How the coordinator plans a generation."""
+
+    # None: the planner chooses per generation; 0-3: always this stage.
+    stage: int | None = None
+    # Compute dtype; bf16/fp16 mean mixed precision with fp32 master weights.
+    precision: Precision = "bf16"
+    # fp32 tensors the optimizer keeps per element (Adam: 2, SGD with momentum: 1).
+    optimizer_states: int = 2
+    # Fraction of device memory the plan leaves free.
+    headroom: float = 0.1
+    # Activation bytes per rank, added to every stage's estimate.
+    activation_bytes: int = 0
+    # Layout: real elements per bucket, and the element alignment of each shard.
+    bucket_numel: int = 1 << 24
+    align: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stage is not None and self.stage not in STAGES:
+            raise ValueError(f"PlanConfig.stage must be None or 0-3, got {self.stage!r}")
+        if self.precision not in DTYPE_BYTES:
+            raise ValueError(
+                f"PlanConfig.precision must be one of {sorted(DTYPE_BYTES)}, got {self.precision!r}"
+            )
+        if self.optimizer_states < 0:
+            raise ValueError(
+                f"PlanConfig.optimizer_states must be >= 0, got {self.optimizer_states}"
+            )
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f"PlanConfig.headroom must be in [0, 1), got {self.headroom}")
+        if self.activation_bytes < 0:
+            raise ValueError(
+                f"PlanConfig.activation_bytes must be >= 0, got {self.activation_bytes}"
+            )
+        if self.bucket_numel < 1:
+            raise ValueError(f"PlanConfig.bucket_numel must be >= 1, got {self.bucket_numel}")
+        if self.align < 1:
+            raise ValueError(f"PlanConfig.align must be >= 1, got {self.align}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds at ``stage`` on ``world_size`` ranks."""
+
+    stage: int
+    world_size: int
+    model_states: ModelStateBytes
+    activation_bytes: float
+
+    @property
+    def total(self) -> float:
+        return self.model_states.total + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    stage: int
+    reason: str
+    # One per stage, 0-3.
+    estimates: tuple[MemoryEstimate, ...]
+    # Device memory less headroom; 0 when the device memory is unknown.
+    usable_bytes: float
+    fits: bool
+
+
+def estimate_memory(
+    numel: int, *, stage: int, world_size: int, config: PlanConfig = PlanConfig()
+) -> MemoryEstimate:
+    """Model states by the ZeRO formulas plus the configured activation term."""
+    states = model_state_bytes(
+        numel,
+        stage=stage,
+        world_size=world_size,
+        dtype=config.precision,
+        optimizer_states=config.optimizer_states,
+    )
+    return MemoryEstimate(stage, world_size, states, float(config.activation_bytes))
+
+
+def choose_stage(
+    numel: int, *, world_size: int, device_memory_bytes: int, config: PlanConfig = PlanConfig()
+) -> StageChoice:
+    """The stage for ``numel`` trainable elements on ``world_size`` ranks, with the reason.
+
+    ``device_memory_bytes`` is the smallest worker's device memory (0: unknown).
+    """
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if device_memory_bytes < 0:
+        raise ValueError(f"device_memory_bytes must be >= 0, got {device_memory_bytes}")
+    estimates = tuple(
+        estimate_memory(numel, stage=s, world_size=world_size, config=config) for s in STAGES
+    )
+    usable = device_memory_bytes * (1 - config.headroom)
+
+    def fits(stage: int) -> bool:
+        return device_memory_bytes > 0 and estimates[stage].total <= usable
+
+    def need(stage: int) -> str:
+        return f"{format_bytes(estimates[stage].total)} per rank"
+
+    have = f"{format_bytes(usable)} usable ({format_bytes(device_memory_bytes)} less "
+    have += f"{config.headroom:.0%} headroom)"
+
+    if config.stage is not None:
+        stage = config.stage
+        reason = f"stage {stage} set by configuration: {need(stage)}"
+        if device_memory_bytes > 0:
+            reason += f", {have}" + ("" if fits(stage) else " -- does not fit")
+        if world_size == 1 and stage > 0:
+            logger.warning(
+                "stage %d on one rank saves no memory and costs time; stage 0 is the "
+                "better choice for a single rank",
+                stage,
+            )
+            reason += "; on one rank no stage saves memory"
+        return StageChoice(stage, reason, estimates, usable, fits(stage))
+
+    if world_size == 1:
+        reason = (
+            "one rank: no stage partitions anything, each only adds work, so stage 0; "
+            "mixed precision and activation checkpointing are the memory levers"
+        )
+        if device_memory_bytes > 0 and not fits(0):
+            reason += f" (needs {need(0)}, more than {have})"
+        return StageChoice(0, reason, estimates, usable, fits(0))
+    if device_memory_bytes == 0:
+        reason = "device memory unknown: stage 0 (no sharding, least communication)"
+        return StageChoice(0, reason, estimates, usable, False)
+    for stage in STAGES:
+        if fits(stage):
+            if stage == 0:
+                reason = f"stage 0 fits without sharding: {need(0)} of {have}"
+            else:
+                reason = (
+                    f"stage {stage} is the lowest that fits: {need(stage)} of {have}; "
+                    f"stage {stage - 1} needs {need(stage - 1)}"
+                )
+            return StageChoice(stage, reason, estimates, usable, True)
+    reason = (
+        f"no stage fits: even stage 3 needs {need(3)}, more than {have}; "
+        "stage 3 comes closest (add ranks, offload, or checkpoint activations)"
+    )
+    return StageChoice(3, reason, estimates, usable, False)
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"`` -> 80e9, ``"16GiB"`` -> 16 * 2**30, ``"1e9"`` -> 1e9 (GB = 1e9 bytes)."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (e.g. 80GB, 16GiB, 512MB)")
+    value = float(match.group(1)) * _UNITS[match.group(2)]
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"not a byte size: {text!r}")
+    return int(value)
+
+
+def parse_count(text: str) -> int:
+    """``"7.5e9"``, ``"7.5B"``, ``"350M"``, ``"125k"`` -> an element count."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-z]?)\s*", text.lower())
+    if not match or match.group(2) not in _COUNT_SUFFIX:
+        raise ValueError(f"not a parameter count: {text!r} (e.g. 7.5e9, 7.5B, 350M)")
+    value = float(match.group(1)) * _COUNT_SUFFIX[match.group(2)]
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"not a parameter count: {text!r}")
+    return round(value)
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units, as the ZeRO paper counts them (1 GB = 1e9 bytes)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n:.0f} B"

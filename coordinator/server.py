@@ -1,0 +1,491 @@
+"""The coordinator's gRPC server.
+
+    server, port = create_server(CoordinatorConfig(...))
+    server.start()
+    ...
+    server.stop(grace=5)
+
+or ``serve(config)``, which blocks until SIGTERM/SIGINT and then stops
+gracefully. The server runs on grpc.aio in an event loop of its own (one
+thread): every watch stream is a coroutine, not a thread, so thousands of
+workers can watch at once, and the membership state is only ever touched from
+that loop, so it needs no locks. ``CoordinatorServer`` is a synchronous handle
+on it, for launchers and tests.
+
+Handlers are registered by hand instead of through the generated
+``add_CoordinatorServicer_to_server`` so that a request that does not parse
+gets INVALID_ARGUMENT (grpc's own deserialization failure is INTERNAL), and so
+that authentication, validation and error mapping live in one place
+(``_Servicer._guard``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import metadata
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
+from coordinator.config import ADDRESS_ENV, TOKEN_ENV, CoordinatorConfig
+from coordinator.membership import (
+    InvalidRequest,
+    InventoryMismatch,
+    Membership,
+    StaleGeneration,
+    UnknownWorker,
+)
+from coordinator.messages import (
+    GENERATION_METADATA_KEY,
+    StatusReport,
+    generation_to_proto,
+    param_from_proto,
+    report_from_proto,
+    status_to_proto,
+    worker_from_proto,
+)
+from coordinator.statefile import load_snapshot, save_snapshot
+
+__all__ = [
+    "SERVICE_NAME",
+    "CoordinatorServer",
+    "EmbeddedCoordinator",
+    "create_server",
+    "serve",
+]
+
+logger = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
+SERVICE_NAME = SERVICE.full_name
+
+try:
+    VERSION = metadata.version("zeroplane")
+except metadata.PackageNotFoundError:
+    VERSION = "0+unknown"
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, detail: str, trailing: tuple = ()) -> None:
+        super().__init__(detail)
+        self.code, self.detail, self.trailing = code, detail, trailing
+
+
+class _Malformed:
+    """Stands in for a request that could not be decoded, so the handler can say why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _deserializer(cls: type, limit: int) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        if len(data) > limit:
+            return _Malformed(f"request is {len(data)} bytes, over the limit of {limit}")
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return _Malformed(f"request is not a valid {cls.DESCRIPTOR.name}: {exc}")
+
+    return parse
+
+
+def _valid(what: str, convert: Callable[[Any], Any], msg: Any) -> Any:
+    try:
+        return convert(msg)
+    except ValueError as exc:
+        raise InvalidRequest(f"{what}: {exc}") from None
+
+
+class _Servicer:
+    """The Coordinator service over one Membership, on one event loop."""
+
+    def __init__(self, config: CoordinatorConfig, membership: Membership) -> None:
+        self.config = config
+        self.m = membership
+        token = config.server.token
+        self._token_digest = None if token is None else hashlib.sha256(token.encode()).digest()
+        self._changed = asyncio.Condition()
+        self._stopping = False
+        self._ticker: asyncio.Task | None = None
+        self._generation_msg = (
+            None if membership.generation is None else generation_to_proto(membership.generation)
+        )
+        ms = config.membership
+        windows = [ms.lease_timeout_s / 10] + ([ms.join_window_s / 5] if ms.join_window_s else [])
+        self._tick_s = max(0.01, min(0.1, *windows))
+
+    # ---- plumbing ---------------------------------------------------------------------
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        behaviours = {
+            "Register": self.register,
+            "Heartbeat": self.heartbeat,
+            "WatchGenerations": self.watch_generations,
+            "Leave": self.leave,
+            "Status": self.status,
+        }
+        limit = self.config.server.max_request_bytes
+        handlers = {}
+        for method in SERVICE.methods:
+            request_cls = getattr(pb, method.input_type.name)
+            response_cls = getattr(pb, method.output_type.name)
+            kwargs = dict(
+                request_deserializer=_deserializer(request_cls, limit),
+                response_serializer=response_cls.SerializeToString,
+            )
+            fn = behaviours[method.name]
+            if method.server_streaming:
+                handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                    self._guard_stream(fn), **kwargs
+                )
+            else:
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                    self._guard(fn), **kwargs
+                )
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self._token_digest is None:
+            return
+        value = dict(context.invocation_metadata() or ()).get("authorization")
+        if value is None:
+            raise _Abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing bearer token (metadata 'authorization: Bearer <token>')",
+            )
+        scheme, _, token = str(value).partition(" ")
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        # Compare digests, so neither the token's content nor its length leaks through timing.
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(digest, self._token_digest)):
+            raise _Abort(grpc.StatusCode.UNAUTHENTICATED, "wrong bearer token")
+
+    def _admit(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        self._authorize(context)
+        if isinstance(request, _Malformed):
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+
+    @staticmethod
+    def _to_abort(exc: Exception) -> _Abort:
+        if isinstance(exc, _Abort):
+            return exc
+        if isinstance(exc, InvalidRequest):
+            return _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if isinstance(exc, StaleGeneration):
+            trailing = ((GENERATION_METADATA_KEY, str(exc.current)),)
+            return _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), trailing)
+        if isinstance(exc, InventoryMismatch):
+            return _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if isinstance(exc, UnknownWorker):
+            return _Abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        logger.exception("internal error in the coordinator", exc_info=exc)
+        return _Abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+    def _guard(self, fn: Callable[[Any], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                self._admit(request, context)
+                return await fn(request)
+            except Exception as exc:
+                abort = self._to_abort(exc)
+            await context.abort(abort.code, abort.detail, abort.trailing)
+
+        return handle
+
+    def _guard_stream(
+        self, fn: Callable[[Any], AsyncIterator[Any]]
+    ) -> Callable[..., AsyncIterator[Any]]:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                self._admit(request, context)
+            except Exception as exc:
+                abort = self._to_abort(exc)
+                await context.abort(abort.code, abort.detail, abort.trailing)
+            async for item in fn(request):
+                yield item
+
+        return handle
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            try:
+                await self._reconcile(expire=True)
+            except Exception:
+                logger.exception("membership reconcile failed")
+
+    async def _reconcile(self, *, expire: bool = False) -> None:
+        # Expiry scans every lease, so only the ticker does it; a register or a
+        # leave only needs to know whether a generation is due (O(1)).
+        if expire:
+            self.m.expire()
+        generation = self.m.maybe_form()
+        if generation is None:
+            return
+        self._generation_msg = generation_to_proto(generation)
+        path = self.config.server.state_file
+        if path is not None:
+            try:
+                save_snapshot(path, self.m.snapshot())
+            except OSError:
+                logger.exception("cannot write the state file %s", path)
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ---- RPCs -------------------------------------------------------------------------
+
+    async def register(self, request: pb.RegisterRequest) -> pb.RegisterResponse:
+        info = _valid("worker", worker_from_proto, request.worker)
+        limit = self.config.server.max_params
+        if len(request.inventory) > limit:
+            raise InvalidRequest(
+                f"inventory has {len(request.inventory)} parameters, over the limit of {limit}"
+            )
+        inventory = [_valid("inventory", param_from_proto, p) for p in request.inventory]
+        reattached = self.m.register(info, inventory)
+        await self._reconcile()
+        ms = self.config.membership
+        return pb.RegisterResponse(
+            worker_id=info.worker_id,
+            lease_timeout_s=ms.lease_timeout_s,
+            heartbeat_interval_s=ms.heartbeat_interval_s,
+            generation_id=self.m.generation_id,
+            reattached=reattached,
+            epoch=self.m.epoch,
+        )
+
+    async def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        if not request.worker_id:
+            raise InvalidRequest("worker_id must be non-empty")
+        if len(request.free_ports) > 8 or any(not 0 < p < 65536 for p in request.free_ports):
+            raise InvalidRequest("free_ports: at most 8 ports, each in [1, 65535]")
+        report = None
+        if request.HasField("report"):
+            report = _valid("report", report_from_proto, request.report)
+        remaining = self.m.heartbeat(
+            request.worker_id, request.generation_id, report, tuple(request.free_ports)
+        )
+        return pb.HeartbeatResponse(generation_id=self.m.generation_id, lease_remaining_s=remaining)
+
+    async def watch_generations(self, request: pb.WatchGenerationsRequest) -> AsyncIterator:
+        after = request.after_generation_id
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(
+                    lambda after=after: self._stopping or self.m.generation_id > after
+                )
+            if self._stopping:
+                return
+            msg = self._generation_msg
+            after = msg.id
+            yield msg
+
+    async def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
+        if not request.worker_id:
+            raise InvalidRequest("worker_id must be non-empty")
+        self.m.leave(request.worker_id, request.reason[:256])
+        await self._reconcile()
+        return pb.LeaveResponse()
+
+    async def status(self, request: pb.StatusRequest) -> pb.StatusResponse:
+        return status_to_proto(self.m.status(VERSION))
+
+
+class CoordinatorServer:
+    """A coordinator serving on its own event-loop thread; a synchronous handle.
+
+    The port is bound at construction (``port``), serving begins at ``start``.
+    """
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="zeroplane-coordinator", daemon=True
+        )
+        self._terminated = threading.Event()
+        self._started = False
+        self._thread.start()
+        try:
+            self.port: int = self._call(self._bind())
+        except BaseException:
+            self._close_loop()
+            raise
+
+    @property
+    def address(self) -> str:
+        host = self.config.server.host
+        if host in ("0.0.0.0", "::", "[::]"):
+            host = "127.0.0.1"
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def _call(self, coro: Awaitable[Any], timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _bind(self) -> int:
+        cfg = self.config
+        membership = Membership(cfg.membership, cfg.plan)
+        if cfg.server.state_file is not None:
+            snapshot = load_snapshot(cfg.server.state_file)
+            if snapshot is not None:
+                membership.restore(snapshot)
+        self._servicer = _Servicer(cfg, membership)
+        limit = cfg.server.max_request_bytes
+        self._server = grpc.aio.server(
+            options=[
+                # Above the application limit, so an oversized request reaches the handler
+                # and gets INVALID_ARGUMENT rather than grpc's RESOURCE_EXHAUSTED.
+                # (Beyond this transport limit grpc itself answers RESOURCE_EXHAUSTED.)
+                ("grpc.max_receive_message_length", max(2 * limit, limit + (4 << 20))),
+                ("grpc.max_send_message_length", cfg.server.max_send_bytes),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ]
+        )
+        self._server.add_generic_rpc_handlers((self._servicer.handler(),))
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        host = cfg.server.host
+        address = f"[{host}]:{cfg.server.port}" if ":" in host else f"{host}:{cfg.server.port}"
+        if cfg.server.tls:
+            credentials = grpc.ssl_server_credentials(
+                [(cfg.server.tls_key_file.read_bytes(), cfg.server.tls_cert_file.read_bytes())]
+            )
+            port = self._server.add_secure_port(address, credentials)
+        else:
+            port = self._server.add_insecure_port(address)
+        if not port:
+            raise OSError(f"coordinator cannot bind {address}")
+        return port
+
+    def start(self) -> None:
+        self._call(self._start())
+        self._started = True
+        if self.config.server.token is None:
+            logger.warning("no bearer token configured: the coordinator accepts any client")
+        logger.info(
+            "coordinator serving on %s:%d (%s)",
+            self.config.server.host,
+            self.port,
+            "TLS" if self.config.server.tls else "plaintext",
+        )
+
+    async def _start(self) -> None:
+        await self._server.start()
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._servicer.start()
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving; in-flight RPCs get ``grace`` seconds (default: the config's)."""
+        if self._terminated.is_set():
+            return
+        grace = self.config.server.grace_s if grace is None else grace
+        try:
+            self._call(self._stop(grace))
+        finally:
+            self._close_loop()
+        logger.info("coordinator on port %d stopped", self.port)
+
+    async def _stop(self, grace: float) -> None:
+        await self._health.enter_graceful_shutdown()
+        await self._servicer.stop()
+        await self._server.stop(grace)
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._terminated.set()
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._terminated.wait(timeout)
+
+    def status(self) -> StatusReport:
+        """The job's status, read in process (no RPC, no token)."""
+
+        async def read() -> StatusReport:
+            return self._servicer.m.status(VERSION)
+
+        return self._call(read())
+
+    def __enter__(self) -> CoordinatorServer:
+        if not self._started:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedCoordinator:
+    """A coordinator run by a launcher beside its workers (``coordinator.launch.JobService``).
+
+    ``start`` returns the environment that ``ClientConfig.from_env`` reads in the workers.
+    """
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.server: CoordinatorServer | None = None
+
+    def start(self) -> dict[str, str]:
+        self.server, _ = create_server(self.config)
+        self.server.start()
+        env = {ADDRESS_ENV: self.server.address}
+        if self.config.server.token is not None:
+            env[TOKEN_ENV] = self.config.server.token
+        return env
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def create_server(config: CoordinatorConfig) -> tuple[CoordinatorServer, int]:
+    """A coordinator bound to its port but not yet serving, and that port."""
+    server = CoordinatorServer(config)
+    return server, server.port
+
+
+def serve(config: CoordinatorConfig, *, on_ready: Callable[[int], None] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully. Call from the main thread."""
+    server, port = create_server(config)
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        server.start()
+        if on_ready is not None:
+            on_ready(port)
+        stop.wait()
+        logger.info("stopping, grace %.1fs", config.server.grace_s)
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,89 @@
+"""Shared pieces of the coordinator tests: a small inventory, a live server, a polling wait."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from coordinator.client import ClientConfig, CoordinatorClient
+from coordinator.config import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
+from coordinator.layout import ParamSpec
+from coordinator.messages import WorkerInfo
+from coordinator.server import CoordinatorServer, create_server
+
+T = TypeVar("T")
+
+TOKEN = "test-token-0123456789"
+
+
+def inventory(hidden: int = 8) -> list[ParamSpec]:
+    return [
+        ParamSpec(name="embed.weight", shape=(32, hidden), dtype="float32"),
+        ParamSpec(name="block.0.weight", shape=(hidden, hidden), dtype="float32", unit=1),
+        ParamSpec(name="block.0.bias", shape=(hidden,), dtype="float32", unit=1),
+        ParamSpec(name="norm.weight", shape=(hidden,), dtype="float32", requires_grad=False),
+        ParamSpec(name="head.weight", shape=(7, hidden), dtype="float32", unit=2, group=1),
+    ]
+
+
+def config(
+    *,
+    token: str | None = TOKEN,
+    state_file: Path | None = None,
+    port: int = 0,
+    min_workers: int = 1,
+    max_workers: int = 8,
+    join_window_s: float = 0.0,
+    lease_timeout_s: float = 3.0,
+    stage: int | None = 2,
+    **server: object,
+) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        server=ServerConfig(
+            host="127.0.0.1", port=port, token=token, state_file=state_file, grace_s=0.5, **server
+        ),
+        membership=MembershipConfig(
+            min_workers=min_workers,
+            max_workers=max_workers,
+            join_window_s=join_window_s,
+            lease_timeout_s=lease_timeout_s,
+            heartbeat_interval_s=0.1,
+        ),
+        plan=PlanConfig(stage=stage, bucket_numel=100, align=2),
+    )
+
+
+@contextmanager
+def running(cfg: CoordinatorConfig) -> Iterator[CoordinatorServer]:
+    server, _ = create_server(cfg)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(grace=0.2)
+
+
+def client(server_or_port: CoordinatorServer | int, *, token: str | None = TOKEN, **kw: object):
+    port = server_or_port if isinstance(server_or_port, int) else server_or_port.port
+    defaults = dict(connect_timeout_s=5.0, rpc_timeout_s=2.0, backoff_max_s=0.3)
+    return CoordinatorClient(
+        ClientConfig(address=f"127.0.0.1:{port}", token=token, **{**defaults, **kw})
+    )
+
+
+def worker(worker_id: str, **kw: object) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, host="127.0.0.1", **kw)
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 10.0, what: str = "condition") -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)

@@ -1,0 +1,199 @@
+"""The membership state machine on a fake clock: formation rules, leases, fencing, restore."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.config import MembershipConfig, PlanConfig
+from coordinator.membership import (
+    InvalidRequest,
+    InventoryMismatch,
+    Membership,
+    StaleGeneration,
+    UnknownWorker,
+)
+from coordinator.reshard import moves_for_rank
+from coordinator.statefile import load_snapshot, save_snapshot
+from tests.coordinator_util import inventory, worker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def membership(clock: Clock, **kw: object) -> Membership:
+    settings = dict(
+        min_workers=2,
+        max_workers=3,
+        join_window_s=5.0,
+        lease_timeout_s=3.0,
+        heartbeat_interval_s=1.0,
+    )
+    settings.update(kw)
+    return Membership(
+        MembershipConfig(**settings),
+        PlanConfig(stage=1, bucket_numel=100, align=2),
+        clock=clock,
+        wall_clock=clock,
+    )
+
+
+def test_first_generation_waits_for_min_workers_and_the_join_window() -> None:
+    clock = Clock()
+    m = membership(clock)
+    m.register(worker("b", free_ports=(2001,)), inventory())
+    assert m.maybe_form() is None
+    assert "1 of at least 2" in m.waiting_reason()
+    clock.now += 1
+    m.register(worker("a", free_ports=(1001,)), inventory())
+    clock.now += 3.9  # window counts from the first registration
+    assert m.maybe_form() is None
+    assert "join window" in m.waiting_reason()
+    clock.now += 0.2
+    gen = m.maybe_form()
+    assert gen is not None and gen.id == 1
+    # Joiners sort by (host, id); rank 0 hosts the rendezvous on a port it reported.
+    assert [x.worker_id for x in gen.members] == ["a", "b"]
+    assert gen.rendezvous_endpoint == "127.0.0.1:1001"
+    assert gen.reshard is None and gen.stage == 1
+    assert m.maybe_form() is None
+
+
+def test_max_workers_forms_at_once_and_extra_workers_stand_by() -> None:
+    clock = Clock()
+    m = membership(clock)
+    for wid in ("a", "b", "c"):
+        m.register(worker(wid), inventory())
+    gen = m.maybe_form()
+    assert gen is not None and gen.world_size == 3
+    m.register(worker("d"), inventory())
+    clock.now += 10
+    for wid in ("a", "b", "c", "d"):
+        m.heartbeat(wid, gen.id)
+    assert m.maybe_form() is None  # full: d waits
+    status = m.status()
+    assert [(w.info.worker_id, w.state) for w in status.workers][-1] == ("d", "standby")
+
+
+def test_a_lost_member_forms_the_next_generation_at_once_with_lost_ranks() -> None:
+    clock = Clock()
+    m = membership(clock, max_workers=4)
+    for wid in ("a", "b", "c"):
+        m.register(worker(wid, free_ports=(3000 + ord(wid),)), inventory())
+    clock.now += 5
+    g1 = m.maybe_form()
+    assert g1 is not None and g1.world_size == 3
+    clock.now += 2
+    m.heartbeat("a", 1)
+    m.heartbeat("c", 1)
+    clock.now += 1.5  # b's lease (3 s) has run out, a's and c's have not
+    assert m.expire() == ["b"]
+    g2 = m.maybe_form()
+    assert g2 is not None and g2.id == 2
+    assert [(x.worker_id, x.rank, x.previous_rank) for x in g2.members] == [
+        ("a", 0, 0),
+        ("c", 1, 2),
+    ]
+    assert g2.reshard is not None
+    assert g2.reshard.lost_ranks == (1,) and g2.reshard.from_world_size == 3
+    # A fresh port, never the previous generation's.
+    assert g2.rendezvous_endpoint != g1.rendezvous_endpoint
+    # c was rank 2 and becomes rank 1: what it keeps, sends and receives.
+    mine = moves_for_rank(g2.reshard.moves, old_rank=2, new_rank=1)
+    assert mine.keep and all(mv.old_owner == 2 and mv.new_owner == 1 for mv in mine.keep)
+    assert [e.kind for e in m.events][-2:] == ["expired", "generation"]
+
+
+def test_below_min_workers_the_generation_stays_and_status_says_why() -> None:
+    clock = Clock()
+    m = membership(clock, max_workers=2)
+    m.register(worker("a"), inventory())
+    m.register(worker("b"), inventory())
+    assert m.maybe_form() is not None
+    m.leave("b", "done")
+    assert m.maybe_form() is None
+    status = m.status()
+    assert status.phase == "waiting"
+    assert "lost 1 member" in status.waiting_reason
+    assert [(w.info.worker_id, w.state) for w in status.workers] == [("a", "member"), ("b", "lost")]
+    m.register(worker("c"), inventory())
+    gen = m.maybe_form()  # lost members: no join window
+    assert gen is not None and [x.worker_id for x in gen.members] == ["a", "c"]
+    assert gen.reshard is not None and gen.reshard.lost_ranks == (1,)
+
+
+def test_a_restarted_worker_is_a_new_incarnation_not_a_reattach() -> None:
+    clock = Clock()
+    m = membership(clock, min_workers=1, max_workers=2)
+    m.register(worker("a", incarnation="one"), inventory())
+    m.register(worker("b", incarnation="one"), inventory())
+    assert m.maybe_form() is not None
+    assert m.register(worker("a", incarnation="one"), inventory()) is True
+    assert m.maybe_form() is None
+    assert m.register(worker("a", incarnation="two"), inventory()) is False
+    gen = m.maybe_form()
+    assert gen is not None and gen.id == 2
+    assert gen.reshard is not None and gen.reshard.lost_ranks == (0,)
+    assert gen.member("a").previous_rank is None  # a joiner again, its state is gone
+
+
+def test_heartbeats_are_fenced_by_generation() -> None:
+    clock = Clock()
+    m = membership(clock, min_workers=1, join_window_s=0)
+    m.register(worker("a"), inventory())
+    assert m.heartbeat("a", 0) == 3.0
+    assert m.maybe_form() is not None
+    with pytest.raises(StaleGeneration) as err:
+        m.heartbeat("a", 0)
+    assert err.value.current == 1
+    with pytest.raises(StaleGeneration):
+        m.heartbeat("a", 7)
+    with pytest.raises(UnknownWorker, match="register again"):
+        m.heartbeat("nobody", 1)
+
+
+def test_inventory_mismatch_names_the_first_differing_parameter() -> None:
+    m = membership(Clock())
+    m.register(worker("a"), inventory())
+    other = inventory()
+    other[2] = other[2].__class__(name="block.0.bias", shape=(9,), dtype="float32", unit=1)
+    with pytest.raises(InventoryMismatch, match=r"'block\.0\.bias' has shape \(9,\)"):
+        m.register(worker("b"), other)
+    with pytest.raises(InventoryMismatch, match=r"'head\.weight' is missing"):
+        m.register(worker("b"), inventory()[:-1])
+    with pytest.raises(InvalidRequest, match="empty"):
+        m.register(worker("c"), [])
+
+
+def test_snapshot_survives_the_state_file(tmp_path) -> None:
+    clock = Clock()
+    m = membership(clock, max_workers=2)
+    m.register(worker("a", free_ports=(4001,)), inventory())
+    m.register(worker("b"), inventory())
+    m.maybe_form()
+    m.leave("b")
+    m.register(worker("c"), inventory())
+    gen = m.maybe_form()
+    assert gen is not None and gen.reshard is not None
+    path = tmp_path / "state.json"
+    save_snapshot(path, m.snapshot())
+    assert not [p for p in tmp_path.iterdir() if p.name != "state.json"]  # no temp file left
+
+    restored = membership(clock, max_workers=2)
+    snapshot = load_snapshot(path)
+    assert snapshot is not None and snapshot.generation == gen
+    restored.restore(snapshot)
+    assert restored.generation == gen and restored.inventory == m.inventory
+    restored.heartbeat("a", 2)
+    restored.heartbeat("c", 2)
+    assert restored.maybe_form() is None
+    assert load_snapshot(tmp_path / "missing.json") is None
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable"):
+        load_snapshot(tmp_path / "bad.json")

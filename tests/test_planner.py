@@ -1,0 +1,133 @@
+"""The planner against the ZeRO paper's Table 1, the stage choice, and `zeroplane plan`."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from coordinator.cli import main
+from coordinator.planner import (
+    PlanConfig,
+    choose_stage,
+    estimate_memory,
+    format_bytes,
+    parse_bytes,
+    parse_count,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+PSI = 7_500_000_000
+# Rajbhandari et al. 2019, Table 1: 7.5B parameters, mixed-precision Adam (K = 12), GB = 1e9.
+# N -> (stage 1, stage 2, stage 3), as printed.
+TABLE_1 = {
+    1: ("120", "120", "120"),
+    4: ("52.5", "41.3", "30"),
+    16: ("35.6", "21.6", "7.5"),
+    64: ("31.4", "16.6", "1.88"),
+    1024: ("30.1", "15.1", "0.12"),
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(TABLE_1))
+def test_estimates_match_zero_paper_table_1(world_size: int) -> None:
+    config = PlanConfig(precision="bf16", optimizer_states=2)
+    baseline = estimate_memory(PSI, stage=0, world_size=world_size, config=config)
+    assert baseline.total == 120e9  # DDP: 16 bytes per parameter on every rank
+    for stage, printed in zip((1, 2, 3), TABLE_1[world_size], strict=True):
+        got = estimate_memory(PSI, stage=stage, world_size=world_size, config=config).total / 1e9
+        decimals = len(printed.partition(".")[2])
+        # Equal to the printed value within half a unit of its last digit.
+        assert abs(got - float(printed)) <= 0.5 * 10**-decimals + 1e-9, (stage, got, printed)
+
+
+def test_activation_term_is_added_to_every_stage() -> None:
+    config = PlanConfig(activation_bytes=3_000_000_000)
+    for stage in range(4):
+        e = estimate_memory(PSI, stage=stage, world_size=4, config=config)
+        assert e.total == e.model_states.total + 3e9
+
+
+def test_one_rank_is_stage_0_and_says_why() -> None:
+    choice = choose_stage(1_000_000, world_size=1, device_memory_bytes=80 * 10**9)
+    assert choice.stage == 0 and "one rank" in choice.reason and choice.fits
+
+
+def test_lowest_stage_that_fits_the_smallest_worker() -> None:
+    # 80 GB less 10% headroom = 72 GB usable.
+    assert choose_stage(PSI, world_size=4, device_memory_bytes=80 * 10**9).stage == 1
+    # 40 GB -> 36 usable: stage 1 needs 52.5, stage 2 41.25, stage 3 30.
+    choice = choose_stage(PSI, world_size=4, device_memory_bytes=40 * 10**9)
+    assert choice.stage == 3 and "lowest that fits" in choice.reason
+    # Nothing fits: stage 3, saying so.
+    choice = choose_stage(PSI, world_size=2, device_memory_bytes=16 * 10**9)
+    assert choice.stage == 3 and not choice.fits and "no stage fits" in choice.reason
+    small = choose_stage(1000, world_size=8, device_memory_bytes=10**9)
+    assert small.stage == 0 and small.fits
+
+
+def test_forced_stage_on_one_rank_warns(caplog: pytest.LogCaptureFixture) -> None:
+    choice = choose_stage(1000, world_size=1, device_memory_bytes=0, config=PlanConfig(stage=2))
+    assert choice.stage == 2 and "configuration" in choice.reason
+    assert "saves no memory" in caplog.text
+
+
+def test_parsers() -> None:
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("16GiB") == 16 * 2**30
+    assert parse_bytes("1e9") == 10**9
+    assert parse_count("7.5e9") == parse_count("7.5B") == PSI
+    assert parse_count("350M") == 350_000_000
+    assert format_bytes(41.25e9) == "41.25 GB"
+    with pytest.raises(ValueError, match="not a byte size"):
+        parse_bytes("80 parsecs")
+    with pytest.raises(ValueError, match=r"PlanConfig\.headroom"):
+        PlanConfig(headroom=1.5)
+
+
+def test_cli_plan_prints_all_stages_and_the_recommendation(capsys) -> None:
+    argv = ["plan", "--params", "7.5e9", "--world-sizes", "1,4,16,64,1024"]
+    assert main([*argv, "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in out.splitlines()
+        if line.strip() and line.split()[0].isdigit()
+    }
+    assert rows["4"] == ["120.0", "52.5", "41.3", "30.0", "1"]
+    assert rows["16"] == ["120.0", "35.6", "21.6", "7.50", "1"]
+    assert rows["64"] == ["120.0", "31.4", "16.6", "1.88", "1"]
+    assert rows["1024"] == ["120.0", "30.1", "15.1", "0.12", "1"]
+    assert rows["1"] == ["120.0", "120.0", "120.0", "120.0", "0*"]
+    assert "N=1: stage 0: one rank" in out
+
+    assert main([*argv, "--device-memory", "80GB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [p["recommended_stage"] for p in data["plans"]] == [0, 1, 1, 1, 1]
+
+    assert main(["plan", "--params", "lots"]) == 2
+    assert "not a parameter count" in capsys.readouterr().err
+
+
+def test_cli_plan_loads_a_model_factory(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "planned_model.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            def build():
+                model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
+                model[0].bias.requires_grad_(False)
+                return model
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["plan", "--model", "planned_model:build", "--world-sizes", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["trainable_params"] == 10 * 20 + 20 * 5 + 5  # the frozen bias is not counted
+    assert main(["plan", "--model", "planned_model:nope"]) == 2
+    assert "cannot load" in capsys.readouterr().err
