@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import secrets
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,7 +39,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
-from coordinator.config import ADDRESS_ENV, TOKEN_ENV, CoordinatorConfig
+from coordinator.config import (
+    ADDRESS_ENV,
+    TOKEN_ENV,
+    CoordinatorConfig,
+    MembershipConfig,
+    PlanConfig,
+    ServerConfig,
+)
 from coordinator.membership import (
     InvalidRequest,
     InventoryMismatch,
@@ -452,6 +460,20 @@ class EmbeddedCoordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.server: CoordinatorServer | None = None
+
+    @classmethod
+    def for_local_job(cls, nproc: int, stage: int | None) -> EmbeddedCoordinator:
+        """The coordinator of a one-machine job: exactly ``nproc`` workers, no join
+        window, a fresh random token, and ``stage`` (None: the planner's choice)."""
+        return cls(
+            CoordinatorConfig(
+                server=ServerConfig(token=secrets.token_urlsafe(24)),
+                membership=MembershipConfig(
+                    min_workers=nproc, max_workers=nproc, join_window_s=0.0
+                ),
+                plan=PlanConfig(stage=stage),
+            )
+        )
 
     def start(self) -> dict[str, str]:
         self.server, _ = create_server(self.config)

@@ -259,7 +259,10 @@ def load_checkpoint(engine: ZeroEngine, path: str | os.PathLike) -> dict:
         error = str(exc)
     _agree_on_error(engine, error)
 
-    loaded = {name: torch.load(step_dir / name, weights_only=True, mmap=True) for name in needed}
+    loaded = {
+        name: torch.load(step_dir / name, weights_only=True, mmap=True, map_location=engine.device)
+        for name in needed
+    }
     entries: dict[str, dict] = {}
     for name in needed:
         entries.update(loaded[name]["entries"])
@@ -345,10 +348,11 @@ def _verify(step_dir: Path, manifest: dict, needed: list[str]) -> str:
 
 def _agree_on_error(engine: ZeroEngine, error: str) -> None:
     """Every rank raises if any rank found a problem, with that rank's message."""
-    msg = torch.zeros(512, dtype=torch.uint8)
+    msg = torch.zeros(512, dtype=torch.uint8, device=engine.device)
     raw = error.encode()[:511]
-    msg[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else msg[:0]
-    flag = torch.tensor([engine.rank + 1 if error else 0], dtype=torch.int64)
+    if raw:
+        msg[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(engine.device)
+    flag = torch.tensor([engine.rank + 1 if error else 0], dtype=torch.int64, device=engine.device)
     engine.comm.all_reduce(flag, op="max", control=True)
     if int(flag) == 0:
         return
@@ -365,7 +369,7 @@ def _import_ranges(engine: ZeroEngine, entries: dict, index: dict) -> None:
     for (name, start, stop), opt_piece in zip(
         _wanted(engine), engine.optimizer.pieces, strict=True
     ):
-        values = torch.empty(stop - start, dtype=torch.float32)
+        values = torch.empty(stop - start, dtype=torch.float32, device=engine.device)
         state: dict[str, Any] = {}
         covered = 0
         for lo, hi, _file in sorted(index[name]):
@@ -377,7 +381,7 @@ def _import_ranges(engine: ZeroEngine, entries: dict, index: dict) -> None:
             for k, v in entry["state"].items():
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == hi - lo:
                     if k not in state:
-                        state[k] = torch.zeros(stop - start, dtype=v.dtype)
+                        state[k] = torch.zeros(stop - start, dtype=v.dtype, device=engine.device)
                     state[k][a - start : b - start] = v[a - lo : b - lo]
                 else:
                     state.setdefault(k, v.clone() if isinstance(v, torch.Tensor) else v)

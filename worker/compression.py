@@ -158,7 +158,7 @@ class Int8Codec(_Blockwise):
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         if numel == 0:
-            return torch.zeros(0)
+            return torch.zeros(0, device=payload.device)
         scales, values = self._split(payload, numel)
         q = torch.nn.functional.pad(values.view(torch.int8).float(), (0, -numel % self.block))
         return (q.view(-1, self.block) * scales[:, None]).view(-1)[:numel]
@@ -190,16 +190,16 @@ class OneBitCodec(_Blockwise):
             scales[-1] = scales[-1] * self.block / tail
         bits = (x >= 0).to(torch.uint8)
         bits = torch.nn.functional.pad(bits, (0, -n % 8)).view(-1, 8)
-        packed = (bits << _SHIFTS).sum(dim=1, dtype=torch.uint8)
+        packed = (bits << _SHIFTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)
         out_scales, out_values = self._split(out, n)
         out_scales.copy_(scales)
         out_values.copy_(packed)
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         if numel == 0:
-            return torch.zeros(0)
+            return torch.zeros(0, device=payload.device)
         scales, packed = self._split(payload, numel)
-        bits = ((packed[:, None] >> _SHIFTS) & 1).view(-1)[:numel]
+        bits = ((packed[:, None] >> _SHIFTS.to(packed.device)) & 1).view(-1)[:numel]
         signs = bits.float().mul_(2).sub_(1)
         per_elem = scales.repeat_interleave(self.block)[:numel]
         return signs * per_elem
@@ -240,7 +240,7 @@ class PendingReduceScatter:
     def finish(self) -> torch.Tensor:
         self.handle.wait()
         wire = self.codec.wire_bytes(self.shard_numel)
-        out = torch.zeros(self.shard_numel)
+        out = torch.zeros(self.shard_numel, device=self.recv.device)
         for r in range(self.world_size):
             out += self.codec.decode(self.recv[r * wire : (r + 1) * wire], self.shard_numel)
         return out
@@ -270,7 +270,7 @@ def start_reduce_scatter(
     shard = x.numel() // n
     x = x.float() if residual is None else x.float() + residual
     wire = codec.wire_bytes(shard)
-    send = torch.empty(n * wire, dtype=torch.uint8)
+    send = torch.empty(n * wire, dtype=torch.uint8, device=x.device)
     for r in range(n):
         chunk_residual = None if residual is None else residual[r * shard : (r + 1) * shard]
         _encode_with_feedback(
@@ -312,9 +312,9 @@ def start_all_gather(
     """Start a compressed all-gather of every rank's ``shard`` into ``out``."""
     x = shard.float() if residual is None else shard.float() + residual
     wire = codec.wire_bytes(x.numel())
-    send = torch.empty(wire, dtype=torch.uint8)
+    send = torch.empty(wire, dtype=torch.uint8, device=x.device)
     _encode_with_feedback(codec, x, send, residual)
-    recv = torch.empty(comm.world_size * wire, dtype=torch.uint8)
+    recv = torch.empty(comm.world_size * wire, dtype=torch.uint8, device=x.device)
     handle = comm.all_gather(
         recv, send, async_op=True, logical_bytes=out.numel() * out.element_size()
     )

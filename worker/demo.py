@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import worker
+from coordinator.config import ADDRESS_ENV
 from worker.models import GPT, GPTConfig
 
 __all__ = ["DemoConfig", "load_corpus", "main", "sample_batch", "train"]
@@ -133,13 +134,10 @@ def _comm_since(
 
 
 def train(cfg: DemoConfig, out: Path) -> dict[str, Any]:
-    """Train on this rank (the process group must be up); write and return its report."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if cfg.batch_size % world_size:
-        raise ValueError(
-            f"DemoConfig.batch_size ({cfg.batch_size}) must be divisible by the "
-            f"world size ({world_size})"
-        )
+    """Train on this rank; write and return its report.
+
+    Under ``zeroplane run`` the engine registers with the job's coordinator and
+    forms the process group; run by hand, the group must be up already."""
     data = load_corpus()
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.gpt_config())
@@ -148,6 +146,12 @@ def train(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     engine = worker.initialize(
         model, opt, config=worker.ZeroConfig(stage=cfg.stage, dtype=cfg.dtype)
     )
+    rank, world_size = engine.rank, engine.world_size
+    if cfg.batch_size % world_size:
+        raise ValueError(
+            f"DemoConfig.batch_size ({cfg.batch_size}) must be divisible by the "
+            f"world size ({world_size})"
+        )
 
     setup_comm = engine.comm_report()  # the initial broadcast is not part of a step
     progress = out / f"rank{rank}.progress.jsonl"
@@ -176,6 +180,7 @@ def train(cfg: DemoConfig, out: Path) -> dict[str, Any]:
         "step_s": step_times,
     }
     _write_json(out / f"rank{rank}.json", report)
+    engine.close()
     return report
 
 
@@ -204,12 +209,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # One thread per worker: the ranks share the machine's cores.
     torch.set_num_threads(1)
-    # Seconds, not the default 30 minutes: a dead peer should fail the job quickly.
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    if not os.environ.get(ADDRESS_ENV):
+        # Seconds, not the default 30 minutes: a dead peer should fail the job quickly.
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
         train(cfg, out)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

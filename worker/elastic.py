@@ -60,7 +60,7 @@ def pack_entries(entries: Entries) -> torch.Tensor:
             else:
                 row["scalars"][k] = v
         for field, t in tensors.items():
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
             row["tensors"].append(
                 [field, str(t.dtype).removeprefix("torch."), list(t.shape), offset]
             )
@@ -156,10 +156,16 @@ def reconfigure(
                         out[checkpoint.Range(name, a, b).key] = sub
         sends.append(pack_entries(out))
 
-    received = _exchange(via_comm, sends)
+    received = _exchange(via_comm, [buf.cpu() for buf in sends])
     incoming: Entries = {}
     for buf in received:
-        incoming.update(unpack_entries(buf))
+        for key, entry in unpack_entries(buf.cpu()).items():
+            entry["master"] = entry["master"].to(engine.device)
+            entry["state"] = {
+                k: v.to(engine.device) if isinstance(v, torch.Tensor) else v
+                for k, v in entry["state"].items()
+            }
+            incoming[key] = entry
 
     engine._detach()
     if me not in new_members:
@@ -180,11 +186,12 @@ def _exchange(comm: Collectives, sends: list[torch.Tensor]) -> list[torch.Tensor
     """All-to-all of variable-size byte buffers: sizes first, then the bytes."""
     if not comm.distributed:
         return sends
-    sizes = torch.tensor([t.numel() for t in sends], dtype=torch.int64)
+    device = torch.device("cuda") if comm.backend == "nccl" else torch.device("cpu")
+    sizes = torch.tensor([t.numel() for t in sends], dtype=torch.int64, device=device)
     recv_sizes = torch.empty_like(sizes)
     comm.all_to_all(recv_sizes, sizes, as_op="control")
-    send = torch.cat(sends)
-    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+    send = torch.cat(sends).to(device)
+    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=device)
     comm.all_to_all(
         recv, send, output_split_sizes=recv_sizes.tolist(), input_split_sizes=sizes.tolist()
     )

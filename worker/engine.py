@@ -46,9 +46,11 @@ from worker import checkpoint, elastic
 from worker.collectives import Collectives, Handle
 from worker.compression import Codec, make_codec, start_all_gather, start_reduce_scatter
 from worker.config import ZeroConfig
+from worker.control import ControlPlane, coordinator_address
 from worker.flat import FlatBucket, GatherUnit
 from worker.inventory import Inventory, build_inventory
 from worker.optim import LossScaler, Piece, ShardOptimizer
+from worker.stats import StepStats
 
 __all__ = ["ZeroEngine", "initialize"]
 
@@ -65,15 +67,27 @@ def initialize(
     *,
     config: ZeroConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    coordinator: str | None = None,
 ) -> ZeroEngine:
     """Wrap ``model`` and ``optimizer`` in a ZeRO engine over ``group``.
 
     ``model`` must be identical on every rank (rank 0's values are broadcast
     regardless). ``optimizer`` is an optimizer over the model's parameters with
     no state yet, or a callable that takes param groups and returns one.
-    torch.distributed must be initialized already, or not at all for one process.
+
+    With a coordinator (``coordinator="host:port"`` or ``$ZEROPLANE_COORDINATOR``)
+    and torch.distributed not yet initialized, the worker registers, is given
+    a rank, and forms the process group itself; the coordinator's stage and
+    layout apply. Otherwise torch.distributed must be initialized already (as
+    under torchrun), or not at all for one process.
     """
-    return ZeroEngine(model, optimizer, config=config or ZeroConfig(), group=group)
+    config = config or ZeroConfig()
+    address = coordinator_address(coordinator)
+    if address is None or group is not None or (dist.is_available() and dist.is_initialized()):
+        return ZeroEngine(model, optimizer, config=config, group=group)
+    engine = ZeroEngine(model, optimizer, config=config, joining=True)
+    engine._join_control_plane(address)
+    return engine
 
 
 class ZeroEngine:
@@ -96,7 +110,7 @@ class ZeroEngine:
             module,
             self.user_optimizer.param_groups,
             compute_dtype=self.dtype,
-            min_unit_numel=config.stage3_min_unit_numel if self.stage == 3 else None,
+            min_unit_numel=config.stage3_min_unit_numel,
         )
         self._index = {name: i for i, name in enumerate(self.inventory.trainable)}
         self.scaler = LossScaler(
@@ -109,14 +123,19 @@ class ZeroEngine:
             min_scale=config.min_loss_scale,
         )
         self.grad_codec = make_codec(config.compression, config.compression_block)
-        self._used = torch.zeros(len(self._index), dtype=torch.uint8)
+        self.device = _module_device(module)
+        self._used = torch.zeros(len(self._index), dtype=torch.uint8, device=self.device)
         self._used_handle: Handle | None = None
         self._next_bucket = 0
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        # read by the metrics exporter at scrape time (worker/metrics.py)
+        self.stats = StepStats()
         self._module_hooks: list = []
+        self._align = 1
+        self.control: ControlPlane | None = None
         self.units: list[GatherUnit] = []
         self.buckets: list[FlatBucket] = []
         self._bucket_of: dict[nn.Parameter, tuple[FlatBucket, int]] = {}
@@ -169,6 +188,33 @@ class ZeroEngine:
         if self.stage == 3:
             self._build_units()
 
+    def _join_control_plane(self, address: str) -> None:
+        control = ControlPlane.join(address, self.inventory, device=self.device)
+        gen = control.generation
+        changes: dict[str, Any] = {"bucket_numel": gen.bucket_numel}
+        if gen.stage != self.stage:
+            logger.info("stage %d (coordinator: %s)", gen.stage, gen.stage_reason or "planned")
+            changes["stage"] = gen.stage
+            if gen.stage != 3:
+                changes["stage3_gather_compression"] = "none"
+        self.config = self.config.replace(**changes)
+        self.stage, self._align = gen.stage, gen.align
+        control.init_process_group()
+        self._attach(Collectives(None), from_module=True)
+        if self.layout != gen.layout:
+            raise RuntimeError(
+                "the coordinator's bucket layout differs from this worker's: "
+                "are all workers running the same model and zeroplane version?"
+            )
+        self.control = control
+        control.report(self.memory_report(), self.global_steps)
+
+    def close(self) -> None:
+        """Leave the coordinator's job (if any); the engine must not be used after."""
+        if self.control is not None:
+            self.control.close(leave=True)
+            self.control = None
+
     def _detach(self) -> None:
         """Drop this rank's buffers and hooks (before re-attaching to another world)."""
         for handle in self._module_hooks:
@@ -206,6 +252,7 @@ class ZeroEngine:
             if holds_state
             else [0, 0, 0],
             dtype=torch.float64,
+            device=self.device,
         )
         via_comm.all_reduce(shared, op="max", control=True)
         elastic.reconfigure(
@@ -225,6 +272,7 @@ class ZeroEngine:
             self.inventory.specs,
             world_size,
             bucket_numel=self.config.bucket_numel,
+            align=self._align,
             by_unit=self.stage == 3,
         )
 
@@ -252,14 +300,14 @@ class ZeroEngine:
         lo, hi = (0, spec.padded_numel) if self.stage == 0 else spec.shard_range(self.rank)
         pieces = spec.pieces(lo, hi)
         # fp32 master values come from the original parameters, before any cast.
-        master = torch.zeros(hi - lo, dtype=torch.float32)
+        master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for piece in pieces if from_module else ():
                 src = params[spec.slots.index(piece.slot)].detach().reshape(-1)
                 master[piece.shard_start : piece.shard_start + piece.numel] = src[
                     piece.param_start : piece.param_start + piece.numel
                 ]
-            full = torch.zeros(spec.padded_numel, dtype=self.dtype)
+            full = torch.zeros(spec.padded_numel, dtype=self.dtype, device=self.device)
             if self.stage < 3 and from_module:
                 for p, slot in zip(params, spec.slots, strict=True):
                     full[slot.offset : slot.offset + slot.numel] = p.detach().reshape(-1)
@@ -282,10 +330,10 @@ class ZeroEngine:
         elif not self.config.mixed_precision:
             bucket.master = full[lo:hi]
         if self.stage <= 1:
-            bucket.grad_full = torch.zeros(spec.padded_numel, dtype=self.dtype)
+            bucket.grad_full = torch.zeros(spec.padded_numel, dtype=self.dtype, device=self.device)
             bucket.grad_views()
         else:
-            bucket.grad_shard = torch.zeros(spec.shard_numel, dtype=self.dtype)
+            bucket.grad_shard = torch.zeros(spec.shard_numel, dtype=self.dtype, device=self.device)
         return bucket
 
     def _cast_frozen_and_buffers(self) -> None:
@@ -373,6 +421,7 @@ class ZeroEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.stats.begin()
         if self.config.mixed_precision:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         return self.module(*args, **kwargs)
@@ -390,6 +439,8 @@ class ZeroEngine:
         """Backward of one micro-batch loss, with gradient reduction overlapped."""
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
             raise ValueError("engine.backward expects a loss tensor that requires grad")
+        self.stats.begin()
+        self.stats.loss = loss.detach()
         boundary = self.is_accumulation_boundary
         in_graph = _params_in_graph(loss.grad_fn)
         for p in in_graph:
@@ -468,7 +519,7 @@ class ZeroEngine:
             if src is None:
                 src = b.staging = b.full.new_zeros(b.spec.padded_numel)
             if self.config.error_feedback and b.residual is None:
-                b.residual = torch.zeros(b.spec.padded_numel)
+                b.residual = torch.zeros(b.spec.padded_numel, device=self.device)
             b.exchange = start_reduce_scatter(
                 self.comm,
                 codec,
@@ -505,8 +556,8 @@ class ZeroEngine:
             if self.stage == 0:
                 # the all-reduce's second half: every rank's summed shard to everyone
                 if self.config.error_feedback and b.server_residual is None:
-                    b.server_residual = torch.zeros(b.spec.shard_numel)
-                b.reduced = torch.empty(b.spec.padded_numel)
+                    b.server_residual = torch.zeros(b.spec.shard_numel, device=self.device)
+                b.reduced = torch.empty(b.spec.padded_numel, device=self.device)
                 start_all_gather(
                     self.comm, self._active_codec(), shard, b.reduced, b.server_residual
                 ).finish()
@@ -532,12 +583,14 @@ class ZeroEngine:
 
     # ------------------------------------------------------------ step
 
-    def step(self) -> bool:
+    def step(self, *, samples: int = 0, tokens: int = 0) -> bool:
         """Count a micro-step; at the accumulation boundary, step the optimizer.
 
         Returns True when the optimizer stepped (False between boundaries and
-        on an fp16 overflow, which skips the step).
+        on an fp16 overflow, which skips the step). ``samples`` and ``tokens``:
+        what this rank's micro-batch held, for the throughput metrics.
         """
+        self.stats.record(samples, tokens)
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1
         if not boundary:
@@ -561,9 +614,12 @@ class ZeroEngine:
             self.optimizer.step(piece_grads)
             self._publish_params()
             self.global_steps += 1
+            if self.control is not None:
+                self.control.report(self.memory_report(), self.global_steps)
         else:
             self.skipped_steps += 1
         self._zero_grads()
+        self.stats.end_step()
         return stepped
 
     def _fp32_partition_grad(self, b: FlatBucket) -> torch.Tensor:
@@ -581,7 +637,7 @@ class ZeroEngine:
         fp16 = self.config.dtype == "fp16"
         if not clip and not fp16:
             return True
-        sumsq = torch.zeros((), dtype=torch.float32)
+        sumsq = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
             sumsq += g.pow(2).sum()
         if self.stage >= 1:
@@ -654,7 +710,7 @@ class ZeroEngine:
             return b.master.detach()
         if self.stage < 3 and not self.config.mixed_precision:
             return b.full.detach()
-        full = torch.empty(b.spec.padded_numel, dtype=b.master.dtype)
+        full = torch.empty(b.spec.padded_numel, dtype=b.master.dtype, device=self.device)
         self.comm.all_gather(full, b.master.detach())
         return full
 
@@ -716,6 +772,15 @@ class ZeroEngine:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    devices = {p.device for p in module.parameters()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model's parameters are on several devices: {sorted(map(str, devices))}"
+        )
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def _resolve_optimizer(module: nn.Module, optimizer: OptimizerArg) -> torch.optim.Optimizer:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -237,7 +238,11 @@ def _run_stage(
     )
     reader = _ProgressReader(out, options.nproc)
     t0 = time.monotonic()
-    job = LocalJob(spec, on_line=on_line)
+    # imported here: the gRPC server is only needed when this process hosts it
+    from coordinator.server import EmbeddedCoordinator
+
+    coordinator = EmbeddedCoordinator.for_local_job(options.nproc, stage)
+    job = LocalJob(spec, on_line=on_line, services=(coordinator,))
     result: JobResult | None = None
     with forward_signals(job), job:
         while result is None:
@@ -442,6 +447,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def demo(args: argparse.Namespace) -> int:
+    if not args.verbose:
+        # the embedded coordinator's membership log would break up the progress display
+        logging.getLogger("coordinator").setLevel(logging.WARNING)
     try:
         options = DemoOptions(
             nproc=args.nproc,

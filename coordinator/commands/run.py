@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
+from coordinator.config import ADDRESS_ENV
 from coordinator.launch import STAGE_CHOICES, LaunchSpec, LocalJob, forward_signals
 
 __all__ = ["add_parser", "run"]
@@ -15,8 +17,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "run",
         help="run a training script on N local workers",
         description=(
-            "Spawn N local workers of `python SCRIPT ARGS` with torchrun's environment "
-            "(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). "
+            "Spawn N local workers of `python SCRIPT ARGS` beside an embedded coordinator "
+            "(ZEROPLANE_COORDINATOR, ZEROPLANE_TOKEN: worker.initialize registers and is "
+            "given its rank), with torchrun's environment too (RANK, WORLD_SIZE, LOCAL_RANK, "
+            "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for scripts that form their own group. "
             "Each output line is prefixed with its rank. If a worker fails, the others "
             "are stopped and the job exits with that worker's code."
         ),
@@ -38,6 +42,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="time workers get to exit after SIGTERM before SIGKILL (default 5)",
     )
     parser.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        default=None,
+        help="join this coordinator instead of starting an embedded one "
+        "(its token from $ZEROPLANE_TOKEN or $ZEROPLANE_TOKEN_FILE)",
+    )
+    parser.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -56,7 +67,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"zeroplane run: {exc}", file=sys.stderr)
         return 2
-    job = LocalJob(spec)
+    if args.coordinator:
+        spec = dataclasses.replace(spec, env={**spec.env, ADDRESS_ENV: args.coordinator})
+        services = ()
+    else:
+        # imported here: the gRPC server is only needed when this process hosts it
+        from coordinator.server import EmbeddedCoordinator
+
+        stage = None if args.stage in (None, "auto") else int(args.stage)
+        services = (EmbeddedCoordinator.for_local_job(args.nproc, stage),)
+    job = LocalJob(spec, services=services)
     with forward_signals(job), job:
         result = job.wait()
     if not result.ok:

@@ -1,0 +1,84 @@
+"""Train a small GPT on the shipped corpus with zeroplane.
+
+    zeroplane run --nproc 2 --stage 2 examples/train_gpt.py --steps 50
+
+Each step takes the same global batch at any world size (GlobalBatchSampler),
+so the result does not depend on how many workers ran it. ``--out FILE``
+writes the final fp32 parameters (rank 0); ``--checkpoint DIR`` saves there
+every ``--save-every`` steps and resumes from it if it already holds one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+import worker
+from worker.data import GlobalBatchSampler
+from worker.demo import load_corpus
+from worker.models import GPT, GPTConfig
+
+MODEL = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
+
+
+def build(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = GPT(MODEL)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+
+
+def samples(data: torch.Tensor, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample i is the window of the corpus starting at i * block_size."""
+    t = MODEL.block_size
+    rows = torch.stack([data[i * t : i * t + t + 1] for i in indices]).long()
+    return rows[:, :-1], rows[:, 1:]
+
+
+def make_sampler(data: torch.Tensor, global_batch: int) -> GlobalBatchSampler:
+    return GlobalBatchSampler((len(data) - 1) // MODEL.block_size, global_batch, seed=0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--global-batch", type=int, default=12)
+    p.add_argument("--stage", type=int, default=int(os.environ.get("ZEROPLANE_STAGE", "0")))
+    p.add_argument("--out", type=Path)
+    p.add_argument("--checkpoint", type=Path)
+    p.add_argument("--save-every", type=int, default=10)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+
+    data = load_corpus()
+    sampler = make_sampler(data, args.global_batch)
+    model, opt = build()
+    engine = worker.initialize(model, opt, config=worker.ZeroConfig(stage=args.stage))
+    if args.checkpoint and (args.checkpoint / "latest").exists():
+        sampler.load_state_dict(engine.load_checkpoint(args.checkpoint)["sampler"])
+
+    while engine.global_steps < args.steps:
+        batch = sampler.next_global_batch()
+        per_rank = args.global_batch // engine.world_size
+        (mine,) = sampler.micro_batches(batch, engine.rank, engine.world_size, per_rank)
+        x, y = samples(data, mine)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        if engine.rank == 0 and engine.global_steps % 10 == 0:
+            logging.info("step %d loss %.4f", engine.global_steps, loss.item())
+        if args.checkpoint and engine.global_steps % args.save_every == 0:
+            engine.save_checkpoint(args.checkpoint, client_state={"sampler": sampler.state_dict()})
+
+    state = engine.full_state_dict()
+    if args.out and engine.rank == 0:
+        torch.save(state, args.out)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The worker's side of the control plane: register, form the process group, report.
+
+A worker started with ``ZEROPLANE_COORDINATOR=host:port`` in its environment
+(or ``worker.initialize(..., coordinator="host:port")``) registers its
+parameter inventory, waits for the first generation that includes it, and
+forms the process group at that generation's rendezvous endpoint with the
+rank the coordinator assigned. The generation's stage and bucket layout win
+over the local ``ZeroConfig``: the coordinator plans for the whole job.
+Heartbeats carry this rank's model-state bytes so ``zeroplane status`` can
+show them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from coordinator.client import ClientConfig, CoordinatorClient
+from coordinator.config import ADDRESS_ENV
+from coordinator.messages import Generation, WorkerInfo, WorkerReport
+from worker.inventory import Inventory
+
+__all__ = ["ControlPlane", "coordinator_address"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_ID_ENV = "ZEROPLANE_WORKER_ID"
+HOST_ENV = "ZEROPLANE_HOST"
+TIMEOUT_ENV = "ZEROPLANE_COLLECTIVE_TIMEOUT_S"
+
+
+def coordinator_address(explicit: str | None) -> str | None:
+    return explicit or os.environ.get(ADDRESS_ENV) or None
+
+
+def _default_worker_id() -> str:
+    host = socket.gethostname()
+    local = os.environ.get("LOCAL_RANK")
+    return f"{host}-{local}" if local is not None else f"{host}-{os.getpid()}"
+
+
+def _reachable_host(coordinator: str) -> str:
+    """The address other workers reach this one at (rank 0 hosts the rendezvous)."""
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    return socket.gethostname()
+
+
+@dataclass
+class ControlPlane:
+    client: CoordinatorClient
+    generation: Generation
+    backend: str
+    timeout: timedelta
+
+    @classmethod
+    def join(
+        cls,
+        address: str,
+        inventory: Inventory,
+        *,
+        device: torch.device,
+        metrics_endpoint: str = "",
+        wait_s: float | None = None,
+    ) -> ControlPlane:
+        """Register with the coordinator at ``address`` and wait to be given a rank."""
+        client = CoordinatorClient(ClientConfig.from_env(address=address))
+        memory = (
+            torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+        )
+        info = WorkerInfo(
+            worker_id=os.environ.get(WORKER_ID_ENV) or _default_worker_id(),
+            host=_reachable_host(address),
+            device_kind=device.type,
+            device_memory_bytes=memory,
+            metrics_endpoint=metrics_endpoint,
+        )
+        client.register(info, inventory.specs)
+        client.start()
+        generation = client.wait_for_generation(after=0, member=True, timeout=wait_s)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
+        return cls(client, generation, backend, timeout)
+
+    @property
+    def rank(self) -> int:
+        rank = self.generation.rank_of(self.client.worker_id)
+        assert rank is not None
+        return rank
+
+    def init_process_group(self) -> None:
+        """Form the default process group of this generation."""
+        gen = self.generation
+        logger.info(
+            "joining generation %d as rank %d of %d at %s",
+            gen.id,
+            self.rank,
+            gen.world_size,
+            gen.rendezvous_endpoint,
+        )
+        dist.init_process_group(
+            self.backend,
+            init_method=f"tcp://{gen.rendezvous_endpoint}",
+            rank=self.rank,
+            world_size=gen.world_size,
+            timeout=self.timeout,
+        )
+
+    def report(self, memory: dict[str, int], step: int) -> None:
+        self.client.set_report(
+            WorkerReport(
+                model_state_bytes={k: int(v) for k, v in memory.items() if k != "total"},
+                step=step,
+                applied_generation_id=self.generation.id,
+            )
+        )
+
+    def close(self, *, leave: bool = True) -> None:
+        self.client.close(leave=leave)

@@ -1,0 +1,91 @@
+"""Per-step figures the engine keeps for the metrics exporter (``worker/metrics.py``).
+
+The training loop only does a few integer and float updates here; the exporter
+reads them from its own thread at scrape time. Reads are not locked: a scrape
+may see one step's update half applied, which a monitoring sample tolerates,
+and the histogram is built so its buckets and count always agree.
+
+Step duration runs from the first ``forward`` or ``backward`` of an
+accumulation window to the end of the ``step`` that closes it, so time spent
+loading data between steps is not in it (throughput, from the samples
+counter, covers wall time).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["STEP_SECONDS_BUCKETS", "StepStats"]
+
+# Upper bounds of the step-duration histogram, seconds: 1 ms to 2 min.
+STEP_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    math.inf,
+)
+
+
+@dataclass
+class StepStats:
+    """What the engine counts per step; see the module notes."""
+
+    # Samples and tokens this rank reported through ``engine.step(samples=, tokens=)``.
+    samples: int = 0
+    tokens: int = 0
+    # The last micro-batch loss given to ``backward`` (detached; read at scrape time,
+    # so a CUDA loss costs the training loop no synchronization).
+    loss: torch.Tensor | None = None
+    # Step-duration histogram: per-bucket counts (not cumulative) and the sum.
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * len(STEP_SECONDS_BUCKETS))
+    seconds_sum: float = 0.0
+    _window_start: float | None = None
+
+    def begin(self) -> None:
+        """Mark the start of an accumulation window (idempotent within one)."""
+        if self._window_start is None:
+            self._window_start = time.perf_counter()
+
+    def record(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+
+    def end_step(self) -> None:
+        """Close the window at an accumulation boundary and book its duration."""
+        if self._window_start is None:
+            return
+        seconds = time.perf_counter() - self._window_start
+        self._window_start = None
+        self.bucket_counts[bisect.bisect_left(STEP_SECONDS_BUCKETS, seconds)] += 1
+        self.seconds_sum += seconds
+
+    def histogram(self) -> tuple[list[tuple[str, int]], float]:
+        """Cumulative ``(le, count)`` buckets and the sum, as a Prometheus histogram."""
+        counts = list(self.bucket_counts)
+        buckets, running = [], 0
+        for bound, n in zip(STEP_SECONDS_BUCKETS, counts, strict=True):
+            running += n
+            buckets.append(("+Inf" if math.isinf(bound) else repr(bound), running))
+        return buckets, self.seconds_sum
+
+    def last_loss(self) -> float | None:
+        loss = self.loss
+        return None if loss is None else float(loss.float().mean())
