@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -25,9 +26,11 @@ from worker.models import GPT, GPTConfig
 MODEL = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
 
 
-def build(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
+def build(seed: int = 0, optimizer: str = "adamw") -> tuple[GPT, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = GPT(MODEL)
+    if optimizer == "sgd":
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
 
@@ -47,32 +50,50 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--stage", type=int, default=int(os.environ.get("ZEROPLANE_STAGE", "0")))
+    # the Kubernetes manifests pass the job spec's compression this way
+    p.add_argument("--compression", default=os.environ.get("ZEROPLANE_COMPRESSION", "none"))
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--out", type=Path)
     p.add_argument("--checkpoint", type=Path)
     p.add_argument("--save-every", type=int, default=10)
+    # slows the loop down so tests can change the membership while it runs
+    p.add_argument("--step-sleep", type=float, default=0.0)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
 
     data = load_corpus()
     sampler = make_sampler(data, args.global_batch)
-    model, opt = build()
-    engine = worker.initialize(model, opt, config=worker.ZeroConfig(stage=args.stage))
+    model, opt = build(optimizer=args.optimizer)
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    model.to(device)  # in place: the optimizer keeps the same parameters
+    config = worker.ZeroConfig(stage=args.stage, compression=args.compression)
+    engine = worker.initialize(model, opt, config=config)
     if args.checkpoint and (args.checkpoint / "latest").exists():
-        sampler.load_state_dict(engine.load_checkpoint(args.checkpoint)["sampler"])
+        engine.load_checkpoint(args.checkpoint)
 
     while engine.global_steps < args.steps:
-        batch = sampler.next_global_batch()
+        # the batch is a function of the step: after a membership change or a
+        # rollback the job continues at exactly the samples it would have used
+        batch = sampler.batch_at(engine.global_steps)
         per_rank = args.global_batch // engine.world_size
         (mine,) = sampler.micro_batches(batch, engine.rank, engine.world_size, per_rank)
-        x, y = samples(data, mine)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
+        x, y = (t.to(device) for t in samples(data, mine))
+        try:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step(samples=x.shape[0], tokens=x.numel())  # for the throughput metrics
+        except worker.StepAborted:
+            continue  # a peer was lost; the engine re-formed the job at global_steps
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         if engine.rank == 0 and engine.global_steps % 10 == 0:
             logging.info("step %d loss %.4f", engine.global_steps, loss.item())
         if args.checkpoint and engine.global_steps % args.save_every == 0:
-            engine.save_checkpoint(args.checkpoint, client_state={"sampler": sampler.state_dict()})
+            engine.save_checkpoint(args.checkpoint)
 
     state = engine.full_state_dict()
     if args.out and engine.rank == 0:

@@ -103,8 +103,9 @@ def test_comm_report_matches_theory(pools, stage: int, dtype: str) -> None:
     case = pools(2).run(comm_case, stage, dtype)[0]
     p, numel, padded = ELT[dtype], case["numel"], case["padded"]
     got = {op: v["bytes"] for op, v in case["delta"].items() if v["calls"]}
-    # one MAX all-reduce of the used-parameter bitmap, one byte per trainable parameter
-    want = {"control": case["trainable"]}
+    # one MAX all-reduce of the used-parameter flags (int32, one per trainable parameter)
+    # with the two membership slots riding on it
+    want = {"control": 4 * (case["trainable"] + 2)}
     if stage == 0:
         want["all_reduce"] = p * numel
     elif stage in (1, 2):

@@ -21,13 +21,13 @@ def load_example():
     return module
 
 
-def reference(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
+def reference(steps: int, global_batch: int, optimizer: str = "adamw") -> dict[str, torch.Tensor]:
     ex = load_example()
     from worker.demo import load_corpus
 
     data = load_corpus()
     sampler = ex.make_sampler(data, global_batch)
-    model, opt = ex.build()
+    model, opt = ex.build(optimizer=optimizer)
     for _ in range(steps):
         x, y = ex.samples(data, sampler.next_global_batch())
         model(x, y).backward()

@@ -7,6 +7,6 @@ loss = engine(batch); engine.backward(loss); engine.step()
 
 from worker import models
 from worker.config import ZeroConfig
-from worker.engine import ZeroEngine, initialize
+from worker.engine import StepAborted, ZeroEngine, initialize
 
-__all__ = ["ZeroConfig", "ZeroEngine", "initialize", "models"]
+__all__ = ["StepAborted", "ZeroConfig", "ZeroEngine", "initialize", "models"]

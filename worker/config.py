@@ -49,6 +49,9 @@ class ZeroConfig:
         error_feedback: carry each step's compression error into the next.
         stage3_gather_compression: ``int8`` sends stage-3 parameter all-gathers
             as blockwise int8; the fp32 master weights stay exact.
+        metrics_port: serve Prometheus metrics on this port (0: a free one;
+            see worker/metrics.py); None: as ``$ZEROPLANE_METRICS_PORT`` says,
+            which launchers set, and off when it is unset.
     """
 
     stage: Literal[0, 1, 2, 3] = 0
@@ -70,6 +73,7 @@ class ZeroConfig:
     compression_warmup_steps: int = 0
     error_feedback: bool = True
     stage3_gather_compression: Literal["none", "int8"] = "none"
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> ValueError:
@@ -110,6 +114,12 @@ class ZeroConfig:
             raise bad("stage3_gather_compression", "none or int8")
         if self.stage3_gather_compression != "none" and self.stage != 3:
             raise bad("stage3_gather_compression", "'none' unless stage is 3")
+        if self.metrics_port is not None and (
+            not isinstance(self.metrics_port, int)
+            or isinstance(self.metrics_port, bool)
+            or not 0 <= self.metrics_port <= 65535
+        ):
+            raise bad("metrics_port", "None or an integer in [0, 65535]")
 
     @property
     def mixed_precision(self) -> bool:

@@ -70,16 +70,26 @@ class ControlPlane:
         *,
         device: torch.device,
         metrics_endpoint: str = "",
+        metrics_port: int | None = None,
         wait_s: float | None = None,
     ) -> ControlPlane:
-        """Register with the coordinator at ``address`` and wait to be given a rank."""
+        """Register with the coordinator at ``address`` and wait to be given a rank.
+
+        ``metrics_port``: this worker serves /metrics there, on the host it registers
+        with (the coordinator lists it for Prometheus); ``metrics_endpoint`` overrides.
+        """
         client = CoordinatorClient(ClientConfig.from_env(address=address))
         memory = (
             torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
         )
+        host = _reachable_host(address)
+        if not metrics_endpoint and metrics_port:
+            metrics_endpoint = (
+                f"[{host}]:{metrics_port}" if ":" in host else f"{host}:{metrics_port}"
+            )
         info = WorkerInfo(
             worker_id=os.environ.get(WORKER_ID_ENV) or _default_worker_id(),
-            host=_reachable_host(address),
+            host=host,
             device_kind=device.type,
             device_memory_bytes=memory,
             metrics_endpoint=metrics_endpoint,
@@ -114,6 +124,25 @@ class ControlPlane:
             world_size=gen.world_size,
             timeout=self.timeout,
         )
+
+    @property
+    def latest_id(self) -> int:
+        """The newest generation id the coordinator has told this worker about."""
+        latest = self.client.generation
+        return self.generation.id if latest is None else max(latest.id, self.generation.id)
+
+    def wait_newer(self, *, member: bool = True, timeout: float | None = 120.0) -> Generation:
+        """Block until a generation newer than the applied one arrives."""
+        return self.client.wait_for_generation(
+            after=self.generation.id, member=member, timeout=timeout
+        )
+
+    def move_to(self, generation: Generation) -> None:
+        """Leave the current process group and form ``generation``'s."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.generation = generation
+        self.init_process_group()
 
     def report(self, memory: dict[str, int], step: int) -> None:
         self.client.set_report(

@@ -35,6 +35,18 @@ class GlobalBatchSampler:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_samples, generator=g)
 
+    def batch_at(self, step: int) -> list[int]:
+        """The global batch of optimizer step ``step``, without moving the sampler.
+
+        A pure function of (seed, step): an elastic job that rolls back or
+        changes its world size asks for ``batch_at(engine.global_steps)``
+        and gets exactly the samples an uninterrupted run would have used.
+        """
+        per_epoch = self.num_samples // self.global_batch
+        epoch, k = divmod(step, per_epoch)
+        order = self._order(epoch)
+        return order[k * self.global_batch : (k + 1) * self.global_batch].tolist()
+
     def next_global_batch(self) -> list[int]:
         """The next global batch's sample indices; an incomplete tail starts the next epoch."""
         if self.offset + self.global_batch > self.num_samples:

@@ -28,6 +28,7 @@ import json
 import logging
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +40,7 @@ from worker.collectives import Collectives
 if TYPE_CHECKING:
     from worker.engine import ZeroEngine
 
-__all__ = ["pack_entries", "reconfigure", "unpack_entries"]
+__all__ = ["Handover", "adopt", "exchange", "pack_entries", "unpack_entries"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,32 +120,48 @@ def _wanted_ranges(engine: ZeroEngine, world_size: int, rank: int) -> list[tuple
     return out
 
 
-def reconfigure(
+@dataclass
+class Handover:
+    """What a rank received in a transfer, to adopt once its new group is up."""
+
+    entries: Entries
+    global_steps: int
+    loss_scale: float
+    skipped_steps: int
+
+
+def exchange(
     engine: ZeroEngine,
     *,
-    entries: Entries,
-    new_group: dist.ProcessGroup | None,
+    holds_state: bool,
     via: dist.ProcessGroup | None,
     new_members: Sequence[int],
-    global_steps: int,
-) -> None:
-    """Move ``entries`` (what this rank is the source of) to their new owners.
+) -> Handover:
+    """Send what this rank holds to its new owners; receive what it will own.
 
-    Every rank of ``via`` calls this. ``new_members`` lists the ranks of
-    ``via`` that form the new group, in new-rank order; a rank not among
-    them is leaving and ends with the engine detached. ``new_group`` is the
-    process group of the new members (``None`` on a leaving rank).
+    Every rank of ``via`` calls this at the same step boundary. ``new_members``
+    lists the ranks of ``via`` that form the new world, in new-rank order; a
+    rank not among them is leaving and receives nothing. ``holds_state``: an
+    old member (a newcomer holds nothing yet).
     """
     via_comm = Collectives(via)
-    me = via_comm.rank
     new_world = len(new_members)
+    entries = checkpoint._export_ranges(engine)[0] if holds_state else {}
+    shared = torch.tensor(
+        [engine.global_steps, engine.scaler.scale, engine.skipped_steps]
+        if holds_state
+        else [0] * 3,
+        dtype=torch.float64,
+        device=engine.device,
+    )
+    via_comm.all_reduce(shared, op="max", control=True)
 
     # what each destination needs, sliced from what this rank holds
-    sends: list[torch.Tensor] = []
     by_name: dict[str, list[tuple[int, int, str]]] = {}
     for key in entries:
         name, start, stop = _parse_key(key)
         by_name.setdefault(name, []).append((start, stop, key))
+    sends: list[torch.Tensor] = []
     for d in range(via_comm.world_size):
         out: Entries = {}
         if d in new_members:
@@ -156,9 +173,8 @@ def reconfigure(
                         out[checkpoint.Range(name, a, b).key] = sub
         sends.append(pack_entries(out))
 
-    received = _exchange(via_comm, [buf.cpu() for buf in sends])
     incoming: Entries = {}
-    for buf in received:
+    for buf in _exchange(via_comm, sends):
         for key, entry in unpack_entries(buf.cpu()).items():
             entry["master"] = entry["master"].to(engine.device)
             entry["state"] = {
@@ -166,18 +182,21 @@ def reconfigure(
                 for k, v in entry["state"].items()
             }
             incoming[key] = entry
+    return Handover(incoming, int(shared[0]), float(shared[1]), int(shared[2]))
 
+
+def adopt(engine: ZeroEngine, handover: Handover, group: dist.ProcessGroup | None) -> None:
+    """Rebuild ``engine`` on ``group`` (its new world) from a handover."""
     engine._detach()
-    if me not in new_members:
-        logger.info("left the job after handing over %d state ranges", len(entries))
-        return
-    engine._attach(Collectives(new_group), from_module=False)
+    engine._attach(Collectives(group), from_module=False)
     index: dict[str, list[tuple[int, int, str]]] = {}
-    for key in incoming:
+    for key in handover.entries:
         name, start, stop = _parse_key(key)
         index.setdefault(name, []).append((start, stop, "transfer"))
-    checkpoint._import_ranges(engine, incoming, index)
-    engine.global_steps = global_steps
+    checkpoint._import_ranges(engine, handover.entries, index)
+    engine.global_steps = handover.global_steps
+    engine.scaler.scale = handover.loss_scale
+    engine.skipped_steps = handover.skipped_steps
     engine._publish_params()
     engine._zero_grads()
 
@@ -190,7 +209,7 @@ def _exchange(comm: Collectives, sends: list[torch.Tensor]) -> list[torch.Tensor
     sizes = torch.tensor([t.numel() for t in sends], dtype=torch.int64, device=device)
     recv_sizes = torch.empty_like(sizes)
     comm.all_to_all(recv_sizes, sizes, as_op="control")
-    send = torch.cat(sends).to(device)
+    send = torch.cat([t.cpu() for t in sends]).to(device)
     recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=device)
     comm.all_to_all(
         recv, send, output_split_sizes=recv_sizes.tolist(), input_split_sizes=sizes.tolist()

@@ -29,9 +29,12 @@ all-reduced once per optimizer step (a few bytes, overlapped with backward).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,16 +52,55 @@ from worker.config import ZeroConfig
 from worker.control import ControlPlane, coordinator_address
 from worker.flat import FlatBucket, GatherUnit
 from worker.inventory import Inventory, build_inventory
+from worker.metrics import MetricsServer, start_metrics
 from worker.optim import LossScaler, Piece, ShardOptimizer
 from worker.stats import StepStats
 
-__all__ = ["ZeroEngine", "initialize"]
+__all__ = ["StepAborted", "ZeroEngine", "initialize"]
 
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[dict]], torch.optim.Optimizer]
+
+
+class StepAborted(RuntimeError):
+    """A peer was lost mid-step. The engine has re-formed the job and rolled back to
+    ``engine.global_steps``: carry on with the training loop from that step."""
+
+
+class _PeerLost(RuntimeError):
+    pass
+
+
+_COLLECTIVE_FAILURE = ("gloo", "NCCL", "Connection closed", "Connection reset", "imed out")
+
+
+def _collective_failed(exc: BaseException) -> bool:
+    if isinstance(exc, _PeerLost | dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(k in str(exc) for k in _COLLECTIVE_FAILURE)
+
+
+def _recovering(method):
+    """With a coordinator, turn a failed collective into recovery plus StepAborted."""
+
+    @functools.wraps(method)
+    def wrapper(self: ZeroEngine, *args: Any, **kwargs: Any) -> Any:
+        if self.control is None:
+            return method(self, *args, **kwargs)
+        try:
+            return method(self, *args, **kwargs)
+        except (RuntimeError, _PeerLost) as exc:
+            if not _collective_failed(exc) or isinstance(exc, StepAborted):
+                raise
+            self._recover(exc)
+            raise StepAborted(
+                f"step abandoned after a lost peer; resume at step {self.global_steps}"
+            ) from exc
+
+    return wrapper
 
 
 def initialize(
@@ -124,7 +166,10 @@ class ZeroEngine:
         )
         self.grad_codec = make_codec(config.compression, config.compression_block)
         self.device = _module_device(module)
-        self._used = torch.zeros(len(self._index), dtype=torch.uint8, device=self.device)
+        # one flag per trainable parameter, then two control slots that ride on the
+        # same all-reduce: the newest generation id any rank knows of, and 1 + the
+        # rank of a worker asking to leave (see [Note: membership changes])
+        self._used = torch.zeros(len(self._index) + 2, dtype=torch.int32, device=self.device)
         self._used_handle: Handle | None = None
         self._next_bucket = 0
         self.micro_steps = 0
@@ -136,6 +181,8 @@ class ZeroEngine:
         self._module_hooks: list = []
         self._align = 1
         self.control: ControlPlane | None = None
+        self._leave_requested = False
+        self.last_checkpoint: Path | None = None
         self.units: list[GatherUnit] = []
         self.buckets: list[FlatBucket] = []
         self._bucket_of: dict[nn.Parameter, tuple[FlatBucket, int]] = {}
@@ -148,6 +195,8 @@ class ZeroEngine:
             for p in self.inventory.params.values()
             if p.requires_grad
         ]
+        # None unless config.metrics_port or $ZEROPLANE_METRICS_PORT asks for it
+        self.metrics: MetricsServer | None = start_metrics(self)
 
     def _attach(self, comm: Collectives, *, from_module: bool) -> None:
         """Build this rank's buffers, optimizer and hooks for ``comm``'s world.
@@ -189,7 +238,12 @@ class ZeroEngine:
             self._build_units()
 
     def _join_control_plane(self, address: str) -> None:
-        control = ControlPlane.join(address, self.inventory, device=self.device)
+        control = ControlPlane.join(
+            address,
+            self.inventory,
+            device=self.device,
+            metrics_port=None if self.metrics is None else self.metrics.port,
+        )
         gen = control.generation
         changes: dict[str, Any] = {"bucket_numel": gen.bucket_numel}
         if gen.stage != self.stage:
@@ -200,20 +254,127 @@ class ZeroEngine:
         self.config = self.config.replace(**changes)
         self.stage, self._align = gen.stage, gen.align
         control.init_process_group()
-        self._attach(Collectives(None), from_module=True)
+        self.control = control
+        me = gen.member(control.client.worker_id)
+        if gen.reshard is not None and me is not None and me.previous_rank is None:
+            # joining a running job: the members hand this rank its shards
+            handover = elastic.exchange(
+                self, holds_state=False, via=None, new_members=list(range(gen.world_size))
+            )
+            elastic.adopt(self, handover, None)
+            logger.info("joined at step %d as rank %d", self.global_steps, self.rank)
+        else:
+            self._attach(Collectives(None), from_module=True)
         if self.layout != gen.layout:
             raise RuntimeError(
                 "the coordinator's bucket layout differs from this worker's: "
                 "are all workers running the same model and zeroplane version?"
             )
-        self.control = control
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         control.report(self.memory_report(), self.global_steps)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        logger.info("SIGTERM: handing this rank's shards over at the next step boundary")
+        self._leave_requested = True
+
+    # [Note: membership changes]
+    # Every rank must change membership at the same step boundary, so the
+    # decision rides on the used-parameter all-reduce of each optimizer step:
+    # its two last slots carry the newest generation id any rank has heard of
+    # and the rank (plus one) of a worker that got SIGTERM. After the step:
+    # * a leaving rank: all ranks hand its shards to the survivors over the
+    #   current group (it is still alive), then it tells the coordinator it
+    #   leaves and exits 0; the survivors form the generation without it;
+    # * a newer generation with newcomers: the members form the new group at
+    #   its rendezvous and move shards to the newcomers over it;
+    # * a collective that fails (a peer died): the step is abandoned, the
+    #   survivors wait for the coordinator's generation without the dead rank
+    #   (its lease expires), form it, and roll back to the last checkpoint.
+    #   ``StepAborted`` tells the training loop to carry on from
+    #   ``engine.global_steps``.
+
+    def _follow_membership(self, target: int, leaving: int) -> None:
+        control = self.control
+        assert control is not None
+        if leaving >= 0:
+            self._hand_over_and_maybe_leave(leaving)
+        elif target > control.generation.id:
+            gen = control.wait_newer()
+            while gen.id < target:
+                control.generation, gen = gen, control.wait_newer()
+            self._grow_to(gen)
+
+    def _hand_over_and_maybe_leave(self, leaving: int) -> None:
+        control = self.control
+        survivors = [r for r in range(self.world_size) if r != leaving]
+        handover = elastic.exchange(self, holds_state=True, via=None, new_members=survivors)
+        if self.rank == leaving:
+            self._detach()
+            dist.destroy_process_group()
+            control.close(leave=True)
+            self.control = None
+            logger.info("handed over at step %d; leaving", handover.global_steps)
+            raise SystemExit(0)
+        old = control.generation
+        gen = control.wait_newer()
+        expected = [m.worker_id for m in old.members if m.rank != leaving]
+        if [m.worker_id for m in gen.members] != expected:
+            raise RuntimeError(
+                f"generation {gen.id} is not generation {old.id} without rank {leaving}; "
+                "concurrent joins and leaves are applied one at a time"
+            )
+        control.move_to(gen)
+        elastic.adopt(self, handover, None)
+        logger.info("rank %d left; now rank %d of %d", leaving, self.rank, self.world_size)
+
+    def _grow_to(self, gen) -> None:
+        control = self.control
+        old = control.generation
+        old_ids = [m.worker_id for m in old.members]
+        if [m.worker_id for m in gen.members[: len(old_ids)]] != old_ids:
+            # a member vanished without a graceful hand-over: recover like a crash
+            raise _PeerLost(f"generation {gen.id} lost members of generation {old.id}")
+        control.move_to(gen)
+        # exchange() exports from the old layout and rank, which this engine still holds
+        handover = elastic.exchange(
+            self, holds_state=True, via=None, new_members=list(range(gen.world_size))
+        )
+        elastic.adopt(self, handover, None)
+        logger.info("grew to %d ranks at step %d", self.world_size, self.global_steps)
+
+    def _recover(self, exc: BaseException) -> None:
+        """A peer is gone: form the coordinator's next generation and roll back."""
+        control = self.control
+        assert control is not None
+        logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
+        if self.last_checkpoint is None:
+            raise RuntimeError(
+                "a worker was lost and there is no checkpoint to roll back to; "
+                "save checkpoints (engine.save_checkpoint) to survive crashes"
+            ) from exc
+        gen = control.wait_newer(timeout=300.0)
+        control.move_to(gen)
+        self._detach()
+        self._attach(Collectives(None), from_module=False)
+        self.load_checkpoint(self.last_checkpoint)
+        self._used_handle = None
+        logger.warning(
+            "recovered as rank %d of %d at step %d (from %s)",
+            self.rank,
+            self.world_size,
+            self.global_steps,
+            self.last_checkpoint,
+        )
 
     def close(self) -> None:
         """Leave the coordinator's job (if any); the engine must not be used after."""
         if self.control is not None:
             self.control.close(leave=True)
             self.control = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     def _detach(self) -> None:
         """Drop this rank's buffers and hooks (before re-attaching to another world)."""
@@ -241,30 +402,16 @@ class ZeroEngine:
         of ``via`` in new-rank order; a newcomer built its engine with
         ``joining=True`` and passes ``holds_state=False``) and any leaving
         ranks (not in ``new_members``; their engine ends detached). See
-        worker/elastic.py [Note: live reshard].
+        worker/elastic.py [Note: live reshard]. With a coordinator, the engine
+        does this by itself when the coordinator changes the membership.
         """
         if self.micro_steps % self.config.gradient_accumulation_steps:
             raise RuntimeError("reconfigure() must be called at an accumulation boundary")
-        via_comm = Collectives(via)
-        entries = checkpoint._export_ranges(self)[0] if holds_state else {}
-        shared = torch.tensor(
-            [self.global_steps, self.scaler.scale, self.skipped_steps]
-            if holds_state
-            else [0, 0, 0],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        via_comm.all_reduce(shared, op="max", control=True)
-        elastic.reconfigure(
-            self,
-            entries=entries,
-            new_group=new_group,
-            via=via,
-            new_members=new_members,
-            global_steps=int(shared[0]),
-        )
-        self.scaler.scale = float(shared[1])
-        self.skipped_steps = int(shared[2])
+        handover = elastic.exchange(self, holds_state=holds_state, via=via, new_members=new_members)
+        if new_group is None and Collectives(via).rank not in new_members:
+            self._detach()
+            return
+        elastic.adopt(self, handover, new_group)
 
     def layout_for(self, world_size: int) -> Layout:
         """The shard layout of this model at ``world_size`` ranks."""
@@ -420,6 +567,7 @@ class ZeroEngine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    @_recovering
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.stats.begin()
         if self.config.mixed_precision:
@@ -435,6 +583,7 @@ class ZeroEngine:
     def is_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
+    @_recovering
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
         """Backward of one micro-batch loss, with gradient reduction overlapped."""
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
@@ -448,6 +597,9 @@ class ZeroEngine:
                 b, pos = self._bucket_of[p]
                 self._used[b.param_index[pos]] = 1
         reduce_now = self.stage >= 2 or boundary
+        if boundary and self.control is not None:
+            self._used[-2] = self.control.latest_id
+            self._used[-1] = self.rank + 1 if self._leave_requested else 0
         if boundary and self.comm.distributed:
             self._used_handle = self.comm.all_reduce(
                 self._used, op="max", async_op=True, control=True
@@ -583,6 +735,7 @@ class ZeroEngine:
 
     # ------------------------------------------------------------ step
 
+    @_recovering
     def step(self, *, samples: int = 0, tokens: int = 0) -> bool:
         """Count a micro-step; at the accumulation boundary, step the optimizer.
 
@@ -618,8 +771,11 @@ class ZeroEngine:
                 self.control.report(self.memory_report(), self.global_steps)
         else:
             self.skipped_steps += 1
+        target, leaving = int(self._used[-2]), int(self._used[-1])
         self._zero_grads()
         self.stats.end_step()
+        if self.control is not None:
+            self._follow_membership(target, leaving - 1)
         return stepped
 
     def _fp32_partition_grad(self, b: FlatBucket) -> torch.Tensor:
@@ -751,7 +907,9 @@ class ZeroEngine:
         ``state_dict()``) is stored with it and returned by ``load_checkpoint``.
         See worker/checkpoint.py [Note: checkpoint format].
         """
-        return checkpoint.save_checkpoint(self, path, client_state)
+        saved = checkpoint.save_checkpoint(self, path, client_state)
+        self.last_checkpoint = Path(path)
+        return saved
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Load a checkpoint saved at any world size and stage; returns its client_state."""

@@ -47,7 +47,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from coordinator.memory import DTYPE_BYTES, model_state_bytes
+from coordinator.config import METRICS_HOST_ENV, METRICS_PORT_ENV
+from coordinator.memory import model_state_bytes
 
 if TYPE_CHECKING:
     from worker.engine import ZeroEngine
@@ -60,6 +61,7 @@ __all__ = [
     "baseline_bytes",
     "metrics_text",
     "serve_metrics",
+    "start_metrics",
 ]
 
 logger = logging.getLogger(__name__)
@@ -172,9 +174,19 @@ class EngineCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
+        # Built whole before yielding: a scrape that lands mid-reshard (buffers
+        # being rebuilt) gets nothing rather than a half-read engine.
+        try:
+            metrics = [m for m in self._collect() if m is not None]
+        except (AttributeError, RuntimeError, IndexError, KeyError):
+            logger.debug("metrics: engine changed during the scrape; skipped", exc_info=True)
+            return
+        yield from metrics
+
+    def _collect(self) -> Iterator[Metric | None]:
         e = self.engine
         comm = getattr(e, "comm", None)
-        if comm is None:
+        if comm is None or getattr(e, "layout", None) is None:
             return  # not yet attached to a process group (joining a job)
         device = getattr(e, "device", torch.device("cpu"))
         labels = ("rank", "stage")
@@ -352,9 +364,7 @@ class EngineCollector(Collector):
             ("raw", "Collective payload bytes before compression (data-plane ops).", raw),
             ("wire", "Collective payload bytes sent after compression (data-plane ops).", wire),
         ):
-            family = CounterMetricFamily(
-                f"zeroplane_compression_{name}_bytes", doc, labels=labels
-            )
+            family = CounterMetricFamily(f"zeroplane_compression_{name}_bytes", doc, labels=labels)
             family.add_metric(values, value)
             yield family
         yield gauge(
@@ -382,6 +392,23 @@ def metrics_text(engine: ZeroEngine) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine))
     return generate_latest(registry).decode()
+
+
+def start_metrics(engine: ZeroEngine) -> MetricsServer | None:
+    """Serve ``engine``'s metrics if ``engine.config.metrics_port`` or
+    ``$ZEROPLANE_METRICS_PORT`` asks for it (bound to ``$ZEROPLANE_METRICS_HOST``,
+    default all interfaces); None otherwise."""
+    port = engine.config.metrics_port
+    if port is None:
+        value = os.environ.get(METRICS_PORT_ENV, "").strip()
+        if not value:
+            return None
+        try:
+            port = int(value)
+        except ValueError:
+            raise ValueError(f"${METRICS_PORT_ENV} must be a port number, got {value!r}") from None
+    server, _ = serve_metrics(engine, port, host=os.environ.get(METRICS_HOST_ENV) or "0.0.0.0")
+    return server
 
 
 def serve_metrics(
