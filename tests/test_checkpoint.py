@@ -187,3 +187,49 @@ def test_sampler_resumes_at_the_next_sample_for_any_world_size() -> None:
     assert a.epoch == 0 and b.epoch > 0  # the resumed part crossed an epoch boundary
     with pytest.raises(ValueError, match="does not split"):
         b.micro_batches(list(range(12)), 0, 5, 1)
+
+
+def test_cli_inspect_and_streaming_export(saved_at_4_stage3, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    ckpt = str(Path(saved_at_4_stage3) / "ckpt")
+    cli = [sys.executable, "-m", "coordinator.cli", "checkpoint"]
+    shown = subprocess.run([*cli, "inspect", ckpt], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert f"step         {SAVE_AT}" in shown.stdout
+    assert "saved by     4 rank(s), stage 3, fp32, AdamW" in shown.stdout
+
+    out = tmp_path / "model.safetensors"
+    done = subprocess.run(
+        [*cli, "export", ckpt, str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    exported = _read_safetensors(out)
+    # what the checkpoint's state is, loaded into a model the ordinary way
+    model = make_engine(0)
+    model.load_checkpoint(Path(ckpt))
+    want = model.full_state_dict()
+    assert exported.keys() == want.keys()  # tied and frozen names included
+    for name, value in want.items():
+        assert torch.equal(exported[name], value), name
+    bad = subprocess.run(
+        [*cli, "inspect", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "not a checkpoint" in bad.stderr
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A reader written from the format's spec, independent of the exporter."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header.pop("__metadata__", None)
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    body = raw[8 + n :]
+    out = {}
+    for name, info in header.items():
+        a, b = info["data_offsets"]
+        t = torch.frombuffer(bytearray(body[a:b]), dtype=dtypes[info["dtype"]])
+        out[name] = t.reshape(info["shape"])
+    return out

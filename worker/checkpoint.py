@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterable
@@ -38,7 +39,14 @@ import torch
 if TYPE_CHECKING:
     from worker.engine import ZeroEngine
 
-__all__ = ["FORMAT", "CheckpointError", "load_checkpoint", "resolve", "save_checkpoint"]
+__all__ = [
+    "FORMAT",
+    "CheckpointError",
+    "export_consolidated",
+    "load_checkpoint",
+    "resolve",
+    "save_checkpoint",
+]
 
 FORMAT = "zeroplane-checkpoint/1"
 
@@ -131,9 +139,16 @@ def save_checkpoint(
             "optimizer": type(engine.user_optimizer).__name__,
             "loss_scale": engine.scaler.scale,
             "params": {
-                s.name: {"shape": list(s.shape), "requires_grad": s.requires_grad, "group": s.group}
+                s.name: {
+                    "shape": list(s.shape),
+                    "dtype": s.dtype,
+                    "requires_grad": s.requires_grad,
+                    "group": s.group,
+                }
                 for s in engine.inventory.specs
             },
+            # tied parameters: every other name a parameter is reachable under
+            "aliases": {a: n for a, n in engine.inventory.aliases.items() if a != n},
             "files": files,
         }
         _write_durably(
@@ -412,3 +427,85 @@ def _import_unsharded(engine: ZeroEngine, unsharded: dict) -> None:
         group.update(saved)
     engine.micro_steps = unsharded["micro_steps"]
     engine.skipped_steps = unsharded["skipped_steps"]
+
+
+# ---------------------------------------------------------------------------- export
+
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def export_consolidated(path: str | os.PathLike, out: str | os.PathLike) -> int:
+    """Write the checkpoint's full parameters (fp32 masters; frozen ones and buffers
+    as saved) to one safetensors file, for inference. Returns the tensor count.
+
+    Streams: the header is computed from the manifest, then each tensor is
+    assembled from the memory-mapped rank files and written before the next,
+    so memory stays bounded by the largest tensor, not the model.
+    """
+    step_dir = resolve(path)
+    manifest = read_manifest(step_dir)
+    needed = sorted(manifest["files"])
+    error = _verify(step_dir, manifest, needed)
+    if error:
+        raise CheckpointError(error)
+    files = {n: torch.load(step_dir / n, weights_only=True, mmap=True) for n in needed}
+    unsharded = files[_rank_file(0)]["unsharded"]
+    index = _index_ranges(manifest)
+
+    def trained(name: str) -> torch.Tensor:
+        shape = manifest["params"][name]["shape"]
+        flat = torch.empty(math.prod(shape), dtype=torch.float32)
+        for lo, hi, file in index[name]:
+            flat[lo:hi] = files[file]["entries"][Range(name, lo, hi).key]["master"]
+        return flat.view(shape)
+
+    # (name, dtype, shape, producer) in output order; aliases repeat their tensor
+    plan: list[tuple[str, torch.dtype, list[int], Any]] = []
+    for name, info in manifest["params"].items():
+        if info["requires_grad"]:
+            plan.append((name, torch.float32, info["shape"], lambda n=name: trained(n)))
+        else:
+            t = unsharded["frozen"][name]
+            plan.append((name, t.dtype, list(t.shape), lambda t=t: t))
+    for alias, name in manifest.get("aliases", {}).items():
+        producer = next(p for n, _, _, p in plan if n == name)
+        dtype, shape = next((d, s) for n, d, s, _ in plan if n == name)
+        plan.append((alias, dtype, shape, producer))
+    for name, t in unsharded["buffers"].items():
+        plan.append((name, t.dtype, list(t.shape), lambda t=t: t))
+
+    header: dict[str, Any] = {
+        "__metadata__": {"format": "pt", "global_steps": str(manifest["global_steps"])}
+    }
+    offset = 0
+    for name, dtype, shape, _ in plan:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    target = Path(out)
+    tmp = target.with_name(target.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, dtype, _, producer in plan:
+            t = producer().detach().to(dtype).contiguous()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    return len(plan)
