@@ -16,6 +16,7 @@ fewer steps.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import secrets
@@ -42,8 +43,8 @@ class Job:
     def __init__(self, tmp: Path, stage: int, *, max_workers: int = 4) -> None:
         self.tmp = tmp
         self.token = secrets.token_urlsafe(16)
-        config = CoordinatorConfig(
-            server=ServerConfig(token=self.token),
+        self.config = config = CoordinatorConfig(
+            server=ServerConfig(token=self.token, state_file=tmp / "coordinator.state"),
             membership=MembershipConfig(
                 min_workers=2,
                 max_workers=max_workers,
@@ -111,6 +112,16 @@ class Job:
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"{name} did not finish:\n{self.log(name)[-3000:]}") from None
         return codes
+
+    def restart_coordinator(self, downtime_s: float) -> None:
+        """Stop the coordinator, leave it down a while, start a new one on the same
+        port from its state file."""
+        port = int(self.server.address.rsplit(":", 1)[1])
+        self.server.stop()
+        time.sleep(downtime_s)
+        server = dataclasses.replace(self.config.server, port=port)
+        self.server, _ = create_server(dataclasses.replace(self.config, server=server))
+        self.server.start()
 
     def close(self) -> None:
         for proc in self.workers.values():
@@ -185,4 +196,23 @@ def test_sigkill_rolls_back_to_the_last_checkpoint(job_factory) -> None:
     assert found, log[-3000:]
     recovered = int(found.group(1))
     assert recovered % 5 == 0 and 0 <= before - recovered <= 5, (before, recovered)
+    assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
+def test_workers_train_through_a_coordinator_restart(job_factory) -> None:
+    job = job_factory(2)
+    job.spawn("w0")
+    job.spawn("w1")
+    job.wait_until("training", lambda: job.world_size() == 2 and job.step() >= 5)
+    generation = job.server.status().generation_id
+    before = job.step()
+    job.restart_coordinator(downtime_s=2.0)
+    status = job.server.status()
+    # the restarted coordinator knows the running generation from its state file
+    assert status.generation_id == generation and status.world_size == 2
+    job.wait_until("re-attached and reporting progress", lambda: job.step() > before + 8)
+    assert job.server.status().generation_id == generation, "the restart re-formed the job"
+    codes = job.finish()
+    assert codes == {"w0": 0, "w1": 0}, codes
     assert_matches_reference(job.tmp / "final.pt")

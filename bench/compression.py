@@ -1,0 +1,710 @@
+"""zeroplane's compressed gradient exchange: bytes on the wire and step time, in one run.
+
+On loopback the network is never the bottleneck, so besides loopback the
+benchmark (run as root) puts the two ranks in network namespaces of their own,
+joined by one veth pair whose both ends are rate-limited with ``tc tbf``
+(default 1 Gbit/s and 100 Mbit/s). For each network, ZeRO stage and method it
+reports the median step time, the logical and the wire bytes per step (from
+``engine.comm_report()``), their ratio, the bytes the veth actually sent, the
+time spent encoding and decoding, and the step time against uncompressed on
+the same network and stage.
+
+Namespaces are named ``zpbench-<pid>-{a,b}`` with a /30 that exists only inside
+them; they are deleted at the end (also on Ctrl-C and SIGTERM), and ones left by
+a crashed run (owner pid gone) are removed at start. Without root or iproute2
+the benchmark says so and reports loopback only.
+
+Run ``python bench/compression.py --help``; bench/README.md says what each
+column means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from functools import wraps
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Run from a checkout without installing the package.
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import worker  # noqa: E402
+from worker import compression as zcomp  # noqa: E402
+from worker.models import GPT, GPTConfig  # noqa: E402
+
+NS_PREFIX = "zpbench-"
+# Private addresses that only ever exist inside this run's two namespaces.
+ADDR_A, ADDR_B, PREFIX_LEN = "10.231.0.1", "10.231.0.2", 30
+RDV_PORT = 29531
+WORLD = 2
+STAGES = (0, 1, 2, 3)
+# "int8-gather": int8 gradients plus int8 stage-3 parameter all-gathers (stage 3 only).
+METHODS = ("none", "bf16", "fp16", "int8", "onebit", "int8-gather")
+DEFAULT_METHODS = ("none", "bf16", "int8", "onebit", "int8-gather")
+DEFAULT_RATES = ("1gbit", "100mbit")
+SEED = 0
+
+log = logging.getLogger("bench.compression")
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Result:
+    """One (network, stage, method) cell, as measured by rank 0 (times: slowest rank)."""
+
+    network: str
+    stage: int
+    method: str
+    step_s: list[float]
+    cpu_s: list[float]  # process CPU time per step (larger rank): steadier than wall on a busy box
+    logical_bytes: float  # per step, all data-plane ops ("control" excluded)
+    wire_bytes: float  # per step, what comm_report says was sent
+    nic_tx_bytes: float | None  # per step and rank, from the veth's counters
+    codec_s: float  # per step, encode + decode CPU time (larger rank)
+    loss: float
+    ops: dict[str, dict[str, float]]  # per step, by op
+
+    @property
+    def median_ms(self) -> float:
+        return 1e3 * statistics.median(self.step_s)
+
+    @property
+    def cpu_ms(self) -> float:
+        return 1e3 * statistics.median(self.cpu_s)
+
+    @property
+    def iqr(self) -> float:
+        if len(self.step_s) < 2:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(self.step_s, n=4)
+        return (q3 - q1) / statistics.median(self.step_s)
+
+    @property
+    def ratio(self) -> float:
+        return self.logical_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+
+# --------------------------------------------------------------------------- rank side
+
+# Encode/decode CPU time of the calling thread, accumulated by wrappers around the
+# codec classes (below). CPU, not wall, time: other processes on the cores do not inflate it.
+_CODEC_SECONDS = [0.0]
+
+
+def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _CODEC_SECONDS[0] += time.thread_time() - t0
+
+    return wrapper
+
+
+def _instrument_codecs() -> None:
+    """Time every encode and decode in this process (the engine calls them on the
+    codec objects, so wrapping the class methods sees every call, with no change
+    to zeroplane). Error feedback's extra decode per encode is included."""
+    for cls in (zcomp.CastCodec, zcomp.Int8Codec, zcomp.OneBitCodec):
+        for name in ("encode", "decode"):
+            if name in vars(cls):
+                setattr(cls, name, _timed(vars(cls)[name]))
+
+
+def _nic_tx(iface: str | None) -> int | None:
+    if iface is None:
+        return None
+    # `ip netns exec` mounts this namespace's own /sys, so these are the veth's counters.
+    return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
+
+
+def _engine_config(stage: int, method: str) -> worker.ZeroConfig:
+    gather = method == "int8-gather"
+    return worker.ZeroConfig(
+        stage=stage,
+        compression="int8" if gather else method,
+        compression_block=256,
+        stage3_gather_compression="int8" if gather else "none",
+    )
+
+
+def _data_bytes(report: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {op: dict(v) for op, v in report.items() if op != "control"}
+
+
+def _train_step(engine: worker.ZeroEngine, idx: torch.Tensor, targets: torch.Tensor) -> float:
+    loss = engine(idx, targets)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _measure(
+    stage: int, method: str, gpt: GPTConfig, args: argparse.Namespace, iface: str | None
+) -> dict[str, Any]:
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(SEED * 1000 + rank)
+    n = args.warmup + args.steps
+    idx = torch.randint(gpt.vocab_size, (n, args.micro_batch, gpt.block_size), generator=gen)
+    targets = torch.randint(gpt.vocab_size, (n, args.micro_batch, gpt.block_size), generator=gen)
+    torch.manual_seed(SEED)
+    model = GPT(gpt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = worker.initialize(model, opt, config=_engine_config(stage, method))
+
+    for i in range(args.warmup):
+        _train_step(engine, idx[i], targets[i])
+    dist.barrier()
+    before, tx0, codec0 = _data_bytes(engine.comm_report()), _nic_tx(iface), _CODEC_SECONDS[0]
+    times, cpu, loss = [], [], 0.0
+    for i in range(args.warmup, n):
+        # Barriers on both sides: ranks start together and a step ends when the slowest does.
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = _train_step(engine, idx[i], targets[i])
+        cpu.append(time.process_time() - c0)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    codec_s = (_CODEC_SECONDS[0] - codec0) / args.steps
+    tx1 = _nic_tx(iface)
+    after = _data_bytes(engine.comm_report())
+    ops = {
+        op: {
+            k: (v[k] - before.get(op, {}).get(k, 0)) / args.steps
+            for k in ("calls", "bytes", "wire_bytes", "seconds")
+        }
+        for op, v in after.items()
+        if v["calls"] > before.get(op, {}).get("calls", 0)  # e.g. the start-up broadcast
+    }
+    # Slowest rank per step and for the codec; NIC bytes and loss averaged over ranks.
+    # (After tx1 was read, so these collectives are not counted.)
+    peak = torch.tensor([*times, *cpu, codec_s], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    tx = float(tx1 - tx0) / args.steps if tx0 is not None and tx1 is not None else -1.0
+    mean = torch.tensor([tx, loss], dtype=torch.float64)
+    dist.all_reduce(mean)
+    mean /= WORLD
+    return {
+        "step_s": peak[: args.steps].tolist(),
+        "cpu_s": peak[args.steps : 2 * args.steps].tolist(),
+        "codec_s": float(peak[-1]),
+        "logical_bytes": sum(v["bytes"] for v in ops.values()),
+        "wire_bytes": sum(v["wire_bytes"] for v in ops.values()),
+        "nic_tx_bytes": float(mean[0]) if iface is not None else None,
+        "loss": float(mean[1]),
+        "ops": ops,
+    }
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    """One rank: every (stage, method) of the grid, ``--rounds`` times, interleaved."""
+    torch.set_num_threads(1)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    logging.getLogger("worker").setLevel(logging.ERROR)  # e.g. "stage > 0 on one rank"
+    # torch 2.13 nags about all_gather_into_tensor and friends on gloo; not our code.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
+    _instrument_codecs()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.addr}:{args.port}",
+        rank=args.rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=args.gloo_timeout),
+    )
+    gpt = GPTConfig(
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        n_head=4,
+        vocab_size=args.vocab,
+        block_size=args.seq,
+    )
+    try:
+        cells: dict[tuple[int, str], dict[str, Any]] = {}
+        for r in range(args.rounds):
+            for stage, method in _grid(args.stages, args.methods):
+                t0 = time.perf_counter()
+                m = _measure(stage, method, gpt, args, args.iface)
+                gc.collect()  # the cell's engine, before the next one is built
+                if (stage, method) in cells:
+                    for key in ("step_s", "cpu_s"):  # bytes: last round's
+                        m[key] = cells[stage, method][key] + m[key]
+                cells[stage, method] = m
+                if args.rank == 0:
+                    print(
+                        f"  [{args.network}] round {r + 1}/{args.rounds} stage {stage} "
+                        f"{method:<11} median {1e3 * statistics.median(m['step_s']):8.1f} ms "
+                        f"({time.perf_counter() - t0:.1f} s with build and warm-up)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        if args.rank == 0:
+            out = [
+                asdict(Result(network=args.network, stage=s, method=meth, **m))
+                for (s, meth), m in cells.items()
+            ]
+            Path(args.out).write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _grid(stages: list[int], methods: list[str]) -> Iterator[tuple[int, str]]:
+    for stage in stages:
+        for method in methods:
+            if method == "int8-gather" and stage != 3:
+                continue
+            yield stage, method
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+def _run(*cmd: str) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _delete_namespace(ns: str) -> None:
+    """Stop what still runs inside ``ns`` (our own rank processes), then delete it;
+    the veth end inside goes with it, and its peer with that."""
+    with contextlib.suppress(RuntimeError):
+        for pid in _run("ip", "netns", "pids", ns).split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    with contextlib.suppress(RuntimeError):
+        _run("ip", "netns", "del", ns)
+
+
+def cleanup_stale() -> list[str]:
+    """Delete namespaces left by a crashed run of this script (owner pid gone)."""
+    removed = []
+    with contextlib.suppress(RuntimeError):
+        for line in _run("ip", "netns", "list").splitlines():
+            name = line.split()[0] if line.split() else ""
+            if not name.startswith(NS_PREFIX):
+                continue
+            owner = name[len(NS_PREFIX) :].split("-")[0]
+            if owner.isdigit() and not _pid_alive(int(owner)):
+                _delete_namespace(name)
+                removed.append(name)
+    return removed
+
+
+@dataclass
+class Netns:
+    """Two namespaces joined by a veth pair, with a /30 inside them."""
+
+    ns_a: str
+    ns_b: str
+    if_a: str
+    if_b: str
+    created: bool = False
+
+    @classmethod
+    def for_this_process(cls) -> Netns:
+        pid = os.getpid()
+        # Interface names are limited to 15 characters.
+        return cls(f"{NS_PREFIX}{pid}-a", f"{NS_PREFIX}{pid}-b", f"zpb{pid}a", f"zpb{pid}b")
+
+    def create(self) -> None:
+        self.created = True  # from the first command on, so a partial setup is undone too
+        _run("ip", "netns", "add", self.ns_a)
+        _run("ip", "netns", "add", self.ns_b)
+        # Both ends are created directly inside their namespaces: nothing appears in ours.
+        _run(
+            "ip", "link", "add", self.if_a, "netns", self.ns_a, "type", "veth",
+            "peer", "name", self.if_b, "netns", self.ns_b,
+        )  # fmt: skip
+        for ns, iface, addr in ((self.ns_a, self.if_a, ADDR_A), (self.ns_b, self.if_b, ADDR_B)):
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/{PREFIX_LEN}", "dev", iface)
+            _run("ip", "-n", ns, "link", "set", iface, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def set_rate(self, rate: str, burst: str, latency: str) -> None:
+        """Rate-limit both directions (each end's egress); ``replace`` also adds."""
+        for ns, iface in ((self.ns_a, self.if_a), (self.ns_b, self.if_b)):
+            _run(
+                "tc", "-n", ns, "qdisc", "replace", "dev", iface, "root",
+                "tbf", "rate", rate, "burst", burst, "latency", latency,
+            )  # fmt: skip
+
+    def delete(self) -> None:
+        if self.created:
+            for ns in (self.ns_a, self.ns_b):
+                _delete_namespace(ns)
+            self.created = False
+
+
+def namespaces_unavailable() -> str | None:
+    """Why namespaces cannot be used here, or ``None``."""
+    if os.geteuid() != 0:
+        return "not running as root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found (install iproute2)"
+    return None
+
+
+# --------------------------------------------------------------------------- driver
+
+
+@dataclass
+class Network:
+    name: str  # "loopback" or a tc rate such as "100mbit"
+    rate: str | None = None
+    link_mbps: float | None = None  # measured with a plain TCP stream
+
+
+_PROBE = """
+import socket, sys, time
+mode, addr, port, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if mode == "sink":
+    srv = socket.create_server((addr, port))
+    conn, _ = srv.accept()
+    conn.recv(1, socket.MSG_PEEK)  # start the clock at the first byte, not at accept
+    got, t0 = 0, time.perf_counter()
+    while got < nbytes:
+        chunk = conn.recv(1 << 20)
+        if not chunk:
+            break
+        got += len(chunk)
+    print(got / (time.perf_counter() - t0))
+else:
+    for _ in range(100):
+        try:
+            s = socket.create_connection((addr, port))
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    buf = bytes(1 << 20)
+    for _ in range(nbytes >> 20):
+        s.sendall(buf)
+    s.close()
+"""
+
+
+def probe_link(net: Netns, rate_mbit: float) -> float:
+    """One TCP stream from A to B for ~1 s: the rate the ranks can actually get (Mbit/s)."""
+    nbytes = max(4, int(rate_mbit * 1e6 / 8 / (1 << 20))) << 20
+    port = str(RDV_PORT + 1)
+    sink = subprocess.Popen(
+        ["ip", "netns", "exec", net.ns_b, sys.executable, "-c", _PROBE, "sink", ADDR_B, port,
+         str(nbytes)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        subprocess.run(
+            ["ip", "netns", "exec", net.ns_a, sys.executable, "-c", _PROBE, "source", ADDR_B,
+             port, str(nbytes)],
+            check=True, timeout=60,
+        )  # fmt: skip
+        out, _ = sink.communicate(timeout=60)
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.wait()
+    return float(out) * 8 / 1e6
+
+
+def _rate_mbit(rate: str) -> float:
+    units = {"gbit": 1e3, "mbit": 1.0, "kbit": 1e-3}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    raise ValueError(f"rate {rate!r}: use a tc rate such as 1gbit or 100mbit")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_network(
+    network: Network, net: Netns | None, args: argparse.Namespace, tmp: Path
+) -> list[Result]:
+    """Spawn both ranks for one network and collect rank 0's results."""
+    out = tmp / f"{network.name}.json"
+    common = [
+        sys.executable, str(Path(__file__).resolve()),
+        "--network", network.name, "--out", str(out),
+        "--stages", *map(str, args.stages), "--methods", *args.methods,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+        "--micro-batch", str(args.micro_batch), "--n-layer", str(args.n_layer),
+        "--n-embd", str(args.n_embd), "--vocab", str(args.vocab), "--seq", str(args.seq),
+        "--gloo-timeout", str(args.gloo_timeout),
+    ]  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    port = _free_port() if net is None else RDV_PORT
+    try:
+        for rank in range(WORLD):
+            # TORCH_CPP_LOG_LEVEL: c10d warns that a namespace has no hostname to resolve.
+            env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
+            if net is None:
+                cmd = [*common, "--addr", "127.0.0.1"]
+            else:
+                ns, iface = (net.ns_a, net.if_a) if rank == 0 else (net.ns_b, net.if_b)
+                # gloo must use the veth, not lo, inside the namespace.
+                env["GLOO_SOCKET_IFNAME"] = iface
+                cmd = ["ip", "netns", "exec", ns, *common, "--addr", ADDR_A, "--iface", iface]
+            cmd += ["--port", str(port), "--rank", str(rank)]
+            log_file = (tmp / f"{network.name}-rank{rank}.log").open("w")
+            logs.append(log_file)
+            # Rank 0's progress lines go to our stderr; the rest to a log shown on failure.
+            stderr = None if rank == 0 else log_file
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log_file, stderr=stderr))
+        deadline = time.monotonic() + args.network_timeout
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        print(f"{network.name}: ranks still running after {args.network_timeout} s; stopped")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if failed or not out.exists():
+        for r in failed or range(WORLD):
+            text = (tmp / f"{network.name}-rank{r}.log").read_text()
+            print(f"--- {network.name} rank {r} exited {procs[r].returncode}; log tail:")
+            print("\n".join(text.splitlines()[-30:]))
+        return []
+    return [Result(**d) for d in json.loads(out.read_text())]
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _mb(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e6:.2f}"
+
+
+def print_table(network: Network, results: list[Result], args: argparse.Namespace) -> None:
+    title = (
+        "loopback (127.0.0.1)"
+        if network.rate is None
+        else f"{network.rate} veth between namespaces (tbf burst {args.burst}, "
+        f"latency {args.latency})"
+    )
+    if network.link_mbps is not None:
+        title += f"; one TCP stream measured {network.link_mbps:.0f} Mbit/s"
+    print(f"\n## {title}\n")
+    head = (
+        f"{'stage':>5} {'method':<11} {'step ms':>9} {'IQR':>5} {'x none':>7} {'cpu ms':>7} "
+        f"{'logical MB':>10} {'wire MB':>8} {'ratio':>6} {'NIC tx MB':>9} {'NIC x none':>10} "
+        f"{'link ms':>7} {'codec ms':>8} {'loss':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    base = {r.stage: r for r in results if r.method == "none"}
+    for r in results:
+        # The least time the step's bytes need on the link (each direction has its own).
+        link = (
+            f"{r.nic_tx_bytes * 8 / (network.link_mbps * 1e3):.0f}"
+            if r.nic_tx_bytes is not None and network.link_mbps
+            else "-"
+        )
+        b = base.get(r.stage)
+        rel = f"{r.median_ms / b.median_ms:.2f}x" if b else "-"
+        nic_rel = (
+            f"{r.nic_tx_bytes / b.nic_tx_bytes:.2f}x"
+            if b and r.nic_tx_bytes is not None and b.nic_tx_bytes
+            else "-"
+        )
+        print(
+            f"{r.stage:>5} {r.method:<11} {r.median_ms:>9.1f} {100 * r.iqr:>4.0f}% {rel:>7} "
+            f"{r.cpu_ms:>7.0f} "
+            f"{_mb(r.logical_bytes):>10} {_mb(r.wire_bytes):>8} {r.ratio:>5.1f}x "
+            f"{_mb(r.nic_tx_bytes):>9} {nic_rel:>10} {link:>7} "
+            f"{1e3 * r.codec_s:>8.1f} {r.loss:>7.4f}"
+        )
+    print("\nMB = 1e6 bytes per step; logical and wire MB from comm_report() (per rank);")
+    print("NIC tx MB = bytes the rank's veth sent per step (TCP/IP headers included);")
+    print("link ms = NIC tx MB at the measured link rate; cpu ms = process CPU time per step;")
+    print("codec ms = CPU time in encode + decode per step. See bench/README.md.")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--stages", type=int, nargs="+", default=list(STAGES), choices=STAGES)
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(DEFAULT_METHODS),
+        choices=METHODS,
+        help="gradient compression methods; 'int8-gather' = int8 gradients and int8\n"
+        "stage-3 parameter all-gathers (stage 3 only). 'none' is always run as the\n"
+        "baseline of the 'x none' column. Default: %(default)s",
+    )
+    p.add_argument(
+        "--rates",
+        nargs="*",
+        default=list(DEFAULT_RATES),
+        help="tc tbf rates for the veth runs (default: %(default)s); none = loopback only",
+    )
+    p.add_argument("--burst", default="32kbit", help="tc tbf burst (default: %(default)s)")
+    p.add_argument("--latency", default="50ms", help="tc tbf latency (default: %(default)s)")
+    p.add_argument("--no-loopback", action="store_true", help="skip the loopback run")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per cell")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per cell")
+    p.add_argument("--rounds", type=int, default=1, help="run the grid this many times")
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq", type=int, default=64, help="context length")
+    p.add_argument("--json", type=Path, help="write every result here")
+    p.add_argument("--gloo-timeout", type=int, default=300, help="seconds per collective")
+    p.add_argument(
+        "--network-timeout", type=int, default=1200, help="seconds for one network's grid"
+    )
+    # Internal: how the driver starts a rank.
+    for flag in ("--rank", "--port"):
+        p.add_argument(flag, type=int, help=argparse.SUPPRESS)
+    for flag in ("--network", "--out", "--addr", "--iface"):
+        p.add_argument(flag, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rank is None and "none" not in args.methods:
+        args.methods = ["none", *args.methods]
+    args.methods = list(dict.fromkeys(args.methods))
+    args.stages = sorted(set(args.stages))
+    for rate in args.rates:
+        try:
+            _rate_mbit(rate)
+        except ValueError as e:
+            p.error(str(e))
+    return args
+
+
+def _raise_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # runs the finally blocks, as Ctrl-C does
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.rank is not None:
+        return rank_main(args)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    # Ctrl-C must clean up even where SIGINT was inherited ignored (a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    started = time.perf_counter()
+    networks = [] if args.no_loopback else [Network("loopback")]
+    net: Netns | None = None
+    ns_status = "not requested (no --rates)"
+    all_results: list[Result] = []
+    ok = True
+    try:
+        if args.rates:
+            reason = namespaces_unavailable()
+            if reason is None:
+                for stale in cleanup_stale():
+                    print(f"removed stale namespace {stale} (its run is gone)")
+                net = Netns.for_this_process()
+                try:
+                    net.create()
+                    ns_status = f"created {net.ns_a} and {net.ns_b} (veth {net.if_a}/{net.if_b})"
+                except RuntimeError as e:
+                    net.delete()
+                    net, reason = None, str(e)
+            if reason is not None:
+                ns_status = f"UNAVAILABLE: {reason}"
+                print(f"network namespaces cannot be created ({reason}): reporting loopback only")
+                networks = [Network("loopback")]
+            else:
+                networks += [Network(rate, rate) for rate in args.rates]
+        with tempfile.TemporaryDirectory(prefix="zpbench-") as tmp:
+            for network in networks:
+                if network.rate is not None:
+                    assert net is not None
+                    net.set_rate(network.rate, args.burst, args.latency)
+                    network.link_mbps = probe_link(net, _rate_mbit(network.rate))
+                print(f"{network.name}: running {len(list(_grid(args.stages, args.methods)))}"
+                      f" cells x {args.rounds} round(s)", file=sys.stderr, flush=True)  # fmt: skip
+                link = net if network.rate is not None else None
+                results = run_network(network, link, args, Path(tmp))
+                ok = ok and bool(results)
+                all_results += results
+                if results:
+                    print_table(network, results, args)
+    finally:
+        # Always, also on Ctrl-C and SIGTERM: the namespaces, their veth and its qdiscs.
+        if net is not None:
+            net.delete()
+    model = GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4,
+                          vocab_size=args.vocab, block_size=args.seq))  # fmt: skip
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"\nmodel: GPT {args.n_layer} layers, d={args.n_embd}, vocab {args.vocab}, "
+        f"context {args.seq}, {n_params / 1e6:.2f}M parameters ({4 * n_params / 1e6:.1f} MB "
+        f"fp32); micro-batch {args.micro_batch} per rank; 2 ranks on gloo, 1 thread each; "
+        f"{args.warmup} warm-up + {args.steps} timed steps x {args.rounds} round(s)"
+    )
+    print(f"namespaces: {ns_status}; total {time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "model": {"n_layer": args.n_layer, "n_embd": args.n_embd, "vocab": args.vocab,
+                      "seq": args.seq, "params": n_params, "micro_batch": args.micro_batch},
+            "namespaces": ns_status,
+            "tbf": {"burst": args.burst, "latency": args.latency},
+            "networks": [asdict(n) for n in networks],
+            "results": [asdict(r) | {"median_ms": r.median_ms, "cpu_ms": r.cpu_ms,
+                                     "ratio": r.ratio}
+                        for r in all_results],
+        }  # fmt: skip
+        args.json.write_text(json.dumps(payload, indent=1))
+        print(f"wrote {args.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; namespaces removed", file=sys.stderr)
+        sys.exit(130)
