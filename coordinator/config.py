@@ -2,7 +2,8 @@
 
 * ``ServerConfig``: where it listens, authentication, TLS, the state file, limits;
 * ``MembershipConfig``: how many workers, the join window, leases;
-* ``PlanConfig`` (from ``coordinator.planner``): stage choice and layout.
+* ``PlanConfig`` (from ``coordinator.planner``): stage choice and layout;
+* ``HttpConfig``: the HTTP port for metrics, service discovery and the status page.
 
 The bearer token is read from a file (a mounted Kubernetes Secret) or an
 environment variable by ``load_token``; it never appears in a repr.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,9 +21,12 @@ from coordinator.planner import PlanConfig
 
 __all__ = [
     "ADDRESS_ENV",
+    "METRICS_HOST_ENV",
+    "METRICS_PORT_ENV",
     "TOKEN_ENV",
     "TOKEN_FILE_ENV",
     "CoordinatorConfig",
+    "HttpConfig",
     "MembershipConfig",
     "PlanConfig",
     "ServerConfig",
@@ -34,6 +39,9 @@ logger = logging.getLogger(__name__)
 ADDRESS_ENV = "ZEROPLANE_COORDINATOR"
 TOKEN_ENV = "ZEROPLANE_TOKEN"
 TOKEN_FILE_ENV = "ZEROPLANE_TOKEN_FILE"
+# Where workers serve /metrics: a port (0: a free one) and the address to bind.
+METRICS_PORT_ENV = "ZEROPLANE_METRICS_PORT"
+METRICS_HOST_ENV = "ZEROPLANE_METRICS_HOST"
 MiB = 1 << 20
 
 
@@ -147,16 +155,44 @@ class MembershipConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HttpConfig:
+    """The coordinator's HTTP side (coordinator/web.py): ``/metrics``, ``/sd``, ``/``.
+
+    port: None serves no HTTP at all; 0 picks a free port.
+    host: address to bind; None: the gRPC server's host.
+    job_name: the ``job`` label service discovery gives the workers' series,
+        and what the dashboard's job variable selects.
+    """
+
+    port: int | None = None
+    host: str | None = None
+    job_name: str = "zeroplane"
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ValueError(f"HttpConfig.port must be None or in [0, 65535], got {self.port}")
+        if self.host is not None and not self.host:
+            raise ValueError("HttpConfig.host must be None or non-empty")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", self.job_name):
+            raise ValueError(
+                "HttpConfig.job_name must be 1-63 letters, digits, '_', '.' or '-', "
+                f"got {self.job_name!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class CoordinatorConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
     def __post_init__(self) -> None:
         for name, kind in (
             ("server", ServerConfig),
             ("membership", MembershipConfig),
             ("plan", PlanConfig),
+            ("http", HttpConfig),
         ):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"CoordinatorConfig.{name} must be a {kind.__name__}")

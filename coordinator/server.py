@@ -41,8 +41,11 @@ from grpc_health.v1.health import aio as health_aio
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.config import (
     ADDRESS_ENV,
+    METRICS_HOST_ENV,
+    METRICS_PORT_ENV,
     TOKEN_ENV,
     CoordinatorConfig,
+    HttpConfig,
     MembershipConfig,
     PlanConfig,
     ServerConfig,
@@ -63,7 +66,9 @@ from coordinator.messages import (
     status_to_proto,
     worker_from_proto,
 )
+from coordinator.metrics import CoordinatorMetrics, RpcMetricsInterceptor
 from coordinator.statefile import load_snapshot, save_snapshot
+from coordinator.web import CoordinatorHttp
 
 __all__ = [
     "SERVICE_NAME",
@@ -119,9 +124,15 @@ def _valid(what: str, convert: Callable[[Any], Any], msg: Any) -> Any:
 class _Servicer:
     """The Coordinator service over one Membership, on one event loop."""
 
-    def __init__(self, config: CoordinatorConfig, membership: Membership) -> None:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        membership: Membership,
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
         self.config = config
         self.m = membership
+        self.metrics = metrics or CoordinatorMetrics(job_name=config.http.job_name)
         token = config.server.token
         self._token_digest = None if token is None else hashlib.sha256(token.encode()).digest()
         self._changed = asyncio.Condition()
@@ -251,10 +262,11 @@ class _Servicer:
         # Expiry scans every lease, so only the ticker does it; a register or a
         # leave only needs to know whether a generation is due (O(1)).
         if expire:
-            self.m.expire()
+            self.metrics.on_expired(len(self.m.expire()))
         generation = self.m.maybe_form()
         if generation is None:
             return
+        self.metrics.on_generation(generation)
         self._generation_msg = generation_to_proto(generation)
         path = self.config.server.state_file
         if path is not None:
@@ -276,6 +288,7 @@ class _Servicer:
             )
         inventory = [_valid("inventory", param_from_proto, p) for p in request.inventory]
         reattached = self.m.register(info, inventory)
+        self.metrics.on_register(reattached)
         await self._reconcile()
         ms = self.config.membership
         return pb.RegisterResponse(
@@ -316,7 +329,8 @@ class _Servicer:
     async def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
         if not request.worker_id:
             raise InvalidRequest("worker_id must be non-empty")
-        self.m.leave(request.worker_id, request.reason[:256])
+        if self.m.leave(request.worker_id, request.reason[:256]):
+            self.metrics.on_leave()
         await self._reconcile()
         return pb.LeaveResponse()
 
@@ -339,18 +353,35 @@ class CoordinatorServer:
         self._terminated = threading.Event()
         self._started = False
         self._thread.start()
+        # The collector reads the membership at scrape time, on the loop (see status()).
+        self.metrics = CoordinatorMetrics(
+            status=self._status_or_none, job_name=config.http.job_name
+        )
+        self.http: CoordinatorHttp | None = None
         try:
             self.port: int = self._call(self._bind())
+            if config.http.port is not None:
+                self.http = CoordinatorHttp(
+                    host=config.http.host or config.server.host,
+                    port=config.http.port,
+                    metrics=self.metrics,
+                    status=lambda: self._call(self._read_status(), timeout=10),
+                    job_name=config.http.job_name,
+                )
         except BaseException:
             self._close_loop()
             raise
 
     @property
     def address(self) -> str:
-        host = self.config.server.host
-        if host in ("0.0.0.0", "::", "[::]"):
-            host = "127.0.0.1"
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return _local_address(self.config.server.host, self.port)
+
+    @property
+    def http_address(self) -> str | None:
+        """host:port of /metrics, /sd and the status page; None when HTTP is off."""
+        if self.http is None:
+            return None
+        return _local_address(self.config.http.host or self.config.server.host, self.http.port)
 
     def _call(self, coro: Awaitable[Any], timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -362,9 +393,11 @@ class CoordinatorServer:
             snapshot = load_snapshot(cfg.server.state_file)
             if snapshot is not None:
                 membership.restore(snapshot)
-        self._servicer = _Servicer(cfg, membership)
+                self.metrics.on_restore(membership.generation)
+        self._servicer = _Servicer(cfg, membership, self.metrics)
         limit = cfg.server.max_request_bytes
         self._server = grpc.aio.server(
+            interceptors=[RpcMetricsInterceptor(self.metrics)],
             options=[
                 # Above the application limit, so an oversized request reaches the handler
                 # and gets INVALID_ARGUMENT rather than grpc's RESOURCE_EXHAUSTED.
@@ -373,7 +406,7 @@ class CoordinatorServer:
                 ("grpc.max_send_message_length", cfg.server.max_send_bytes),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-            ]
+            ],
         )
         self._server.add_generic_rpc_handlers((self._servicer.handler(),))
         self._health = health_aio.HealthServicer()
@@ -394,6 +427,9 @@ class CoordinatorServer:
     def start(self) -> None:
         self._call(self._start())
         self._started = True
+        if self.http is not None:
+            self.http.start()
+            logger.info("coordinator status page and metrics on http://%s/", self.http_address)
         if self.config.server.token is None:
             logger.warning("no bearer token configured: the coordinator accepts any client")
         logger.info(
@@ -414,6 +450,8 @@ class CoordinatorServer:
         if self._terminated.is_set():
             return
         grace = self.config.server.grace_s if grace is None else grace
+        if self.http is not None:
+            self.http.close()
         try:
             self._call(self._stop(grace))
         finally:
@@ -436,11 +474,15 @@ class CoordinatorServer:
 
     def status(self) -> StatusReport:
         """The job's status, read in process (no RPC, no token)."""
+        return self._call(self._read_status())
 
-        async def read() -> StatusReport:
-            return self._servicer.m.status(VERSION)
+    async def _read_status(self) -> StatusReport:
+        return self._servicer.m.status(VERSION)
 
-        return self._call(read())
+    def _status_or_none(self) -> StatusReport | None:
+        if self._terminated.is_set() or not hasattr(self, "_servicer"):
+            return None
+        return self._call(self._read_status(), timeout=10)
 
     def __enter__(self) -> CoordinatorServer:
         if not self._started:
@@ -462,9 +504,18 @@ class EmbeddedCoordinator:
         self.server: CoordinatorServer | None = None
 
     @classmethod
-    def for_local_job(cls, nproc: int, stage: int | None) -> EmbeddedCoordinator:
+    def for_local_job(
+        cls,
+        nproc: int,
+        stage: int | None,
+        *,
+        http_port: int | None = None,
+        job_name: str = "zeroplane",
+    ) -> EmbeddedCoordinator:
         """The coordinator of a one-machine job: exactly ``nproc`` workers, no join
-        window, a fresh random token, and ``stage`` (None: the planner's choice)."""
+        window, a fresh random token, and ``stage`` (None: the planner's choice).
+        ``http_port``: serve metrics, service discovery and the status page there
+        (0: a free port), and have the workers serve their metrics too."""
         return cls(
             CoordinatorConfig(
                 server=ServerConfig(token=secrets.token_urlsafe(24)),
@@ -472,6 +523,7 @@ class EmbeddedCoordinator:
                     min_workers=nproc, max_workers=nproc, join_window_s=0.0
                 ),
                 plan=PlanConfig(stage=stage),
+                http=HttpConfig(port=http_port, job_name=job_name),
             )
         )
 
@@ -481,11 +533,21 @@ class EmbeddedCoordinator:
         env = {ADDRESS_ENV: self.server.address}
         if self.config.server.token is not None:
             env[TOKEN_ENV] = self.config.server.token
+        if self.server.http is not None:
+            # each worker serves /metrics on a free local port and reports it
+            env[METRICS_PORT_ENV] = "0"
+            env[METRICS_HOST_ENV] = "127.0.0.1"
         return env
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+
+
+def _local_address(host: str, port: int) -> str:
+    if host in ("0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def create_server(config: CoordinatorConfig) -> tuple[CoordinatorServer, int]:

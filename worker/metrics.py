@@ -192,10 +192,10 @@ class EngineCollector(Collector):
         labels = ("rank", "stage")
         values = (str(e.rank), str(e.stage))
 
-        def gauge(name: str, doc: str, value: float | None, unit: str = "") -> Metric | None:
+        def gauge(name: str, doc: str, value: float | None) -> Metric | None:
             if value is None:
                 return None
-            g = GaugeMetricFamily(name, doc, labels=labels, unit=unit)
+            g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(values, value)
             return g
 
@@ -223,19 +223,15 @@ class EngineCollector(Collector):
         yield info
         control = getattr(e, "control", None)
         generation = getattr(getattr(control, "generation", None), "id", 0)
-        for metric in (
-            gauge("zeroplane_stage", "ZeRO stage of this rank (0-3).", e.stage),
-            gauge("zeroplane_world_size", "Ranks in the process group.", e.world_size),
-            gauge("zeroplane_rank", "This worker's rank.", e.rank),
-            gauge("zeroplane_generation", "Coordinator generation (0: none).", generation),
-            gauge(
-                "zeroplane_trainable_parameters",
-                "Trainable parameter elements of the model (Psi).",
-                e.layout.numel,
-            ),
-        ):
-            if metric is not None:
-                yield metric
+        yield gauge("zeroplane_stage", "ZeRO stage of this rank (0-3).", e.stage)
+        yield gauge("zeroplane_world_size", "Ranks in the process group.", e.world_size)
+        yield gauge("zeroplane_rank", "This worker's rank.", e.rank)
+        yield gauge("zeroplane_generation", "Coordinator generation (0: none).", generation)
+        yield gauge(
+            "zeroplane_trainable_parameters",
+            "Trainable parameter elements of the model (Psi).",
+            e.layout.numel,
+        )
 
         yield from self._memory(e, device, labels, values, gauge)
         yield from self._collectives(comm, labels, values, gauge)
@@ -265,11 +261,11 @@ class EngineCollector(Collector):
             "Tokens this rank trained on (engine.step(tokens=...)).",
             e.stats.tokens,
         )
-        loss = gauge("zeroplane_loss", "The last micro-batch loss.", e.stats.last_loss())
-        if loss is not None:
-            yield loss
+        yield gauge("zeroplane_loss", "The last micro-batch loss.", e.stats.last_loss())
 
-    def _memory(self, e: ZeroEngine, device: torch.device, labels, values, gauge) -> Iterator:
+    def _memory(
+        self, e: ZeroEngine, device: torch.device, labels, values, gauge
+    ) -> Iterator[Metric | None]:
         report = _retry(e.memory_report)
         if report is not None:
             state = GaugeMetricFamily(
@@ -318,11 +314,9 @@ class EngineCollector(Collector):
             ("total", "Physical memory of the host.", total),
             ("available", "Memory available on the host (MemAvailable).", available),
         ):
-            metric = gauge(f"zeroplane_host_memory_{name}_bytes", doc, value)
-            if metric is not None:
-                yield metric
+            yield gauge(f"zeroplane_host_memory_{name}_bytes", doc, value)
 
-    def _collectives(self, comm: Any, labels, values, gauge) -> Iterator[Metric]:
+    def _collectives(self, comm: Any, labels, values, gauge) -> Iterator[Metric | None]:
         stats = (
             _retry(
                 lambda: {

@@ -9,6 +9,7 @@ from pathlib import Path
 from coordinator.config import (
     TOKEN_ENV,
     CoordinatorConfig,
+    HttpConfig,
     MembershipConfig,
     PlanConfig,
     ServerConfig,
@@ -53,6 +54,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="persist the current generation here, so a restart keeps the job",
     )
     net.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="stop grace")
+    net.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve /metrics, Prometheus service discovery (/sd) and a status page (/) on "
+        "this port (0: a free one; default: no HTTP)",
+    )
+    net.add_argument("--http-host", default=None, help="address for HTTP (default: --host)")
+    net.add_argument(
+        "--job-name",
+        default="zeroplane",
+        help="the job label /sd gives the workers' series (default zeroplane)",
+    )
 
     members = parser.add_argument_group("membership")
     members.add_argument("--min-workers", type=int, default=1, metavar="N")
@@ -129,6 +144,7 @@ def coordinator(args: argparse.Namespace) -> int:
                 bucket_numel=parse_count(args.bucket_numel),
                 align=args.align,
             ),
+            http=HttpConfig(port=args.http_port, host=args.http_host, job_name=args.job_name),
         )
     except ValueError as exc:
         print(f"zeroplane coordinator: {exc}", file=sys.stderr)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import signal
 import sys
+import threading
 
-from coordinator.config import ADDRESS_ENV
+from coordinator.config import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
 from coordinator.launch import STAGE_CHOICES, LaunchSpec, LocalJob, forward_signals
 
 __all__ = ["add_parser", "run"]
@@ -49,6 +52,49 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(its token from $ZEROPLANE_TOKEN or $ZEROPLANE_TOKEN_FILE)",
     )
     parser.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="the embedded coordinator's status page, /metrics and Prometheus service "
+        "discovery (/sd) port; the workers then serve /metrics too (default 0: a free port)",
+    )
+    parser.add_argument(
+        "--no-http",
+        action="store_true",
+        help="no status page and no metrics endpoints (coordinator and workers)",
+    )
+    parser.add_argument(
+        "--job-name",
+        default="zeroplane",
+        help="the job label Prometheus gives the workers' series (default zeroplane)",
+    )
+    parser.add_argument(
+        "--launcher",
+        choices=("local", "ray"),
+        default="local",
+        help="local processes (default), or Ray actors in a placement group "
+        "(pip install 'zeroplane[ray]')",
+    )
+    parser.add_argument(
+        "--address",
+        metavar="RAY_ADDRESS",
+        help="with --launcher ray: the Ray cluster to join (default: start a local one)",
+    )
+    parser.add_argument(
+        "--gpus-per-worker",
+        type=float,
+        default=0.0,
+        metavar="G",
+        help="with --launcher ray: GPUs in each worker's placement-group bundle (default 0)",
+    )
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="once every worker has exited 0, stay up until SIGTERM (a Kubernetes "
+        "StatefulSet restarts a container that exits, even with 0)",
+    )
+    parser.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -67,18 +113,91 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"zeroplane run: {exc}", file=sys.stderr)
         return 2
+    if args.launcher == "ray":
+        return _run_on_ray(args, command)
     if args.coordinator:
-        spec = dataclasses.replace(spec, env={**spec.env, ADDRESS_ENV: args.coordinator})
+        env = {**spec.env, ADDRESS_ENV: args.coordinator}
+        # the coordinator lists each worker's /metrics endpoint for Prometheus; a port
+        # the environment names already wins (a Kubernetes pod's named metrics port)
+        if not args.no_http and METRICS_PORT_ENV not in os.environ:
+            env |= {METRICS_PORT_ENV: "0", METRICS_HOST_ENV: "0.0.0.0"}
+        spec = dataclasses.replace(spec, env=env)
         services = ()
     else:
         # imported here: the gRPC server is only needed when this process hosts it
         from coordinator.server import EmbeddedCoordinator
 
         stage = None if args.stage in (None, "auto") else int(args.stage)
-        services = (EmbeddedCoordinator.for_local_job(args.nproc, stage),)
+        try:
+            embedded = EmbeddedCoordinator.for_local_job(
+                args.nproc,
+                stage,
+                http_port=None if args.no_http else args.http_port,
+                job_name=args.job_name,
+            )
+        except ValueError as exc:
+            print(f"zeroplane run: {exc}", file=sys.stderr)
+            return 2
+        services = (embedded,)
     job = LocalJob(spec, services=services)
     with forward_signals(job), job:
+        for service in services:
+            http = service.server.http_address if service.server else None
+            if http:
+                print(
+                    f"zeroplane run: status page http://{http}/ "
+                    f"(metrics /metrics, Prometheus http_sd /sd)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         result = job.wait()
     if not result.ok:
         print(f"zeroplane run: {result.message}", file=sys.stderr)
+    elif args.hold:
+        _hold()
     return result.returncode
+
+
+def _run_on_ray(args: argparse.Namespace, command: tuple[str, ...]) -> int:
+    # imported here: ray is an optional extra, and heavy
+    from coordinator.launch_ray import RayJob, RaySpec
+
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        print(
+            "zeroplane run: --launcher ray needs Ray: pip install 'zeroplane[ray]'", file=sys.stderr
+        )
+        return 2
+    try:
+        spec = RaySpec(
+            command=command,
+            nproc=args.nproc,
+            address=args.address,
+            gpus_per_worker=args.gpus_per_worker,
+            stage=None if args.stage in (None, "auto") else int(args.stage),
+            grace_s=args.grace,
+        )
+    except ValueError as exc:
+        print(f"zeroplane run: {exc}", file=sys.stderr)
+        return 2
+    job = RayJob(spec)
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, _: job.send_signal(signum)) for s in signals}
+    try:
+        with job:
+            result = job.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if not result.ok:
+        print(f"zeroplane run: {result.message}", file=sys.stderr)
+    return result.returncode
+
+
+def _hold() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print("zeroplane run: all workers finished; holding until SIGTERM", file=sys.stderr, flush=True)
+    stop.wait()

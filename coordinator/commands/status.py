@@ -1,7 +1,13 @@
 """``zeroplane status``: the job as the coordinator sees it.
 
 Members with their ranks, the generation, the stage and why, and per-rank
-memory by kind as the workers report it in their heartbeats.
+memory by kind as the workers report it in their heartbeats. Then, from the
+workers' metrics endpoints, the figures the Grafana dashboard and the
+coordinator's status page show: model state against the stage-0 baseline,
+collective bandwidth by op, compression ratio, step time and throughput (see
+coordinator/observe.py). ``--http HOST:PORT`` reads them from the
+coordinator's HTTP port instead (what ``zeroplane run`` prints), which needs
+no token.
 """
 
 from __future__ import annotations
@@ -12,13 +18,19 @@ import json
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from coordinator.client import ClientConfig, CoordinatorClient, CoordinatorError
 from coordinator.config import ADDRESS_ENV, TOKEN_ENV, load_token
 from coordinator.messages import StatusReport
+from coordinator.observe import Sampler
 from coordinator.planner import format_bytes
+from coordinator.web import api_status
 
-__all__ = ["DEFAULT_ADDRESS", "add_parser", "format_status", "status"]
+__all__ = ["DEFAULT_ADDRESS", "add_parser", "format_figures", "format_status", "status"]
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 KIND_ORDER = ("params", "grads", "master", "optimizer")
@@ -43,12 +55,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--tls-ca", metavar="FILE", help="PEM roots to trust (implies --tls)")
     parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="default 5")
     parser.add_argument("--events", type=int, default=10, metavar="N", help="recent events shown")
+    parser.add_argument(
+        "--window",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="sample the workers' metrics twice this far apart for bandwidth, step time and "
+        "throughput (default 1; 0: one sample, averages since each worker started)",
+    )
+    parser.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="read the job from the coordinator's HTTP port (its status page) instead of gRPC",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=status)
     return parser
 
 
 def status(args: argparse.Namespace) -> int:
+    if args.http:
+        return _status_over_http(args)
     try:
         config = ClientConfig(
             address=args.coordinator,
@@ -69,11 +96,132 @@ def status(args: argparse.Namespace) -> int:
         return 1
     finally:
         client.close()
+    ranks = _figures(report, args.window)
     if args.json:
-        print(json.dumps(dataclasses.asdict(report), indent=2, default=str))
+        out = dataclasses.asdict(report)
+        out["ranks"] = ranks
+        print(json.dumps(out, indent=2, default=str))
     else:
         print(format_status(report, address=args.coordinator, events=args.events))
+        if ranks:
+            print()
+            print(format_figures(ranks))
     return 0
+
+
+def _figures(report: StatusReport, window: float) -> list[dict[str, Any]]:
+    """Per-rank figures from the members' metrics endpoints (two samples ``window`` apart)."""
+    if not any(w.info.metrics_endpoint for w in report.members):
+        return []
+    sampler = Sampler(min_interval_s=0.0, window_s=max(window, 1.0) * 10)
+    try:
+        ranks = api_status(report, "", sampler)["ranks"]
+        if window > 0:
+            time.sleep(window)
+            ranks = api_status(report, "", sampler)["ranks"]
+    finally:
+        sampler.close()
+    return ranks
+
+
+def _status_over_http(args: argparse.Namespace) -> int:
+    address = args.http if "://" in args.http else f"http://{args.http}"
+
+    def fetch() -> dict[str, Any]:
+        with urllib.request.urlopen(f"{address}/api/status", timeout=args.timeout) as r:
+            return json.load(r)
+
+    try:
+        api = fetch()
+        # The coordinator keeps recent samples; a first look has one, so look twice.
+        if args.window > 0 and any(not r.get("window_s") for r in api["ranks"]):
+            time.sleep(max(args.window, 1.0))
+            api = fetch()
+    except (OSError, ValueError, urllib.error.URLError) as exc:
+        print(f"zeroplane status: cannot read {address}/api/status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(api, indent=2))
+        return 0
+    lines = [
+        f"job {api['job']} at {args.http} (zeroplane {api['version']})",
+        f"phase: {api['phase']}   generation {api['generation']}   "
+        f"world size {api['world_size']}   stage {api['stage']}",
+    ]
+    if api.get("stage_reason"):
+        lines.append(f"stage reason: {api['stage_reason']}")
+    if api.get("waiting_reason"):
+        lines.append(f"waiting: {api['waiting_reason']}")
+    rows = [
+        [
+            "-" if w["rank"] is None else str(w["rank"]),
+            w["worker_id"],
+            w["state"],
+            w["host"],
+            w["device_kind"],
+            "-" if w["step"] is None else str(w["step"]),
+            w["metrics_endpoint"] or "-",
+        ]
+        for w in api["workers"]
+    ]
+    lines += ["", *_table(["rank", "worker", "state", "host", "device", "step", "metrics"], rows)]
+    if api["ranks"]:
+        lines += ["", format_figures(api["ranks"])]
+    print("\n".join(lines))
+    return 0
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    return [
+        "  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip()
+        for line in (header, *rows)
+    ]
+
+
+FIGURE_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def format_figures(ranks: Sequence[Mapping[str, Any]]) -> str:
+    """The per-rank figures table (rows as ``/api/status`` returns them under ``ranks``)."""
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    def rate(value: float | None) -> str:
+        return "-" if value is None else f"{format_bytes(value)}/s"
+
+    header = ["rank", "held", "stage-0 baseline", "saves", "step time", "samples/s"]
+    header += [f"{op} bw" for op in FIGURE_OPS] + ["compression", "loss"]
+    rows, errors, window = [], [], 0.0
+    for r in ranks:
+        if r.get("error"):
+            errors.append(f"rank {r.get('rank')}: {r['error']}")
+        if "model_state" not in r:
+            continue
+        window = max(window, r.get("window_s") or 0.0)
+        kept = r.get("kept")
+        step = r.get("step_seconds")
+        bandwidth = r.get("bandwidth") or {}
+        rows.append(
+            [
+                str(r.get("rank")),
+                _bytes(r.get("state_total")),
+                _bytes(r.get("baseline_total")),
+                "-" if kept is None else f"{100 * (1 - kept):.1f}%",
+                "-" if step is None else f"{1000 * step:.1f} ms",
+                num(r.get("samples_per_second"), ".1f"),
+                *(rate(bandwidth.get(op)) for op in FIGURE_OPS),
+                num(r.get("compression_ratio"), ".2f"),
+                num(r.get("loss"), ".4f"),
+            ]
+        )
+    over = f"over {window:.1f}s" if window else "averaged since each worker started"
+    lines = [f"per-rank figures ({over}; bandwidth = collective bytes per collective second):"]
+    lines += _table(header, rows) or ["no worker metrics"]
+    return "\n".join(lines + errors)
 
 
 def _bytes(n: float | None) -> str:
