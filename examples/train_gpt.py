@@ -56,6 +56,8 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     p.add_argument("--checkpoint", type=Path)
     p.add_argument("--save-every", type=int, default=10)
+    # keep in-memory replicas of the neighbour's shards every K steps (crash recovery)
+    p.add_argument("--replica-every", type=int, default=0)
     # slows the loop down so tests can change the membership while it runs
     p.add_argument("--step-sleep", type=float, default=0.0)
     args = p.parse_args()
@@ -70,7 +72,9 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     model.to(device)  # in place: the optimizer keeps the same parameters
-    config = worker.ZeroConfig(stage=args.stage, compression=args.compression)
+    config = worker.ZeroConfig(
+        stage=args.stage, compression=args.compression, replica_interval=args.replica_every
+    )
     engine = worker.initialize(model, opt, config=config)
     if args.checkpoint and (args.checkpoint / "latest").exists():
         engine.load_checkpoint(args.checkpoint)

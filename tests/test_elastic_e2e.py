@@ -216,3 +216,24 @@ def test_workers_train_through_a_coordinator_restart(job_factory) -> None:
     codes = job.finish()
     assert codes == {"w0": 0, "w1": 0}, codes
     assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_recovers_from_in_memory_replicas(job_factory) -> None:
+    job = job_factory(3)
+    for name in ("w0", "w1", "w2"):
+        job.spawn(name, "--replica-every", "2")  # and no checkpoint at all
+    job.wait_until("three ranks training", lambda: job.world_size() == 3 and job.step() >= 9)
+    assert job.step() < STEPS - 10, "the job is too fast for this test to kill a worker"
+    before = max(w.report.step for w in job.server.status().members if w.report is not None)
+    job.workers["w1"].kill()
+    job.wait_until("recovered on two", lambda: job.world_size() == 2)
+    codes = job.finish()
+    assert codes["w0"] == 0 and codes["w2"] == 0 and codes["w1"] == -signal.SIGKILL, codes
+    log = job.log("w0")
+    found = re.search(r"recovered as rank 0 of 2 at step (\d+) \(from in-memory replicas\)", log)
+    assert found, log[-3000:]
+    # the replicas are refreshed every 2 steps: at most 2 steps replayed
+    recovered = int(found.group(1))
+    assert recovered % 2 == 0 and 0 <= before - recovered <= 2, (before, recovered)
+    assert_matches_reference(job.tmp / "final.pt")

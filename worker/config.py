@@ -49,6 +49,9 @@ class ZeroConfig:
         error_feedback: carry each step's compression error into the next.
         stage3_gather_compression: ``int8`` sends stage-3 parameter all-gathers
             as blockwise int8; the fp32 master weights stay exact.
+        replica_interval: with a coordinator, every this many optimizer steps each
+            rank keeps a copy of its state and of its neighbour's, so a crashed
+            rank's shards are restored from memory (0 = off: checkpoints only).
         metrics_port: serve Prometheus metrics on this port (0: a free one;
             see worker/metrics.py); None: as ``$ZEROPLANE_METRICS_PORT`` says,
             which launchers set, and off when it is unset.
@@ -74,6 +77,7 @@ class ZeroConfig:
     error_feedback: bool = True
     stage3_gather_compression: Literal["none", "int8"] = "none"
     metrics_port: int | None = None
+    replica_interval: int = 0
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> ValueError:
@@ -94,7 +98,12 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(name, "an integer >= 1")
-        for name in ("stage3_prefetch", "stage3_min_unit_numel", "compression_warmup_steps"):
+        for name in (
+            "stage3_prefetch",
+            "stage3_min_unit_numel",
+            "compression_warmup_steps",
+            "replica_interval",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "an integer >= 0")

@@ -40,7 +40,15 @@ from worker.collectives import Collectives
 if TYPE_CHECKING:
     from worker.engine import ZeroEngine
 
-__all__ = ["Handover", "adopt", "exchange", "pack_entries", "unpack_entries"]
+__all__ = [
+    "Handover",
+    "Replica",
+    "adopt",
+    "exchange",
+    "pack_entries",
+    "refresh_replica",
+    "unpack_entries",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -136,23 +144,25 @@ def exchange(
     holds_state: bool,
     via: dist.ProcessGroup | None,
     new_members: Sequence[int],
+    entries: Entries | None = None,
+    counters: tuple[int, float, int] | None = None,
 ) -> Handover:
     """Send what this rank holds to its new owners; receive what it will own.
 
     Every rank of ``via`` calls this at the same step boundary. ``new_members``
     lists the ranks of ``via`` that form the new world, in new-rank order; a
     rank not among them is leaving and receives nothing. ``holds_state``: an
-    old member (a newcomer holds nothing yet).
+    old member (a newcomer holds nothing yet). ``entries``/``counters``: send
+    these (a replica's snapshot) instead of the engine's live state.
     """
     via_comm = Collectives(via)
     new_world = len(new_members)
-    entries = checkpoint._export_ranges(engine)[0] if holds_state else {}
+    if entries is None:
+        entries = checkpoint._export_ranges(engine)[0] if holds_state else {}
+    if counters is None:
+        counters = (engine.global_steps, engine.scaler.scale, engine.skipped_steps)
     shared = torch.tensor(
-        [engine.global_steps, engine.scaler.scale, engine.skipped_steps]
-        if holds_state
-        else [0] * 3,
-        dtype=torch.float64,
-        device=engine.device,
+        counters if holds_state else [0] * 3, dtype=torch.float64, device=engine.device
     )
     via_comm.all_reduce(shared, op="max", control=True)
 
@@ -221,3 +231,56 @@ def _parse_key(key: str) -> tuple[str, int, int]:
     name, _, rng = key.rpartition("[")
     start, stop = rng.rstrip("]").split(":")
     return name, int(start), int(stop)
+
+
+# ---------------------------------------------------------------------------- replicas
+
+
+@dataclass
+class Replica:
+    """This rank's state at ``step`` and its left neighbour's, kept in memory.
+
+    [Note: in-memory replicas]
+    Every ``replica_interval`` optimizer steps each rank copies its own state
+    ranges (as a checkpoint would write them) and sends a copy to its right
+    neighbour, ``(rank + 1) % N``. When a rank dies, its right neighbour holds
+    its state as of the last refresh; every survivor also holds its own state
+    as of that same step, so the whole job can roll back consistently to it
+    without touching the disk. Two adjacent ranks lost together leave a gap,
+    and recovery falls back to the last checkpoint. The cost is twice this
+    rank's share of the model state (reported as the ``replica`` kind).
+    """
+
+    generation: int
+    world_size: int
+    rank: int
+    counters: tuple[int, float, int]
+    own: Entries
+    neighbour: Entries
+
+    @property
+    def neighbour_rank(self) -> int:
+        return (self.rank - 1) % self.world_size
+
+    def nbytes(self) -> int:
+        total = 0
+        for entries in (self.own, self.neighbour):
+            for entry in entries.values():
+                for t in (entry["master"], *entry["state"].values()):
+                    if isinstance(t, torch.Tensor):
+                        total += t.numel() * t.element_size()
+        return total
+
+
+def refresh_replica(engine: ZeroEngine, generation: int) -> Replica:
+    """Snapshot this rank's state and swap copies with the neighbours (a collective)."""
+    comm = engine.comm
+    own = checkpoint._export_ranges(engine)[0]
+    n = comm.world_size
+    right = (comm.rank + 1) % n
+    sends = [pack_entries(own) if d == right and n > 1 else pack_entries({}) for d in range(n)]
+    received = _exchange(comm, sends)
+    left = (comm.rank - 1) % n
+    neighbour = unpack_entries(received[left].cpu()) if n > 1 else {}
+    counters = (engine.global_steps, engine.scaler.scale, engine.skipped_steps)
+    return Replica(generation, n, comm.rank, counters, own, neighbour)

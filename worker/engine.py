@@ -183,6 +183,7 @@ class ZeroEngine:
         self.control: ControlPlane | None = None
         self._leave_requested = False
         self.last_checkpoint: Path | None = None
+        self._replica: elastic.Replica | None = None
         self.units: list[GatherUnit] = []
         self.buckets: list[FlatBucket] = []
         self._bucket_of: dict[nn.Parameter, tuple[FlatBucket, int]] = {}
@@ -344,27 +345,62 @@ class ZeroEngine:
         logger.info("grew to %d ranks at step %d", self.world_size, self.global_steps)
 
     def _recover(self, exc: BaseException) -> None:
-        """A peer is gone: form the coordinator's next generation and roll back."""
+        """A peer is gone: form the coordinator's next generation and roll back,
+        to the in-memory replicas if they cover every lost rank, else to the
+        last checkpoint (see worker/elastic.py [Note: in-memory replicas])."""
         control = self.control
         assert control is not None
         logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
-        if self.last_checkpoint is None:
-            raise RuntimeError(
-                "a worker was lost and there is no checkpoint to roll back to; "
-                "save checkpoints (engine.save_checkpoint) to survive crashes"
-            ) from exc
+        old = control.generation
         gen = control.wait_newer(timeout=300.0)
         control.move_to(gen)
-        self._detach()
-        self._attach(Collectives(None), from_module=False)
-        self.load_checkpoint(self.last_checkpoint)
+        replica, self._replica = self._replica, None
+        lost = set(gen.reshard.lost_ranks) if gen.reshard is not None else set()
+        usable = (
+            replica is not None
+            and gen.reshard is not None
+            and gen.reshard.from_generation_id == old.id == replica.generation
+        )
+        # every survivor must take the same path: agree on what the replicas cover
+        vote = torch.zeros(old.world_size + 1, dtype=torch.int32, device=self.device)
+        if usable:
+            vote[replica.rank] = 1
+            if replica.neighbour_rank in lost:
+                vote[replica.neighbour_rank] = 1
+        else:
+            vote[-1] = 1
+        Collectives(None).all_reduce(vote, op="max", control=True)
+        if not int(vote[-1]) and all(int(vote[r]) for r in range(old.world_size)):
+            entries = dict(replica.own)
+            if replica.neighbour_rank in lost:
+                entries.update(replica.neighbour)
+            handover = elastic.exchange(
+                self,
+                holds_state=True,
+                via=None,
+                new_members=list(range(gen.world_size)),
+                entries=entries,
+                counters=replica.counters,
+            )
+            elastic.adopt(self, handover, None)
+            source = "in-memory replicas"
+        elif self.last_checkpoint is not None:
+            self._detach()
+            self._attach(Collectives(None), from_module=False)
+            self.load_checkpoint(self.last_checkpoint)
+            source = str(self.last_checkpoint)
+        else:
+            raise RuntimeError(
+                "a worker was lost and neither in-memory replicas nor a checkpoint cover "
+                "its state; set ZeroConfig.replica_interval or save checkpoints"
+            ) from exc
         self._used_handle = None
         logger.warning(
             "recovered as rank %d of %d at step %d (from %s)",
             self.rank,
             self.world_size,
             self.global_steps,
-            self.last_checkpoint,
+            source,
         )
 
     def close(self) -> None:
@@ -767,6 +803,9 @@ class ZeroEngine:
             self.optimizer.step(piece_grads)
             self._publish_params()
             self.global_steps += 1
+            interval = self.config.replica_interval
+            if interval and self.control is not None and self.global_steps % interval == 0:
+                self._replica = elastic.refresh_replica(self, self.control.generation.id)
             if self.control is not None:
                 self.control.report(self.memory_report(), self.global_steps)
         else:
@@ -890,6 +929,7 @@ class ZeroEngine:
             "compression": sum(
                 nbytes(b.residual) + nbytes(b.server_residual) for b in self.buckets
             ),
+            "replica": 0 if self._replica is None else self._replica.nbytes(),
         }
         report["total"] = sum(report.values())
         return report
