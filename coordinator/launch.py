@@ -232,6 +232,8 @@ class LocalJob:
         self._killed = False
         self._stopped = False
         self._result: JobResult | None = None
+        self._extra_env: dict[str, str] = {}
+        self._retiring: set[int] = set()
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -257,6 +259,7 @@ class LocalJob:
             for service in self._services:
                 extra_env.update(service.start())
                 self._started_services.append(service)
+            self._extra_env = extra_env
             for rank in range(spec.nproc):
                 self._spawn(rank, self._worker_env(rank, extra_env))
         except BaseException:
@@ -307,6 +310,45 @@ class LocalJob:
                 raise TimeoutError(f"job still running after {timeout}s")
             time.sleep(0.05)
         return result
+
+    @property
+    def running(self) -> list[int]:
+        """Indices of the workers still running and not asked to leave."""
+        return [
+            i for i, p in enumerate(self._procs) if p.poll() is None and i not in self._retiring
+        ]
+
+    def add_worker(self) -> int:
+        """Start one more worker (an elastic scale-up); returns its index.
+
+        It gets the same environment as the others, the coordinator's address
+        included, registers, and joins at the coordinator's next generation.
+        """
+        if self._result is not None or not self._procs:
+            raise RuntimeError("add_worker() needs a running job")
+        index = len(self._procs)
+        self._spawn(index, self._worker_env(index, self._extra_env))
+        logger.info("started worker %d (pid %d)", index, self._procs[index].pid)
+        return index
+
+    def retire_worker(self, index: int | None = None) -> int:
+        """Ask one worker (default: the newest running) to leave with SIGTERM.
+
+        A zeroplane worker hands its shards to the others and exits 0; the job
+        goes on. Returns the worker's index.
+        """
+        running = self.running
+        if not running:
+            raise RuntimeError("no running worker to retire")
+        if index is None:
+            index = running[-1]
+        elif index not in running:
+            raise ValueError(f"worker {index} is not running")
+        self._retiring.add(index)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self._procs[index].pid, signal.SIGTERM)
+        logger.info("asked worker %d (pid %d) to leave", index, self._procs[index].pid)
+        return index
 
     def send_signal(self, signum: int) -> None:
         """Forward ``signum`` to every worker; a second call sends SIGKILL.

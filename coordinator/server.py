@@ -511,16 +511,28 @@ class EmbeddedCoordinator:
         *,
         http_port: int | None = None,
         job_name: str = "zeroplane",
+        min_workers: int | None = None,
+        max_workers: int | None = None,
     ) -> EmbeddedCoordinator:
-        """The coordinator of a one-machine job: exactly ``nproc`` workers, no join
-        window, a fresh random token, and ``stage`` (None: the planner's choice).
+        """The coordinator of a one-machine job of ``nproc`` workers (elastic between
+        ``min_workers`` and ``max_workers``, both ``nproc`` by default), a fresh
+        random token, and ``stage`` (None: the planner's choice).
         ``http_port``: serve metrics, service discovery and the status page there
         (0: a free port), and have the workers serve their metrics too."""
+        low = nproc if min_workers is None else min_workers
+        high = nproc if max_workers is None else max_workers
+        if not low <= nproc <= high:
+            raise ValueError(
+                f"the job's worker range [{low}, {high}] must include its {nproc} workers"
+            )
         return cls(
             CoordinatorConfig(
                 server=ServerConfig(token=secrets.token_urlsafe(24)),
                 membership=MembershipConfig(
-                    min_workers=nproc, max_workers=nproc, join_window_s=0.0
+                    min_workers=low,
+                    max_workers=high,
+                    # an elastic job still starts with all nproc: give them time to register
+                    join_window_s=0.0 if low == nproc else 3.0,
                 ),
                 plan=PlanConfig(stage=stage),
                 http=HttpConfig(port=http_port, job_name=job_name),

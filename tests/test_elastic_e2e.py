@@ -237,3 +237,36 @@ def test_sigkill_recovers_from_in_memory_replicas(job_factory) -> None:
     recovered = int(found.group(1))
     assert recovered % 2 == 0 and 0 <= before - recovered <= 2, (before, recovered)
     assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
+def test_zeroplane_run_scales_on_signals(tmp_path: Path) -> None:
+    out = tmp_path / "final.pt"
+    cmd = [
+        sys.executable, "-m", "coordinator.cli", "run", "--nproc", "2", "--min-nproc", "2",
+        "--max-nproc", "3", "--stage", "2", "--no-http", str(EXAMPLE), "--steps", str(STEPS),
+        "--step-sleep", "0.25", "--optimizer", "sgd", "--out", str(out),
+    ]  # fmt: skip
+    log = (tmp_path / "run.log").open("w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+
+        def wait_for(text: str) -> None:
+            deadline = time.monotonic() + 90
+            while text not in (tmp_path / "run.log").read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    f"no {text!r}:\n{(tmp_path / 'run.log').read_text()[-3000:]}"
+                )
+                time.sleep(0.1)
+
+        wait_for("step 10 loss")
+        proc.send_signal(signal.SIGUSR1)  # one more worker
+        wait_for("grew to 3 ranks")
+        proc.send_signal(signal.SIGUSR2)  # the newest hands over and leaves
+        wait_for("now rank 0 of 2")
+        assert proc.wait(timeout=120) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert_matches_reference(out)

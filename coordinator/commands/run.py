@@ -8,9 +8,10 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from coordinator.config import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
-from coordinator.launch import STAGE_CHOICES, LaunchSpec, LocalJob, forward_signals
+from coordinator.launch import STAGE_CHOICES, JobResult, LaunchSpec, LocalJob, forward_signals
 
 __all__ = ["add_parser", "run"]
 
@@ -43,6 +44,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=5.0,
         metavar="SECONDS",
         help="time workers get to exit after SIGTERM before SIGKILL (default 5)",
+    )
+    parser.add_argument(
+        "--min-nproc",
+        type=int,
+        default=None,
+        metavar="A",
+        help="elastic: the job keeps running with at least A workers (default: --nproc)",
+    )
+    parser.add_argument(
+        "--max-nproc",
+        type=int,
+        default=None,
+        metavar="B",
+        help="elastic: at most B workers (default: --nproc). While the job runs, "
+        "`kill -USR1 PID` starts one more local worker and `kill -USR2 PID` asks the "
+        "newest to hand over its shards and leave (PID: this launcher, printed at start)",
     )
     parser.add_argument(
         "--coordinator",
@@ -132,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
             embedded = EmbeddedCoordinator.for_local_job(
                 args.nproc,
                 stage,
+                min_workers=args.min_nproc,
+                max_workers=args.max_nproc,
                 http_port=None if args.no_http else args.http_port,
                 job_name=args.job_name,
             )
@@ -150,12 +169,49 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-        result = job.wait()
+        result = _wait_scaling(job, args)
     if not result.ok:
         print(f"zeroplane run: {result.message}", file=sys.stderr)
     elif args.hold:
         _hold()
     return result.returncode
+
+
+def _wait_scaling(job: LocalJob, args: argparse.Namespace) -> JobResult:
+    """Wait for the job, adding (SIGUSR1) or retiring (SIGUSR2) workers on request."""
+    low = args.nproc if args.min_nproc is None else args.min_nproc
+    high = args.nproc if args.max_nproc is None else args.max_nproc
+    if low == high:
+        return job.wait()
+    requests: list[int] = []
+    previous = {
+        sig: signal.signal(sig, lambda signum, _: requests.append(signum))
+        for sig in (signal.SIGUSR1, signal.SIGUSR2)
+    }
+    print(
+        f"zeroplane run: elastic between {low} and {high} workers; "
+        f"kill -USR1 {os.getpid()} adds one, kill -USR2 {os.getpid()} removes one",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        while (result := job.poll()) is None:
+            while requests:
+                n = len(job.running)
+                if requests.pop(0) == signal.SIGUSR1:
+                    if n < high:
+                        job.add_worker()
+                    else:
+                        print(f"zeroplane run: already at {high} workers", file=sys.stderr)
+                elif n > low:
+                    job.retire_worker()
+                else:
+                    print(f"zeroplane run: already at {low} workers", file=sys.stderr)
+            time.sleep(0.1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return result
 
 
 def _run_on_ray(args: argparse.Namespace, command: tuple[str, ...]) -> int:
