@@ -175,28 +175,31 @@ def test_grow_2_to_3_then_sigterm_back_to_2(job_factory, stage: int) -> None:
     assert_matches_reference(job.tmp / "final.pt")
 
 
+def kill_and_recover(job: Job, victim: str, *, every: int, source: str) -> None:
+    """SIGKILL ``victim`` of three, then check the survivors rolled back at most
+    ``every`` steps, to ``source``, and still end equal to the reference."""
+    job.wait_until("three ranks training", lambda: job.world_size() == 3 and job.step() >= 12)
+    assert job.step() < STEPS - 10, "the job is too fast for this test to kill a worker"
+    before = max(w.report.step for w in job.server.status().members if w.report is not None)
+    job.workers[victim].kill()
+    job.wait_until("recovered on two", lambda: job.world_size() == 2)
+    codes = job.finish()
+    assert codes.pop(victim) == -signal.SIGKILL and set(codes.values()) == {0}, codes
+    log = job.log("w0")
+    found = re.search(rf"recovered as rank 0 of 2 at step (\d+) \(from {source}", log)
+    assert found, log[-3000:]
+    recovered = int(found.group(1))
+    assert recovered % every == 0 and 0 <= before - recovered <= every, (before, recovered)
+    assert_matches_reference(job.tmp / "final.pt")
+
+
 @pytest.mark.timeout(240)
 def test_sigkill_rolls_back_to_the_last_checkpoint(job_factory) -> None:
     job = job_factory(2)
     ckpt = str(job.tmp / "ckpt")
     for name in ("w0", "w1", "w2"):
         job.spawn(name, "--checkpoint", ckpt, "--save-every", "5")
-    job.wait_until(
-        "three ranks past a checkpoint", lambda: job.world_size() == 3 and job.step() >= 12
-    )
-    assert job.step() < STEPS - 10, "the job is too fast for this test to kill a worker"
-    before = max(w.report.step for w in job.server.status().members if w.report is not None)
-    job.workers["w2"].kill()
-    job.wait_until("recovered on two", lambda: job.world_size() == 2)
-    codes = job.finish()
-    assert codes["w0"] == 0 and codes["w1"] == 0 and codes["w2"] == -signal.SIGKILL, codes
-    log = job.log("w0")
-    # the rollback goes to the last checkpoint (every 5 steps): at most 5 steps replayed
-    found = re.search(r"recovered as rank 0 of 2 at step (\d+)", log)
-    assert found, log[-3000:]
-    recovered = int(found.group(1))
-    assert recovered % 5 == 0 and 0 <= before - recovered <= 5, (before, recovered)
-    assert_matches_reference(job.tmp / "final.pt")
+    kill_and_recover(job, "w2", every=5, source=re.escape(ckpt))
 
 
 @pytest.mark.timeout(240)
@@ -223,20 +226,7 @@ def test_sigkill_recovers_from_in_memory_replicas(job_factory) -> None:
     job = job_factory(3)
     for name in ("w0", "w1", "w2"):
         job.spawn(name, "--replica-every", "2")  # and no checkpoint at all
-    job.wait_until("three ranks training", lambda: job.world_size() == 3 and job.step() >= 9)
-    assert job.step() < STEPS - 10, "the job is too fast for this test to kill a worker"
-    before = max(w.report.step for w in job.server.status().members if w.report is not None)
-    job.workers["w1"].kill()
-    job.wait_until("recovered on two", lambda: job.world_size() == 2)
-    codes = job.finish()
-    assert codes["w0"] == 0 and codes["w2"] == 0 and codes["w1"] == -signal.SIGKILL, codes
-    log = job.log("w0")
-    found = re.search(r"recovered as rank 0 of 2 at step (\d+) \(from in-memory replicas\)", log)
-    assert found, log[-3000:]
-    # the replicas are refreshed every 2 steps: at most 2 steps replayed
-    recovered = int(found.group(1))
-    assert recovered % 2 == 0 and 0 <= before - recovered <= 2, (before, recovered)
-    assert_matches_reference(job.tmp / "final.pt")
+    kill_and_recover(job, "w1", every=2, source="in-memory replicas")
 
 
 @pytest.mark.timeout(240)
