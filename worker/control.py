@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -61,6 +62,7 @@ class ControlPlane:
     generation: Generation
     backend: str
     timeout: timedelta
+    _reported_at: float = -1e9
 
     @classmethod
     def join(
@@ -144,7 +146,13 @@ class ControlPlane:
         self.generation = generation
         self.init_process_group()
 
+    def report_due(self) -> bool:
+        """Heartbeats carry the latest report every interval; refresh it no more
+        often than a few times a second, off the per-step path."""
+        return time.monotonic() - self._reported_at >= 0.25
+
     def report(self, memory: dict[str, int], step: int) -> None:
+        self._reported_at = time.monotonic()
         self.client.set_report(
             WorkerReport(
                 model_state_bytes={k: int(v) for k, v in memory.items() if k != "total"},

@@ -806,7 +806,7 @@ class ZeroEngine:
             interval = self.config.replica_interval
             if interval and self.control is not None and self.global_steps % interval == 0:
                 self._replica = elastic.refresh_replica(self, self.control.generation.id)
-            if self.control is not None:
+            if self.control is not None and self.control.report_due():
                 self.control.report(self.memory_report(), self.global_steps)
         else:
             self.skipped_steps += 1
