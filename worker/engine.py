@@ -35,6 +35,7 @@ import math
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -298,13 +299,16 @@ class ZeroEngine:
     def _follow_membership(self, target: int, leaving: int) -> None:
         control = self.control
         assert control is not None
+        start = time.perf_counter()
         if leaving >= 0:
             self._hand_over_and_maybe_leave(leaving)
+            self.stats.record_pause("scale_down", time.perf_counter() - start)
         elif target > control.generation.id:
             gen = control.wait_newer()
             while gen.id < target:
                 control.generation, gen = gen, control.wait_newer()
             self._grow_to(gen)
+            self.stats.record_pause("scale_up", time.perf_counter() - start)
 
     def _hand_over_and_maybe_leave(self, leaving: int) -> None:
         control = self.control
@@ -351,6 +355,7 @@ class ZeroEngine:
         control = self.control
         assert control is not None
         logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
+        start = time.perf_counter()
         old = control.generation
         gen = control.wait_newer(timeout=300.0)
         control.move_to(gen)
@@ -395,6 +400,7 @@ class ZeroEngine:
                 "its state; set ZeroConfig.replica_interval or save checkpoints"
             ) from exc
         self._used_handle = None
+        self.stats.record_pause("crash", time.perf_counter() - start)
         logger.warning(
             "recovered as rank %d of %d at step %d (from %s)",
             self.rank,

@@ -102,7 +102,11 @@ METRIC_NAMES = (
     "zeroplane_samples_total",
     "zeroplane_tokens_total",
     "zeroplane_loss",
+    "zeroplane_membership_changes_total",
+    "zeroplane_membership_pause_seconds_total",
 )
+
+MEMBERSHIP_CHANGES = ("scale_up", "scale_down", "crash")
 
 try:
     VERSION = metadata.version("zeroplane")
@@ -251,6 +255,24 @@ class EngineCollector(Collector):
             "Optimizer steps skipped on an fp16 overflow.",
             e.skipped_steps,
         )
+        for name, doc, by_kind in (
+            (
+                "zeroplane_membership_changes_total",
+                "Membership changes this rank went through, by kind (scale_up, scale_down, crash).",
+                e.stats.changes,
+            ),
+            (
+                "zeroplane_membership_pause_seconds_total",
+                "Seconds training paused on this rank for membership changes, by kind "
+                "(crash: from the failed collective to training again, rollback included).",
+                e.stats.pause_seconds,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=(*labels, "kind"))
+            # every kind from the start, so a dashboard shows zero rather than no data
+            for kind in MEMBERSHIP_CHANGES:
+                family.add_metric((*values, kind), by_kind.get(kind, 0))
+            yield family
         yield counter(
             "zeroplane_samples_total",
             "Samples this rank trained on (engine.step(samples=...)).",

@@ -57,7 +57,15 @@ class StepStats:
     # Step-duration histogram: per-bucket counts (not cumulative) and the sum.
     bucket_counts: list[int] = field(default_factory=lambda: [0] * len(STEP_SECONDS_BUCKETS))
     seconds_sum: float = 0.0
+    # membership changes by kind ("scale_up", "scale_down", "crash"): how many,
+    # and the seconds training paused for them on this rank
+    changes: dict[str, int] = field(default_factory=dict)
+    pause_seconds: dict[str, float] = field(default_factory=dict)
     _window_start: float | None = None
+
+    def record_pause(self, kind: str, seconds: float) -> None:
+        self.changes[kind] = self.changes.get(kind, 0) + 1
+        self.pause_seconds[kind] = self.pause_seconds.get(kind, 0.0) + seconds
 
     def begin(self) -> None:
         """Mark the start of an accumulation window (idempotent within one)."""

@@ -400,6 +400,24 @@ def panels() -> list[dict[str, Any]]:
             min_=0,
         ),
         timeseries(
+            "Training paused for membership changes",
+            "Seconds each rank's training stood still per membership change, by kind: "
+            "scale_up and scale_down are live re-shards; crash runs from the failed collective "
+            "to training again, rollback to replicas or a checkpoint included.",
+            [
+                (
+                    f"sum by (rank, kind) "
+                    f"(increase(zeroplane_membership_pause_seconds_total{{{SEL}}}[{RATE}])) "
+                    f"/ sum by (rank, kind) "
+                    f"(increase(zeroplane_membership_changes_total{{{SEL}}}[{RATE}]))",
+                    "rank {{rank}} {{kind}}",
+                )
+            ],
+            "s",
+            draw="bars",
+            min_=0,
+        ),
+        timeseries(
             "Generation formation time",
             "Mean seconds from the first membership change to the generation that follows "
             "it, since the coordinator started.",
