@@ -25,6 +25,7 @@ import torch.distributed as dist
 from coordinator.client import ClientConfig, CoordinatorClient
 from coordinator.config import ADDRESS_ENV
 from coordinator.messages import Generation, WorkerInfo, WorkerReport
+from worker.compat import abort_default_group
 from worker.inventory import Inventory
 
 __all__ = ["ControlPlane", "coordinator_address"]
@@ -139,9 +140,12 @@ class ControlPlane:
             after=self.generation.id, member=member, timeout=timeout
         )
 
-    def move_to(self, generation: Generation) -> None:
-        """Leave the current process group and form ``generation``'s."""
-        if dist.is_initialized():
+    def move_to(self, generation: Generation, *, broken: bool = False) -> None:
+        """Leave the current process group and form ``generation``'s; ``broken``: a
+        peer died, so abort the old group rather than wait on it."""
+        if broken:
+            abort_default_group()
+        elif dist.is_initialized():
             dist.destroy_process_group()
         self.generation = generation
         self.init_process_group()

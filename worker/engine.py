@@ -358,7 +358,7 @@ class ZeroEngine:
         start = time.perf_counter()
         old = control.generation
         gen = control.wait_newer(timeout=300.0)
-        control.move_to(gen)
+        control.move_to(gen, broken=True)
         replica, self._replica = self._replica, None
         lost = set(gen.reshard.lost_ranks) if gen.reshard is not None else set()
         usable = (
@@ -946,6 +946,7 @@ class ZeroEngine:
 
     # ------------------------------------------------------------ checkpoints
 
+    @_recovering
     def save_checkpoint(self, path: str | os.PathLike, *, client_state: dict | None = None) -> Path:
         """Save a checkpoint loadable at any world size and stage (all ranks call this).
 
