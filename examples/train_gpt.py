@@ -76,10 +76,21 @@ def main() -> None:
         stage=args.stage, compression=args.compression, replica_interval=args.replica_every
     )
     engine = worker.initialize(model, opt, config=config)
-    if args.checkpoint and (args.checkpoint / "latest").exists():
+    # A worker that joined a running job got its shards from the members (global_steps
+    # > 0); loading the checkpoint alone would be a collective the others are not in.
+    if args.checkpoint and (args.checkpoint / "latest").exists() and engine.global_steps == 0:
         engine.load_checkpoint(args.checkpoint)
 
-    while engine.global_steps < args.steps:
+    while True:
+        # Saved at the top of the loop, not after step(): a worker that joins at this
+        # step boundary starts here, so it takes part in the same save as the members.
+        if args.checkpoint and engine.checkpoint_due(args.save_every):
+            try:
+                engine.save_checkpoint(args.checkpoint)
+            except worker.StepAborted:
+                continue  # a peer was lost while saving; the engine rolled back
+        if engine.global_steps >= args.steps:
+            break
         # the batch is a function of the step: after a membership change or a
         # rollback the job continues at exactly the samples it would have used
         batch = sampler.batch_at(engine.global_steps)
@@ -96,8 +107,6 @@ def main() -> None:
             time.sleep(args.step_sleep)
         if engine.rank == 0 and engine.global_steps % 10 == 0:
             logging.info("step %d loss %.4f", engine.global_steps, loss.item())
-        if args.checkpoint and engine.global_steps % args.save_every == 0:
-            engine.save_checkpoint(args.checkpoint)
 
     state = engine.full_state_dict()
     if args.out and engine.rank == 0:

@@ -40,7 +40,9 @@ STEPS = 60
 class Job:
     """A coordinator in this process and worker processes of examples/train_gpt.py."""
 
-    def __init__(self, tmp: Path, stage: int, *, max_workers: int = 4) -> None:
+    def __init__(
+        self, tmp: Path, stage: int, *, max_workers: int = 4, lease_s: float = 3.0
+    ) -> None:
         self.tmp = tmp
         self.token = secrets.token_urlsafe(16)
         self.config = config = CoordinatorConfig(
@@ -49,7 +51,7 @@ class Job:
                 min_workers=2,
                 max_workers=max_workers,
                 join_window_s=0.5,
-                lease_timeout_s=3.0,
+                lease_timeout_s=lease_s,
                 heartbeat_interval_s=0.5,
             ),
             plan=PlanConfig(stage=stage, precision="fp32"),
@@ -261,3 +263,26 @@ def test_zeroplane_run_scales_on_signals(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert_matches_reference(out)
+
+
+@pytest.mark.timeout(240)
+def test_worker_restarted_under_its_old_name_rejoins(job_factory) -> None:
+    """What a StatefulSet does: the crashed pod's container comes back under the same
+    name before its lease runs out; the coordinator then forms one generation that
+    loses the old rank and admits the new process, which must roll back with the
+    survivors instead of being handed live state."""
+    job = job_factory(2, lease_s=20.0)
+    ckpt = str(job.tmp / "ckpt")
+    for name in ("w0", "w1", "w2"):
+        job.spawn(name, "--checkpoint", ckpt, "--save-every", "5")
+    job.wait_until("three ranks training", lambda: job.world_size() == 3 and job.step() >= 8)
+    job.workers["w1"].kill()
+    job.workers["w1"].wait(timeout=10)
+    first = job.workers.pop("w1")
+    job.spawn("w1", "--checkpoint", ckpt, "--save-every", "5")
+    codes = job.finish(timeout=180)
+    assert first.returncode == -signal.SIGKILL
+    assert set(codes.values()) == {0}, codes
+    logs = "".join(job.log(n) for n in job.workers)
+    assert logs.count("recovered as rank") == 3, logs[-3000:]
+    assert_matches_reference(job.tmp / "final.pt")

@@ -75,6 +75,9 @@ class _PeerLost(RuntimeError):
     pass
 
 
+# room for the checkpoint directory in the recovery vote (one int32 per byte)
+_PATH_BYTES = 1024
+
 _COLLECTIVE_FAILURE = ("gloo", "NCCL", "Connection closed", "Connection reset", "imed out")
 
 
@@ -185,6 +188,7 @@ class ZeroEngine:
         self._leave_requested = False
         self.last_checkpoint: Path | None = None
         self._replica: elastic.Replica | None = None
+        self._saved_at = -1  # the step of the last checkpoint saved or loaded
         self.units: list[GatherUnit] = []
         self.buckets: list[FlatBucket] = []
         self._bucket_of: dict[nn.Parameter, tuple[FlatBucket, int]] = {}
@@ -258,7 +262,16 @@ class ZeroEngine:
         control.init_process_group()
         self.control = control
         me = gen.member(control.client.worker_id)
-        if gen.reshard is not None and me is not None and me.previous_rank is None:
+        if gen.reshard is not None and gen.reshard.lost_ranks and me.previous_rank is None:
+            # joining in the generation that replaces a lost rank (e.g. a restarted pod
+            # under its old name): roll back with the survivors, holding nothing
+            self._restore_after_loss(
+                gen,
+                gen.reshard.from_generation_id,
+                gen.reshard.from_world_size,
+                holds_state=False,
+            )
+        elif gen.reshard is not None and me is not None and me.previous_rank is None:
             # joining a running job: the members hand this rank its shards
             handover = elastic.exchange(
                 self, holds_state=False, via=None, new_members=list(range(gen.world_size))
@@ -337,7 +350,8 @@ class ZeroEngine:
         control = self.control
         old = control.generation
         old_ids = [m.worker_id for m in old.members]
-        if [m.worker_id for m in gen.members[: len(old_ids)]] != old_ids:
+        lost = gen.reshard is not None and gen.reshard.lost_ranks
+        if lost or [m.worker_id for m in gen.members[: len(old_ids)]] != old_ids:
             # a member vanished without a graceful hand-over: recover like a crash
             raise _PeerLost(f"generation {gen.id} lost members of generation {old.id}")
         control.move_to(gen)
@@ -349,9 +363,7 @@ class ZeroEngine:
         logger.info("grew to %d ranks at step %d", self.world_size, self.global_steps)
 
     def _recover(self, exc: BaseException) -> None:
-        """A peer is gone: form the coordinator's next generation and roll back,
-        to the in-memory replicas if they cover every lost rank, else to the
-        last checkpoint (see worker/elastic.py [Note: in-memory replicas])."""
+        """A peer is gone: form the coordinator's next generation and roll back."""
         control = self.control
         assert control is not None
         logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
@@ -359,48 +371,62 @@ class ZeroEngine:
         old = control.generation
         gen = control.wait_newer(timeout=300.0)
         control.move_to(gen, broken=True)
-        replica, self._replica = self._replica, None
+        self._restore_after_loss(gen, old.id, old.world_size, holds_state=True)
+        self.stats.record_pause("crash", time.perf_counter() - start)
+
+    def _restore_after_loss(self, gen, old_id: int, old_world: int, *, holds_state: bool) -> None:
+        """Roll every rank of ``gen`` back to one consistent state after a loss: the
+        in-memory replicas if they cover every lost rank, else the last checkpoint
+        (see worker/elastic.py [Note: in-memory replicas]). A collective of the new
+        group; a worker that joins in the same generation (a restarted pod under
+        its old name) takes part holding nothing (``holds_state=False``)."""
+        replica, self._replica = (self._replica if holds_state else None), None
         lost = set(gen.reshard.lost_ranks) if gen.reshard is not None else set()
-        usable = (
-            replica is not None
-            and gen.reshard is not None
-            and gen.reshard.from_generation_id == old.id == replica.generation
-        )
-        # every survivor must take the same path: agree on what the replicas cover
-        vote = torch.zeros(old.world_size + 1, dtype=torch.int32, device=self.device)
+        usable = replica is not None and old_id == replica.generation
+        # every rank must take the same path: agree on what the replicas cover, and
+        # on where the last checkpoint is (a newcomer does not know)
+        vote = torch.zeros(old_world + 1 + _PATH_BYTES, dtype=torch.int32, device=self.device)
         if usable:
             vote[replica.rank] = 1
             if replica.neighbour_rank in lost:
                 vote[replica.neighbour_rank] = 1
-        else:
-            vote[-1] = 1
+        elif holds_state:
+            vote[-1 - _PATH_BYTES] = 1
+        if self.last_checkpoint is not None:
+            raw = str(self.last_checkpoint).encode()[:_PATH_BYTES]
+            vote[old_world + 1 : old_world + 1 + len(raw)] = torch.tensor(list(raw))
         Collectives(None).all_reduce(vote, op="max", control=True)
-        if not int(vote[-1]) and all(int(vote[r]) for r in range(old.world_size)):
-            entries = dict(replica.own)
-            if replica.neighbour_rank in lost:
-                entries.update(replica.neighbour)
+        path_bytes = bytes(int(v) for v in vote[old_world + 1 :].tolist() if v)
+        checkpoint_dir = Path(path_bytes.decode()) if path_bytes else None
+        if not int(vote[old_world]) and all(int(vote[r]) for r in range(old_world)):
+            entries: dict = {}
+            if replica is not None:
+                entries = dict(replica.own)
+                if replica.neighbour_rank in lost:
+                    entries.update(replica.neighbour)
             handover = elastic.exchange(
                 self,
-                holds_state=True,
+                holds_state=holds_state,
                 via=None,
                 new_members=list(range(gen.world_size)),
                 entries=entries,
-                counters=replica.counters,
+                counters=None if replica is None else replica.counters,
             )
             elastic.adopt(self, handover, None)
             source = "in-memory replicas"
-        elif self.last_checkpoint is not None:
+        elif checkpoint_dir is not None:
             self._detach()
             self._attach(Collectives(None), from_module=False)
-            self.load_checkpoint(self.last_checkpoint)
-            source = str(self.last_checkpoint)
+            self.load_checkpoint(checkpoint_dir)
+            self.last_checkpoint = checkpoint_dir
+            source = str(checkpoint_dir)
         else:
             raise RuntimeError(
                 "a worker was lost and neither in-memory replicas nor a checkpoint cover "
                 "its state; set ZeroConfig.replica_interval or save checkpoints"
-            ) from exc
+            )
         self._used_handle = None
-        self.stats.record_pause("crash", time.perf_counter() - start)
+        self._saved_at = self.global_steps  # the rollback point is not saved again
         logger.warning(
             "recovered as rank %d of %d at step %d (from %s)",
             self.rank,
@@ -946,6 +972,16 @@ class ZeroEngine:
 
     # ------------------------------------------------------------ checkpoints
 
+    def checkpoint_due(self, every: int) -> bool:
+        """Whether a loop that saves every ``every`` steps should save now.
+
+        The same answer on every rank, newcomers included: a rank that joined a
+        running job at step N saves N with the members (they have not saved it
+        yet), and after a rollback nobody re-saves the step it rolled back to.
+        """
+        steps = self.global_steps
+        return steps > 0 and steps % every == 0 and steps != self._saved_at
+
     @_recovering
     def save_checkpoint(self, path: str | os.PathLike, *, client_state: dict | None = None) -> Path:
         """Save a checkpoint loadable at any world size and stage (all ranks call this).
@@ -956,11 +992,14 @@ class ZeroEngine:
         """
         saved = checkpoint.save_checkpoint(self, path, client_state)
         self.last_checkpoint = Path(path)
+        self._saved_at = self.global_steps
         return saved
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Load a checkpoint saved at any world size and stage; returns its client_state."""
-        return checkpoint.load_checkpoint(self, path)
+        state = checkpoint.load_checkpoint(self, path)
+        self._saved_at = self.global_steps
+        return state
 
     # ------------------------------------------------------------ module passthrough
 

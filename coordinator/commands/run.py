@@ -233,16 +233,35 @@ def _run_on_ray(args: argparse.Namespace, command: tuple[str, ...]) -> int:
             gpus_per_worker=args.gpus_per_worker,
             stage=None if args.stage in (None, "auto") else int(args.stage),
             grace_s=args.grace,
+            min_workers=args.min_nproc,
+            max_workers=args.max_nproc,
         )
     except ValueError as exc:
         print(f"zeroplane run: {exc}", file=sys.stderr)
         return 2
     job = RayJob(spec)
     signals = (signal.SIGINT, signal.SIGTERM)
+    # as with local workers: SIGUSR1 adds a worker, SIGUSR2 retires the newest
+    requests: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _: job.send_signal(signum)) for s in signals}
+    previous |= {
+        s: signal.signal(s, lambda signum, _: requests.append(signum))
+        for s in (signal.SIGUSR1, signal.SIGUSR2)
+    }
     try:
         with job:
-            result = job.wait()
+            while True:
+                try:
+                    result = job.wait(timeout=0.1)
+                    break
+                except TimeoutError:
+                    pass
+                while requests:
+                    step = 1 if requests.pop(0) == signal.SIGUSR1 else -1
+                    try:
+                        job.scale_to(job.size + step)
+                    except ValueError as exc:
+                        print(f"zeroplane run: {exc}", file=sys.stderr)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -1,0 +1,151 @@
+"""``zeroplane submit``: render a job spec into Kubernetes manifests and apply them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
+from coordinator.k8s import (
+    COORDINATOR_PORT,
+    GENERATED,
+    dump_yaml,
+    find_dashboard,
+    kustomize_tree,
+    overlay_for,
+    render,
+)
+
+__all__ = ["add_parser", "submit", "write_tree"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "submit",
+        help="run a job spec on Kubernetes (renders and applies its manifests)",
+        description=(
+            "Render JOB.yaml (name, image, script and args, workers min/max, stage, device, "
+            "resources, compression) into a kustomize base with cpu and gpu overlays in "
+            "--out, create the bearer token, and `kubectl apply -k` the overlay of the job's "
+            "device kind."
+        ),
+    )
+    parser.add_argument("job", type=Path, metavar="JOB.yaml", help="the job spec")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the manifests (with a fresh token, or --token-file's) and apply nothing",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="where the manifests are written (default ./zeroplane-<name>)",
+    )
+    parser.add_argument(
+        "--no-apply",
+        action="store_true",
+        help="write the manifests (no token) and stop; k8s/ is made this way",
+    )
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="the bearer token (default: DIR/base/token if it exists, else a new random one)",
+    )
+    parser.set_defaults(func=submit)
+    return parser
+
+
+def write_tree(spec: JobSpec, out: Path, *, dashboard: str | None) -> list[Path]:
+    """Write the kustomize tree; generated files it no longer makes are removed."""
+    files = kustomize_tree(spec, dashboard=dashboard)
+    for sub in ("base", "overlays/cpu", "overlays/gpu"):
+        directory = out / sub
+        if directory.is_dir():
+            for old in directory.glob("*.yaml"):
+                stale = str(old.relative_to(out)) not in files
+                if stale and old.read_text().startswith(GENERATED):
+                    old.unlink()
+    written = []
+    for rel, text in files.items():
+        path = out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
+def _token(args: argparse.Namespace, existing: Path | None) -> str:
+    for path in (args.token_file, existing):
+        if path is not None and path.is_file():
+            token = path.read_text().strip()
+            if not token:
+                raise ValueError(f"token file {str(path)!r} is empty")
+            return token
+    if args.token_file is not None:
+        raise ValueError(f"token file {str(args.token_file)!r} does not exist")
+    return secrets.token_hex(32)
+
+
+def submit(args: argparse.Namespace) -> int:
+    try:
+        spec = load_job_spec(args.job)
+    except JobSpecError as exc:
+        print(f"zeroplane submit: {exc}", file=sys.stderr)
+        return 2
+    dashboard = find_dashboard()
+    out = args.out or Path(f"zeroplane-{spec.name}")
+    token_path = out / "base" / "token"
+    try:
+        token = None if args.no_apply else _token(args, None if args.dry_run else token_path)
+    except ValueError as exc:
+        print(f"zeroplane submit: {exc}", file=sys.stderr)
+        return 2
+
+    if args.dry_run:
+        print(dump_yaml(render(spec, token=token, dashboard=dashboard)), end="")
+        return 0
+
+    write_tree(spec, out, dashboard=dashboard)
+    overlay = out / "overlays" / overlay_for(spec)
+    apply = f"kubectl apply -k {overlay}"
+    if args.no_apply:
+        print(f"zeroplane submit: wrote {out}/ (kustomize base, overlays cpu and gpu)")
+        if not token_path.exists():
+            print(f"  before applying: openssl rand -hex 32 > {token_path}")
+        print(f"  apply: {apply}")
+        return 0
+
+    assert token is not None
+    token_path.write_text(token + "\n")
+    os.chmod(token_path, 0o600)
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        print(
+            f"zeroplane submit: kubectl is not on PATH, so nothing was applied; the manifests "
+            f"are in {out}/: apply them with `{apply}`",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"zeroplane submit: {apply}", flush=True)
+    code = subprocess.run([kubectl, "apply", "-k", str(overlay)], check=False).returncode
+    if code != 0:
+        print(f"zeroplane submit: kubectl apply failed with exit code {code}", file=sys.stderr)
+        return code
+    ns = f" -n {spec.namespace}" if spec.namespace else ""
+    print(
+        f"submitted job {spec.name!r}\n"
+        f"  scale:  kubectl{ns} scale statefulset/{spec.worker} --replicas=N "
+        f"(N in [{spec.workers.min}, {spec.workers.max}])\n"
+        f"  status: kubectl{ns} port-forward svc/{spec.coordinator} {COORDINATOR_PORT} & "
+        f"ZEROPLANE_TOKEN_FILE={token_path} zeroplane status\n"
+        f"  logs:   kubectl{ns} logs -f statefulset/{spec.worker}\n"
+        f"  delete: kubectl delete -k {overlay}"
+    )
+    return 0

@@ -1,0 +1,382 @@
+"""The job spec behind ``zeroplane submit``: a short YAML file, validated into a JobSpec.
+
+    spec = load_job_spec("job.yaml")   # JobSpecError names the file and the field
+
+::
+
+    name: gpt                              # required: names every object of the job
+    image: registry/zeroplane:0.1.0-cpu    # required, pinned (a tag other than latest)
+    script: examples/train_gpt.py          # required: each worker runs python SCRIPT ARGS
+    args: ["--steps", "1000"]
+    workers: {min: 2, max: 4, replicas: 4} # worker pods; replicas defaults to max
+    stage: auto                            # or 0-3
+    device: {kind: cpu, count: 1}          # or cuda; processes (and GPUs) per pod
+    resources: {cpu: "2", memory: 8Gi}     # per worker pod
+    compression: none                      # or bf16, fp16, int8, onebit
+
+and optionally ``namespace``, ``coordinator_image``, ``grace_period_s``,
+``state_storage``, ``storage_class``, ``checkpoint_storage``,
+``checkpoint_storage_class`` and ``env`` (see :class:`JobSpec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from coordinator.config import ADDRESS_ENV, METRICS_PORT_ENV, TOKEN_ENV
+
+__all__ = [
+    "COMPRESSION_ENV",
+    "HOST_ENV",
+    "WORKER_ID_ENV",
+    "Device",
+    "JobSpec",
+    "JobSpecError",
+    "Workers",
+    "load_job_spec",
+    "parse_job_spec",
+]
+
+# What the manifests set in every worker (coordinator/k8s.py).
+HOST_ENV = "ZEROPLANE_HOST"
+WORKER_ID_ENV = "ZEROPLANE_WORKER_ID"
+COMPRESSION_ENV = "ZEROPLANE_COMPRESSION"
+
+STAGES = ("auto", "0", "1", "2", "3")
+COMPRESSIONS = ("none", "bf16", "fp16", "int8", "onebit")
+DEVICE_KINDS = ("cpu", "cuda")
+# Set by the manifests; a spec's ``env`` may not override them.
+RESERVED_ENV = frozenset(
+    {
+        ADDRESS_ENV,
+        TOKEN_ENV,
+        HOST_ENV,
+        WORKER_ID_ENV,
+        COMPRESSION_ENV,
+        METRICS_PORT_ENV,
+        "POD_NAME",
+    }
+)
+
+_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|Ei|M|G|T|P|E)?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Names get "-coordinator-state" appended; 63 is the DNS label limit.
+MAX_NAME = 40
+
+
+class JobSpecError(ValueError):
+    """A job spec that cannot be rendered; the message names the field."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workers:
+    """Worker pods: the StatefulSet starts ``replicas``, scaling stays in [min, max]."""
+
+    min: int = 1
+    max: int = 1
+    replicas: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("min", "max"):
+            _check(
+                _is_int(getattr(self, name)) and getattr(self, name) >= 1,
+                f"workers.{name}",
+                "an integer >= 1",
+                getattr(self, name),
+            )
+        _check(self.max >= self.min, "workers.max", f">= workers.min ({self.min})", self.max)
+        if self.replicas is None:
+            object.__setattr__(self, "replicas", self.max)
+        _check(
+            _is_int(self.replicas) and self.min <= self.replicas <= self.max,
+            "workers.replicas",
+            f"an integer in [workers.min, workers.max] = [{self.min}, {self.max}]",
+            self.replicas,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """What each worker pod trains on: ``count`` CPU processes or GPUs (one process each)."""
+
+    kind: Literal["cpu", "cuda"] = "cpu"
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.kind in DEVICE_KINDS, "device.kind", "cpu or cuda", self.kind)
+        count = self.count
+        _check(_is_int(count) and count >= 1, "device.count", "an integer >= 1", count)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """One training job (see ``parse_job_spec`` for the YAML form).
+
+    name: the job's name; objects are named ``<name>-coordinator``, ``<name>-worker``, ...
+    image: the worker image for ``device.kind`` (``zeroplane:<version>-cpu`` or ``-cuda``).
+    coordinator_image: default: ``image`` with a ``-cuda`` tag suffix made ``-cpu``
+        (the coordinator needs no GPU and no torch).
+    script / args: each worker process runs ``python SCRIPT ARGS`` in the image's
+        working directory.
+    stage: ``auto`` (the coordinator's planner picks) or 0-3.
+    resources: per worker pod, ``cpu`` and ``memory`` as Kubernetes quantities.
+    compression: gradient compression, ``$ZEROPLANE_COMPRESSION`` in the workers.
+    grace_period_s: how long a worker pod gets between SIGTERM and SIGKILL to hand
+        its shards over.
+    state_storage / storage_class: the coordinator's state claim.
+    checkpoint_storage / checkpoint_storage_class: a ReadWriteMany claim mounted at
+        /checkpoints in every worker (checkpoints need one directory all ranks share:
+        pass ``--checkpoint /checkpoints`` to the script); None: no such volume.
+    env: extra environment for the workers.
+    """
+
+    name: str
+    image: str
+    script: str
+    args: tuple[str, ...] = ()
+    namespace: str | None = None
+    coordinator_image: str | None = None
+    workers: Workers = field(default_factory=Workers)
+    stage: str = "auto"
+    device: Device = field(default_factory=Device)
+    resources: Mapping[str, str] = field(default_factory=lambda: {"cpu": "1", "memory": "2Gi"})
+    compression: str = "none"
+    grace_period_s: int = 120
+    state_storage: str = "1Gi"
+    storage_class: str | None = None
+    checkpoint_storage: str | None = None
+    checkpoint_storage_class: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.name, str)
+            and _NAME.fullmatch(self.name) is not None
+            and len(self.name) <= MAX_NAME,
+            "name",
+            f"a lowercase DNS label (a-z, 0-9, '-'; starting with a letter) of at most "
+            f"{MAX_NAME} characters",
+            self.name,
+        )
+        if self.namespace is not None:
+            _check(
+                isinstance(self.namespace, str)
+                and _NAME.fullmatch(self.namespace) is not None
+                and len(self.namespace) <= 63,
+                "namespace",
+                "a lowercase DNS label",
+                self.namespace,
+            )
+        _check_image("image", self.image)
+        if self.coordinator_image is None:
+            object.__setattr__(self, "coordinator_image", _variant_image(self.image, "cpu"))
+        _check_image("coordinator_image", self.coordinator_image)
+        _check(
+            isinstance(self.script, str) and self.script.strip() != "",
+            "script",
+            "a non-empty path",
+            self.script,
+        )
+        _check(
+            isinstance(self.args, list | tuple) and all(isinstance(a, str) for a in self.args),
+            "args",
+            "a list of strings (quote numbers)",
+            self.args,
+        )
+        object.__setattr__(self, "args", tuple(self.args))
+        _check(isinstance(self.workers, Workers), "workers", "a Workers", self.workers)
+        stage = str(self.stage) if _is_int(self.stage) else self.stage
+        _check(stage in STAGES, "stage", "auto, 0, 1, 2 or 3", self.stage)
+        object.__setattr__(self, "stage", stage)
+        _check(isinstance(self.device, Device), "device", "a Device", self.device)
+        _check(isinstance(self.resources, Mapping), "resources", "a mapping", self.resources)
+        for key, value in self.resources.items():
+            _check(key in ("cpu", "memory"), f"resources.{key}", "one of cpu, memory", key)
+            _check(
+                isinstance(value, str) and _QUANTITY.fullmatch(value) is not None,
+                f"resources.{key}",
+                "a Kubernetes quantity such as '2', '500m' or '8Gi' (quoted)",
+                value,
+            )
+        object.__setattr__(self, "resources", dict(self.resources))
+        _check(
+            self.compression in COMPRESSIONS,
+            "compression",
+            ", ".join(COMPRESSIONS),
+            self.compression,
+        )
+        _check(
+            _is_int(self.grace_period_s) and 10 <= self.grace_period_s <= 3600,
+            "grace_period_s",
+            "an integer number of seconds in [10, 3600]",
+            self.grace_period_s,
+        )
+        for name in ("state_storage", "checkpoint_storage"):
+            value = getattr(self, name)
+            if value is not None or name == "state_storage":
+                _check(
+                    isinstance(value, str) and _QUANTITY.fullmatch(value),
+                    name,
+                    "a Kubernetes quantity such as '1Gi' (quoted)",
+                    value,
+                )
+        for name in ("storage_class", "checkpoint_storage_class"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, str) and value != "", name, "a non-empty string", value)
+        _check(isinstance(self.env, Mapping), "env", "a mapping of names to strings", self.env)
+        for key, value in self.env.items():
+            _check(
+                isinstance(key, str) and _ENV_NAME.fullmatch(key) is not None,
+                f"env.{key}",
+                "a variable name (letters, digits, '_')",
+                key,
+            )
+            _check(key not in RESERVED_ENV, f"env.{key}", "a name the manifests do not set", key)
+            _check(isinstance(value, str), f"env.{key}", "a string (quote numbers)", value)
+        object.__setattr__(self, "env", dict(self.env))
+
+    # ---- derived names ----------------------------------------------------------------
+
+    @property
+    def coordinator(self) -> str:
+        return f"{self.name}-coordinator"
+
+    @property
+    def worker(self) -> str:
+        return f"{self.name}-worker"
+
+    @property
+    def workers_service(self) -> str:
+        return f"{self.name}-workers"
+
+    @property
+    def token_secret(self) -> str:
+        return f"{self.name}-token"
+
+    @property
+    def state_claim(self) -> str:
+        return f"{self.name}-coordinator-state"
+
+    @property
+    def checkpoint_claim(self) -> str:
+        return f"{self.name}-checkpoints"
+
+    @property
+    def min_processes(self) -> int:
+        return self.workers.min * self.device.count
+
+    @property
+    def max_processes(self) -> int:
+        return self.workers.max * self.device.count
+
+    def for_device(self, kind: str) -> JobSpec:
+        """This job on ``kind``: the image's ``-cpu``/``-cuda`` tag suffix follows."""
+        if kind == self.device.kind:
+            return self
+        return replace(
+            self,
+            image=_variant_image(self.image, kind),
+            device=Device(kind=kind, count=self.device.count),  # type: ignore[arg-type]
+        )
+
+
+# ---- parsing ----------------------------------------------------------------------------
+
+_TOP = frozenset(f.name for f in dataclasses.fields(JobSpec))
+
+
+def parse_job_spec(data: Any) -> JobSpec:
+    """A JobSpec from the mapping a job YAML file holds (see the module docstring)."""
+    if not isinstance(data, Mapping):
+        raise JobSpecError(f"job spec must be a mapping of fields, got {type(data).__name__}")
+    unknown = sorted(set(map(str, data)) - _TOP)
+    if unknown:
+        raise JobSpecError(
+            f"job spec field {unknown[0]!r} is unknown (known: {', '.join(sorted(_TOP))})"
+        )
+    for required in ("name", "image", "script"):
+        if data.get(required) in (None, ""):
+            raise JobSpecError(f"job spec field {required!r} is required")
+    fields: dict[str, Any] = dict(data)
+    fields["workers"] = _sub(Workers, "workers", data.get("workers", {}))
+    fields["device"] = _sub(Device, "device", data.get("device", {}))
+    if fields.get("args") is None:
+        fields["args"] = ()
+    try:
+        return JobSpec(**fields)
+    except JobSpecError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise JobSpecError(f"job spec: {exc}") from None
+
+
+def load_job_spec(path: str | Path) -> JobSpec:
+    """Read and validate a job spec file; JobSpecError names the file and the field."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise JobSpecError(f"cannot read {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise JobSpecError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return parse_job_spec(data)
+    except JobSpecError as exc:
+        raise JobSpecError(f"{path}: {exc}") from None
+
+
+def _sub(cls: type, prefix: str, data: Any) -> Any:
+    keys = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(data, Mapping):
+        raise JobSpecError(
+            f"job spec field {prefix!r} must be a mapping with {', '.join(keys)}, got {data!r}"
+        )
+    unknown = sorted(set(map(str, data)) - set(keys))
+    if unknown:
+        raise JobSpecError(
+            f"job spec field '{prefix}.{unknown[0]}' is unknown (known: {', '.join(keys)})"
+        )
+    return cls(**data)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: Any, name: str, want: str, got: Any) -> None:
+    if not ok:
+        raise JobSpecError(f"job spec field {name!r} must be {want}, got {got!r}")
+
+
+def _check_image(name: str, image: Any) -> None:
+    _check(
+        isinstance(image, str) and image != "" and not re.search(r"\s", image),
+        name,
+        "an image reference",
+        image,
+    )
+    tail = image.rsplit("/", 1)[-1]
+    pinned = "@sha256:" in image or (":" in tail and not tail.endswith(":latest"))
+    _check(pinned, name, "pinned to a tag other than latest, or to a digest", image)
+
+
+def _variant_image(image: str, kind: str) -> str:
+    suffix = {"cpu": "-cpu", "cuda": "-cuda"}
+    if "@" in image:
+        return image
+    repo, sep, tag = image.rpartition(":")
+    if not sep or "/" in tag:
+        return image
+    for other in suffix.values():
+        if tag.endswith(other):
+            return f"{repo}:{tag.removesuffix(other)}{suffix[kind]}"
+    return image

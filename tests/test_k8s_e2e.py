@@ -1,0 +1,176 @@
+"""The rendered manifests run as written: coordinator and worker pods as local processes.
+
+tests/k8s_local.py stands in for the cluster (a network namespace per pod,
+names resolved through /etc/hosts, volumes as directories); what each pod
+runs, and with which environment, comes from the manifests unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.jobspec import JobSpec, Workers
+from coordinator.k8s import render
+from tests.k8s_local import LocalCluster, Pod, available
+from tests.test_run_e2e import reference
+
+why_not = available()
+pytestmark = pytest.mark.skipif(why_not is not None, reason=why_not or "")
+
+FINISHED = "all workers finished"
+
+
+def job(steps: int, **kw: object) -> JobSpec:
+    return JobSpec(
+        name="e2e",
+        image="zeroplane:0.1.0-cpu",
+        script="examples/train_gpt.py",
+        args=("--steps", str(steps), "--out", "/tmp/final.pt"),
+        workers=Workers(min=2, max=3, replicas=2),
+        resources={"cpu": "1", "memory": "1Gi"},
+        grace_period_s=30,
+        **kw,
+    )
+
+
+def status(cluster: LocalCluster, token: str) -> dict:
+    """``zeroplane status --json`` from the node, through the coordinator's Service name
+    (what a user gets through ``kubectl port-forward``)."""
+    result = cluster.node_run(
+        ["zeroplane", "status", "--coordinator", "e2e-coordinator:50051", "--json"],
+        env={"ZEROPLANE_TOKEN": token},
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def scrape(cluster: LocalCluster, pod: Pod) -> str:
+    """GET the pod's metrics as the PodMonitor's endpoint names them (port name, path)."""
+    (endpoint,) = cluster.get("PodMonitor", "e2e")["spec"]["podMetricsEndpoints"]
+    (port,) = [p for p in pod.container["ports"] if p["name"] == endpoint["port"]]
+    url = f"http://{pod.ip}:{port['containerPort']}{endpoint['path']}"
+    get = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())"
+    result = cluster.node_run([sys.executable, "-c", get, url])
+    assert result.returncode == 0, f"{url}: {result.stderr}"
+    return result.stdout
+
+
+@pytest.mark.timeout(240)
+def test_manifests_run_as_written_and_train(tmp_path: Path) -> None:
+    token = secrets.token_hex(16)
+    objects = render(job(steps=8, stage="2"), token=token)
+    with LocalCluster(objects, tmp_path) as cluster:
+        coordinator = cluster.start("Deployment", "e2e-coordinator")
+        cluster.wait_for(
+            lambda: cluster.probe(coordinator, "readinessProbe"),
+            60,
+            "the coordinator's readiness probe",
+            [coordinator],
+        )
+        assert cluster.probe(coordinator, "livenessProbe")
+        assert 'zeroplane_coordinator_info{job_name="e2e"' in scrape(cluster, coordinator)
+
+        workers = [cluster.start("StatefulSet", "e2e-worker", i) for i in range(2)]
+        cluster.wait_for(
+            lambda: all(FINISHED in w.output() for w in workers),
+            180,
+            "training to finish on every worker pod",
+            [coordinator, *workers],
+        )
+        report = status(cluster, token)
+        generations = [e for e in report["events"] if e["kind"] == "generation"]
+        assert generations and "world size 2, stage 2" in generations[0]["detail"]
+        # both pods registered under their pod names, advertising their stable DNS names
+        registered = {
+            e["worker_id"]: e["detail"] for e in report["events"] if e["kind"] == "registered"
+        }
+        assert registered == {
+            f"e2e-worker-{i}": f"host e2e-worker-{i}.e2e-workers" for i in range(2)
+        }
+
+        # rank 0 (whichever pod it was) wrote the parameters: equal to one process's
+        outs = [p for w in workers if (p := w.volume("/tmp") / "final.pt").exists()]
+        assert len(outs) == 1
+        got = torch.load(outs[0], weights_only=True)
+        want = reference(8, 12)
+        assert got.keys() == want.keys()
+        assert max((got[k] - want[k]).abs().max().item() for k in got) < 1e-5
+
+        # SIGTERM, as for a deleted pod: every container exits 0 within its grace period
+        codes = [cluster.stop(p) for p in [*workers, coordinator]]
+        assert codes == [0, 0, 0], "\n".join(p.output()[-2000:] for p in [*workers, coordinator])
+
+
+def steps(cluster: LocalCluster, token: str) -> tuple[int, int]:
+    """(world size, the slowest member's step) as the coordinator reports them."""
+    report = status(cluster, token)
+    members = [w for w in report["workers"] if w["state"] == "member"]
+    done = [(w["report"] or {}).get("step", 0) for w in members]
+    return report["world_size"], min(done, default=0)
+
+
+@pytest.mark.timeout(300)
+def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Path) -> None:
+    """kubectl scale up and down, and a replaced coordinator pod, in one run that must
+    still end with the single-process parameters (SGD: see tests/test_elastic_e2e.py)."""
+    total = 80
+    token = secrets.token_hex(16)
+    spec = job(steps=total, stage="2")
+    spec = dataclasses.replace(
+        spec, args=(*spec.args, "--optimizer", "sgd", "--step-sleep", "0.25")
+    )
+    objects = render(spec, token=token)
+    with LocalCluster(objects, tmp_path) as cluster:
+        first = cluster.start("Deployment", "e2e-coordinator")
+        cluster.wait_for(lambda: cluster.probe(first, "readinessProbe"), 60, "ready", [first])
+        workers = [cluster.start("StatefulSet", "e2e-worker", i) for i in range(2)]
+        all_pods = [first, *workers]
+        cluster.wait_for(lambda: steps(cluster, token)[1] >= 2, 120, "training", all_pods)
+        for pod in workers:  # each worker serves /metrics where the PodMonitor looks
+            assert "zeroplane_model_state_bytes{" in scrape(cluster, pod)
+
+        # kubectl scale statefulset/e2e-worker --replicas=3: pod e2e-worker-2 joins
+        third = cluster.start("StatefulSet", "e2e-worker", 2)
+        cluster.wait_for(
+            lambda: steps(cluster, token)[0] == 3, 120, "three ranks", [*all_pods, third]
+        )
+
+        # the coordinator's pod is replaced (Recreate: the old one goes first); the new
+        # one, at a new address behind the same Service, restores from the claim
+        assert cluster.delete(first) == 0
+        second = cluster.start("Deployment", "e2e-coordinator")
+        cluster.wait_for(lambda: cluster.probe(second, "readinessProbe"), 60, "ready", [second])
+        live = [second, *workers, third]
+        cluster.wait_for(
+            lambda: steps(cluster, token)[0] == 3 and steps(cluster, token)[1] > 0,
+            60,
+            "the workers' heartbeats in the restarted coordinator",
+            live,
+        )
+        assert status(cluster, token)["events"][0]["kind"] == "restored"
+
+        # kubectl scale --replicas=2: the highest ordinal gets SIGTERM and hands over
+        assert steps(cluster, token)[1] < total - 5, "the job is too fast to scale it down"
+        cluster.delete(third)
+        assert "handed over" in third.output(), third.output()[-3000:]
+        cluster.wait_for(
+            lambda: all(FINISHED in w.output() for w in workers),
+            180,
+            "training to finish on two ranks",
+            [second, *workers],
+        )
+        events = status(cluster, token)["events"]
+        assert not [e for e in events if e["kind"] == "registered"], "nobody re-registered"
+        outs = [p for w in workers if (p := w.volume("/tmp") / "final.pt").exists()]
+        assert len(outs) == 1
+        got = torch.load(outs[0], weights_only=True)
+        want = reference(total, 12, optimizer="sgd")
+        assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+        assert [cluster.stop(p) for p in [*workers, second]] == [0, 0, 0]
