@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from coordinator.checkpoints import FORMAT, CheckpointError, read_manifest, resolve
+
 if TYPE_CHECKING:
     from worker.engine import ZeroEngine
 
@@ -47,12 +49,6 @@ __all__ = [
     "resolve",
     "save_checkpoint",
 ]
-
-FORMAT = "zeroplane-checkpoint/1"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incompatible or damaged; the engine is unchanged."""
 
 
 @dataclass(frozen=True)
@@ -228,32 +224,6 @@ def _export_unsharded(engine: ZeroEngine, client_state: dict | None) -> dict[str
 
 
 # ---------------------------------------------------------------------------- load
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    """The step folder ``path`` means: itself if it has a manifest, else its ``latest``."""
-    p = Path(path)
-    if (p / "manifest.json").is_file():
-        return p
-    latest = p / "latest"
-    if not latest.is_file():
-        raise CheckpointError(f"{p} is not a checkpoint: no manifest.json and no 'latest' file")
-    step_dir = p / latest.read_text().strip()
-    if not (step_dir / "manifest.json").is_file():
-        raise CheckpointError(f"{latest} names {step_dir.name}, which has no manifest.json")
-    return step_dir
-
-
-def read_manifest(step_dir: Path) -> dict:
-    try:
-        manifest = json.loads((step_dir / "manifest.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{step_dir / 'manifest.json'} is unreadable: {exc}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{step_dir / 'manifest.json'}: format {manifest.get('format')!r}, expected {FORMAT!r}"
-        )
-    return manifest
 
 
 def load_checkpoint(engine: ZeroEngine, path: str | os.PathLike) -> dict:

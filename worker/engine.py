@@ -450,10 +450,9 @@ class ZeroEngine:
             handle.remove()
         self._module_hooks.clear()
         self.units, self.buckets, self._bucket_of = [], [], {}
-        self.optimizer = ShardOptimizer(self.user_optimizer, [[] for _ in self._groups()])
-
-    def _groups(self) -> list[dict]:
-        return self.user_optimizer.param_groups
+        self.optimizer = ShardOptimizer(
+            self.user_optimizer, [[] for _ in self.user_optimizer.param_groups]
+        )
 
     def reconfigure(
         self,
@@ -570,16 +569,17 @@ class ZeroEngine:
         by_unit: dict[int, list[FlatBucket]] = {}
         for b in self.buckets:
             by_unit.setdefault(b.spec.unit, []).append(b)
+        codec = make_codec(self.config.stage3_gather_compression, self.config.compression_block)
         for index, module in self.inventory.unit_modules.items():
             if index not in by_unit:
                 continue
-            codec = make_codec(self.config.stage3_gather_compression, self.config.compression_block)
             unit = GatherUnit(index, module, by_unit[index], codec)
             self.units.append(unit)
             self._module_hooks += [
                 module.register_forward_pre_hook(self._pre_forward_hook(unit)),
                 module.register_forward_hook(self._post_forward_hook(unit)),
             ]
+        self._unit_by_index = {u.index: u for u in self.units}
         self._forward_order: list[GatherUnit] = []
         self._order_recorded = False
 
@@ -762,7 +762,7 @@ class ZeroEngine:
             b.reduced = b.grad_shard if direct else src.new_empty(b.spec.shard_numel)
             b.handle = self.comm.reduce_scatter(b.reduced, src, async_op=True)
         if self.stage == 3:
-            unit = self._unit_of_bucket(b)
+            unit = self._unit_by_index[b.spec.unit]
             if all(x.launched for x in unit.buckets):
                 unit.reshard()
 
@@ -797,9 +797,6 @@ class ZeroEngine:
             b.accumulated = True
             b.reduced = None
             b.staging = None
-
-    def _unit_of_bucket(self, b: FlatBucket) -> GatherUnit:
-        return next(u for u in self.units if b in u.buckets)
 
     # ------------------------------------------------------------ step
 

@@ -8,6 +8,8 @@ import math
 import sys
 from pathlib import Path
 
+from coordinator.checkpoints import CheckpointError, read_manifest, resolve
+
 __all__ = ["add_parser"]
 
 
@@ -29,20 +31,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def _step_dir(path: Path) -> Path:
-    if (path / "manifest.json").is_file():
-        return path
-    latest = path / "latest"
-    if not latest.is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint: no manifest.json and no 'latest'")
-    return path / latest.read_text().strip()
-
-
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        step_dir = _step_dir(args.path)
-        manifest = json.loads((step_dir / "manifest.json").read_text())
-    except (OSError, ValueError) as exc:
+        step_dir = resolve(args.path)
+        manifest = read_manifest(step_dir)
+    except CheckpointError as exc:
         print(f"zeroplane checkpoint inspect: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -68,7 +61,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from worker.checkpoint import CheckpointError, export_consolidated  # torch: only here
+    from worker.checkpoint import export_consolidated  # torch: only here
 
     try:
         count = export_consolidated(args.path, args.out)
