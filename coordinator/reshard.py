@@ -58,7 +58,8 @@ class ReshardSchedule:
     from_world_size: int
     from_stage: int
     moves: tuple[Move, ...]
-    # Old ranks whose worker is gone: their ranges come from a checkpoint, not a peer.
+    # Old ranks whose worker is gone: the members restore their state from what
+    # the survivors hold (worker/elastic.py [Note: recovery sources]).
     lost_ranks: tuple[int, ...] = ()
 
 

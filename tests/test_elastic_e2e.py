@@ -61,7 +61,7 @@ class Job:
         self.server.start()
         self.workers: dict[str, subprocess.Popen] = {}
 
-    def spawn(self, name: str, *extra: str) -> subprocess.Popen:
+    def spawn(self, name: str, *extra: str, script: Path = EXAMPLE) -> subprocess.Popen:
         env = {
             **os.environ,
             "ZEROPLANE_COORDINATOR": self.server.address,
@@ -72,7 +72,7 @@ class Job:
         }
         cmd = [
             sys.executable,
-            str(EXAMPLE),
+            str(script),
             "--steps",
             str(STEPS),
             "--step-sleep",
@@ -100,8 +100,9 @@ class Job:
             time.sleep(0.1)
 
     def step(self) -> int:
-        steps = [w.report.step for w in self.server.status().members if w.report is not None]
-        return min(steps, default=0)
+        """The step every member has reached (0 while one has not reported yet)."""
+        members = [w for w in self.server.status().members if w.state == "member"]
+        return min((0 if w.report is None else w.report.step for w in members), default=0)
 
     def world_size(self) -> int:
         return self.server.status().world_size
@@ -174,6 +175,41 @@ def test_grow_2_to_3_then_sigterm_back_to_2(job_factory, stage: int) -> None:
     assert {n: job.workers[n].pid for n in ("w0", "w1")} == pids
     assert "grew to 3 ranks" in job.log("w0")
     assert "handed over" in job.log("w2")
+    assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_while_joining_is_a_graceful_leave(job_factory) -> None:
+    """A pod deleted while it starts: the SIGTERM lands while the newcomer is still
+    being admitted, and it must hand over at its first step boundary and exit 0."""
+    job = job_factory(2)
+    job.spawn("w0")
+    job.spawn("w1")
+    job.wait_until("two ranks training", lambda: job.world_size() == 2 and job.step() >= 4)
+    job.spawn("w2")
+    job.wait_until("w2 admitted", lambda: job.world_size() == 3)
+    job.workers["w2"].send_signal(signal.SIGTERM)
+    codes = job.finish()
+    assert codes == {"w0": 0, "w1": 0, "w2": 0}, codes
+    assert "handed over" in job.log("w2")
+    assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
+def test_newcomer_lost_while_joining_rolls_nothing_back(job_factory) -> None:
+    """The members hold the whole job while a newcomer is being given its shards: if
+    it dies then, they carry on from their own state, with no checkpoint or replica."""
+    job = job_factory(3)
+    job.spawn("w0")
+    job.spawn("w1")
+    job.wait_until("two ranks training", lambda: job.world_size() == 2 and job.step() >= 4)
+    newcomer = job.spawn("w2", script=ROOT / "tests" / "scripts" / "die_while_joining.py")
+    assert newcomer.wait(timeout=90) == -signal.SIGKILL, job.log("w2")
+    job.workers.pop("w2")
+    codes = job.finish()
+    assert codes == {"w0": 0, "w1": 0}, codes
+    logs = job.log("w0") + job.log("w1")
+    assert logs.count("from live state, nothing rolled back") == 2, logs[-3000:]
     assert_matches_reference(job.tmp / "final.pt")
 
 

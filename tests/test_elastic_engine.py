@@ -9,7 +9,7 @@ import torch.distributed as dist
 import worker
 from tests.reference import OPTIMIZERS, max_diff, seeded_model
 from tests.test_checkpoint import GLOBAL, global_batch, reference, use_extra
-from worker.elastic import pack_entries, unpack_entries
+from worker.elastic import Holding, pack_entries, plan_restore, unpack_entries
 
 STEPS = 9
 
@@ -84,3 +84,56 @@ def test_pack_roundtrip_is_exact_and_pickle_free() -> None:
                 else back[key]["state"][k] == v
             )
     assert unpack_entries(pack_entries({})) == {}
+
+
+# ---------------------------------------------------------------- recovery sources
+
+
+def test_holding_roundtrips_through_its_row() -> None:
+    h = Holding(live=(7, 2, 3), replica=(6, 1, 3), holds_state=True, checkpoint="/ckpt/é x")
+    assert Holding.decode(h.encode()) == h
+    empty = Holding(live=None, replica=None, holds_state=False, checkpoint=None)
+    assert Holding.decode(empty.encode()) == empty
+    with pytest.raises(ValueError, match="checkpoint path longer"):
+        Holding(None, None, True, "/" + "x" * 2000).encode()
+
+
+def held(live=None, replica=None, holds_state=True, checkpoint=None) -> Holding:
+    return Holding(live=live, replica=replica, holds_state=holds_state, checkpoint=checkpoint)
+
+
+def test_a_newcomer_lost_while_joining_leaves_the_members_live_state() -> None:
+    # generation 2 = {w0, w1}; generation 3 added w2, which died before it held anything
+    members = [held(live=(2, 0, 2), checkpoint="/c"), held(live=(2, 1, 2), checkpoint="/c")]
+    plan = plan_restore(members, lost_from=3, lost_world=3, lost={2})
+    assert (plan.source, plan.generation) == ("live", 2)
+
+
+def test_a_member_lost_needs_its_state_from_elsewhere() -> None:
+    # rank 2 of generation 3 trained and died: the live state of 3 misses rank 2
+    live = [(3, 0, 3), (3, 1, 3)]
+    replicas = [held(live=s, replica=(3, s[1], 3), checkpoint="/c") for s in live]
+    # rank 0 keeps rank 2's replica (its left neighbour)
+    assert plan_restore(replicas, lost_from=3, lost_world=3, lost={2}).source == "replica"
+    # rank 1 lost instead: rank 2 keeps its replica, but rank 2 is gone too
+    only_0 = [held(live=(3, 0, 3), replica=(3, 0, 3), checkpoint="/c")]
+    plan = plan_restore(only_0, lost_from=3, lost_world=3, lost={1, 2})
+    assert (plan.source, plan.checkpoint) == ("checkpoint", "/c")
+
+
+def test_a_torn_live_state_is_never_used() -> None:
+    # a peer died during the optimizer update: the survivors' state is half-stepped
+    torn = [held(replica=(4, 0, 2), checkpoint="/c")]
+    plan = plan_restore(torn, lost_from=4, lost_world=2, lost={1})
+    assert plan.source == "replica"
+
+
+def test_replicas_are_all_or_nothing() -> None:
+    # one member holds no replica of the generation that lost a rank: it would
+    # restore a later step than the others
+    mixed = [held(replica=(5, 0, 3)), held(replica=(4, 1, 3))]
+    with pytest.raises(RuntimeError, match="replica_interval or save checkpoints"):
+        plan_restore(mixed, lost_from=5, lost_world=3, lost={2})
+    # a restarted worker holds nothing and takes no part in that
+    with_newcomer = [held(replica=(5, 0, 3)), held(replica=(5, 1, 3)), held(holds_state=False)]
+    assert plan_restore(with_newcomer, lost_from=5, lost_world=3, lost={2}).source == "replica"

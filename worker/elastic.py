@@ -42,10 +42,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Handover",
+    "Holding",
     "Replica",
+    "RestorePlan",
     "adopt",
     "exchange",
     "pack_entries",
+    "plan_restore",
     "refresh_replica",
     "unpack_entries",
 ]
@@ -284,3 +287,117 @@ def refresh_replica(engine: ZeroEngine, generation: int) -> Replica:
     neighbour = unpack_entries(received[left].cpu()) if n > 1 else {}
     counters = (engine.global_steps, engine.scaler.scale, engine.skipped_steps)
     return Replica(generation, n, comm.rank, counters, own, neighbour)
+
+
+# ---------------------------------------------------------------------------- recovery
+
+# (generation id, rank, world size): whose state a rank holds
+StateId = tuple[int, int, int]
+
+# room for the checkpoint directory in a Holding row (one int64 per byte)
+_PATH_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one rank of the new group can restore from after a loss.
+
+    [Note: recovery sources]
+    After a peer is lost, every rank of the new group must restore the same
+    consistent state, from the best source the group holds between them:
+    1. live state: the engine's own shards, when they are intact at a step
+       boundary (no optimizer update was under way) and every rank of the
+       generation they belong to survived. This is the case when the rank
+       lost was a newcomer that died while joining: the members still hold
+       the whole job as of the last step, and nothing is rolled back.
+    2. in-memory replicas of the generation the loss happened in, when they
+       cover every one of its ranks (see :class:`Replica`);
+    3. the last checkpoint.
+    Ranks share their holdings (one small all-reduce) and each runs
+    :func:`plan_restore` on the same table, so all take the same path.
+    """
+
+    live: StateId | None
+    replica: StateId | None
+    holds_state: bool
+    checkpoint: str | None
+
+    WIDTH = 8 + _PATH_BYTES
+
+    def encode(self) -> torch.Tensor:
+        row = torch.full((self.WIDTH,), -1, dtype=torch.int64)
+        if self.live is not None:
+            row[0:3] = torch.tensor(self.live)
+        if self.replica is not None:
+            row[3:6] = torch.tensor(self.replica)
+        row[6] = int(self.holds_state)
+        raw = (self.checkpoint or "").encode()
+        if len(raw) > _PATH_BYTES:
+            raise ValueError(f"checkpoint path longer than {_PATH_BYTES} bytes: {self.checkpoint}")
+        row[7] = len(raw)
+        row[8 : 8 + len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+        return row
+
+    @classmethod
+    def decode(cls, row: torch.Tensor) -> Holding:
+        v = row.tolist()
+        path = bytes(v[8 : 8 + v[7]]).decode() if v[7] > 0 else None
+        return cls(
+            live=tuple(v[0:3]) if v[0] >= 0 else None,  # type: ignore[arg-type]
+            replica=tuple(v[3:6]) if v[3] >= 0 else None,  # type: ignore[arg-type]
+            holds_state=bool(v[6]),
+            checkpoint=path,
+        )
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """``source``: "live" (ranks whose live state is of ``generation`` send it),
+    "replica" or "checkpoint" (load ``checkpoint``)."""
+
+    source: str
+    generation: int | None = None
+    checkpoint: str | None = None
+
+
+def plan_restore(
+    holdings: Sequence[Holding], *, lost_from: int, lost_world: int, lost: set[int]
+) -> RestorePlan:
+    """Pick the recovery source every rank will use ([Note: recovery sources]).
+
+    ``lost_from``/``lost_world``: the generation the lost ranks ``lost`` were
+    members of. Raises when nothing the group holds covers the whole job.
+    """
+    by_generation: dict[int, set[int]] = {}
+    worlds: dict[int, int] = {}
+    for h in holdings:
+        if h.live is not None:
+            gen, rank, world = h.live
+            by_generation.setdefault(gen, set()).add(rank)
+            worlds[gen] = world
+    for gen in sorted(by_generation, reverse=True):
+        if by_generation[gen] == set(range(worlds[gen])):
+            return RestorePlan("live", generation=gen)
+
+    covered: set[int] = set()
+    usable = True
+    for h in holdings:
+        if h.replica is None or h.replica[0] != lost_from:
+            # a member without a snapshot of that generation would restore ahead
+            # of the others: replicas are all or nothing
+            usable = usable and not h.holds_state
+            continue
+        _, rank, world = h.replica
+        covered.add(rank)
+        if (rank - 1) % world in lost:
+            covered.add((rank - 1) % world)
+    if usable and covered == set(range(lost_world)):
+        return RestorePlan("replica", generation=lost_from)
+
+    for h in holdings:
+        if h.checkpoint is not None:
+            return RestorePlan("checkpoint", checkpoint=h.checkpoint)
+    raise RuntimeError(
+        "a worker was lost and neither in-memory replicas nor a checkpoint cover "
+        "its state; set ZeroConfig.replica_interval or save checkpoints"
+    )

@@ -75,9 +75,6 @@ class _PeerLost(RuntimeError):
     pass
 
 
-# room for the checkpoint directory in the recovery vote (one int32 per byte)
-_PATH_BYTES = 1024
-
 _COLLECTIVE_FAILURE = ("gloo", "NCCL", "Connection closed", "Connection reset", "imed out")
 
 
@@ -188,6 +185,8 @@ class ZeroEngine:
         self._leave_requested = False
         self.last_checkpoint: Path | None = None
         self._replica: elastic.Replica | None = None
+        # whose state this engine's shards are, while whole ([Note: recovery sources])
+        self._live: elastic.StateId | None = None
         self._saved_at = -1  # the step of the last checkpoint saved or loaded
         self.units: list[GatherUnit] = []
         self.buckets: list[FlatBucket] = []
@@ -244,6 +243,10 @@ class ZeroEngine:
             self._build_units()
 
     def _join_control_plane(self, address: str) -> None:
+        if threading.current_thread() is threading.main_thread():
+            # before registering: a SIGTERM while joining (a pod deleted as it
+            # starts) is then a graceful leave at the first step boundary
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         control = ControlPlane.join(
             address,
             self.inventory,
@@ -276,7 +279,7 @@ class ZeroEngine:
             handover = elastic.exchange(
                 self, holds_state=False, via=None, new_members=list(range(gen.world_size))
             )
-            elastic.adopt(self, handover, None)
+            self._adopt(handover)
             logger.info("joined at step %d as rank %d", self.global_steps, self.rank)
         else:
             self._attach(Collectives(None), from_module=True)
@@ -285,8 +288,7 @@ class ZeroEngine:
                 "the coordinator's bucket layout differs from this worker's: "
                 "are all workers running the same model and zeroplane version?"
             )
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._mark_live()
         control.report(self.memory_report(), self.global_steps)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -343,7 +345,7 @@ class ZeroEngine:
                 "concurrent joins and leaves are applied one at a time"
             )
         control.move_to(gen)
-        elastic.adopt(self, handover, None)
+        self._adopt(handover)
         logger.info("rank %d left; now rank %d of %d", leaving, self.rank, self.world_size)
 
     def _grow_to(self, gen) -> None:
@@ -359,7 +361,7 @@ class ZeroEngine:
         handover = elastic.exchange(
             self, holds_state=True, via=None, new_members=list(range(gen.world_size))
         )
-        elastic.adopt(self, handover, None)
+        self._adopt(handover)
         logger.info("grew to %d ranks at step %d", self.world_size, self.global_steps)
 
     def _recover(self, exc: BaseException) -> None:
@@ -371,34 +373,53 @@ class ZeroEngine:
         old = control.generation
         gen = control.wait_newer(timeout=300.0)
         control.move_to(gen, broken=True)
-        self._restore_after_loss(gen, old.id, old.world_size, holds_state=True)
+        # the generation the loss happened in: this rank may not have formed it yet
+        from_id, from_world = (
+            (gen.reshard.from_generation_id, gen.reshard.from_world_size)
+            if gen.reshard is not None
+            else (old.id, old.world_size)
+        )
+        self._restore_after_loss(gen, from_id, from_world, holds_state=True)
         self.stats.record_pause("crash", time.perf_counter() - start)
 
     def _restore_after_loss(self, gen, old_id: int, old_world: int, *, holds_state: bool) -> None:
-        """Roll every rank of ``gen`` back to one consistent state after a loss: the
-        in-memory replicas if they cover every lost rank, else the last checkpoint
-        (see worker/elastic.py [Note: in-memory replicas]). A collective of the new
-        group; a worker that joins in the same generation (a restarted pod under
-        its old name) takes part holding nothing (``holds_state=False``)."""
+        """Bring every rank of ``gen`` to one consistent state after a loss, from the
+        best source the group holds (see worker/elastic.py [Note: recovery
+        sources]). A collective of the new group; a worker that joins in the same
+        generation (a restarted pod under its old name) takes part holding
+        nothing (``holds_state=False``)."""
         replica, self._replica = (self._replica if holds_state else None), None
+        live = self._live if holds_state else None
         lost = set(gen.reshard.lost_ranks) if gen.reshard is not None else set()
-        usable = replica is not None and old_id == replica.generation
-        # every rank must take the same path: agree on what the replicas cover, and
-        # on where the last checkpoint is (a newcomer does not know)
-        vote = torch.zeros(old_world + 1 + _PATH_BYTES, dtype=torch.int32, device=self.device)
-        if usable:
-            vote[replica.rank] = 1
-            if replica.neighbour_rank in lost:
-                vote[replica.neighbour_rank] = 1
-        elif holds_state:
-            vote[-1 - _PATH_BYTES] = 1
-        if self.last_checkpoint is not None:
-            raw = str(self.last_checkpoint).encode()[:_PATH_BYTES]
-            vote[old_world + 1 : old_world + 1 + len(raw)] = torch.tensor(list(raw))
-        Collectives(None).all_reduce(vote, op="max", control=True)
-        path_bytes = bytes(int(v) for v in vote[old_world + 1 :].tolist() if v)
-        checkpoint_dir = Path(path_bytes.decode()) if path_bytes else None
-        if not int(vote[old_world]) and all(int(vote[r]) for r in range(old_world)):
+        mine = elastic.Holding(
+            live=live,
+            replica=None
+            if replica is None
+            else (replica.generation, replica.rank, replica.world_size),
+            holds_state=holds_state,
+            checkpoint=None if self.last_checkpoint is None else str(self.last_checkpoint),
+        )
+        table = torch.zeros(gen.world_size, mine.WIDTH, dtype=torch.int64, device=self.device)
+        table[self.control.rank] = mine.encode()
+        Collectives(None).all_reduce(table, op="sum", control=True)
+        plan = elastic.plan_restore(
+            [elastic.Holding.decode(row) for row in table.cpu()],
+            lost_from=old_id,
+            lost_world=old_world,
+            lost=lost,
+        )
+        if plan.source == "live":
+            sends = live is not None and live[0] == plan.generation
+            handover = elastic.exchange(
+                self,
+                holds_state=sends,
+                via=None,
+                new_members=list(range(gen.world_size)),
+                entries=None if sends else {},
+            )
+            self._adopt(handover)
+            source = "live state, nothing rolled back"
+        elif plan.source == "replica":
             entries: dict = {}
             if replica is not None:
                 entries = dict(replica.own)
@@ -412,19 +433,15 @@ class ZeroEngine:
                 entries=entries,
                 counters=None if replica is None else replica.counters,
             )
-            elastic.adopt(self, handover, None)
+            self._adopt(handover)
             source = "in-memory replicas"
-        elif checkpoint_dir is not None:
+        else:
+            checkpoint_dir = Path(plan.checkpoint)
             self._detach()
             self._attach(Collectives(None), from_module=False)
             self.load_checkpoint(checkpoint_dir)
             self.last_checkpoint = checkpoint_dir
             source = str(checkpoint_dir)
-        else:
-            raise RuntimeError(
-                "a worker was lost and neither in-memory replicas nor a checkpoint cover "
-                "its state; set ZeroConfig.replica_interval or save checkpoints"
-            )
         self._used_handle = None
         self._saved_at = self.global_steps  # the rollback point is not saved again
         logger.warning(
@@ -434,6 +451,17 @@ class ZeroEngine:
             self.global_steps,
             source,
         )
+
+    def _adopt(self, handover: elastic.Handover) -> None:
+        self._live = None  # torn while the buffers are rebuilt
+        elastic.adopt(self, handover, None)
+        self._mark_live()
+
+    def _mark_live(self) -> None:
+        """The engine's shards are whole and at a step boundary of the applied
+        generation: after a loss they can be the recovery source."""
+        gen = None if self.control is None else self.control.generation.id
+        self._live = None if gen is None else (gen, self.rank, self.world_size)
 
     def close(self) -> None:
         """Leave the coordinator's job (if any); the engine must not be used after."""
@@ -829,9 +857,12 @@ class ZeroEngine:
                 else None
                 for piece in self.optimizer.pieces
             ]
+            # from here until the step is whole, a lost peer leaves this state torn
+            live, self._live = self._live, None
             self.optimizer.step(piece_grads)
             self._publish_params()
             self.global_steps += 1
+            self._live = live
             interval = self.config.replica_interval
             if interval and self.control is not None and self.global_steps % interval == 0:
                 self._replica = elastic.refresh_replica(self, self.control.generation.id)
@@ -994,8 +1025,10 @@ class ZeroEngine:
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Load a checkpoint saved at any world size and stage; returns its client_state."""
+        self._live = None
         state = checkpoint.load_checkpoint(self, path)
         self._saved_at = self.global_steps
+        self._mark_live()
         return state
 
     # ------------------------------------------------------------ module passthrough
