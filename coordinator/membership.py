@@ -8,9 +8,11 @@ A generation is a fixed membership. Its members keep their relative order
 from one generation to the next (so a surviving rank 0 stays rank 0 and keeps
 hosting the rendezvous); joiners are appended, grouped by host. A member that
 leaves, loses its lease, or comes back as a new process (a new incarnation)
-is *lost*: its state is gone, and the next generation's reshard schedule
-lists its old rank in ``lost_ranks``. Heartbeats are fenced by generation id
-so that no worker keeps a lease without knowing the current membership.
+is *lost*: it is not in the next generation, whose reshard schedule lists
+its old rank in ``left_ranks`` if it asked to leave (a zeroplane worker hands
+its shards over first) or else in ``lost_ranks`` (its state is gone).
+Heartbeats are fenced by generation id so that no worker keeps a lease
+without knowing the current membership.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class Membership:
         self._joiners: dict[str, None] = {}
         # Members of the current generation that are gone (left, expired, replaced).
         self._lost: dict[str, _Worker] = {}
+        self._left: set[str] = set()  # the lost that asked to leave
         self.events: deque[Event] = deque(maxlen=config.event_history)
 
     # ---- requests ---------------------------------------------------------------------
@@ -286,7 +289,14 @@ class Membership:
                 from_stage=previous.stage,
                 moves=tuple(reshard_schedule(previous.layout, layout)),
                 lost_ranks=tuple(
-                    sorted(m.rank for m in previous.members if m.worker_id in self._lost)
+                    sorted(
+                        m.rank
+                        for m in previous.members
+                        if m.worker_id in self._lost and m.worker_id not in self._left
+                    )
+                ),
+                left_ranks=tuple(
+                    sorted(m.rank for m in previous.members if m.worker_id in self._left)
                 ),
             )
         members = tuple(
@@ -317,6 +327,7 @@ class Membership:
         for wid in admitted:
             del self._joiners[wid]
         self._lost.clear()
+        self._left.clear()
         self._event(
             "generation",
             detail=f"world size {generation.world_size}, stage {generation.stage}, "
@@ -448,6 +459,8 @@ class Membership:
             del self._joiners[worker_id]
         else:  # not a standby, so a member of the current generation
             self._lost[worker_id] = worker
+            if kind == "left":
+                self._left.add(worker_id)
         self._event(kind, worker_id, detail)
 
     def _event(self, kind: str, worker_id: str = "", detail: str = "") -> None:

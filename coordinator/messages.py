@@ -385,6 +385,7 @@ def generation_to_proto(gen: Generation) -> pb.Generation:
                     for m in r.moves
                 ],
                 lost_ranks=list(r.lost_ranks),
+                left_ranks=list(r.left_ranks),
             )
         )
     return msg
@@ -412,6 +413,7 @@ def generation_from_proto(msg: pb.Generation) -> Generation:
             from_stage=r.from_stage,
             moves=tuple(Move(m.name, m.start, m.stop, m.old_owner, m.new_owner) for m in r.moves),
             lost_ranks=tuple(r.lost_ranks),
+            left_ranks=tuple(r.left_ranks),
         )
     return Generation(
         id=msg.id,

@@ -110,6 +110,36 @@ def test_a_lost_member_forms_the_next_generation_at_once_with_lost_ranks() -> No
     assert [e.kind for e in m.events][-2:] == ["expired", "generation"]
 
 
+def test_a_leave_and_a_standby_make_one_generation_that_tells_left_from_lost() -> None:
+    clock = Clock()
+    m = membership(clock, max_workers=3)
+    for wid in ("a", "b", "c"):
+        m.register(worker(wid), inventory())
+    g1 = m.maybe_form()
+    assert g1 is not None and g1.world_size == 3
+    m.register(worker("d"), inventory())
+    assert m.maybe_form() is None  # full: d stands by
+    m.leave("c", "SIGTERM")
+    g2 = m.maybe_form()
+    assert g2 is not None
+    assert [(x.worker_id, x.previous_rank) for x in g2.members] == [
+        ("a", 0),
+        ("b", 1),
+        ("d", None),
+    ]
+    assert g2.reshard is not None
+    assert (g2.reshard.left_ranks, g2.reshard.lost_ranks) == ((2,), ())
+    # a lease that runs out is a loss, not a leave, and the next generation says so
+    clock.now += 2
+    for wid in ("a", "d"):
+        m.heartbeat(wid, g2.id)
+    clock.now += 1.5
+    assert m.expire() == ["b"]
+    g3 = m.maybe_form()
+    assert g3 is not None and g3.reshard is not None
+    assert (g3.reshard.left_ranks, g3.reshard.lost_ranks) == ((), (1,))
+
+
 def test_below_min_workers_the_generation_stays_and_status_says_why() -> None:
     clock = Clock()
     m = membership(clock, max_workers=2)
@@ -125,7 +155,7 @@ def test_below_min_workers_the_generation_stays_and_status_says_why() -> None:
     m.register(worker("c"), inventory())
     gen = m.maybe_form()  # lost members: no join window
     assert gen is not None and [x.worker_id for x in gen.members] == ["a", "c"]
-    assert gen.reshard is not None and gen.reshard.lost_ranks == (1,)
+    assert gen.reshard is not None and gen.reshard.left_ranks == (1,)
 
 
 def test_a_restarted_worker_is_a_new_incarnation_not_a_reattach() -> None:

@@ -114,7 +114,7 @@ def test_registration_forms_generations_and_reshards() -> None:
             c.close(leave=True, reason="scale down")
             g3 = b.wait_for_generation(after=2, timeout=10)
             assert g3.world_size == 2 and g3.reshard is not None
-            assert g3.reshard.lost_ranks == (2,)
+            assert (g3.reshard.left_ranks, g3.reshard.lost_ranks) == ((2,), ())
             kinds = [e.kind for e in server.status().events]
             assert kinds.count("generation") == 3 and "left" in kinds
         finally:

@@ -101,8 +101,13 @@ class Job:
 
     def step(self) -> int:
         """The step every member has reached (0 while one has not reported yet)."""
-        members = [w for w in self.server.status().members if w.state == "member"]
+        members = self.server.status().members
         return min((0 if w.report is None else w.report.step for w in members), default=0)
+
+    def state_of(self, name: str) -> str | None:
+        """The coordinator's word for worker ``name`` (member, standby, lost), or None."""
+        row = self.server.status().worker(name)
+        return None if row is None else row.state
 
     def world_size(self) -> int:
         return self.server.status().world_size
@@ -192,6 +197,48 @@ def test_sigterm_while_joining_is_a_graceful_leave(job_factory) -> None:
     codes = job.finish()
     assert codes == {"w0": 0, "w1": 0, "w2": 0}, codes
     assert "handed over" in job.log("w2")
+    assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_while_standing_by_leaves_without_joining(job_factory) -> None:
+    """A worker waiting for a place in a full job (max_workers reached) is told to
+    stop: it leaves the coordinator and exits 0; the members never see it."""
+    job = job_factory(2, max_workers=2)
+    # long enough to outlast w2's start-up however slow: the workers are killed at the end
+    job.spawn("w0", "--steps", "2000")
+    job.spawn("w1", "--steps", "2000")
+    job.wait_until("two ranks training", lambda: job.world_size() == 2 and job.step() >= 2)
+    generation = job.server.status().generation_id
+    standby = job.spawn("w2", "--steps", "2000")
+    job.wait_until("w2 standing by", lambda: job.state_of("w2") == "standby")
+    standby.send_signal(signal.SIGTERM)
+    assert standby.wait(timeout=30) == 0, job.log("w2")
+    assert "left the job" in job.log("w2")
+    assert job.state_of("w2") is None
+    assert job.server.status().generation_id == generation
+    assert all(p.poll() is None for n, p in job.workers.items() if n != "w2")
+
+
+@pytest.mark.timeout(240)
+def test_a_leave_and_a_join_in_one_generation(job_factory) -> None:
+    """The job is full and a worker stands by when a member is told to stop: the next
+    generation both drops the leaver and admits the standby. The leaver hands its
+    shards to the survivors, which pass the newcomer its share over the new group."""
+    job = job_factory(1, max_workers=3)
+    for name in ("w0", "w1", "w2"):
+        job.spawn(name)
+    job.wait_until("three ranks training", lambda: job.world_size() == 3 and job.step() >= 4)
+    job.spawn("w3")
+    job.wait_until("w3 standing by", lambda: job.state_of("w3") == "standby")
+    assert job.step() < STEPS - 10, "the job is too fast for this test to resize it"
+    job.workers["w2"].send_signal(signal.SIGTERM)
+    codes = job.finish()
+    assert codes == {"w0": 0, "w1": 0, "w2": 0, "w3": 0}, codes
+    assert "handed over" in job.log("w2")
+    assert "joined at step" in job.log("w3")
+    logs = job.log("w0") + job.log("w1")
+    assert "recovered" not in logs and logs.count("rank 2 left; now rank") == 2, logs[-3000:]
     assert_matches_reference(job.tmp / "final.pt")
 
 

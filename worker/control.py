@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -57,6 +58,14 @@ def _reachable_host(coordinator: str) -> str:
     return socket.gethostname()
 
 
+# how often a worker waiting to be admitted checks whether it was told to stop
+_STOP_POLL_S = 0.2
+
+
+class LeftBeforeAdmission(Exception):
+    """The worker was told to stop while it waited for a rank, and left."""
+
+
 @dataclass
 class ControlPlane:
     client: CoordinatorClient
@@ -75,11 +84,14 @@ class ControlPlane:
         metrics_endpoint: str = "",
         metrics_port: int | None = None,
         wait_s: float | None = None,
+        stop: Callable[[], bool] = lambda: False,
     ) -> ControlPlane:
         """Register with the coordinator at ``address`` and wait to be given a rank.
 
         ``metrics_port``: this worker serves /metrics there, on the host it registers
         with (the coordinator lists it for Prometheus); ``metrics_endpoint`` overrides.
+        ``stop``: polled while waiting; when it turns true before this worker is
+        given a rank, it leaves the coordinator and raises :class:`LeftBeforeAdmission`.
         """
         client = CoordinatorClient(ClientConfig.from_env(address=address))
         memory = (
@@ -99,7 +111,21 @@ class ControlPlane:
         )
         client.register(info, inventory.specs)
         client.start()
-        generation = client.wait_for_generation(after=0, member=True, timeout=wait_s)
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            try:
+                generation = client.wait_for_generation(after=0, member=True, timeout=_STOP_POLL_S)
+                break
+            except TimeoutError:
+                pass
+            if stop():
+                client.close(leave=True, reason="stopped before being admitted")
+                raise LeftBeforeAdmission(info.worker_id)
+            if deadline is not None and time.monotonic() >= deadline:
+                client.close(leave=True, reason="not admitted in time")
+                raise TimeoutError(
+                    f"the coordinator at {address} gave this worker no rank within {wait_s:g}s"
+                )
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
         return cls(client, generation, backend, timeout)

@@ -50,7 +50,7 @@ from worker import checkpoint, elastic
 from worker.collectives import Collectives, Handle
 from worker.compression import Codec, make_codec, start_all_gather, start_reduce_scatter
 from worker.config import ZeroConfig
-from worker.control import ControlPlane, coordinator_address
+from worker.control import ControlPlane, LeftBeforeAdmission, coordinator_address
 from worker.flat import FlatBucket, GatherUnit
 from worker.inventory import Inventory, build_inventory
 from worker.metrics import MetricsServer, start_metrics
@@ -247,12 +247,18 @@ class ZeroEngine:
             # before registering: a SIGTERM while joining (a pod deleted as it
             # starts) is then a graceful leave at the first step boundary
             signal.signal(signal.SIGTERM, self._on_sigterm)
-        control = ControlPlane.join(
-            address,
-            self.inventory,
-            device=self.device,
-            metrics_port=None if self.metrics is None else self.metrics.port,
-        )
+        try:
+            control = ControlPlane.join(
+                address,
+                self.inventory,
+                device=self.device,
+                metrics_port=None if self.metrics is None else self.metrics.port,
+                stop=lambda: self._leave_requested,
+            )
+        except LeftBeforeAdmission:
+            logger.info("SIGTERM before this worker was given a rank: left the job")
+            self.close()
+            raise SystemExit(0) from None
         gen = control.generation
         changes: dict[str, Any] = {"bucket_numel": gen.bucket_numel}
         if gen.stage != self.stage:
@@ -338,13 +344,25 @@ class ZeroEngine:
             raise SystemExit(0)
         old = control.generation
         gen = control.wait_newer()
-        expected = [m.worker_id for m in old.members if m.rank != leaving]
-        if [m.worker_id for m in gen.members] != expected:
-            raise RuntimeError(
-                f"generation {gen.id} is not generation {old.id} without rank {leaving}; "
-                "concurrent joins and leaves are applied one at a time"
+        survivor_ids = [m.worker_id for m in old.members if m.rank != leaving]
+        others_lost = gen.reshard is not None and set(gen.reshard.lost_ranks) - {leaving}
+        if others_lost or [m.worker_id for m in gen.members[: len(survivor_ids)]] != survivor_ids:
+            # another member vanished meanwhile: recover like a crash
+            raise _PeerLost(
+                f"generation {gen.id} lost more of generation {old.id} than rank {leaving}"
             )
         control.move_to(gen)
+        if gen.world_size > len(survivor_ids):
+            # workers admitted in the same generation: pass them their shards of what
+            # the survivors were just handed (they run the join exchange)
+            handover = elastic.exchange(
+                self,
+                holds_state=True,
+                via=None,
+                new_members=list(range(gen.world_size)),
+                entries=handover.entries,
+                counters=(handover.global_steps, handover.loss_scale, handover.skipped_steps),
+            )
         self._adopt(handover)
         logger.info("rank %d left; now rank %d of %d", leaving, self.rank, self.world_size)
 
@@ -352,7 +370,7 @@ class ZeroEngine:
         control = self.control
         old = control.generation
         old_ids = [m.worker_id for m in old.members]
-        lost = gen.reshard is not None and gen.reshard.lost_ranks
+        lost = gen.reshard is not None and (gen.reshard.lost_ranks or gen.reshard.left_ranks)
         if lost or [m.worker_id for m in gen.members[: len(old_ids)]] != old_ids:
             # a member vanished without a graceful hand-over: recover like a crash
             raise _PeerLost(f"generation {gen.id} lost members of generation {old.id}")
@@ -390,7 +408,8 @@ class ZeroEngine:
         nothing (``holds_state=False``)."""
         replica, self._replica = (self._replica if holds_state else None), None
         live = self._live if holds_state else None
-        lost = set(gen.reshard.lost_ranks) if gen.reshard is not None else set()
+        # a rank that left without handing over (its script failed) is gone too
+        lost = set() if gen.reshard is None else {*gen.reshard.lost_ranks, *gen.reshard.left_ranks}
         mine = elastic.Holding(
             live=live,
             replica=None

@@ -198,18 +198,20 @@ class Move(_message.Message):
     def __init__(self, name: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., old_owner: _Optional[int] = ..., new_owner: _Optional[int] = ...) -> None: ...
 
 class ReshardSchedule(_message.Message):
-    __slots__ = ("from_generation_id", "from_world_size", "from_stage", "moves", "lost_ranks")
+    __slots__ = ("from_generation_id", "from_world_size", "from_stage", "moves", "lost_ranks", "left_ranks")
     FROM_GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
     MOVES_FIELD_NUMBER: _ClassVar[int]
     LOST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_RANKS_FIELD_NUMBER: _ClassVar[int]
     from_generation_id: int
     from_world_size: int
     from_stage: int
     moves: _containers.RepeatedCompositeFieldContainer[Move]
     lost_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, from_generation_id: _Optional[int] = ..., from_world_size: _Optional[int] = ..., from_stage: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., lost_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    left_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, from_generation_id: _Optional[int] = ..., from_world_size: _Optional[int] = ..., from_stage: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., left_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Generation(_message.Message):
     __slots__ = ("id", "members", "world_size", "rendezvous_endpoint", "stage", "stage_reason", "layout", "reshard", "inventory_digest", "created_unix_s", "epoch")
