@@ -117,6 +117,11 @@ class MembershipConfig:
     # A worker silent for this long is dropped.
     lease_timeout_s: float = 10.0
     heartbeat_interval_s: float = 2.0
+    # A worker whose connection closed (its generation stream ended) and did not
+    # come back within this is dropped without waiting out its lease
+    # (coordinator/membership.py [Note: disconnects]). None: one heartbeat
+    # interval; lease_timeout_s: leases alone decide.
+    disconnect_grace_s: float | None = None
     # Added to the first lease of members restored from the state file: time for
     # their clients to notice the restarted coordinator and reconnect.
     reattach_grace_s: float = 10.0
@@ -143,6 +148,10 @@ class MembershipConfig:
             raise ValueError(
                 f"MembershipConfig.heartbeat_interval_s must be in (0, lease_timeout_s / 2 = "
                 f"{self.lease_timeout_s / 2}], got {self.heartbeat_interval_s}"
+            )
+        if self.disconnect_grace_s is not None and self.disconnect_grace_s < 0:
+            raise ValueError(
+                f"MembershipConfig.disconnect_grace_s must be >= 0, got {self.disconnect_grace_s}"
             )
         if self.reattach_grace_s < 0:
             raise ValueError(

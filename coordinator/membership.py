@@ -85,6 +85,9 @@ class _Worker:
     deadline: float
     free_ports: tuple[int, ...]
     report: WorkerReport | None = None
+    # open generation streams, and since when none is (see [Note: disconnects])
+    streams: int = 0
+    unwatched_since: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,13 +202,50 @@ class Membership:
         self._drop(worker_id, "left", reason)
         return True
 
+    # [Note: disconnects]
+    # Every worker keeps a generation stream (WatchGenerations) open for as long as
+    # it runs. When its process dies the kernel closes the connection and the
+    # stream ends at once, long before the lease runs out. A live worker whose
+    # stream breaks opens a new one within its client's back-off (0.1 s at
+    # first), so a worker with no open stream for a heartbeat interval is taken
+    # as gone (MembershipConfig.disconnect_grace_s): a crash then costs the
+    # survivors about one heartbeat interval of waiting instead of a whole lease.
+    # The lease still covers a worker that hangs with its connection open, and a
+    # network that drops packets silently.
+
+    def watch_opened(self, worker_id: str) -> object | None:
+        """A generation stream of ``worker_id`` opened; returns a token for
+        :meth:`watch_closed` (None for a worker without a lease)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.streams += 1
+            worker.unwatched_since = None
+        return worker
+
+    def watch_closed(self, worker_id: str, token: object | None) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None or worker is not token:
+            return  # dropped meanwhile, or the stream of an older incarnation
+        worker.streams -= 1
+        if worker.streams == 0:
+            worker.unwatched_since = self._clock()
+
     def expire(self) -> list[str]:
-        """Drop every worker whose lease has run out; returns their ids."""
+        """Drop every worker whose lease has run out, or whose generation stream
+        closed and stayed closed for a heartbeat interval; returns their ids."""
         now = self._clock()
-        gone = [wid for wid, w in self._workers.items() if w.deadline < now]
-        for wid in gone:
-            self._drop(wid, "expired", f"no heartbeat for {self.config.lease_timeout_s:g}s")
-        return gone
+        grace = self.config.disconnect_grace_s
+        if grace is None:
+            grace = self.config.heartbeat_interval_s
+        gone: list[tuple[str, str]] = []
+        for wid, w in self._workers.items():
+            if w.deadline < now:
+                gone.append((wid, f"no heartbeat for {self.config.lease_timeout_s:g}s"))
+            elif w.unwatched_since is not None and now - w.unwatched_since > grace:
+                gone.append((wid, f"its connection closed and stayed closed for {grace:g}s"))
+        for wid, why in gone:
+            self._drop(wid, "expired", why)
+        return [wid for wid, _ in gone]
 
     # ---- generations ------------------------------------------------------------------
 

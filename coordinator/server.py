@@ -315,16 +315,22 @@ class _Servicer:
 
     async def watch_generations(self, request: pb.WatchGenerationsRequest) -> AsyncIterator:
         after = request.after_generation_id
-        while True:
-            async with self._changed:
-                await self._changed.wait_for(
-                    lambda after=after: self._stopping or self.m.generation_id > after
-                )
-            if self._stopping:
-                return
-            msg = self._generation_msg
-            after = msg.id
-            yield msg
+        # ends on cancellation too: a worker's process dying closes its stream
+        # (see coordinator/membership.py [Note: disconnects])
+        token = self.m.watch_opened(request.worker_id)
+        try:
+            while True:
+                async with self._changed:
+                    await self._changed.wait_for(
+                        lambda after=after: self._stopping or self.m.generation_id > after
+                    )
+                if self._stopping:
+                    return
+                msg = self._generation_msg
+                after = msg.id
+                yield msg
+        finally:
+            self.m.watch_closed(request.worker_id, token)
 
     async def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
         if not request.worker_id:

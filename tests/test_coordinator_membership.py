@@ -140,6 +140,33 @@ def test_a_leave_and_a_standby_make_one_generation_that_tells_left_from_lost() -
     assert (g3.reshard.left_ranks, g3.reshard.lost_ranks) == ((), (1,))
 
 
+def test_a_worker_whose_stream_stays_closed_is_dropped_after_one_interval() -> None:
+    clock = Clock()
+    m = membership(clock, lease_timeout_s=30.0, heartbeat_interval_s=1.0)
+    for wid in ("a", "b", "c"):
+        m.register(worker(wid), inventory())
+    gen = m.maybe_form()
+    assert gen is not None
+    tokens = {wid: m.watch_opened(wid) for wid in ("a", "b", "c")}
+    # a's stream breaks and its client opens another within the interval: kept
+    m.watch_closed("a", tokens["a"])
+    clock.now += 0.5
+    tokens["a"] = m.watch_opened("a")
+    # b's process died: its stream closed for good
+    m.watch_closed("b", tokens["b"])
+    clock.now += 0.9
+    assert m.expire() == []
+    clock.now += 0.2
+    assert m.expire() == ["b"]
+    # a stream of an older incarnation closing late does not touch the new one
+    m.register(worker("c", incarnation="two"), inventory())
+    m.watch_closed("c", tokens["c"])
+    clock.now += 5
+    for wid in ("a", "c"):
+        m.heartbeat(wid, gen.id)
+    assert m.expire() == []
+
+
 def test_below_min_workers_the_generation_stays_and_status_says_why() -> None:
     clock = Clock()
     m = membership(clock, max_workers=2)

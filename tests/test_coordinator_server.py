@@ -233,7 +233,7 @@ def test_lease_expiry_is_visible_in_status() -> None:
         a.start()
         b.start()
         assert a.wait_for_generation(timeout=10).world_size == 2
-        b.close()  # a crash: heartbeats stop, no leave
+        b._stop_heartbeats.set()  # a hung worker: heartbeats stop, its connection stays
         g2 = a.wait_for_generation(after=1, timeout=10)
         assert [m.worker_id for m in g2.members] == ["a"]
         assert g2.reshard is not None and g2.reshard.lost_ranks == (1,)
@@ -241,6 +241,27 @@ def test_lease_expiry_is_visible_in_status() -> None:
         assert [w.info.worker_id for w in status.workers] == ["a"]
         expired = [e for e in status.events if e.kind == "expired"]
         assert [e.worker_id for e in expired] == ["b"] and "no heartbeat" in expired[0].detail
+
+
+def test_a_closed_connection_drops_the_worker_long_before_its_lease() -> None:
+    """A crashed worker's connection closes with its process: the coordinator drops
+    it one heartbeat interval later, not at the end of a 60 s lease."""
+    cfg = config(max_workers=2, join_window_s=0.5, lease_timeout_s=60.0)
+    with running(cfg) as server, client(server) as a, client(server) as b:
+        a.register(worker("a"), inventory())
+        b.register(worker("b"), inventory())
+        a.start()
+        b.start()
+        assert a.wait_for_generation(timeout=10).world_size == 2
+        closed = time.monotonic()
+        b.close()  # no leave: the stream and the heartbeats just stop
+        g2 = a.wait_for_generation(after=1, timeout=20)
+        assert time.monotonic() - closed < 20  # the wait above would have raised
+        assert [m.worker_id for m in g2.members] == ["a"]
+        assert g2.reshard is not None and g2.reshard.lost_ranks == (1,)
+        expired = [e for e in server.status().events if e.kind == "expired"]
+        assert [e.worker_id for e in expired] == ["b"]
+        assert "connection closed" in expired[0].detail
 
 
 def test_restart_from_the_state_file_and_reattach(tmp_path: Path) -> None:

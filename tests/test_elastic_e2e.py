@@ -41,7 +41,13 @@ class Job:
     """A coordinator in this process and worker processes of examples/train_gpt.py."""
 
     def __init__(
-        self, tmp: Path, stage: int, *, max_workers: int = 4, lease_s: float = 3.0
+        self,
+        tmp: Path,
+        stage: int,
+        *,
+        max_workers: int = 4,
+        lease_s: float = 3.0,
+        disconnect_grace_s: float | None = None,
     ) -> None:
         self.tmp = tmp
         self.token = secrets.token_urlsafe(16)
@@ -53,6 +59,7 @@ class Job:
                 join_window_s=0.5,
                 lease_timeout_s=lease_s,
                 heartbeat_interval_s=0.5,
+                disconnect_grace_s=disconnect_grace_s,
             ),
             plan=PlanConfig(stage=stage, precision="fp32"),
         )
@@ -185,14 +192,16 @@ def test_grow_2_to_3_then_sigterm_back_to_2(job_factory, stage: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_sigterm_while_joining_is_a_graceful_leave(job_factory) -> None:
-    """A pod deleted while it starts: the SIGTERM lands while the newcomer is still
-    being admitted, and it must hand over at its first step boundary and exit 0."""
+    """A pod deleted while it starts: the SIGTERM lands while the newcomer forms the
+    group and is handed its shards; it must hand them back at its first step
+    boundary and exit 0."""
     job = job_factory(2)
     job.spawn("w0")
     job.spawn("w1")
     job.wait_until("two ranks training", lambda: job.world_size() == 2 and job.step() >= 4)
     job.spawn("w2")
-    job.wait_until("w2 admitted", lambda: job.world_size() == 3)
+    # admitted, and now forming the group or being handed its shards
+    job.wait_until("w2 admitted", lambda: "joining generation" in job.log("w2"))
     job.workers["w2"].send_signal(signal.SIGTERM)
     codes = job.finish()
     assert codes == {"w0": 0, "w1": 0, "w2": 0}, codes
@@ -257,6 +266,24 @@ def test_newcomer_lost_while_joining_rolls_nothing_back(job_factory) -> None:
     assert codes == {"w0": 0, "w1": 0}, codes
     logs = job.log("w0") + job.log("w1")
     assert logs.count("from live state, nothing rolled back") == 2, logs[-3000:]
+    assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
+def test_two_sigterms_at_once_scale_4_to_2(job_factory) -> None:
+    """``kubectl scale --replicas=2`` from 4: both pods get SIGTERM together; they
+    hand over one generation at a time and the job carries on at 2."""
+    job = job_factory(2)
+    for name in ("w0", "w1", "w2", "w3"):
+        job.spawn(name)
+    job.wait_until("four ranks training", lambda: job.world_size() == 4 and job.step() >= 4)
+    assert job.step() < STEPS - 15, "the job is too fast for this test to resize it"
+    job.workers["w2"].send_signal(signal.SIGTERM)
+    job.workers["w3"].send_signal(signal.SIGTERM)
+    codes = job.finish()
+    assert codes == {"w0": 0, "w1": 0, "w2": 0, "w3": 0}, codes
+    assert "handed over" in job.log("w2") and "handed over" in job.log("w3")
+    assert "now rank 0 of 2" in job.log("w0")
     assert_matches_reference(job.tmp / "final.pt")
 
 
@@ -353,8 +380,11 @@ def test_worker_restarted_under_its_old_name_rejoins(job_factory) -> None:
     """What a StatefulSet does: the crashed pod's container comes back under the same
     name before its lease runs out; the coordinator then forms one generation that
     loses the old rank and admits the new process, which must roll back with the
-    survivors instead of being handed live state."""
-    job = job_factory(2, lease_s=20.0)
+    survivors instead of being handed live state. (A closed connection alone would
+    drop the old process sooner: the grace is as long as the lease here, so the
+    new process registers first, as it does when a coordinator cannot see the
+    connection close.)"""
+    job = job_factory(2, lease_s=20.0, disconnect_grace_s=20.0)
     ckpt = str(job.tmp / "ckpt")
     for name in ("w0", "w1", "w2"):
         job.spawn(name, "--checkpoint", ckpt, "--save-every", "5")
