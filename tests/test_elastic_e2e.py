@@ -46,6 +46,7 @@ class Job:
         stage: int,
         *,
         max_workers: int = 4,
+        join_window_s: float = 0.5,
         lease_s: float = 3.0,
         disconnect_grace_s: float | None = None,
     ) -> None:
@@ -56,7 +57,7 @@ class Job:
             membership=MembershipConfig(
                 min_workers=2,
                 max_workers=max_workers,
-                join_window_s=0.5,
+                join_window_s=join_window_s,
                 lease_timeout_s=lease_s,
                 heartbeat_interval_s=0.5,
                 disconnect_grace_s=disconnect_grace_s,
@@ -273,7 +274,8 @@ def test_newcomer_lost_while_joining_rolls_nothing_back(job_factory) -> None:
 def test_two_sigterms_at_once_scale_4_to_2(job_factory) -> None:
     """``kubectl scale --replicas=2`` from 4: both pods get SIGTERM together; they
     hand over one generation at a time and the job carries on at 2."""
-    job = job_factory(2)
+    # the first generation forms when all four are there (max_workers), however slow
+    job = job_factory(2, join_window_s=60.0)
     for name in ("w0", "w1", "w2", "w3"):
         job.spawn(name)
     job.wait_until("four ranks training", lambda: job.world_size() == 4 and job.step() >= 4)
