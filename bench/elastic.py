@@ -6,7 +6,8 @@ For a ≈20M-parameter GPT (bench/elastic_worker.py) on gloo, one run measures, 
 * **zeroplane**: an in-process coordinator and worker processes. Scale-up 2→3
   (spawn a worker), graceful scale-down 3→2 (SIGTERM one: it hands its shards
   over and exits 0), scale-up 2→3 again, then crash 3→2 (SIGKILL one, two steps
-  after a checkpoint: the survivors roll back to it once its lease expires).
+  after a checkpoint: the survivors roll back to it once the coordinator drops
+  the dead worker, one heartbeat interval after its connection closed).
 * **restart** (torchrun-style): the same script without a coordinator, ranks from
   ``RANK``/``WORLD_SIZE``/``MASTER_*`` as torchrun sets them. For the same four
   changes every worker is stopped and the new number started fresh from the last
@@ -376,7 +377,7 @@ class ElasticRun(Run):
             else:
                 c.marks = [
                     ("rank 0: collective failed", log_time(w0, r"step abandoned", T)),
-                    ("coordinator: lease expired", self.coord("expired", "w3", T)),
+                    ("coordinator: dropped the dead worker", self.coord("expired", "w3", T)),
                     ("rank 0: joining the new group", log_time(w0, r"joining generation", T)),
                     ("rank 0: checkpoint loaded", log_time(w0, r"recovered as", T)),
                 ]
@@ -663,12 +664,12 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace) -> list[dict
                     print(f"    {dt:+7.2f}  {what}")
         for c in zp["changes"] if zp else []:
             marks = {m["what"]: m["t"] for m in c["marks"]}
-            expired = marks.get("coordinator: lease expired")
+            expired = marks.get("coordinator: dropped the dead worker")
             joined = marks.get("rank 0: joining the new group")
             if c["kind"] == "crash" and expired and joined and joined - expired > 1.0:
                 print(
                     f"  note: zeroplane formed its new group {joined - expired:.1f} s after the "
-                    "lease expired: tearing down the broken gloo group waited (bench/README.md)"
+                    "coordinator dropped the dead worker (see bench/README.md, Noise)"
                 )
         odd = {n: c for n, c in (zp or {}).get("exit_codes", {}).items() if c not in (0, -9)}
         if odd:
