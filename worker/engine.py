@@ -456,6 +456,7 @@ class ZeroEngine:
             source = "in-memory replicas"
         else:
             checkpoint_dir = Path(plan.checkpoint)
+            self._live = None  # torn from here until the checkpoint is in
             self._detach()
             self._attach(Collectives(None), from_module=False)
             self.load_checkpoint(checkpoint_dir)
