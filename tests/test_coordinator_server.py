@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
@@ -262,6 +263,25 @@ def test_a_closed_connection_drops_the_worker_long_before_its_lease() -> None:
         expired = [e for e in server.status().events if e.kind == "expired"]
         assert [e.worker_id for e in expired] == ["b"]
         assert "connection closed" in expired[0].detail
+
+
+def test_a_member_waiting_to_re_form_says_what_the_coordinator_waits_for(monkeypatch) -> None:
+    from worker.control import MEMBERSHIP_WAIT_ENV, ControlPlane
+
+    monkeypatch.setenv(MEMBERSHIP_WAIT_ENV, "0.5")
+    cfg = config(min_workers=2, max_workers=2, lease_timeout_s=30.0)
+    with running(cfg) as server, client(server) as a, client(server) as b:
+        a.register(worker("a"), inventory())
+        b.register(worker("b"), inventory())
+        a.start()
+        b.start()
+        g1 = a.wait_for_generation(timeout=10)
+        b.close(leave=True, reason="scale down")  # the job is now below min_workers
+        plane = ControlPlane(a, g1, "gloo", timedelta(seconds=1))
+        with pytest.raises(TimeoutError) as caught:
+            plane.wait_to_re_form()
+        message = str(caught.value)
+        assert MEMBERSHIP_WAIT_ENV in message and "needs at least 2" in message, message
 
 
 def test_restart_from_the_state_file_and_reattach(tmp_path: Path) -> None:

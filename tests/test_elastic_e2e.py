@@ -253,6 +253,25 @@ def test_a_leave_and_a_join_in_one_generation(job_factory) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_below_min_workers_the_survivor_waits_for_a_newcomer(job_factory) -> None:
+    """min_workers is 2 and one of the two leaves: the survivor holds the whole job
+    and waits until a newcomer arrives, then passes it its share and carries on."""
+    job = job_factory(2)
+    job.spawn("w0")
+    job.spawn("w1")
+    job.wait_until("two ranks training", lambda: job.world_size() == 2 and job.step() >= 4)
+    job.workers["w1"].send_signal(signal.SIGTERM)
+    job.wait_until("w1 gone", lambda: job.workers["w1"].poll() is not None)
+    assert "at least 2" in job.server.status().waiting_reason
+    job.spawn("w2")
+    codes = job.finish()
+    assert codes == {"w0": 0, "w1": 0, "w2": 0}, codes
+    assert "rank 1 left; now rank 0 of 2" in job.log("w0")
+    assert "joined at step" in job.log("w2")
+    assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
 def test_newcomer_lost_while_joining_rolls_nothing_back(job_factory) -> None:
     """The members hold the whole job while a newcomer is being given its shards: if
     it dies then, they carry on from their own state, with no checkpoint or replica."""

@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from coordinator.client import ClientConfig, CoordinatorClient
+from coordinator.client import ClientConfig, CoordinatorClient, CoordinatorError
 from coordinator.config import ADDRESS_ENV
 from coordinator.messages import Generation, WorkerInfo, WorkerReport
 from worker.compat import abort_default_group
@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 WORKER_ID_ENV = "ZEROPLANE_WORKER_ID"
 HOST_ENV = "ZEROPLANE_HOST"
 TIMEOUT_ENV = "ZEROPLANE_COLLECTIVE_TIMEOUT_S"
+# how long members holding the job's state wait for the coordinator's next
+# generation after a loss or a leave (it may first need newcomers: min_workers)
+MEMBERSHIP_WAIT_ENV = "ZEROPLANE_MEMBERSHIP_WAIT_S"
 
 
 def coordinator_address(explicit: str | None) -> str | None:
@@ -60,6 +63,8 @@ def _reachable_host(coordinator: str) -> str:
 
 # how often a worker waiting to be admitted checks whether it was told to stop
 _STOP_POLL_S = 0.2
+# how often a member waiting for the job to re-form says why
+_WAIT_REPORT_S = 30.0
 
 
 class LeftBeforeAdmission(Exception):
@@ -165,6 +170,35 @@ class ControlPlane:
         return self.client.wait_for_generation(
             after=self.generation.id, member=member, timeout=timeout
         )
+
+    def wait_to_re_form(self) -> Generation:
+        """Wait for the generation that re-forms the job after a loss or a leave.
+
+        It may be a while: below ``min_workers`` the coordinator waits for
+        newcomers. This rank holds part of the job's state, so it waits up to
+        ``$ZEROPLANE_MEMBERSHIP_WAIT_S`` (default 600 s, torchrun's join timeout),
+        saying every 30 s what the coordinator is waiting for.
+        """
+        patience = float(os.environ.get(MEMBERSHIP_WAIT_ENV, "600"))
+        deadline = time.monotonic() + patience
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.wait_newer(timeout=max(0.0, min(_WAIT_REPORT_S, left)))
+            except TimeoutError:
+                if left <= _WAIT_REPORT_S:
+                    raise TimeoutError(
+                        f"the coordinator formed no generation after {self.generation.id} "
+                        f"within {patience:g}s (${MEMBERSHIP_WAIT_ENV}); "
+                        f"it says: {self._waiting_reason()}"
+                    ) from None
+            logger.warning("waiting for the job to re-form: %s", self._waiting_reason())
+
+    def _waiting_reason(self) -> str:
+        try:
+            return self.client.status().waiting_reason or "nothing"
+        except CoordinatorError as exc:
+            return f"(no status: {exc})"
 
     def move_to(self, generation: Generation, *, broken: bool = False) -> None:
         """Leave the current process group and form ``generation``'s; ``broken``: a

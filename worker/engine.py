@@ -343,7 +343,7 @@ class ZeroEngine:
             logger.info("handed over at step %d; leaving", handover.global_steps)
             raise SystemExit(0)
         old = control.generation
-        gen = control.wait_newer()
+        gen = control.wait_to_re_form()
         survivor_ids = [m.worker_id for m in old.members if m.rank != leaving]
         others_lost = gen.reshard is not None and set(gen.reshard.lost_ranks) - {leaving}
         if others_lost or [m.worker_id for m in gen.members[: len(survivor_ids)]] != survivor_ids:
@@ -389,7 +389,7 @@ class ZeroEngine:
         logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
         start = time.perf_counter()
         old = control.generation
-        gen = control.wait_newer(timeout=300.0)
+        gen = control.wait_to_re_form()
         control.move_to(gen, broken=True)
         # the generation the loss happened in: this rank may not have formed it yet
         from_id, from_world = (
