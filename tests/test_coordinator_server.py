@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from coordinator.client import (
     RequestRejectedError,
     StaleGenerationError,
 )
+from coordinator.config import CoordinatorConfig
 from coordinator.layout import ParamSpec
 from coordinator.messages import GENERATION_METADATA_KEY, WorkerReport, param_to_proto
 from coordinator.server import EmbeddedCoordinator, create_server
@@ -226,14 +229,22 @@ def test_malformed_and_oversized_requests_are_invalid_argument() -> None:
             assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_lease_expiry_is_visible_in_status() -> None:
-    cfg = config(max_workers=2, join_window_s=0.5, lease_timeout_s=1.0)
+@contextmanager
+def two_members(cfg: CoordinatorConfig) -> Iterator[tuple]:
+    """A running coordinator with clients a and b, both members of generation 1."""
     with running(cfg) as server, client(server) as a, client(server) as b:
         a.register(worker("a"), inventory())
         b.register(worker("b"), inventory())
         a.start()
         b.start()
-        assert a.wait_for_generation(timeout=10).world_size == 2
+        g1 = a.wait_for_generation(timeout=10)
+        assert g1.world_size == 2
+        yield server, a, b, g1
+
+
+def test_lease_expiry_is_visible_in_status() -> None:
+    cfg = config(max_workers=2, join_window_s=0.5, lease_timeout_s=1.0)
+    with two_members(cfg) as (server, a, b, _):
         b._stop_heartbeats.set()  # a hung worker: heartbeats stop, its connection stays
         g2 = a.wait_for_generation(after=1, timeout=10)
         assert [m.worker_id for m in g2.members] == ["a"]
@@ -248,12 +259,7 @@ def test_a_closed_connection_drops_the_worker_long_before_its_lease() -> None:
     """A crashed worker's connection closes with its process: the coordinator drops
     it one heartbeat interval later, not at the end of a 60 s lease."""
     cfg = config(max_workers=2, join_window_s=0.5, lease_timeout_s=60.0)
-    with running(cfg) as server, client(server) as a, client(server) as b:
-        a.register(worker("a"), inventory())
-        b.register(worker("b"), inventory())
-        a.start()
-        b.start()
-        assert a.wait_for_generation(timeout=10).world_size == 2
+    with two_members(cfg) as (server, a, b, _):
         closed = time.monotonic()
         b.close()  # no leave: the stream and the heartbeats just stop
         g2 = a.wait_for_generation(after=1, timeout=20)
@@ -270,12 +276,7 @@ def test_a_member_waiting_to_re_form_says_what_the_coordinator_waits_for(monkeyp
 
     monkeypatch.setenv(MEMBERSHIP_WAIT_ENV, "0.5")
     cfg = config(min_workers=2, max_workers=2, lease_timeout_s=30.0)
-    with running(cfg) as server, client(server) as a, client(server) as b:
-        a.register(worker("a"), inventory())
-        b.register(worker("b"), inventory())
-        a.start()
-        b.start()
-        g1 = a.wait_for_generation(timeout=10)
+    with two_members(cfg) as (_, a, b, g1):
         b.close(leave=True, reason="scale down")  # the job is now below min_workers
         plane = ControlPlane(a, g1, "gloo", timedelta(seconds=1))
         with pytest.raises(TimeoutError) as caught:
