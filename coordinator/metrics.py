@@ -286,7 +286,11 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             return handler._replace(unary_stream=self._stream(method, handler.unary_stream))
         return handler  # no client-streaming methods here
 
-    def _unary(self, method: str, behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    def _unary(
+        self, method: str, behaviour: Callable[..., Any], *, timed: bool = True
+    ) -> Callable[..., Any]:
+        """``timed``: book the latency (not for a stream's lifetime)."""
+
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
             exc: BaseException | None = None
@@ -296,7 +300,8 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 exc = e
                 raise
             finally:
-                self.metrics.on_rpc(method, _code_of(context, exc), time.perf_counter() - start)
+                seconds = time.perf_counter() - start if timed else None
+                self.metrics.on_rpc(method, _code_of(context, exc), seconds)
 
         return call
 
@@ -316,15 +321,5 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
 
             return stream
 
-        async def writer(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            # A stream handler that writes with context.write() (the health Watch).
-            exc: BaseException | None = None
-            try:
-                return await behaviour(request, context)
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                self.metrics.on_rpc(method, _code_of(context, exc), None)
-
-        return writer
+        # a stream handler that writes with context.write() (the health Watch)
+        return self._unary(method, behaviour, timed=False)
