@@ -271,18 +271,28 @@ def test_a_closed_connection_drops_the_worker_long_before_its_lease() -> None:
         assert "connection closed" in expired[0].detail
 
 
-def test_a_member_waiting_to_re_form_says_what_the_coordinator_waits_for(monkeypatch) -> None:
+def test_a_member_waiting_to_re_form_says_what_the_coordinator_waits_for() -> None:
     from worker.control import MEMBERSHIP_WAIT_ENV, ControlPlane
 
-    monkeypatch.setenv(MEMBERSHIP_WAIT_ENV, "0.5")
     cfg = config(min_workers=2, max_workers=2, lease_timeout_s=30.0)
     with two_members(cfg) as (_, a, b, g1):
         b.close(leave=True, reason="scale down")  # the job is now below min_workers
-        plane = ControlPlane(a, g1, "gloo", timedelta(seconds=1))
+        plane = ControlPlane(a, g1, "gloo", timedelta(seconds=1), patience_s=0.5)
         with pytest.raises(TimeoutError) as caught:
             plane.wait_to_re_form()
         message = str(caught.value)
         assert MEMBERSHIP_WAIT_ENV in message and "needs at least 2" in message, message
+
+
+@pytest.mark.parametrize("raw", ["soon", "0", "-5", "nan"])
+def test_worker_time_settings_from_the_environment_name_a_bad_value(monkeypatch, raw) -> None:
+    from worker.control import MEMBERSHIP_WAIT_ENV, env_seconds
+
+    monkeypatch.setenv(MEMBERSHIP_WAIT_ENV, raw)
+    with pytest.raises(ValueError, match=rf"\$ZEROPLANE_MEMBERSHIP_WAIT_S .*{raw!r}"):
+        env_seconds(MEMBERSHIP_WAIT_ENV, 600.0)
+    monkeypatch.delenv(MEMBERSHIP_WAIT_ENV)
+    assert env_seconds(MEMBERSHIP_WAIT_ENV, 600.0) == 600.0
 
 
 def test_restart_from_the_state_file_and_reattach(tmp_path: Path) -> None:

@@ -41,6 +41,20 @@ TIMEOUT_ENV = "ZEROPLANE_COLLECTIVE_TIMEOUT_S"
 MEMBERSHIP_WAIT_ENV = "ZEROPLANE_MEMBERSHIP_WAIT_S"
 
 
+def env_seconds(name: str, default: float) -> float:
+    """``$name`` as a positive number of seconds (``default`` when unset)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"${name} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
 def coordinator_address(explicit: str | None) -> str | None:
     return explicit or os.environ.get(ADDRESS_ENV) or None
 
@@ -77,6 +91,8 @@ class ControlPlane:
     generation: Generation
     backend: str
     timeout: timedelta
+    # how long wait_to_re_form waits ($ZEROPLANE_MEMBERSHIP_WAIT_S)
+    patience_s: float = 600.0
     _reported_at: float = -1e9
 
     @classmethod
@@ -98,6 +114,9 @@ class ControlPlane:
         ``stop``: polled while waiting; when it turns true before this worker is
         given a rank, it leaves the coordinator and raises :class:`LeftBeforeAdmission`.
         """
+        # read before registering: a bad value fails here, not in the middle of a job
+        timeout = timedelta(seconds=env_seconds(TIMEOUT_ENV, 60.0))
+        patience = env_seconds(MEMBERSHIP_WAIT_ENV, 600.0)
         client = CoordinatorClient(ClientConfig.from_env(address=address))
         memory = (
             torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
@@ -132,8 +151,7 @@ class ControlPlane:
                     f"the coordinator at {address} gave this worker no rank within {wait_s:g}s"
                 )
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
-        return cls(client, generation, backend, timeout)
+        return cls(client, generation, backend, timeout, patience)
 
     @property
     def rank(self) -> int:
@@ -179,7 +197,7 @@ class ControlPlane:
         ``$ZEROPLANE_MEMBERSHIP_WAIT_S`` (default 600 s, torchrun's join timeout),
         saying every 30 s what the coordinator is waiting for.
         """
-        patience = float(os.environ.get(MEMBERSHIP_WAIT_ENV, "600"))
+        patience = self.patience_s
         deadline = time.monotonic() + patience
         while True:
             left = deadline - time.monotonic()
