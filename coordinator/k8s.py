@@ -120,6 +120,28 @@ _CONTAINER_SECURITY = {
 }
 
 
+def _pod_template(
+    selector: dict[str, str],
+    container: dict[str, Any],
+    volumes: list[dict[str, Any]],
+    *,
+    grace_period_s: int,
+) -> dict[str, Any]:
+    """A hardened pod of one container: no service-account token, no service
+    links, the restricted security context."""
+    return {
+        "metadata": {"labels": selector},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "securityContext": _pod_security(),
+            "terminationGracePeriodSeconds": grace_period_s,
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+
+
 def _pod_security() -> dict[str, Any]:
     return {
         "runAsNonRoot": True,
@@ -256,23 +278,18 @@ def _coordinator_objects(spec: JobSpec) -> list[dict[str, Any]]:
                 # One writer of the state volume (ReadWriteOnce): the old pod goes first.
                 "strategy": {"type": "Recreate"},
                 "selector": {"matchLabels": selector},
-                "template": {
-                    "metadata": {"labels": selector},
-                    "spec": {
-                        "automountServiceAccountToken": False,
-                        "enableServiceLinks": False,
-                        "securityContext": _pod_security(),
-                        "terminationGracePeriodSeconds": 30,
-                        "containers": [container],
-                        "volumes": [
-                            {
-                                "name": "state",
-                                "persistentVolumeClaim": {"claimName": spec.state_claim},
-                            },
-                            {"name": "tmp", "emptyDir": {}},
-                        ],
-                    },
-                },
+                "template": _pod_template(
+                    selector,
+                    container,
+                    [
+                        {
+                            "name": "state",
+                            "persistentVolumeClaim": {"claimName": spec.state_claim},
+                        },
+                        {"name": "tmp", "emptyDir": {}},
+                    ],
+                    grace_period_s=30,
+                ),
             },
         },
         {
@@ -378,17 +395,9 @@ def _worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
                 # Workers start together; the coordinator, not pod order, assigns ranks.
                 "podManagementPolicy": "Parallel",
                 "selector": {"matchLabels": selector},
-                "template": {
-                    "metadata": {"labels": selector},
-                    "spec": {
-                        "automountServiceAccountToken": False,
-                        "enableServiceLinks": False,
-                        "securityContext": _pod_security(),
-                        "terminationGracePeriodSeconds": spec.grace_period_s,
-                        "containers": [container],
-                        "volumes": volumes,
-                    },
-                },
+                "template": _pod_template(
+                    selector, container, volumes, grace_period_s=spec.grace_period_s
+                ),
             },
         },
         {
