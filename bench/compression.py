@@ -28,17 +28,14 @@ import logging
 import os
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from functools import wraps
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +48,18 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import worker  # noqa: E402
-from worker import compression as zcomp  # noqa: E402
+from bench.common import (  # noqa: E402
+    exit_on_sigterm,
+    fmt_ratio,
+    free_port,
+    gloo_group,
+    median_ms,
+    quiet_gloo_warnings,
+    ratio,
+    rel_iqr,
+    stop_processes,
+    timed_step,
+)
 from worker.models import GPT, GPTConfig  # noqa: E402
 
 NS_PREFIX = "zpbench-"
@@ -90,18 +98,15 @@ class Result:
 
     @property
     def median_ms(self) -> float:
-        return 1e3 * statistics.median(self.step_s)
+        return median_ms(self.step_s)
 
     @property
     def cpu_ms(self) -> float:
-        return 1e3 * statistics.median(self.cpu_s)
+        return median_ms(self.cpu_s)
 
     @property
     def iqr(self) -> float:
-        if len(self.step_s) < 2:
-            return 0.0
-        q1, _, q3 = statistics.quantiles(self.step_s, n=4)
-        return (q3 - q1) / statistics.median(self.step_s)
+        return rel_iqr(self.step_s)
 
     @property
     def ratio(self) -> float:
@@ -109,32 +114,6 @@ class Result:
 
 
 # --------------------------------------------------------------------------- rank side
-
-# Encode/decode CPU time of the calling thread, accumulated by wrappers around the
-# codec classes (below). CPU, not wall, time: other processes on the cores do not inflate it.
-_CODEC_SECONDS = [0.0]
-
-
-def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.thread_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _CODEC_SECONDS[0] += time.thread_time() - t0
-
-    return wrapper
-
-
-def _instrument_codecs() -> None:
-    """Time every encode and decode in this process (the engine calls them on the
-    codec objects, so wrapping the class methods sees every call, with no change
-    to zeroplane). Error feedback's extra decode per encode is included."""
-    for cls in (zcomp.CastCodec, zcomp.Int8Codec, zcomp.OneBitCodec):
-        for name in ("encode", "decode"):
-            if name in vars(cls):
-                setattr(cls, name, _timed(vars(cls)[name]))
 
 
 def _nic_tx(iface: str | None) -> int | None:
@@ -156,6 +135,13 @@ def _engine_config(stage: int, method: str) -> worker.ZeroConfig:
 
 def _data_bytes(report: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     return {op: dict(v) for op, v in report.items() if op != "control"}
+
+
+def _codec_seconds(engine: worker.ZeroEngine) -> float:
+    """CPU time the engine's collectives spent in encode + decode so far (error
+    feedback's decode per encode included): CPU, not wall, time, so other
+    processes on the cores do not inflate it."""
+    return sum(v["seconds"] for v in engine.comm.codec_report().values())
 
 
 def _train_step(engine: worker.ZeroEngine, idx: torch.Tensor, targets: torch.Tensor) -> float:
@@ -181,17 +167,13 @@ def _measure(
     for i in range(args.warmup):
         _train_step(engine, idx[i], targets[i])
     dist.barrier()
-    before, tx0, codec0 = _data_bytes(engine.comm_report()), _nic_tx(iface), _CODEC_SECONDS[0]
+    before, tx0, codec0 = _data_bytes(engine.comm_report()), _nic_tx(iface), _codec_seconds(engine)
     times, cpu, loss = [], [], 0.0
     for i in range(args.warmup, n):
-        # Barriers on both sides: ranks start together and a step ends when the slowest does.
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = _train_step(engine, idx[i], targets[i])
-        cpu.append(time.process_time() - c0)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    codec_s = (_CODEC_SECONDS[0] - codec0) / args.steps
+        loss, wall, c = timed_step(partial(_train_step, engine, idx[i], targets[i]))
+        times.append(wall)
+        cpu.append(c)
+    codec_s = (_codec_seconds(engine) - codec0) / args.steps
     tx1 = _nic_tx(iface)
     after = _data_bytes(engine.comm_report())
     ops = {
@@ -227,17 +209,7 @@ def rank_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     logging.getLogger("worker").setLevel(logging.ERROR)  # e.g. "stage > 0 on one rank"
-    # torch 2.13 nags about all_gather_into_tensor and friends on gloo; not our code.
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
-    _instrument_codecs()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{args.addr}:{args.port}",
-        rank=args.rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=args.gloo_timeout),
-    )
+    quiet_gloo_warnings()
     gpt = GPTConfig(
         n_layer=args.n_layer,
         n_embd=args.n_embd,
@@ -245,7 +217,8 @@ def rank_main(args: argparse.Namespace) -> int:
         vocab_size=args.vocab,
         block_size=args.seq,
     )
-    try:
+    timeout = timedelta(seconds=args.gloo_timeout)
+    with gloo_group(args.addr, args.port, args.rank, WORLD, timeout):
         cells: dict[tuple[int, str], dict[str, Any]] = {}
         for r in range(args.rounds):
             for stage, method in _grid(args.stages, args.methods):
@@ -259,7 +232,7 @@ def rank_main(args: argparse.Namespace) -> int:
                 if args.rank == 0:
                     print(
                         f"  [{args.network}] round {r + 1}/{args.rounds} stage {stage} "
-                        f"{method:<11} median {1e3 * statistics.median(m['step_s']):8.1f} ms "
+                        f"{method:<11} median {median_ms(m['step_s']):8.1f} ms "
                         f"({time.perf_counter() - t0:.1f} s with build and warm-up)",
                         file=sys.stderr,
                         flush=True,
@@ -270,8 +243,6 @@ def rank_main(args: argparse.Namespace) -> int:
                 for (s, meth), m in cells.items()
             ]
             Path(args.out).write_text(json.dumps(out))
-    finally:
-        dist.destroy_process_group()
     return 0
 
 
@@ -439,9 +410,7 @@ def probe_link(net: Netns, rate_mbit: float) -> float:
         )  # fmt: skip
         out, _ = sink.communicate(timeout=60)
     finally:
-        if sink.poll() is None:
-            sink.kill()
-            sink.wait()
+        stop_processes([sink])
     return float(out) * 8 / 1e6
 
 
@@ -451,12 +420,6 @@ def _rate_mbit(rate: str) -> float:
         if rate.endswith(unit):
             return float(rate[: -len(unit)]) * scale
     raise ValueError(f"rate {rate!r}: use a tc rate such as 1gbit or 100mbit")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_network(
@@ -475,7 +438,7 @@ def run_network(
     ]  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
-    port = _free_port() if net is None else RDV_PORT
+    port = free_port() if net is None else RDV_PORT
     try:
         for rank in range(WORLD):
             # TORCH_CPP_LOG_LEVEL: c10d warns that a namespace has no hostname to resolve.
@@ -499,10 +462,7 @@ def run_network(
     except subprocess.TimeoutExpired:
         print(f"{network.name}: ranks still running after {args.network_timeout} s; stopped")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
         for f in logs:
             f.close()
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]
@@ -548,12 +508,8 @@ def print_table(network: Network, results: list[Result], args: argparse.Namespac
             else "-"
         )
         b = base.get(r.stage)
-        rel = f"{r.median_ms / b.median_ms:.2f}x" if b else "-"
-        nic_rel = (
-            f"{r.nic_tx_bytes / b.nic_tx_bytes:.2f}x"
-            if b and r.nic_tx_bytes is not None and b.nic_tx_bytes
-            else "-"
-        )
+        rel = fmt_ratio(ratio(r.median_ms, b.median_ms)) if b else "-"
+        nic_rel = fmt_ratio(ratio(r.nic_tx_bytes, b.nic_tx_bytes)) if b else "-"
         print(
             f"{r.stage:>5} {r.method:<11} {r.median_ms:>9.1f} {100 * r.iqr:>4.0f}% {rel:>7} "
             f"{r.cpu_ms:>7.0f} "
@@ -621,15 +577,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _raise_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # runs the finally blocks, as Ctrl-C does
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rank is not None:
         return rank_main(args)
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    exit_on_sigterm()
     # Ctrl-C must clean up even where SIGINT was inherited ignored (a background job).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     started = time.perf_counter()

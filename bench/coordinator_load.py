@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.common import stop_processes  # noqa: E402
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb  # noqa: E402
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -100,7 +101,7 @@ class Coordinator:
         )  # fmt: skip
         line = self.proc.stdout.readline()
         if "listening on" not in line:
-            self.proc.kill()
+            stop_processes([self.proc])
             raise RuntimeError(f"coordinator did not start: {line!r}")
         self.address = line.split()[-1]
 
@@ -109,12 +110,7 @@ class Coordinator:
         return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_processes([self.proc], grace=10)
 
 
 @dataclass

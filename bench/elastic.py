@@ -45,7 +45,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,15 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.common import (  # noqa: E402
+    exit_on_sigterm,
+    fmt_cell,
+    free_port,
+    rank_env,
+    ratio,
+    rel_iqr,
+    stop_processes,
+)
 from coordinator.config import (  # noqa: E402
     CoordinatorConfig,
     MembershipConfig,
@@ -87,12 +95,6 @@ trigger->1st from the harness's action (spawn, SIGTERM, SIGKILL) to the first st
              ranks; for a scale-up it includes the newcomer's start-up, during which
              zeroplane keeps training at a ranks
 x            zeroplane / restart"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -249,12 +251,9 @@ class Run:
         return found[0]
 
     def close(self) -> None:
+        stuck = stop_processes((w.proc for w in self.workers.values()), timeout=30)
         for w in self.workers.values():
-            if w.proc.poll() is None:
-                w.proc.kill()
-            try:
-                w.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+            if w.proc in stuck:
                 print(f"warning: {w.name} (pid {w.proc.pid}) did not die", file=sys.stderr)
 
 
@@ -408,17 +407,11 @@ class RestartRun(Run):
         return {w.name for w in self.live}
 
     def start(self, world: int, resume: bool) -> float:
-        port = str(free_port())
+        port = free_port()
         self.launch += 1
         self.live = []
         for rank in range(world):
-            env = {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(rank),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-            }
+            env = rank_env(rank, world, port)
             extra = ["--collective-timeout", str(self.opts.collective_timeout)]
             extra += ["--bucket-numel", str(self.opts.bucket_numel)]
             if resume:
@@ -506,9 +499,7 @@ def step_times(run: Run) -> dict[int, list[float]]:
 def summarize(times: list[float]) -> dict[str, float]:
     if not times:
         return {"median": NAN, "iqr": NAN, "n": 0}
-    med = statistics.median(times)
-    q = statistics.quantiles(times, n=4) if len(times) > 1 else [med, med, med]
-    return {"median": med, "iqr": (q[2] - q[0]) / med, "n": len(times)}
+    return {"median": statistics.median(times), "iqr": rel_iqr(times), "n": len(times)}
 
 
 def measure(run: Run) -> dict[str, Any]:
@@ -580,16 +571,6 @@ def no_nan(x: Any) -> Any:
     return x
 
 
-def ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else NAN
-
-
-def fmt(x: float | None, unit: str = "") -> str:
-    if x is None or x != x:  # None or NaN
-        return "-"
-    return f"{x:.2f}{unit}"
-
-
 def report(results: list[dict[str, Any]], opts: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for stage in opts.stages:
@@ -635,17 +616,17 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace) -> list[dict
             }
             rows.append(row)
             print(
-                f"{a['label']:<17}{fmt(a['pause_s']):>9}{fmt(b['pause_s']):>9}"
-                f"{fmt(row['pause_ratio']):>6}{fmt(a['lost_s']):>9}{fmt(b['lost_s']):>9}"
-                f"{fmt(row['lost_ratio']):>6}{a['replayed']:>5}/{b['replayed']:<4}"
-                f"{fmt(a['trigger_to_first_s']):>13}{fmt(b['trigger_to_first_s']):>13}"
+                f"{a['label']:<17}{fmt_cell(a['pause_s']):>9}{fmt_cell(b['pause_s']):>9}"
+                f"{fmt_cell(row['pause_ratio']):>6}{fmt_cell(a['lost_s']):>9}{fmt_cell(b['lost_s']):>9}"
+                f"{fmt_cell(row['lost_ratio']):>6}{a['replayed']:>5}/{b['replayed']:<4}"
+                f"{fmt_cell(a['trigger_to_first_s']):>13}{fmt_cell(b['trigger_to_first_s']):>13}"
             )
         for a in zp["changes"] if zp else []:
             if "registered_to_first_s" in a:
                 print(
                     f"  zeroplane {a['label']}: newcomer registered → first 3-rank step "
-                    f"{fmt(a['registered_to_first_s'])} s; newcomer spawned → its first step "
-                    f"{fmt(a.get('newcomer_spawn_to_first_step_s'))} s"
+                    f"{fmt_cell(a['registered_to_first_s'])} s; newcomer spawned → its first step "
+                    f"{fmt_cell(a.get('newcomer_spawn_to_first_step_s'))} s"
                 )
         print(f"\nstage {stage}: milestones, seconds after the trigger")
         for r in runs:
@@ -702,7 +683,7 @@ def main() -> None:
         p.error("--global-batch must split over 2 and 3 ranks (a multiple of 6)")
 
     # SIGTERM (e.g. from a CI timeout) unwinds through the finally blocks below
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     tmp = None
     if opts.workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="zp-elastic-")

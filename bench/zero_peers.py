@@ -24,16 +24,13 @@ number in the table means.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import logging
 import os
-import socket
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
@@ -51,6 +48,17 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.common import (  # noqa: E402
+    fmt_ratio,
+    free_port,
+    gloo_group,
+    median_ms,
+    quiet_gloo_warnings,
+    rank_env,
+    ratio,
+    rel_iqr,
+    timed_step,
+)
 from coordinator.memory import model_state_bytes  # noqa: E402
 from worker.models import GPT, MLP, GPTConfig  # noqa: E402
 
@@ -414,14 +422,9 @@ class SystemRun:
         return loss
 
     def timed_step(self) -> None:
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        self._step()
-        # CPU time (all threads, gloo's included) barely moves when other processes
-        # take the cores, unlike wall time: a second, steadier view of the work done.
-        self.cpu.append(time.process_time() - c0)
-        dist.barrier()
-        self.wall.append(time.perf_counter() - t0)
+        _, wall, cpu = timed_step(self._step)
+        self.wall.append(wall)
+        self.cpu.append(cpu)
 
     def finish(self, measure: bool) -> tuple[dict[str, int] | None, float]:
         """One last, untimed step that counts the bytes; returns (bytes, mean loss)."""
@@ -448,35 +451,17 @@ class SystemRun:
 def _quiet_libraries() -> None:
     for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # torch 2.13 nags about all_gather_into_tensor and friends on gloo; not our code.
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
+    quiet_gloo_warnings()
 
 
 def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     world = args.world
     # DeepSpeed reads these even when the process group already exists.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+    os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     _quiet_libraries()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=10),
-    )
-    try:
+    with gloo_group("127.0.0.1", port, rank, world, timedelta(minutes=10)):
         _rank_body(rank, world, args)
-    finally:
-        dist.destroy_process_group()
 
 
 def _record(
@@ -495,7 +480,7 @@ def _record(
     if run.ctx.rank == 0:
         print(
             f"  {model} {run.system:<5} round {rnd + 1}: median "
-            f"{1e3 * statistics.median(res.step_s[-len(run.wall) :]):7.1f} ms "
+            f"{median_ms(res.step_s[-len(run.wall) :]):7.1f} ms "
             f"({time.perf_counter() - t0:.0f} s into the round)",
             flush=True,
         )
@@ -555,23 +540,15 @@ def _rank_body(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def _median_ms(r: Result | None) -> float | None:
-    return 1e3 * statistics.median(r.step_s) if r and r.step_s else None
+    return median_ms(r.step_s) if r and r.step_s else None
 
 
 def _cpu_ms(r: Result | None) -> float | None:
-    return 1e3 * statistics.median(r.cpu_s) if r and r.cpu_s else None
+    return median_ms(r.cpu_s) if r and r.cpu_s else None
 
 
 def _state_total(r: Result | None) -> int | None:
     return max(s["total"] for s in r.state_bytes) if r and r.state_bytes else None
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a is not None and b else "-"
-
-
-def _fmt(x: float | None) -> str:
-    return f"{x:.2f}x" if x is not None else "-"
 
 
 def time_ratio(
@@ -614,8 +591,7 @@ def _spread(r: Result) -> str:
     """Inter-quartile range over the median: how noisy this row was."""
     if len(r.step_s) < 4:
         return "-"
-    q1, _, q3 = statistics.quantiles(r.step_s, n=4)
-    return f"{100 * (q3 - q1) / statistics.median(r.step_s):.0f}%"
+    return f"{100 * rel_iqr(r.step_s):.0f}%"
 
 
 def format_table(results: list[Result], args: argparse.Namespace) -> str:
@@ -643,15 +619,16 @@ def format_table(results: list[Result], args: argparse.Namespace) -> str:
         for r in by.values():
             b = _state_total(r)
             ds = by.get(f"ds{r.stage}") if r.system != "fsdp2" else None
-            vs_fsdp = _fmt(time_ratio(r, by.get("fsdp2"), paired)) if r.stage == 3 else ""
+            vs_fsdp = fmt_ratio(time_ratio(r, by.get("fsdp2"), paired)) if r.stage == 3 else ""
             formula = model_state_bytes(n, stage=r.stage, world_size=args.world, dtype="fp32")
             lines.append(
                 f"{r.model:<5} {r.system:<6} {r.stage:>5} {_median_ms(r):>8.1f} {_spread(r):>5} "
-                f"{_fmt(time_ratio(r, ddp, paired)):>6} {vs_fsdp:>7} "
-                f"{_fmt(time_ratio(r, ds, paired)):>6} "
-                f"{_cpu_ms(r):>7.1f} {_fmt(time_ratio(r, ddp, paired, 'cpu_s')):>7} "
-                f"{b / 2**20 if b is not None else float('nan'):>14.2f} {_ratio(b, ddp_b):>7} "
-                f"{_ratio(b, formula.total):>6} {r.loss:>9.5f} {_target(r, by, paired):>6}"
+                f"{fmt_ratio(time_ratio(r, ddp, paired)):>6} {vs_fsdp:>7} "
+                f"{fmt_ratio(time_ratio(r, ds, paired)):>6} "
+                f"{_cpu_ms(r):>7.1f} {fmt_ratio(time_ratio(r, ddp, paired, 'cpu_s')):>7} "
+                f"{b / 2**20 if b is not None else float('nan'):>14.2f} "
+                f"{fmt_ratio(ratio(b, ddp_b)):>7} {fmt_ratio(ratio(b, formula.total)):>6} "
+                f"{r.loss:>9.5f} {_target(r, by, paired):>6}"
             )
             other = max((s.get("other", 0) for s in r.state_bytes), default=0)
             if other > 2**20:
@@ -684,12 +661,6 @@ def to_json(results: list[Result], args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "results": rows,
     }
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -754,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         print("nothing to run")
         return 1
     print(f"systems: {' '.join(args.systems)}; models: {' '.join(args.models)}", flush=True)
-    mp.spawn(rank_main, args=(args, _free_port()), nprocs=args.world, join=True)
+    mp.spawn(rank_main, args=(args, free_port()), nprocs=args.world, join=True)
     return 0
 
 

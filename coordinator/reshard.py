@@ -16,7 +16,7 @@ At stage 0 nothing is partitioned, so the owners are nominal: every rank
 holds every element and any survivor can serve any range.
 
 All offsets come from ``coordinator.layout``; this module only intersects
-runs.
+runs (with ``coordinator.ranges``, see [Note: element ranges]).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from coordinator.layout import Layout
+from coordinator.ranges import overlap
 
 __all__ = [
     "Move",
@@ -109,9 +110,9 @@ def _intersect_runs(
     while i < len(old) and j < len(new):
         old_rank, old_start, old_stop = old[i]
         new_rank, new_start, new_stop = new[j]
-        start, stop = max(old_start, new_start), min(old_stop, new_stop)
-        if start < stop:
-            yield Move(name, start, stop, old_rank, new_rank)
+        hit = overlap(old_start, old_stop, new_start, new_stop)
+        if hit is not None:
+            yield Move(name, *hit, old_rank, new_rank)
         if old_stop <= new_stop:
             i += 1
         if new_stop <= old_stop:

@@ -18,7 +18,11 @@ def make(stage: int, joining: bool = False, group=None) -> worker.ZeroEngine:
     model = seeded_model()
     config = worker.ZeroConfig(stage=stage, bucket_numel=97, stage3_min_unit_numel=1)
     return worker.ZeroEngine(
-        model, OPTIMIZERS["adamw"](model), config=config, group=group, joining=joining
+        model,
+        OPTIMIZERS["adamw"](model),
+        config=config,
+        group=group,
+        initial_state="peers" if joining else "module",
     )
 
 

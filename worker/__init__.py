@@ -7,6 +7,7 @@ loss = engine(batch); engine.backward(loss); engine.step()
 
 from worker import models
 from worker.config import ZeroConfig
-from worker.engine import StepAborted, ZeroEngine, initialize
+from worker.engine import ZeroEngine
+from worker.session import StepAborted, initialize
 
 __all__ = ["StepAborted", "ZeroConfig", "ZeroEngine", "initialize", "models"]

@@ -29,17 +29,14 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from coordinator.checkpoints import FORMAT, CheckpointError, read_manifest, resolve
-
-if TYPE_CHECKING:
-    from worker.engine import ZeroEngine
+from coordinator.ranges import Range, RangeIndex
+from worker.state import MissingRange, ShardState
 
 __all__ = [
     "FORMAT",
@@ -49,17 +46,6 @@ __all__ = [
     "resolve",
     "save_checkpoint",
 ]
-
-
-@dataclass(frozen=True)
-class Range:
-    name: str
-    start: int
-    stop: int
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}[{self.start}:{self.stop}]"
 
 
 def _rank_file(rank: int) -> str:
@@ -93,23 +79,27 @@ def _write_durably(path: Path, write) -> None:
 
 
 def save_checkpoint(
-    engine: ZeroEngine, path: str | os.PathLike, client_state: dict | None = None
+    state: ShardState, path: str | os.PathLike, client_state: dict | None = None
 ) -> Path:
-    """Write this rank's part of a checkpoint of ``engine``; a collective."""
+    """Write this rank's part of a checkpoint of ``state``; a collective."""
     root = Path(path)
-    step_dir = root / f"step-{engine.global_steps:08d}"
-    tmp = root / f".tmp-step-{engine.global_steps:08d}"
-    rank = engine.rank
+    step_dir = root / f"step-{state.global_steps:08d}"
+    tmp = root / f".tmp-step-{state.global_steps:08d}"
+    rank = state.rank
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
         tmp.mkdir()
-    engine.comm.barrier()
+    state.comm.barrier()
 
-    entries, ranges = _export_ranges(engine)
+    try:
+        entries = state.export_ranges()
+    except MissingRange as exc:
+        raise CheckpointError(str(exc)) from None
+    ranges = state.written_ranges()
     payload: dict[str, Any] = {"entries": entries}
     if rank == 0:
-        payload["unsharded"] = _export_unsharded(engine, client_state)
+        payload["unsharded"] = _export_unsharded(state, client_state)
     file = tmp / _rank_file(rank)
     _write_durably(file, lambda f: torch.save(payload, f))
     info = {
@@ -118,22 +108,22 @@ def save_checkpoint(
         "ranges": [[r.name, r.start, r.stop] for r in ranges],
     }
     _write_durably(tmp / f"rank{rank:05d}.json", lambda f: f.write(json.dumps(info).encode()))
-    engine.comm.barrier()
+    state.comm.barrier()
 
     if rank == 0:
         files = {}
-        for r in range(engine.world_size):
+        for r in range(state.world_size):
             sidecar = tmp / f"rank{r:05d}.json"
             files[_rank_file(r)] = json.loads(sidecar.read_text())
             sidecar.unlink()
         manifest = {
             "format": FORMAT,
-            "global_steps": engine.global_steps,
-            "world_size": engine.world_size,
-            "stage": engine.stage,
-            "dtype": engine.config.dtype,
-            "optimizer": type(engine.user_optimizer).__name__,
-            "loss_scale": engine.scaler.scale,
+            "global_steps": state.global_steps,
+            "world_size": state.world_size,
+            "stage": state.stage.number,
+            "dtype": state.config.dtype,
+            "optimizer": type(state.user_optimizer).__name__,
+            "loss_scale": state.scaler.scale,
             "params": {
                 s.name: {
                     "shape": list(s.shape),
@@ -141,10 +131,10 @@ def save_checkpoint(
                     "requires_grad": s.requires_grad,
                     "group": s.group,
                 }
-                for s in engine.inventory.specs
+                for s in state.inventory.specs
             },
             # tied parameters: every other name a parameter is reachable under
-            "aliases": {a: n for a, n in engine.inventory.aliases.items() if a != n},
+            "aliases": {a: n for a, n in state.inventory.aliases.items() if a != n},
             "files": files,
         }
         _write_durably(
@@ -158,67 +148,24 @@ def save_checkpoint(
         _write_durably(latest_tmp, lambda f: f.write(step_dir.name.encode()))
         os.replace(latest_tmp, root / "latest")
         _fsync_dir(root)
-    engine.comm.barrier()
+    state.comm.barrier()
     return step_dir
 
 
-def _export_ranges(engine: ZeroEngine) -> tuple[dict[str, dict[str, Any]], list[Range]]:
-    """Master values and optimizer state for the elements of range ``rank`` of each bucket."""
-    by_name = _pieces_by_name(engine)
-    entries: dict[str, dict[str, Any]] = {}
-    ranges: list[Range] = []
-    for bucket in engine.layout.buckets:
-        for piece in bucket.slot_shards(engine.rank):
-            r = Range(piece.slot.name, piece.param_start, piece.param_start + piece.numel)
-            entry: dict[str, Any] = {}
-            for start, view, state in by_name[r.name]:
-                lo, hi = r.start - start, r.stop - start
-                if lo < 0 or hi > view.numel():
-                    continue
-                entry["master"] = view.detach()[lo:hi].clone()
-                entry["state"] = {k: _slice_state(v, lo, hi, view) for k, v in state.items()}
-                break
-            else:
-                raise CheckpointError(f"rank {engine.rank} does not hold {r.key}")
-            entries[r.key] = entry
-            ranges.append(r)
-    return entries, ranges
-
-
-def _pieces_by_name(engine: ZeroEngine) -> dict[str, list[tuple[int, torch.Tensor, dict]]]:
-    """name -> [(start within the parameter, master view, optimizer state)] on this rank."""
-    out: dict[str, list] = {}
-    state = engine.optimizer.inner.state
-    for piece in engine.optimizer.pieces:
-        out.setdefault(piece.name, []).append(
-            (piece.param_start, piece.view, state.get(piece.view, {}))
-        )
-    return out
-
-
-def _slice_state(value: Any, lo: int, hi: int, view: torch.Tensor) -> Any:
-    if isinstance(value, torch.Tensor) and value.shape == view.shape:
-        return value.detach()[lo:hi].clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    return value
-
-
-def _export_unsharded(engine: ZeroEngine, client_state: dict | None) -> dict[str, Any]:
-    in_bucket = set(engine._bucket_of)
+def _export_unsharded(state: ShardState, client_state: dict | None) -> dict[str, Any]:
+    in_bucket = state.bucket_of
     return {
         "frozen": {
             name: p.detach().clone()
-            for name, p in engine.inventory.params.items()
+            for name, p in state.inventory.params.items()
             if p not in in_bucket
         },
-        "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers()},
+        "buffers": {n: b.detach().clone() for n, b in state.module.named_buffers()},
         "param_groups": [
-            {k: v for k, v in g.items() if k != "params"}
-            for g in engine.user_optimizer.param_groups
+            {k: v for k, v in g.items() if k != "params"} for g in state.user_optimizer.param_groups
         ],
-        "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps,
+        "micro_steps": state.micro_steps,
+        "skipped_steps": state.skipped_steps,
         "client_state": client_state or {},
     }
 
@@ -226,7 +173,7 @@ def _export_unsharded(engine: ZeroEngine, client_state: dict | None) -> dict[str
 # ---------------------------------------------------------------------------- load
 
 
-def load_checkpoint(engine: ZeroEngine, path: str | os.PathLike) -> dict:
+def load_checkpoint(state: ShardState, path: str | os.PathLike) -> dict:
     """Load a checkpoint saved at any world size and stage; a collective.
 
     Every file this rank needs is verified before anything is assigned; if any
@@ -237,36 +184,36 @@ def load_checkpoint(engine: ZeroEngine, path: str | os.PathLike) -> dict:
     try:
         step_dir = resolve(path)
         manifest = read_manifest(step_dir)
-        _check_inventory(engine, manifest)
-        needed = _files_needed(engine, manifest)
+        _check_inventory(state, manifest)
+        needed = _files_needed(state, manifest)
         error = _verify(step_dir, manifest, needed)
     except CheckpointError as exc:
         error = str(exc)
-    _agree_on_error(engine, error)
+    _agree_on_error(state, error)
 
     loaded = {
-        name: torch.load(step_dir / name, weights_only=True, mmap=True, map_location=engine.device)
+        name: torch.load(step_dir / name, weights_only=True, mmap=True, map_location=state.device)
         for name in needed
     }
     entries: dict[str, dict] = {}
     for name in needed:
         entries.update(loaded[name]["entries"])
-    index = _index_ranges(manifest)
     unsharded = loaded[_rank_file(0)]["unsharded"]
 
-    # everything is read; only now change the engine
-    _import_ranges(engine, entries, index)
-    _import_unsharded(engine, unsharded)
-    engine.global_steps = manifest["global_steps"]
-    engine.scaler.scale = manifest["loss_scale"]
-    engine._publish_params()
-    engine._zero_grads()
+    # everything is read; only now change the state
+    try:
+        state.import_ranges(entries, _index_ranges(manifest))
+    except MissingRange as exc:
+        raise CheckpointError(f"checkpoint lacks elements: {exc}") from None
+    _import_unsharded(state, unsharded)
+    state.global_steps = manifest["global_steps"]
+    state.scaler.scale = manifest["loss_scale"]
     return unsharded["client_state"]
 
 
-def _check_inventory(engine: ZeroEngine, manifest: dict) -> None:
+def _check_inventory(state: ShardState, manifest: dict) -> None:
     saved = manifest["params"]
-    for spec in engine.inventory.specs:
+    for spec in state.inventory.specs:
         if spec.name not in saved:
             raise CheckpointError(f"parameter {spec.name!r} is not in the checkpoint")
         want = saved[spec.name]
@@ -282,38 +229,27 @@ def _check_inventory(engine: ZeroEngine, manifest: dict) -> None:
                 f"parameter {spec.name!r} is in optimizer param group {spec.group} here "
                 f"but {want['group']} in the checkpoint"
             )
-    extra = set(saved) - {s.name for s in engine.inventory.specs}
+    extra = set(saved) - {s.name for s in state.inventory.specs}
     if extra:
         raise CheckpointError(f"checkpoint has parameters the model lacks: {sorted(extra)[:5]}")
-    if manifest["optimizer"] != type(engine.user_optimizer).__name__:
+    if manifest["optimizer"] != type(state.user_optimizer).__name__:
         raise CheckpointError(
             f"checkpoint was trained with {manifest['optimizer']}, "
-            f"not {type(engine.user_optimizer).__name__}"
+            f"not {type(state.user_optimizer).__name__}"
         )
 
 
-def _index_ranges(manifest: dict) -> dict[str, list[tuple[int, int, str]]]:
-    """name -> [(start, stop, file)] over every file of the checkpoint."""
-    index: dict[str, list[tuple[int, int, str]]] = {}
-    for file, info in manifest["files"].items():
-        for name, start, stop in info["ranges"]:
-            index.setdefault(name, []).append((start, stop, file))
-    return index
+def _index_ranges(manifest: dict) -> RangeIndex:
+    """Every range of the checkpoint, with the file that holds it."""
+    return RangeIndex(
+        (Range(name, start, stop), file)
+        for file, info in manifest["files"].items()
+        for name, start, stop in info["ranges"]
+    )
 
 
-def _wanted(engine: ZeroEngine) -> Iterable[tuple[str, int, int]]:
-    for piece in engine.optimizer.pieces:
-        yield piece.name, piece.param_start, piece.param_start + piece.view.numel()
-
-
-def _files_needed(engine: ZeroEngine, manifest: dict) -> list[str]:
-    index = _index_ranges(manifest)
-    needed = {_rank_file(0)}
-    for name, start, stop in _wanted(engine):
-        for lo, hi, file in index.get(name, []):
-            if lo < stop and start < hi:
-                needed.add(file)
-    return sorted(needed)
+def _files_needed(state: ShardState, manifest: dict) -> list[str]:
+    return sorted({_rank_file(0)} | _index_ranges(manifest).sources(state.owned()))
 
 
 def _verify(step_dir: Path, manifest: dict, needed: list[str]) -> str:
@@ -331,72 +267,35 @@ def _verify(step_dir: Path, manifest: dict, needed: list[str]) -> str:
     return ""
 
 
-def _agree_on_error(engine: ZeroEngine, error: str) -> None:
+def _agree_on_error(state: ShardState, error: str) -> None:
     """Every rank raises if any rank found a problem, with that rank's message."""
-    msg = torch.zeros(512, dtype=torch.uint8, device=engine.device)
+    msg = torch.zeros(512, dtype=torch.uint8, device=state.device)
     raw = error.encode()[:511]
     if raw:
-        msg[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(engine.device)
-    flag = torch.tensor([engine.rank + 1 if error else 0], dtype=torch.int64, device=engine.device)
-    engine.comm.all_reduce(flag, op="max", control=True)
+        msg[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(state.device)
+    flag = torch.tensor([state.rank + 1 if error else 0], dtype=torch.int64, device=state.device)
+    state.comm.all_reduce(flag, op="max", control=True)
     if int(flag) == 0:
         return
     source = int(flag) - 1
-    engine.comm.broadcast(msg, src=source)
+    state.comm.broadcast(msg, src=source)
     text = bytes(msg.tolist()).rstrip(b"\0").decode(errors="replace")
     raise CheckpointError(f"checkpoint not loaded (rank {source}): {text}")
 
 
-def _import_ranges(engine: ZeroEngine, entries: dict, index: dict) -> None:
-    inner = engine.optimizer.inner
-    new_state: dict[torch.Tensor, dict] = {}
-    new_master: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for (name, start, stop), opt_piece in zip(
-        _wanted(engine), engine.optimizer.pieces, strict=True
-    ):
-        values = torch.empty(stop - start, dtype=torch.float32, device=engine.device)
-        state: dict[str, Any] = {}
-        covered = 0
-        for lo, hi, _file in sorted(index[name]):
-            a, b = max(lo, start), min(hi, stop)
-            if a >= b:
-                continue
-            entry = entries[Range(name, lo, hi).key]
-            values[a - start : b - start] = entry["master"][a - lo : b - lo]
-            for k, v in entry["state"].items():
-                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == hi - lo:
-                    if k not in state:
-                        state[k] = torch.zeros(stop - start, dtype=v.dtype, device=engine.device)
-                    state[k][a - start : b - start] = v[a - lo : b - lo]
-                else:
-                    state.setdefault(k, v.clone() if isinstance(v, torch.Tensor) else v)
-            covered += b - a
-        if covered != stop - start:
-            raise CheckpointError(f"checkpoint lacks elements of {name}[{start}:{stop}]")
-        new_master.append((opt_piece.view, values))
-        if state:
-            new_state[opt_piece.view] = state
-    with torch.no_grad():
-        for view, values in new_master:
-            view.copy_(values)
-    inner.state.clear()
-    for view, state in new_state.items():
-        inner.state[view] = state
-
-
-def _import_unsharded(engine: ZeroEngine, unsharded: dict) -> None:
+def _import_unsharded(state: ShardState, unsharded: dict) -> None:
     with torch.no_grad():
         for name, value in unsharded["frozen"].items():
-            engine.inventory.params[name].copy_(value)
-        buffers = dict(engine.module.named_buffers())
+            state.inventory.params[name].copy_(value)
+        buffers = dict(state.module.named_buffers())
         for name, value in unsharded["buffers"].items():
             if name in buffers:
                 buffers[name].copy_(value)
-    groups = zip(engine.user_optimizer.param_groups, unsharded["param_groups"], strict=True)
+    groups = zip(state.user_optimizer.param_groups, unsharded["param_groups"], strict=True)
     for group, saved in groups:
         group.update(saved)
-    engine.micro_steps = unsharded["micro_steps"]
-    engine.skipped_steps = unsharded["skipped_steps"]
+    state.micro_steps = unsharded["micro_steps"]
+    state.skipped_steps = unsharded["skipped_steps"]
 
 
 # ---------------------------------------------------------------------------- export
@@ -434,8 +333,8 @@ def export_consolidated(path: str | os.PathLike, out: str | os.PathLike) -> int:
     def trained(name: str) -> torch.Tensor:
         shape = manifest["params"][name]["shape"]
         flat = torch.empty(math.prod(shape), dtype=torch.float32)
-        for lo, hi, file in index[name]:
-            flat[lo:hi] = files[file]["entries"][Range(name, lo, hi).key]["master"]
+        for have, a, b, file in index.overlapping(Range(name, 0, flat.numel())):
+            flat[a:b] = files[file]["entries"][have.key]["master"]
         return flat.view(shape)
 
     # (name, dtype, shape, producer) in output order; aliases repeat their tensor

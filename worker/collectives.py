@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,10 +37,29 @@ import torch.distributed as dist
 
 from worker.compat import all_gather_flat, reduce_scatter_flat
 
-__all__ = ["Collectives", "Handle", "OpStats"]
+__all__ = ["CollectiveError", "Collectives", "Handle", "OpStats"]
 
 Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "control"]
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, the group was aborted or timed out.
+
+    Raised by this module only, from any error torch.distributed raised while
+    issuing or waiting on a collective, so callers tell a broken group from
+    their own bugs by type, never by message text.
+    """
+
+
+@contextmanager
+def _translated(op: str) -> Iterator[None]:
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:  # dist.DistError and gloo/NCCL errors alike
+        raise CollectiveError(f"{op} failed: {exc}") from exc
 
 
 @dataclass
@@ -70,8 +90,9 @@ class Handle:
         self._stats, self._start, self._then = stats, start, then
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+        with _translated("waiting on a collective"):
+            for work in self._works:
+                work.wait()
         self._works = []
         if self._then is not None:
             then, self._then = self._then, None
@@ -94,6 +115,8 @@ class Collectives:
 
     group: dist.ProcessGroup | None = None
     stats: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+    # CPU seconds spent compressing payloads for these collectives ("encode", "decode")
+    codec: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
 
     def __post_init__(self) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -138,7 +161,9 @@ class Collectives:
         if not self.distributed:
             return _DONE
         stats, start = self._book("control" if control else "all_reduce", _nbytes(tensor))
-        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group, async_op=async_op)
+        work = _issue(
+            dist.all_reduce, tensor, op=_REDUCE_OPS[op], group=self.group, async_op=async_op
+        )
         return self._finish(work, stats, start, async_op)
 
     def reduce_scatter(
@@ -152,7 +177,7 @@ class Collectives:
         if self.backend == "gloo":
             # [Note: gloo's flat collectives] an all-to-all moves each chunk once
             chunks = torch.empty_like(input)
-            work = dist.all_to_all_single(chunks, input, group=self.group, async_op=True)
+            work = _issue(dist.all_to_all_single, chunks, input, group=self.group, async_op=True)
 
             def add_up() -> None:
                 parts = chunks.view(self.world_size, -1)
@@ -162,7 +187,7 @@ class Collectives:
                     torch.sum(parts, dim=0, out=output)
 
             return self._finish(work, stats, start, async_op, add_up)
-        work = reduce_scatter_flat(output, input, group=self.group, async_op=async_op)
+        work = _issue(reduce_scatter_flat, output, input, group=self.group, async_op=async_op)
         return self._finish(work, stats, start, async_op)
 
     def all_gather(
@@ -190,11 +215,13 @@ class Collectives:
             if slots[self.rank].data_ptr() != input.data_ptr():
                 slots[self.rank].copy_(input.view(-1))
             works = [
-                dist.broadcast(slots[r], src=self._global(r), group=self.group, async_op=True)
+                _issue(
+                    dist.broadcast, slots[r], src=self._global(r), group=self.group, async_op=True
+                )
                 for r in range(self.world_size)
             ]
             return self._finish(works, stats, start, async_op)
-        work = all_gather_flat(output, input, group=self.group, async_op=async_op)
+        work = _issue(all_gather_flat, output, input, group=self.group, async_op=async_op)
         return self._finish(work, stats, start, async_op)
 
     def _global(self, rank: int) -> int:
@@ -204,7 +231,9 @@ class Collectives:
         if not self.distributed:
             return _DONE
         stats, start = self._book("broadcast", _nbytes(tensor))
-        work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=async_op)
+        work = _issue(
+            dist.broadcast, tensor, src=self._global(src), group=self.group, async_op=async_op
+        )
         return self._finish(work, stats, start, async_op)
 
     def all_to_all(
@@ -226,7 +255,8 @@ class Collectives:
             return _DONE
         wire = _nbytes(input)
         stats, start = self._book(as_op, logical_bytes or wire, wire)
-        work = dist.all_to_all_single(
+        work = _issue(
+            dist.all_to_all_single,
             output,
             input,
             output_split_sizes=output_split_sizes,
@@ -238,7 +268,25 @@ class Collectives:
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier(group=self.group)
+            _issue(dist.barrier, group=self.group)
+
+    @contextmanager
+    def codec_time(self, kind: Literal["encode", "decode"]) -> Iterator[None]:
+        """Book the calling thread's CPU time inside the block as codec ``kind``."""
+        start = time.thread_time()
+        try:
+            yield
+        finally:
+            stats = self.codec[kind]
+            stats.calls += 1
+            stats.seconds += time.thread_time() - start
+
+    def codec_report(self) -> dict[str, dict[str, float]]:
+        """Codec calls and CPU seconds by kind (encode, decode) since start."""
+        return {
+            kind: {"calls": self.codec[kind].calls, "seconds": self.codec[kind].seconds}
+            for kind in ("encode", "decode")
+        }
 
     def report(self) -> dict[str, dict[str, int | float]]:
         return {
@@ -250,6 +298,11 @@ class Collectives:
             }
             for op, s in sorted(self.stats.items())
         }
+
+
+def _issue(fn: Callable[..., dist.Work | None], *args, **kwargs) -> dist.Work | None:
+    with _translated(getattr(fn, "__name__", "collective")):
+        return fn(*args, **kwargs)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -33,6 +33,7 @@ __all__ = [
     "OneBitCodec",
     "PendingAllGather",
     "PendingReduceScatter",
+    "WireBuffers",
     "make_codec",
     "start_all_gather",
     "start_reduce_scatter",
@@ -228,6 +229,25 @@ def make_codec(method: Method, block: int = 256) -> Codec | None:
     raise ValueError(f"unknown compression method {method!r}")
 
 
+class WireBuffers:
+    """The payload buffers of one exchange site (a bucket, a gather unit), reused
+    from one step to the next instead of allocated per call. An exchange's
+    buffers are reused only after it finished, which the callers guarantee:
+    a site has at most one exchange in flight."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        t = self._buffers.get(name)
+        if t is None or t.numel() != nbytes or t.device != device:
+            t = self._buffers[name] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return t
+
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self._buffers.values())
+
+
 @dataclass
 class PendingReduceScatter:
     """A compressed reduce-scatter in flight; ``finish()`` returns this rank's fp32 sum."""
@@ -235,22 +255,26 @@ class PendingReduceScatter:
     handle: Handle
     recv: torch.Tensor
     codec: Codec
-    world_size: int
+    comm: Collectives
     shard_numel: int
 
     def finish(self) -> torch.Tensor:
         self.handle.wait()
         wire = self.codec.wire_bytes(self.shard_numel)
         out = torch.zeros(self.shard_numel, device=self.recv.device)
-        for r in range(self.world_size):
-            out += self.codec.decode(self.recv[r * wire : (r + 1) * wire], self.shard_numel)
+        with self.comm.codec_time("decode"):
+            for r in range(self.comm.world_size):
+                out += self.codec.decode(self.recv[r * wire : (r + 1) * wire], self.shard_numel)
         return out
 
 
 def _encode_with_feedback(
     codec: Codec, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None
 ) -> None:
-    """Encode ``x`` (already including the residual) and keep what was lost in ``residual``."""
+    """Encode ``x`` (already including the residual) and keep what was lost in ``residual``.
+
+    Runs inside the caller's ``codec_time("encode")``: error feedback's decode is
+    part of the cost of encoding."""
     codec.encode(x, out, nonfinite="nan")
     if residual is not None:
         torch.sub(x, codec.decode(out, x.numel()), out=residual)
@@ -265,23 +289,29 @@ def start_reduce_scatter(
     residual: torch.Tensor | None,
     *,
     logical_bytes: int,
+    buffers: WireBuffers | None = None,
 ) -> PendingReduceScatter:
     """Start a compressed reduce-scatter of ``x`` (see [Note: compressed reduce-scatter])."""
     n = comm.world_size
     shard = x.numel() // n
     x = x.float() if residual is None else x.float() + residual
     wire = codec.wire_bytes(shard)
-    send = torch.empty(n * wire, dtype=torch.uint8, device=x.device)
-    for r in range(n):
-        chunk_residual = None if residual is None else residual[r * shard : (r + 1) * shard]
-        _encode_with_feedback(
-            codec, x[r * shard : (r + 1) * shard], send[r * wire : (r + 1) * wire], chunk_residual
-        )
-    recv = torch.empty_like(send)
+    buffers = buffers or WireBuffers()
+    send = buffers.get("rs_send", n * wire, x.device)
+    recv = buffers.get("rs_recv", n * wire, x.device)
+    with comm.codec_time("encode"):
+        for r in range(n):
+            chunk_residual = None if residual is None else residual[r * shard : (r + 1) * shard]
+            _encode_with_feedback(
+                codec,
+                x[r * shard : (r + 1) * shard],
+                send[r * wire : (r + 1) * wire],
+                chunk_residual,
+            )
     handle = comm.all_to_all(
         recv, send, async_op=True, as_op="reduce_scatter", logical_bytes=logical_bytes
     )
-    return PendingReduceScatter(handle, recv, codec, n, shard)
+    return PendingReduceScatter(handle, recv, codec, comm, shard)
 
 
 @dataclass
@@ -291,16 +321,18 @@ class PendingAllGather:
     handle: Handle
     recv: torch.Tensor
     codec: Codec
-    world_size: int
+    comm: Collectives
     out: torch.Tensor
 
     def finish(self) -> None:
         self.handle.wait()
-        shard = self.out.numel() // self.world_size
+        n = self.comm.world_size
+        shard = self.out.numel() // n
         wire = self.codec.wire_bytes(shard)
-        for r in range(self.world_size):
-            piece = self.codec.decode(self.recv[r * wire : (r + 1) * wire], shard)
-            self.out[r * shard : (r + 1) * shard].copy_(piece)
+        with self.comm.codec_time("decode"):
+            for r in range(n):
+                piece = self.codec.decode(self.recv[r * wire : (r + 1) * wire], shard)
+                self.out[r * shard : (r + 1) * shard].copy_(piece)
 
 
 def start_all_gather(
@@ -309,14 +341,17 @@ def start_all_gather(
     shard: torch.Tensor,
     out: torch.Tensor,
     residual: torch.Tensor | None = None,
+    buffers: WireBuffers | None = None,
 ) -> PendingAllGather:
     """Start a compressed all-gather of every rank's ``shard`` into ``out``."""
     x = shard.float() if residual is None else shard.float() + residual
     wire = codec.wire_bytes(x.numel())
-    send = torch.empty(wire, dtype=torch.uint8, device=x.device)
-    _encode_with_feedback(codec, x, send, residual)
-    recv = torch.empty(comm.world_size * wire, dtype=torch.uint8, device=x.device)
+    buffers = buffers or WireBuffers()
+    send = buffers.get("ag_send", wire, x.device)
+    recv = buffers.get("ag_recv", comm.world_size * wire, x.device)
+    with comm.codec_time("encode"):
+        _encode_with_feedback(codec, x, send, residual)
     handle = comm.all_gather(
         recv, send, async_op=True, logical_bytes=out.numel() * out.element_size()
     )
-    return PendingAllGather(handle, recv, codec, comm.world_size, out)
+    return PendingAllGather(handle, recv, codec, comm, out)

@@ -29,16 +29,14 @@ import logging
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from worker import checkpoint
+from coordinator.ranges import Range, RangeIndex, owned_ranges
 from worker.collectives import Collectives
-
-if TYPE_CHECKING:
-    from worker.engine import ZeroEngine
+from worker.state import Counters, Entries, ShardState
 
 __all__ = [
     "Handover",
@@ -54,8 +52,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-Entries = dict[str, dict[str, Any]]
 
 
 def pack_entries(entries: Entries) -> torch.Tensor:
@@ -118,37 +114,22 @@ def _slice_entry(entry: dict[str, Any], lo: int, hi: int, numel: int) -> dict[st
     return {"master": entry["master"][lo:hi].clone(), "state": state}
 
 
-def _wanted_ranges(engine: ZeroEngine, world_size: int, rank: int) -> list[tuple[str, int, int]]:
-    """(name, start, stop) the optimizer of new rank ``rank`` owns at ``world_size``."""
-    layout = engine.layout_for(world_size)
-    out = []
-    for bucket in layout.buckets:
-        if engine.stage == 0:
-            pieces = bucket.pieces(0, bucket.padded_numel)
-        else:
-            pieces = bucket.slot_shards(rank)
-        out += [(p.slot.name, p.param_start, p.param_start + p.numel) for p in pieces]
-    return out
-
-
 @dataclass
 class Handover:
     """What a rank received in a transfer, to adopt once its new group is up."""
 
     entries: Entries
-    global_steps: int
-    loss_scale: float
-    skipped_steps: int
+    counters: Counters
 
 
 def exchange(
-    engine: ZeroEngine,
+    state: ShardState,
     *,
     holds_state: bool,
     via: dist.ProcessGroup | None,
     new_members: Sequence[int],
     entries: Entries | None = None,
-    counters: tuple[int, float, int] | None = None,
+    counters: Counters | None = None,
 ) -> Handover:
     """Send what this rank holds to its new owners; receive what it will own.
 
@@ -161,57 +142,53 @@ def exchange(
     via_comm = Collectives(via)
     new_world = len(new_members)
     if entries is None:
-        entries = checkpoint._export_ranges(engine)[0] if holds_state else {}
+        entries = state.export_ranges() if holds_state else {}
     if counters is None:
-        counters = (engine.global_steps, engine.scaler.scale, engine.skipped_steps)
+        counters = state.counters()
     shared = torch.tensor(
-        counters if holds_state else [0] * 3, dtype=torch.float64, device=engine.device
+        [counters.global_steps, counters.loss_scale, counters.skipped_steps]
+        if holds_state
+        else [0] * 3,
+        dtype=torch.float64,
+        device=state.device,
     )
     via_comm.all_reduce(shared, op="max", control=True)
 
     # what each destination needs, sliced from what this rank holds
-    by_name: dict[str, list[tuple[int, int, str]]] = {}
-    for key in entries:
-        name, start, stop = _parse_key(key)
-        by_name.setdefault(name, []).append((start, stop, key))
+    held = RangeIndex.of_keys(entries)
+    new_layout = state.layout_for(new_world)
+    partitioned = state.stage.optimizer_sharded
     sends: list[torch.Tensor] = []
     for d in range(via_comm.world_size):
         out: Entries = {}
         if d in new_members:
-            for name, start, stop in _wanted_ranges(engine, new_world, new_members.index(d)):
-                for lo, hi, key in by_name.get(name, []):
-                    a, b = max(lo, start), min(hi, stop)
-                    if a < b:
-                        sub = _slice_entry(entries[key], a - lo, b - lo, hi - lo)
-                        out[checkpoint.Range(name, a, b).key] = sub
+            for want in owned_ranges(new_layout, new_members.index(d), partitioned=partitioned):
+                for have, a, b, _ in held.overlapping(want):
+                    sub = _slice_entry(
+                        entries[have.key], a - have.start, b - have.start, have.numel
+                    )
+                    out[Range(want.name, a, b).key] = sub
         sends.append(pack_entries(out))
 
     incoming: Entries = {}
     for buf in _exchange(via_comm, sends):
         for key, entry in unpack_entries(buf.cpu()).items():
-            entry["master"] = entry["master"].to(engine.device)
+            entry["master"] = entry["master"].to(state.device)
             entry["state"] = {
-                k: v.to(engine.device) if isinstance(v, torch.Tensor) else v
+                k: v.to(state.device) if isinstance(v, torch.Tensor) else v
                 for k, v in entry["state"].items()
             }
             incoming[key] = entry
-    return Handover(incoming, int(shared[0]), float(shared[1]), int(shared[2]))
+    return Handover(incoming, Counters(int(shared[0]), float(shared[1]), int(shared[2])))
 
 
-def adopt(engine: ZeroEngine, handover: Handover, group: dist.ProcessGroup | None) -> None:
-    """Rebuild ``engine`` on ``group`` (its new world) from a handover."""
-    engine._detach()
-    engine._attach(Collectives(group), from_module=False)
-    index: dict[str, list[tuple[int, int, str]]] = {}
-    for key in handover.entries:
-        name, start, stop = _parse_key(key)
-        index.setdefault(name, []).append((start, stop, "transfer"))
-    checkpoint._import_ranges(engine, handover.entries, index)
-    engine.global_steps = handover.global_steps
-    engine.scaler.scale = handover.loss_scale
-    engine.skipped_steps = handover.skipped_steps
-    engine._publish_params()
-    engine._zero_grads()
+def adopt(state: ShardState, handover: Handover, comm: Collectives | None) -> None:
+    """Fill ``state`` from a hand-over: rebuilt for ``comm``'s world (its new one),
+    or in the buffers it has (``None``: already built for the new world)."""
+    if comm is not None:
+        state.build(comm, from_module=False)
+    state.import_ranges(handover.entries)
+    state.restore_counters(handover.counters)
 
 
 def _exchange(comm: Collectives, sends: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -228,12 +205,6 @@ def _exchange(comm: Collectives, sends: list[torch.Tensor]) -> list[torch.Tensor
         recv, send, output_split_sizes=recv_sizes.tolist(), input_split_sizes=sizes.tolist()
     )
     return list(torch.split(recv, recv_sizes.tolist()))
-
-
-def _parse_key(key: str) -> tuple[str, int, int]:
-    name, _, rng = key.rpartition("[")
-    start, stop = rng.rstrip("]").split(":")
-    return name, int(start), int(stop)
 
 
 # ---------------------------------------------------------------------------- replicas
@@ -257,7 +228,7 @@ class Replica:
     generation: int
     world_size: int
     rank: int
-    counters: tuple[int, float, int]
+    counters: Counters
     own: Entries
     neighbour: Entries
 
@@ -275,18 +246,17 @@ class Replica:
         return total
 
 
-def refresh_replica(engine: ZeroEngine, generation: int) -> Replica:
+def refresh_replica(state: ShardState, generation: int) -> Replica:
     """Snapshot this rank's state and swap copies with the neighbours (a collective)."""
-    comm = engine.comm
-    own = checkpoint._export_ranges(engine)[0]
+    comm = state.comm
+    own = state.export_ranges()
     n = comm.world_size
     right = (comm.rank + 1) % n
     sends = [pack_entries(own) if d == right and n > 1 else pack_entries({}) for d in range(n)]
     received = _exchange(comm, sends)
     left = (comm.rank - 1) % n
     neighbour = unpack_entries(received[left].cpu()) if n > 1 else {}
-    counters = (engine.global_steps, engine.scaler.scale, engine.skipped_steps)
-    return Replica(generation, n, comm.rank, counters, own, neighbour)
+    return Replica(generation, n, comm.rank, state.counters(), own, neighbour)
 
 
 # ---------------------------------------------------------------------------- recovery

@@ -7,8 +7,9 @@ write every parameter with one collective. At stages 0–1 the gradients are
 views into one flat buffer (``grad_full``) that autograd accumulates into in
 place, so a bucket's all-reduce or reduce-scatter runs on that buffer with no
 copy. At stages 2–3 gradients are copied into a transient ``staging`` buffer
-as they arrive, reduce-scattered, and accumulated into the persistent
-``grad_shard``; the full gradient never persists.
+as they arrive (buffers from a pool of two, worker/stages.py), reduce-scattered,
+and accumulated into the persistent ``grad_shard``; the full gradient never
+persists.
 
 [Note: stage-3 storage]
 At stage 3 a unit's parameters stay views into ``full`` for the whole run;
@@ -28,9 +29,25 @@ from torch import nn
 
 from coordinator.layout import Bucket, SlotShard
 from worker.collectives import Collectives, Handle
-from worker.compression import Codec, PendingAllGather, PendingReduceScatter, start_all_gather
+from worker.compression import (
+    Codec,
+    PendingAllGather,
+    PendingReduceScatter,
+    WireBuffers,
+    start_all_gather,
+)
 
-__all__ = ["FlatBucket", "GatherUnit", "UnitState"]
+__all__ = ["BucketState", "FlatBucket", "GatherUnit", "UnitState"]
+
+
+class BucketState(enum.Enum):
+    """A bucket's progress through one backward (worker/stages.py [Note: bucket progress])."""
+
+    IDLE = "idle"
+    FILLING = "filling"
+    READY = "ready"
+    REDUCING = "reducing"
+    REDUCED = "reduced"
 
 
 @dataclass(eq=False)
@@ -52,9 +69,13 @@ class FlatBucket:
     residual: torch.Tensor | None = None
     server_residual: torch.Tensor | None = None
     accumulated: bool = False
+    state: BucketState = BucketState.IDLE
+    # gradients still expected this backward (FILLING), which slots of ``staging``
+    # were written, and the compressed path's reused payload buffers and group
     pending: int = 0
-    ready: bool = False
-    launched: bool = False
+    staged: list[bool] = field(default_factory=list)
+    wire: WireBuffers | None = None
+    comm: Collectives | None = None
     handle: Handle | None = None
 
     def param_views(self) -> None:
@@ -67,13 +88,6 @@ class FlatBucket:
         assert self.grad_full is not None
         for p, slot in zip(self.params, self.spec.slots, strict=True):
             p.grad = self.grad_full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-
-    def stage_grad(self, p_pos: int, grad: torch.Tensor) -> None:
-        """Copy one parameter's gradient into the transient staging buffer."""
-        if self.staging is None:
-            self.staging = self.full.new_zeros(self.spec.padded_numel)
-        slot = self.spec.slots[p_pos]
-        self.staging[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
 
 
 class UnitState(enum.Enum):
@@ -92,17 +106,22 @@ class GatherUnit:
     codec: Codec | None = None
     state: UnitState = UnitState.SHARDED
     handles: list[Handle | PendingAllGather] = field(default_factory=list)
+    wire: list[WireBuffers] = field(default_factory=list)
 
     def gather(self, comm: Collectives) -> None:
         """Start gathering (asynchronously) if sharded."""
         if self.state is not UnitState.SHARDED:
             return
-        for b in self.buckets:
+        if self.codec is not None and not self.wire:
+            self.wire = [WireBuffers() for _ in self.buckets]
+        for i, b in enumerate(self.buckets):
             b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
             if self.codec is None:
                 self.handles.append(comm.all_gather(b.full, b.shard, async_op=True))
             else:
-                self.handles.append(start_all_gather(comm, self.codec, b.shard, b.full))
+                self.handles.append(
+                    start_all_gather(comm, self.codec, b.shard, b.full, buffers=self.wire[i])
+                )
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:

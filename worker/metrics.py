@@ -1,15 +1,18 @@
-"""Prometheus metrics of one worker, read from its engine at scrape time.
+"""Prometheus metrics of one worker, from snapshots its engine publishes.
 
-    server, port = serve_metrics(engine, port=0)   # 0: a free port
+    board = SnapshotBoard()
+    server, port = serve_metrics(board, port=0)    # 0: a free port
     ...                                            # GET http://host:port/metrics
     server.close()
 
 The training loop does no metric work beyond the few counter updates of
-``engine.stats`` (worker/stats.py) and ``engine.comm`` (worker/collectives.py):
-:class:`EngineCollector` turns the engine's state into metric families only
-when Prometheus asks. Every series carries ``rank`` and ``stage`` labels;
-Prometheus adds ``job`` and ``instance`` (the coordinator's service discovery
-sets ``job`` to the zeroplane job's name).
+``engine.stats`` (worker/stats.py) and ``engine.comm`` (worker/collectives.py)
+and, at each step boundary, one immutable :class:`Snapshot` of what the
+metrics show, put on a :class:`SnapshotBoard`. A scrape turns the latest
+snapshot into metric families; it never reads a live engine, so it cannot
+see one half rebuilt by a membership change. Every series carries ``rank``
+and ``stage`` labels; Prometheus adds ``job`` and ``instance`` (the
+coordinator's service discovery sets ``job`` to the zeroplane job's name).
 
 [Note: stage-0 baseline]
 ``zeroplane_model_state_baseline_bytes{kind}`` is what this rank would hold
@@ -30,10 +33,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import torch
@@ -49,15 +53,15 @@ from prometheus_client.registry import Collector
 
 from coordinator.config import METRICS_HOST_ENV, METRICS_PORT_ENV
 from coordinator.memory import model_state_bytes
-
-if TYPE_CHECKING:
-    from worker.engine import ZeroEngine
+from worker.config import ZeroConfig
 
 __all__ = [
     "COLLECTIVE_OPS",
     "METRIC_NAMES",
     "EngineCollector",
     "MetricsServer",
+    "Snapshot",
+    "SnapshotBoard",
     "baseline_bytes",
     "metrics_text",
     "serve_metrics",
@@ -66,7 +70,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 # Always exported (zero until used), so a dashboard's series exist from the start.
 COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
@@ -116,39 +119,70 @@ except metadata.PackageNotFoundError:
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _retry(fn: Callable[[], T], attempts: int = 3) -> T | None:
-    """``fn()``; the training thread may resize a dict we iterate, so try again."""
-    for _ in range(attempts):
-        try:
-            return fn()
-        except RuntimeError:
-            continue
-    logger.debug("metrics: %s kept changing during the scrape; skipped", fn)
-    return None
+@dataclass(frozen=True)
+class Snapshot:
+    """What one rank's metrics show, as of its last step boundary."""
+
+    rank: int
+    stage: int
+    world_size: int
+    generation: int
+    backend: str
+    device: torch.device
+    dtype: str
+    compression: str
+    trainable_numel: int
+    # elements of fp32 master weights this rank optimizes, and frozen-parameter bytes
+    master_numel: int
+    frozen_bytes: int
+    memory: dict[str, int]
+    # op -> (calls, bytes, wire bytes, seconds)
+    collectives: dict[str, tuple[int, int, int, float]]
+    step_histogram: tuple[list[tuple[str, int]], float]
+    global_steps: int
+    skipped_steps: int
+    changes: dict[str, int] = field(default_factory=dict)
+    pause_seconds: dict[str, float] = field(default_factory=dict)
+    samples: int = 0
+    tokens: int = 0
+    # the last micro-batch loss, detached: read at scrape time, so a CUDA loss
+    # costs the training loop no synchronization
+    loss: torch.Tensor | None = None
 
 
-def baseline_bytes(engine: ZeroEngine, report: dict[str, int]) -> dict[str, int]:
-    """Stage-0 bytes by kind for this engine's model (see [Note: stage-0 baseline])."""
-    held = sum(b.master.numel() for b in engine.buckets)
-    k = round(report["optimizer"] / (4 * held)) if held else 0
+class SnapshotBoard:
+    """The latest :class:`Snapshot`, handed from the training thread to scrapes."""
+
+    def __init__(self) -> None:
+        self._latest: Snapshot | None = None
+        self._lock = threading.Lock()
+
+    def publish(self, snapshot: Snapshot) -> None:
+        with self._lock:
+            self._latest = snapshot
+
+    def latest(self) -> Snapshot | None:
+        with self._lock:
+            return self._latest
+
+
+def baseline_bytes(snap: Snapshot) -> dict[str, int]:
+    """Stage-0 bytes by kind for this rank's model (see [Note: stage-0 baseline])."""
+    held = snap.master_numel
+    k = round(snap.memory["optimizer"] / (4 * held)) if held else 0
     formula = model_state_bytes(
-        engine.layout.numel,
+        snap.trainable_numel,
         stage=0,
-        world_size=engine.world_size,
-        dtype=engine.config.dtype,
+        world_size=snap.world_size,
+        dtype=snap.dtype,
         optimizer_states=k,
     )
-    frozen = sum(
-        p.numel() * p.element_size()
-        for p in engine.inventory.params.values()
-        if not p.requires_grad
-    )
     return {
-        "params": int(formula.params) + frozen,
+        "params": int(formula.params) + snap.frozen_bytes,
         "grads": int(formula.grads),
         "master": int(formula.master),
         "optimizer": int(formula.optimizer),
-        "buffers": report["buffers"],
+        "buffers": snap.memory["buffers"],
     }
 
 
@@ -168,31 +202,22 @@ def _host_memory() -> tuple[int | None, int | None, int | None]:
 
 
 class EngineCollector(Collector):
-    """A prometheus_client collector over one ZeroEngine (see the module notes)."""
+    """A prometheus_client collector over the snapshots ``read()`` returns."""
 
-    def __init__(self, engine: ZeroEngine) -> None:
-        self.engine = engine
+    def __init__(self, read: Callable[[], Snapshot | None]) -> None:
+        self.read = read
 
     def describe(self) -> list[Metric]:
-        # Nothing up front: registering must not read a half-built engine.
         return []
 
     def collect(self) -> Iterator[Metric]:
-        # Built whole before yielding: a scrape that lands mid-reshard (buffers
-        # being rebuilt) gets nothing rather than a half-read engine.
-        try:
-            metrics = [m for m in self._collect() if m is not None]
-        except (AttributeError, RuntimeError, IndexError, KeyError):
-            logger.debug("metrics: engine changed during the scrape; skipped", exc_info=True)
-            return
-        yield from metrics
+        snap = self.read()
+        if snap is None:
+            return  # not yet a member of a process group (joining a job)
+        yield from (m for m in self._collect(snap) if m is not None)
 
-    def _collect(self) -> Iterator[Metric | None]:
-        e = self.engine
-        comm = getattr(e, "comm", None)
-        if comm is None or getattr(e, "layout", None) is None:
-            return  # not yet attached to a process group (joining a job)
-        device = getattr(e, "device", torch.device("cpu"))
+    def _collect(self, e: Snapshot) -> Iterator[Metric | None]:
+        device = e.device
         labels = ("rank", "stage")
         values = (str(e.rank), str(e.stage))
 
@@ -217,30 +242,28 @@ class EngineCollector(Collector):
             values,
             {
                 "version": VERSION,
-                "backend": str(getattr(comm, "backend", "none")),
+                "backend": e.backend,
                 "device_kind": device.type,
                 "torch_version": torch.__version__,
-                "dtype": e.config.dtype,
-                "compression": e.config.compression,
+                "dtype": e.dtype,
+                "compression": e.compression,
             },
         )
         yield info
-        control = getattr(e, "control", None)
-        generation = getattr(getattr(control, "generation", None), "id", 0)
         yield gauge("zeroplane_stage", "ZeRO stage of this rank (0-3).", e.stage)
         yield gauge("zeroplane_world_size", "Ranks in the process group.", e.world_size)
         yield gauge("zeroplane_rank", "This worker's rank.", e.rank)
-        yield gauge("zeroplane_generation", "Coordinator generation (0: none).", generation)
+        yield gauge("zeroplane_generation", "Coordinator generation (0: none).", e.generation)
         yield gauge(
             "zeroplane_trainable_parameters",
             "Trainable parameter elements of the model (Psi).",
-            e.layout.numel,
+            e.trainable_numel,
         )
 
         yield from self._memory(e, device, labels, values, gauge)
-        yield from self._collectives(comm, labels, values, gauge)
+        yield from self._collectives(e.collectives, labels, values, gauge)
 
-        buckets, total = e.stats.histogram()
+        buckets, total = e.step_histogram
         hist = HistogramMetricFamily(
             "zeroplane_step_duration_seconds",
             "Optimizer step duration: first forward/backward of the accumulation window "
@@ -259,13 +282,13 @@ class EngineCollector(Collector):
             (
                 "zeroplane_membership_changes_total",
                 "Membership changes this rank went through, by kind (scale_up, scale_down, crash).",
-                e.stats.changes,
+                e.changes,
             ),
             (
                 "zeroplane_membership_pause_seconds_total",
                 "Seconds training paused on this rank for membership changes, by kind "
                 "(crash: from the failed collective to training again, rollback included).",
-                e.stats.pause_seconds,
+                e.pause_seconds,
             ),
         ):
             family = CounterMetricFamily(name, doc, labels=(*labels, "kind"))
@@ -276,39 +299,36 @@ class EngineCollector(Collector):
         yield counter(
             "zeroplane_samples_total",
             "Samples this rank trained on (engine.step(samples=...)).",
-            e.stats.samples,
+            e.samples,
         )
         yield counter(
             "zeroplane_tokens_total",
             "Tokens this rank trained on (engine.step(tokens=...)).",
-            e.stats.tokens,
+            e.tokens,
         )
-        yield gauge("zeroplane_loss", "The last micro-batch loss.", e.stats.last_loss())
+        loss = None if e.loss is None else float(e.loss.float().mean())
+        yield gauge("zeroplane_loss", "The last micro-batch loss.", loss)
 
     def _memory(
-        self, e: ZeroEngine, device: torch.device, labels, values, gauge
+        self, e: Snapshot, device: torch.device, labels, values, gauge
     ) -> Iterator[Metric | None]:
-        report = _retry(e.memory_report)
-        if report is not None:
-            state = GaugeMetricFamily(
-                "zeroplane_model_state_bytes",
-                "Model-state bytes this rank holds, by kind (bucket padding included).",
-                labels=(*labels, "kind"),
-            )
-            for kind, value in report.items():
-                if kind != "total":
-                    state.add_metric((*values, kind), value)
-            yield state
-            baseline = _retry(lambda: baseline_bytes(e, report))
-            if baseline is not None:
-                base = GaugeMetricFamily(
-                    "zeroplane_model_state_baseline_bytes",
-                    "Bytes this rank would hold for the same model at stage 0, by kind.",
-                    labels=(*labels, "kind"),
-                )
-                for kind, value in baseline.items():
-                    base.add_metric((*values, kind), value)
-                yield base
+        state = GaugeMetricFamily(
+            "zeroplane_model_state_bytes",
+            "Model-state bytes this rank holds, by kind (bucket padding included).",
+            labels=(*labels, "kind"),
+        )
+        for kind, value in e.memory.items():
+            if kind != "total":
+                state.add_metric((*values, kind), value)
+        yield state
+        base = GaugeMetricFamily(
+            "zeroplane_model_state_baseline_bytes",
+            "Bytes this rank would hold for the same model at stage 0, by kind.",
+            labels=(*labels, "kind"),
+        )
+        for kind, value in baseline_bytes(e).items():
+            base.add_metric((*values, kind), value)
+        yield base
         if device.type == "cuda":
             cuda = torch.cuda
             for name, doc, value in (
@@ -338,16 +358,9 @@ class EngineCollector(Collector):
         ):
             yield gauge(f"zeroplane_host_memory_{name}_bytes", doc, value)
 
-    def _collectives(self, comm: Any, labels, values, gauge) -> Iterator[Metric | None]:
-        stats = (
-            _retry(
-                lambda: {
-                    op: (s.calls, s.bytes, s.wire_bytes, s.seconds)
-                    for op, s in list(comm.stats.items())
-                }
-            )
-            or {}
-        )
+    def _collectives(
+        self, stats: dict[str, tuple[int, int, int, float]], labels, values, gauge
+    ) -> Iterator[Metric | None]:
         ops = list(COLLECTIVE_OPS) + sorted(set(stats) - set(COLLECTIVE_OPS))
         families = [
             CounterMetricFamily(name, doc, labels=(*labels, "op"))
@@ -396,6 +409,7 @@ class MetricsServer:
 
     port: int
     registry: CollectorRegistry
+    board: SnapshotBoard
     _server: WSGIServer
 
     def close(self) -> None:
@@ -403,18 +417,20 @@ class MetricsServer:
         self._server.server_close()
 
 
-def metrics_text(engine: ZeroEngine) -> str:
-    """The engine's metrics in the Prometheus text format (what a scrape returns)."""
+def metrics_text(source: Any) -> str:
+    """The metrics of ``source`` (an engine: a fresh snapshot; or a board) in the
+    Prometheus text format, as a scrape returns them."""
+    read = source.snapshot if hasattr(source, "snapshot") else source.latest
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine))
+    registry.register(EngineCollector(read))
     return generate_latest(registry).decode()
 
 
-def start_metrics(engine: ZeroEngine) -> MetricsServer | None:
-    """Serve ``engine``'s metrics if ``engine.config.metrics_port`` or
+def start_metrics(config: ZeroConfig, board: SnapshotBoard) -> MetricsServer | None:
+    """Serve ``board``'s snapshots if ``config.metrics_port`` or
     ``$ZEROPLANE_METRICS_PORT`` asks for it (bound to ``$ZEROPLANE_METRICS_HOST``,
     default all interfaces); None otherwise."""
-    port = engine.config.metrics_port
+    port = config.metrics_port
     if port is None:
         value = os.environ.get(METRICS_PORT_ENV, "").strip()
         if not value:
@@ -423,20 +439,19 @@ def start_metrics(engine: ZeroEngine) -> MetricsServer | None:
             port = int(value)
         except ValueError:
             raise ValueError(f"${METRICS_PORT_ENV} must be a port number, got {value!r}") from None
-    server, _ = serve_metrics(engine, port, host=os.environ.get(METRICS_HOST_ENV) or "0.0.0.0")
+    server, _ = serve_metrics(board, port, host=os.environ.get(METRICS_HOST_ENV) or "0.0.0.0")
     return server
 
 
 def serve_metrics(
-    engine: ZeroEngine, port: int = 0, *, host: str = "0.0.0.0"
+    board: SnapshotBoard, port: int = 0, *, host: str = "0.0.0.0"
 ) -> tuple[MetricsServer, int]:
-    """Serve ``engine``'s metrics at ``http://host:port/metrics`` on a daemon thread.
-
-    ``port`` 0 picks a free port; the bound one is returned.
+    """Serve ``board``'s latest snapshot at ``http://host:port/metrics`` on a daemon
+    thread. ``port`` 0 picks a free port; the bound one is returned.
     """
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine))
+    registry.register(EngineCollector(board.latest))
     server, _thread = start_http_server(port, addr=host, registry=registry)
     bound = int(server.server_port)
     logger.info("metrics on http://%s:%d/metrics", host, bound)
-    return MetricsServer(port=bound, registry=registry, _server=server), bound
+    return MetricsServer(port=bound, registry=registry, board=board, _server=server), bound

@@ -1,4 +1,4 @@
-"""The user's optimizer, run on this rank's fp32 shard, and fp16 loss scaling.
+"""The user's optimizer, run on this rank's fp32 shard.
 
 [Note: per-parameter shard views]
 The optimizer does not run on one flat tensor. Each parameter's piece of this
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "LossScaler", "ShardOptimizer", "rebuild_optimizer"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardOptimizer", "rebuild_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,40 +118,3 @@ class ShardOptimizer:
             for t in state.values()
             if isinstance(t, torch.Tensor)
         )
-
-
-@dataclass
-class LossScaler:
-    """fp16 loss scaling: static, or dynamic with growth window and hysteresis.
-
-    On an overflowing step the step is skipped; after ``hysteresis``
-    consecutive overflows the scale halves (not below ``min_scale``). After
-    ``window`` steps without overflow the scale doubles.
-    """
-
-    scale: float
-    dynamic: bool
-    window: int = 1000
-    hysteresis: int = 1
-    min_scale: float = 1.0
-    _good_steps: int = 0
-    _overflows_left: int = 0
-
-    def __post_init__(self) -> None:
-        self._overflows_left = self.hysteresis
-
-    def update(self, overflow: bool) -> None:
-        if not self.dynamic:
-            return
-        if overflow:
-            self._good_steps = 0
-            self._overflows_left -= 1
-            if self._overflows_left <= 0:
-                self.scale = max(self.scale / 2, self.min_scale)
-                self._overflows_left = self.hysteresis
-                logger.info("fp16 overflow: loss scale reduced to %g", self.scale)
-            return
-        self._overflows_left = self.hysteresis
-        self._good_steps += 1
-        if self._good_steps % self.window == 0:
-            self.scale *= 2

@@ -1,0 +1,77 @@
+"""The step-boundary ballot: which parameters were used, and the membership vote.
+
+[Note: the step-boundary ballot]
+Once per optimizer step every rank contributes one small int32 vector to a
+MAX all-reduce, started when the last micro-batch's backward starts and
+waited on in ``step()``, so it overlaps backward:
+
+* one flag per trainable parameter: whether this rank's graphs used it in any
+  micro-step of the window. A parameter no rank used keeps its value and
+  optimizer state, as in torch.optim (worker/engine.py [Note: unused
+  parameters]);
+* two slots for the membership vote (:class:`BoundaryVote`): the newest
+  generation id any rank has heard of, and 1 + the rank of a worker asking to
+  leave (0: none). Every rank thus learns the same thing at the same step
+  boundary and changes membership together (worker/session.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.collectives import Collectives, Handle
+
+__all__ = ["Ballot", "BoundaryVote"]
+
+
+@dataclass(frozen=True)
+class BoundaryVote:
+    """What a rank proposes for membership at a step boundary; after the
+    all-reduce, what the ranks agreed (the maximum of each field)."""
+
+    generation: int = 0
+    leaving_rank: int | None = None
+
+    def encode(self) -> tuple[int, int]:
+        return self.generation, 0 if self.leaving_rank is None else self.leaving_rank + 1
+
+    @classmethod
+    def decode(cls, generation: int, leaving: int) -> BoundaryVote:
+        return cls(generation, None if leaving == 0 else leaving - 1)
+
+
+class Ballot:
+    """The used-parameter flags and the vote, as one tensor and one collective."""
+
+    def __init__(self, n_params: int, device: torch.device) -> None:
+        self._n = n_params
+        self._flags = torch.zeros(n_params + 2, dtype=torch.int32, device=device)
+        self._handle: Handle | None = None
+
+    def mark_used(self, param_index: int) -> None:
+        self._flags[param_index] = 1
+
+    def start(self, comm: Collectives, vote: BoundaryVote) -> None:
+        """Cast this rank's ballot (asynchronously, overlapping backward)."""
+        self._flags[self._n], self._flags[self._n + 1] = vote.encode()
+        if comm.distributed:
+            self._handle = comm.all_reduce(self._flags, op="max", async_op=True, control=True)
+
+    def wait(self) -> None:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+
+    def used(self) -> list[int]:
+        """Per trainable parameter, 1 if any rank used it this step."""
+        return self._flags[: self._n].tolist()
+
+    def agreed(self) -> BoundaryVote:
+        return BoundaryVote.decode(int(self._flags[self._n]), int(self._flags[self._n + 1]))
+
+    def clear(self) -> None:
+        """Forget this step's ballot (after the step, or a step abandoned mid-way)."""
+        self._handle = None
+        self._flags.zero_()

@@ -1,0 +1,438 @@
+"""A worker's life in a coordinator's job: joining, following generations,
+handing over, recovering. The engine (worker/engine.py) knows none of it:
+it asks this session for its vote at each step boundary, tells it when a
+step is done, and hands it any collective that failed.
+
+[Note: session phases]
+    JOINING ──admitted──▶ MEMBER ──SIGTERM voted──▶ LEAVING ──handed over──▶ LEFT
+       │                   │  ▲                                            ▲
+       │                   │  └────── restored ──── RECOVERING ◀── a collective failed
+       └──stopped before admission──────────────────────────────────────────┘
+* JOINING: registered with the coordinator, waiting for a rank, then forming
+  the generation's group and receiving this rank's shards.
+* MEMBER: training; at each step boundary the ranks' votes (worker/ballot.py)
+  say whether a newer generation or a leave request is pending, and every
+  rank acts on it at the same boundary (see [Note: membership changes]).
+* LEAVING: this rank hands its shards to the survivors, leaves the
+  coordinator and exits 0.
+* RECOVERING: a peer was lost mid-step; the session forms the coordinator's
+  next generation, restores one consistent state from the best source the
+  group holds (worker/elastic.py [Note: recovery sources]) and raises
+  :class:`StepAborted` so the training loop carries on from
+  ``engine.global_steps``.
+A SIGTERM in any phase only sets ``leave_requested``: it becomes a graceful
+hand-over at the first step boundary, and before admission a plain leave.
+
+[Note: membership changes]
+Every rank must change membership at the same step boundary, so the
+decision rides on the step-boundary ballot: the newest generation id any
+rank has heard of and the rank of a worker that got SIGTERM. After the step:
+* a leaving rank: all ranks hand its shards to the survivors over the
+  current group (it is still alive), then it tells the coordinator it
+  leaves and exits 0; the survivors form the generation without it;
+* a newer generation with newcomers: the members form the new group at
+  its rendezvous and move shards to the newcomers over it;
+* a collective that fails (a peer died): the step is abandoned, the
+  survivors wait for the coordinator's generation without the dead rank
+  (its lease expires), form it, and restore (recovery).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from coordinator.messages import Generation
+from worker import elastic
+from worker.ballot import BoundaryVote
+from worker.collectives import CollectiveError, Collectives
+from worker.config import ZeroConfig
+from worker.control import ControlPlane, LeftBeforeAdmission, coordinator_address
+from worker.engine import (
+    OptimizerArg,
+    ZeroEngine,
+    build_inventory_for,
+    module_device,
+    resolve_optimizer,
+)
+from worker.metrics import SnapshotBoard, start_metrics
+
+__all__ = ["ElasticSession", "PeerLost", "Phase", "StepAborted", "initialize"]
+
+logger = logging.getLogger(__name__)
+
+
+class StepAborted(RuntimeError):
+    """A peer was lost mid-step. The session has re-formed the job and rolled back to
+    ``engine.global_steps``: carry on with the training loop from that step."""
+
+
+class PeerLost(CollectiveError):
+    """A generation lost members that were expected to carry on: recover as from a crash."""
+
+
+class Phase(enum.Enum):
+    """Where a worker is in its job ([Note: session phases])."""
+
+    JOINING = "joining"
+    MEMBER = "member"
+    LEAVING = "leaving"
+    RECOVERING = "recovering"
+    LEFT = "left"
+
+
+_TRANSITIONS: dict[Phase, set[Phase]] = {
+    Phase.JOINING: {Phase.MEMBER, Phase.RECOVERING, Phase.LEFT},
+    Phase.MEMBER: {Phase.MEMBER, Phase.LEAVING, Phase.RECOVERING, Phase.LEFT},
+    Phase.LEAVING: {Phase.LEFT, Phase.RECOVERING},
+    Phase.RECOVERING: {Phase.MEMBER, Phase.LEFT},
+    Phase.LEFT: set(),
+}
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    *,
+    config: ZeroConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+    coordinator: str | None = None,
+) -> ZeroEngine:
+    """Wrap ``model`` and ``optimizer`` in a ZeRO engine over ``group``.
+
+    ``model`` must be identical on every rank (rank 0's values are broadcast
+    regardless). ``optimizer`` is an optimizer over the model's parameters with
+    no state yet, or a callable that takes param groups and returns one.
+
+    With a coordinator (``coordinator="host:port"`` or ``$ZEROPLANE_COORDINATOR``)
+    and torch.distributed not yet initialized, the worker registers, is given
+    a rank, and forms the process group itself; the coordinator's stage and
+    layout apply. Otherwise torch.distributed must be initialized already (as
+    under torchrun), or not at all for one process.
+    """
+    config = config or ZeroConfig()
+    address = coordinator_address(coordinator)
+    if address is None or group is not None or (dist.is_available() and dist.is_initialized()):
+        return ZeroEngine(model, optimizer, config=config, group=group)
+    return ElasticSession.join(model, optimizer, config=config, address=address)
+
+
+class ElasticSession:
+    """One worker's membership in a coordinator's job (see the module notes)."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.JOINING
+        self.leave_requested = False
+        self.control: ControlPlane | None = None
+        self.replica: elastic.Replica | None = None
+        # the generation whose membership this rank's shards belong to
+        self.held_generation: int | None = None
+
+    def _to(self, phase: Phase) -> None:
+        if phase not in _TRANSITIONS[self.phase]:
+            raise RuntimeError(f"worker session: no transition from {self.phase} to {phase}")
+        self.phase = phase
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        logger.info("SIGTERM: handing this rank's shards over at the next step boundary")
+        self.leave_requested = True
+
+    # ------------------------------------------------------------ joining
+
+    @classmethod
+    def join(
+        cls, model: nn.Module, optimizer: OptimizerArg, *, config: ZeroConfig, address: str
+    ) -> ZeroEngine:
+        """Register at ``address``, wait for a rank, form the generation's group and
+        build the engine for it: from the module's values in a new job, from the
+        members' shards when joining a running one."""
+        session = cls()
+        user_optimizer = resolve_optimizer(model, optimizer)
+        inventory = build_inventory_for(model, user_optimizer, config)
+        device = module_device(model)
+        metrics = start_metrics(config, SnapshotBoard())
+        if threading.current_thread() is threading.main_thread():
+            # before registering: a SIGTERM while joining (a pod deleted as it
+            # starts) is then a graceful leave at the first step boundary
+            signal.signal(signal.SIGTERM, session._on_sigterm)
+        try:
+            control = ControlPlane.join(
+                address,
+                inventory,
+                device=device,
+                metrics_port=None if metrics is None else metrics.port,
+                stop=lambda: session.leave_requested,
+            )
+        except LeftBeforeAdmission:
+            logger.info("SIGTERM before this worker was given a rank: left the job")
+            if metrics is not None:
+                metrics.close()
+            session._to(Phase.LEFT)
+            raise SystemExit(0) from None
+        session.control = control
+        gen = control.generation
+        changes: dict[str, Any] = {"bucket_numel": gen.bucket_numel}
+        if gen.stage != config.stage:
+            logger.info("stage %d (coordinator: %s)", gen.stage, gen.stage_reason or "planned")
+            changes["stage"] = gen.stage
+            if gen.stage != 3:
+                changes["stage3_gather_compression"] = "none"
+        config = config.replace(**changes)
+        control.init_process_group()
+        me = gen.member(control.client.worker_id)
+        newcomer = gen.reshard is not None and me is not None and me.previous_rank is None
+        engine = ZeroEngine(
+            model,
+            user_optimizer,
+            config=config,
+            initial_state="peers" if newcomer else "module",
+            inventory=inventory,
+            align=gen.align,
+            metrics=metrics,
+        )
+        engine.membership = session
+        if engine.layout != gen.layout:
+            raise RuntimeError(
+                "the coordinator's bucket layout differs from this worker's: "
+                "are all workers running the same model and zeroplane version?"
+            )
+        if newcomer and gen.reshard is not None and gen.reshard.lost_ranks:
+            # joining in the generation that replaces a lost rank (e.g. a restarted pod
+            # under its old name): restore with the survivors, holding nothing
+            session._to(Phase.RECOVERING)
+            session._restore(
+                engine,
+                gen,
+                gen.reshard.from_generation_id,
+                gen.reshard.from_world_size,
+                holds_state=False,
+            )
+        elif newcomer:
+            # joining a running job: the members hand this rank its shards
+            handover = elastic.exchange(
+                engine.state,
+                holds_state=False,
+                via=None,
+                new_members=list(range(gen.world_size)),
+            )
+            engine.adopt(handover, None)
+            logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
+        session.held_generation = gen.id
+        session._to(Phase.MEMBER)
+        control.report(engine.memory_report(), engine.global_steps)
+        return engine
+
+    # ------------------------------------------------------------ the engine's seams
+
+    def vote(self) -> BoundaryVote:
+        assert self.control is not None
+        return BoundaryVote(
+            generation=self.control.latest_id,
+            leaving_rank=self.control.rank if self.leave_requested else None,
+        )
+
+    def generation_id(self) -> int:
+        return 0 if self.control is None else self.control.generation.id
+
+    def replica_bytes(self) -> int:
+        return 0 if self.replica is None else self.replica.nbytes()
+
+    def after_step(self, engine: ZeroEngine, agreed: BoundaryVote, stepped: bool) -> None:
+        control = self.control
+        assert control is not None
+        if stepped:
+            interval = engine.config.replica_interval
+            if interval and engine.global_steps % interval == 0:
+                self.replica = elastic.refresh_replica(engine.state, control.generation.id)
+            if control.report_due():
+                control.report(engine.memory_report(), engine.global_steps)
+        start = time.perf_counter()
+        if agreed.leaving_rank is not None:
+            self._hand_over(engine, agreed.leaving_rank)
+            engine.stats.record_pause("scale_down", time.perf_counter() - start)
+        elif agreed.generation > control.generation.id:
+            gen = control.wait_newer()
+            while gen.id < agreed.generation:
+                control.generation, gen = gen, control.wait_newer()
+            self._grow_to(engine, gen)
+            engine.stats.record_pause("scale_up", time.perf_counter() - start)
+
+    def recover(self, engine: ZeroEngine, exc: CollectiveError) -> NoReturn:
+        """A peer is gone: form the coordinator's next generation and restore."""
+        control = self.control
+        assert control is not None
+        self._to(Phase.RECOVERING)
+        logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
+        start = time.perf_counter()
+        old = control.generation
+        gen = control.wait_to_re_form()
+        control.move_to(gen, broken=True)
+        # the generation the loss happened in: this rank may not have formed it yet
+        from_id, from_world = (
+            (gen.reshard.from_generation_id, gen.reshard.from_world_size)
+            if gen.reshard is not None
+            else (old.id, old.world_size)
+        )
+        self._restore(engine, gen, from_id, from_world, holds_state=True)
+        engine.stats.record_pause("crash", time.perf_counter() - start)
+        self._to(Phase.MEMBER)
+        engine.publish_snapshot()
+        raise StepAborted(
+            f"step abandoned after a lost peer; resume at step {engine.global_steps}"
+        ) from exc
+
+    def close(self) -> None:
+        if self.phase is not Phase.LEFT and self.control is not None:
+            self.control.close(leave=True)
+        self.phase = Phase.LEFT
+
+    # ------------------------------------------------------------ membership changes
+
+    def _hand_over(self, engine: ZeroEngine, leaving: int) -> None:
+        control = self.control
+        assert control is not None
+        survivors = [r for r in range(engine.world_size) if r != leaving]
+        if engine.rank == leaving:
+            self._to(Phase.LEAVING)
+        handover = elastic.exchange(engine.state, holds_state=True, via=None, new_members=survivors)
+        if engine.rank == leaving:
+            engine.state.release()
+            dist.destroy_process_group()
+            control.close(leave=True)
+            self._to(Phase.LEFT)
+            logger.info("handed over at step %d; leaving", handover.counters.global_steps)
+            raise SystemExit(0)
+        old = control.generation
+        gen = control.wait_to_re_form()
+        survivor_ids = [m.worker_id for m in old.members if m.rank != leaving]
+        others_lost = gen.reshard is not None and set(gen.reshard.lost_ranks) - {leaving}
+        if others_lost or [m.worker_id for m in gen.members[: len(survivor_ids)]] != survivor_ids:
+            # another member vanished meanwhile: recover like a crash
+            raise PeerLost(
+                f"generation {gen.id} lost more of generation {old.id} than rank {leaving}"
+            )
+        control.move_to(gen)
+        if gen.world_size > len(survivor_ids):
+            # workers admitted in the same generation: pass them their shards of what
+            # the survivors were just handed (they run the join exchange)
+            handover = elastic.exchange(
+                engine.state,
+                holds_state=True,
+                via=None,
+                new_members=list(range(gen.world_size)),
+                entries=handover.entries,
+                counters=handover.counters,
+            )
+        engine.adopt(handover, Collectives(None))
+        self.held_generation = gen.id
+        logger.info("rank %d left; now rank %d of %d", leaving, engine.rank, engine.world_size)
+
+    def _grow_to(self, engine: ZeroEngine, gen: Generation) -> None:
+        control = self.control
+        assert control is not None
+        old = control.generation
+        old_ids = [m.worker_id for m in old.members]
+        lost = gen.reshard is not None and (gen.reshard.lost_ranks or gen.reshard.left_ranks)
+        if lost or [m.worker_id for m in gen.members[: len(old_ids)]] != old_ids:
+            # a member vanished without a graceful hand-over: recover like a crash
+            raise PeerLost(f"generation {gen.id} lost members of generation {old.id}")
+        control.move_to(gen)
+        # the exchange exports from the old layout and rank, which the state still holds
+        handover = elastic.exchange(
+            engine.state, holds_state=True, via=None, new_members=list(range(gen.world_size))
+        )
+        engine.adopt(handover, Collectives(None))
+        self.held_generation = gen.id
+        logger.info("grew to %d ranks at step %d", engine.world_size, engine.global_steps)
+
+    # ------------------------------------------------------------ recovery
+
+    def _live(self, engine: ZeroEngine) -> elastic.StateId | None:
+        """Whose state this rank's shards are, while whole ([Note: recovery sources])."""
+        if self.held_generation is None or not engine.state.whole:
+            return None
+        return (self.held_generation, engine.rank, engine.world_size)
+
+    def _restore(
+        self, engine: ZeroEngine, gen: Generation, old_id: int, old_world: int, *, holds_state: bool
+    ) -> None:
+        """Bring every rank of ``gen`` to one consistent state after a loss, from the
+        best source the group holds (worker/elastic.py [Note: recovery sources]).
+        A collective of the new group; a worker that joins in the same generation
+        (a restarted pod under its old name) takes part holding nothing
+        (``holds_state=False``)."""
+        assert self.control is not None
+        replica, self.replica = (self.replica if holds_state else None), None
+        live = self._live(engine) if holds_state else None
+        # a rank that left without handing over (its script failed) is gone too
+        lost = set() if gen.reshard is None else {*gen.reshard.lost_ranks, *gen.reshard.left_ranks}
+        mine = elastic.Holding(
+            live=live,
+            replica=None
+            if replica is None
+            else (replica.generation, replica.rank, replica.world_size),
+            holds_state=holds_state,
+            checkpoint=None if engine.last_checkpoint is None else str(engine.last_checkpoint),
+        )
+        table = torch.zeros(gen.world_size, mine.WIDTH, dtype=torch.int64, device=engine.device)
+        table[self.control.rank] = mine.encode()
+        comm = Collectives(None)
+        comm.all_reduce(table, op="sum", control=True)
+        plan = elastic.plan_restore(
+            [elastic.Holding.decode(row) for row in table.cpu()],
+            lost_from=old_id,
+            lost_world=old_world,
+            lost=lost,
+        )
+        members = list(range(gen.world_size))
+        if plan.source == "live":
+            sends = live is not None and live[0] == plan.generation
+            handover = elastic.exchange(
+                engine.state,
+                holds_state=sends,
+                via=None,
+                new_members=members,
+                entries=None if sends else {},
+            )
+            engine.adopt(handover, comm)
+            source = "live state, nothing rolled back"
+        elif plan.source == "replica":
+            entries: elastic.Entries = {}
+            if replica is not None:
+                entries = dict(replica.own)
+                if replica.neighbour_rank in lost:
+                    entries.update(replica.neighbour)
+            handover = elastic.exchange(
+                engine.state,
+                holds_state=holds_state,
+                via=None,
+                new_members=members,
+                entries=entries,
+                counters=None if replica is None else replica.counters,
+            )
+            engine.adopt(handover, comm)
+            source = "in-memory replicas"
+        else:
+            checkpoint_dir = Path(plan.checkpoint or "")
+            engine.state.build(comm, from_module=False)  # torn until the checkpoint is in
+            engine.load_checkpoint(checkpoint_dir)
+            engine.last_checkpoint = checkpoint_dir
+            source = str(checkpoint_dir)
+        engine.mark_restored()
+        self.held_generation = gen.id
+        logger.warning(
+            "recovered as rank %d of %d at step %d (from %s)",
+            engine.rank,
+            engine.world_size,
+            engine.global_steps,
+            source,
+        )

@@ -1,0 +1,577 @@
+"""The pieces a ZeRO stage is made of, and the table that puts them together.
+
+A stage is three choices (DESIGN.md, "ZeRO, stated correctly"):
+
+* whether the optimizer's fp32 master weights and state are partitioned
+  (stages 1–3) or whole on every rank (stage 0);
+* a gradient reducer: :class:`AllReduce` into replicated buffers (stage 0),
+  :class:`ReduceScatterPersistent` of full gradient buffers kept across
+  micro-steps (stage 1), or :class:`ReduceScatterStaging` of a transient
+  staging buffer into a persistent gradient shard (stages 2–3). Compression
+  wraps any of them (:class:`Compressed`);
+* a parameter storage: :class:`ReplicatedParams` (stages 0–2: every rank
+  holds the full compute parameters, rewritten after the step) or
+  :class:`ShardedParams` (stage 3: a shard per rank, units gathered for
+  their forward and backward and freed after).
+
+:data:`STAGES` is the table. The engine (worker/engine.py) drives the pieces
+in the same order for every stage: hooks → buckets → reduce → step → publish.
+
+[Note: bucket progress]
+A bucket goes IDLE → FILLING (its gradients arrive, ``pending`` counts those
+still expected) → READY (every expected gradient is in) → REDUCING (its
+collective is launched; buckets launch strictly in index order, see
+worker/engine.py [Note: bucket order]) → REDUCED (waited on, result in place)
+and back to IDLE when gradients are zeroed after the step. A bucket that is
+not reduced this micro-step (stages 0–1 between accumulation boundaries)
+stays IDLE while its gradients accumulate in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+from torch.utils._pytree import tree_leaves
+
+from worker.collectives import Collectives
+from worker.compression import Codec, WireBuffers, start_all_gather, start_reduce_scatter
+from worker.flat import BucketState, FlatBucket, GatherUnit
+
+__all__ = [
+    "STAGES",
+    "AllReduce",
+    "Compressed",
+    "GradReducer",
+    "ParamStorage",
+    "ReduceScatterPersistent",
+    "ReduceScatterStaging",
+    "ReplicatedParams",
+    "ShardedParams",
+    "Stage",
+    "StagingPool",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+# ---------------------------------------------------------------------------- reducers
+
+
+class GradReducer:
+    """How a bucket's gradients are reduced across the data-parallel ranks.
+
+    ``grads_in_place``: parameters' ``.grad`` are views into the bucket's
+    persistent ``grad_full``, so autograd accumulates into it (stages 0–1);
+    otherwise each gradient is handed to :meth:`on_grad` as it is produced.
+    ``every_micro_step``: reduce after every backward, not only at the
+    accumulation boundary. ``result``: what :meth:`accept` takes, the whole
+    reduced bucket or this rank's shard of it.
+    """
+
+    grads_in_place: ClassVar[bool]
+    every_micro_step: ClassVar[bool]
+    result: ClassVar[Literal["full", "shard"]]
+
+    def __init__(self, reduce_dtype: torch.dtype) -> None:
+        self.reduce_dtype = reduce_dtype
+
+    def allocate(self, b: FlatBucket, dtype: torch.dtype) -> None:
+        """Create the bucket's persistent gradient buffer."""
+        b.grad_full = b.full.new_zeros(b.spec.padded_numel, dtype=dtype)
+        b.grad_views()
+
+    def on_grad(self, b: FlatBucket, pos: int, p: nn.Parameter) -> None:
+        """Parameter ``pos`` of ``b`` has its gradient for this backward in ``p.grad``."""
+
+    def source(self, b: FlatBucket) -> torch.Tensor:
+        """The bucket's local (unreduced) gradient, padded."""
+        assert b.grad_full is not None
+        return b.grad_full
+
+    def launch(self, b: FlatBucket, comm: Collectives) -> None:
+        raise NotImplementedError
+
+    def finish(self, b: FlatBucket) -> None:
+        """Wait for the bucket's collective and put the result in place (once)."""
+        if b.state is not BucketState.REDUCING:
+            return
+        if b.handle is not None:
+            b.handle.wait()
+            b.handle = None
+        self.done(b)
+
+    def accept(self, b: FlatBucket, reduced: torch.Tensor) -> None:
+        """Take a result reduced elsewhere (a compressed exchange)."""
+        b.reduced = reduced
+        self.done(b)
+
+    def done(self, b: FlatBucket) -> None:
+        b.state = BucketState.REDUCED
+
+    def partition_grad(self, b: FlatBucket) -> torch.Tensor:
+        """The reduced gradient over this rank's optimizer partition (any dtype)."""
+        raise NotImplementedError
+
+    def zero(self, b: FlatBucket) -> None:
+        if b.grad_full is not None:
+            b.grad_full.zero_()
+        b.reduced = None
+
+    def nbytes(self, b: FlatBucket) -> int:
+        return _nbytes(b.grad_full) + _nbytes(b.grad_shard)
+
+
+class AllReduce(GradReducer):
+    """Stage 0: all-reduce of the whole bucket; every rank steps the whole model."""
+
+    grads_in_place = True
+    every_micro_step = False
+    result = "full"
+
+    def launch(self, b: FlatBucket, comm: Collectives) -> None:
+        b.reduced = _as(self.source(b), self.reduce_dtype)
+        b.handle = comm.all_reduce(b.reduced[: b.spec.numel], async_op=True)
+
+    def partition_grad(self, b: FlatBucket) -> torch.Tensor:
+        return b.reduced if b.reduced is not None else self.source(b)
+
+
+class ReduceScatterPersistent(GradReducer):
+    """Stage 1: gradients accumulate in a full buffer over the micro-steps and are
+    reduce-scattered once per optimizer step."""
+
+    grads_in_place = True
+    every_micro_step = False
+    result = "shard"
+
+    def launch(self, b: FlatBucket, comm: Collectives) -> None:
+        src = _as(self.source(b), self.reduce_dtype)
+        b.reduced = src.new_empty(b.spec.shard_numel)
+        b.handle = comm.reduce_scatter(b.reduced, src, async_op=True)
+
+    def partition_grad(self, b: FlatBucket) -> torch.Tensor:
+        if b.reduced is not None:
+            return b.reduced
+        return b.full.new_zeros(b.hi - b.lo, dtype=torch.float32)
+
+
+class StagingPool:
+    """Transient staging buffers for stage 2–3 gradients: normally two, bucket-sized.
+
+    A bucket takes one when its first gradient of a backward arrives and gives
+    it back once its reduce-scatter is waited on. When both are taken, the
+    oldest bucket already reducing is waited on to free one (its collective
+    was issued long before, so this rarely blocks); only when no holder is
+    reducing yet (gradients of several buckets arrive interleaved) does the
+    pool grow.
+    """
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = size
+        self._free: list[torch.Tensor] = []
+        self._holders: list[FlatBucket] = []
+        self._count = 0
+        self._largest = 0
+
+    def acquire(self, b: FlatBucket, finish: Callable[[FlatBucket], None]) -> torch.Tensor:
+        if not self._free and self._count >= self.size:
+            reducing = [h for h in self._holders if h.state is BucketState.REDUCING]
+            if reducing:
+                finish(reducing[0])
+        numel = b.spec.padded_numel
+        for i, buf in enumerate(self._free):
+            if buf.numel() >= numel and buf.dtype == b.full.dtype and buf.device == b.full.device:
+                self._free.pop(i)
+                break
+        else:
+            self._count += 1
+            if self._count > self.size:
+                logger.debug("staging pool grew to %d buffers", self._count)
+            buf = b.full.new_empty(max(numel, self._largest))
+        self._holders.append(b)
+        return buf[:numel]
+
+    def release(self, b: FlatBucket) -> None:
+        if b.staging is None:
+            return
+        self._holders.remove(b)
+        base = b.staging._base if b.staging._base is not None else b.staging
+        self._free.append(base)
+        b.staging = None
+
+    def reset(self, largest: int) -> None:
+        """Drop every buffer (after a rebuild); new ones hold ``largest`` elements."""
+        self._free.clear()
+        self._holders.clear()
+        self._count = 0
+        self._largest = largest
+
+    def nbytes(self) -> int:
+        return sum(_nbytes(t) for t in self._free)
+
+
+class ReduceScatterStaging(GradReducer):
+    """Stages 2–3: each gradient is copied into a transient staging buffer as it
+    arrives and freed; the bucket is reduce-scattered after every backward and
+    accumulated into this rank's persistent gradient shard. The full gradient
+    never persists (see worker/flat.py [Note: flat buffers])."""
+
+    grads_in_place = False
+    every_micro_step = True
+    result = "shard"
+
+    def __init__(self, reduce_dtype: torch.dtype, pool: StagingPool, finish: Callable) -> None:
+        super().__init__(reduce_dtype)
+        self.pool = pool
+        self._finish = finish
+
+    def allocate(self, b: FlatBucket, dtype: torch.dtype) -> None:
+        b.grad_shard = b.full.new_zeros(b.spec.shard_numel, dtype=dtype)
+
+    def on_grad(self, b: FlatBucket, pos: int, p: nn.Parameter) -> None:
+        if b.staging is None:
+            b.staging = self.pool.acquire(b, self._finish)
+            b.staged = [False] * len(b.params)
+        slot = b.spec.slots[pos]
+        dst = b.staging[slot.offset : slot.offset + slot.numel]
+        grad = p.grad.reshape(-1)
+        # a parameter can receive its gradient in several pieces within one
+        # backward (a reentrant checkpoint runs a backward of its own)
+        dst.add_(grad) if b.staged[pos] else dst.copy_(grad)
+        b.staged[pos] = True
+        p.grad = None
+
+    def source(self, b: FlatBucket) -> torch.Tensor:
+        if b.staging is None:
+            b.staging = self.pool.acquire(b, self._finish)
+            b.staged = [False] * len(b.params)
+        # the pool's buffers are reused: clear what no gradient wrote this time
+        for pos, slot in enumerate(b.spec.slots):
+            if not b.staged[pos]:
+                b.staging[slot.offset : slot.offset + slot.numel].zero_()
+        b.staging[b.spec.numel :].zero_()
+        return b.staging
+
+    def launch(self, b: FlatBucket, comm: Collectives) -> None:
+        src = _as(self.source(b), self.reduce_dtype)
+        assert b.grad_shard is not None
+        direct = not b.accumulated and src.dtype == b.grad_shard.dtype
+        b.reduced = b.grad_shard if direct else src.new_empty(b.spec.shard_numel)
+        b.handle = comm.reduce_scatter(b.reduced, src, async_op=True)
+
+    def done(self, b: FlatBucket) -> None:
+        assert b.grad_shard is not None and b.reduced is not None
+        if b.reduced is not b.grad_shard:
+            if b.accumulated:
+                b.grad_shard.add_(b.reduced)
+            else:
+                b.grad_shard.copy_(b.reduced)
+        b.accumulated = True
+        b.reduced = None
+        self.pool.release(b)
+        super().done(b)
+
+    def partition_grad(self, b: FlatBucket) -> torch.Tensor:
+        assert b.grad_shard is not None
+        return b.grad_shard
+
+    def zero(self, b: FlatBucket) -> None:
+        assert b.grad_shard is not None
+        b.grad_shard.zero_()
+        b.reduced = None
+        b.accumulated = False
+
+
+class Compressed(GradReducer):
+    """Any reducer, with its gradients sent compressed once warm-up is over.
+
+    A compressed reduction is a reduce-scatter of encoded chunks (see
+    worker/compression.py [Note: compressed reduce-scatter]); where the inner
+    reducer wants the whole reduced bucket (stage 0) a compressed all-gather of
+    the summed shards follows.
+    """
+
+    def __init__(
+        self,
+        inner: GradReducer,
+        codec: Codec,
+        *,
+        error_feedback: bool,
+        active: Callable[[], bool],
+    ) -> None:
+        super().__init__(inner.reduce_dtype)
+        self.inner, self.codec = inner, codec
+        self.error_feedback = error_feedback
+        self.active = active
+        self.grads_in_place = inner.grads_in_place  # type: ignore[misc]
+        self.every_micro_step = inner.every_micro_step  # type: ignore[misc]
+        self.result = inner.result  # type: ignore[misc]
+
+    def allocate(self, b: FlatBucket, dtype: torch.dtype) -> None:
+        self.inner.allocate(b, dtype)
+        b.wire = WireBuffers()
+
+    def on_grad(self, b: FlatBucket, pos: int, p: nn.Parameter) -> None:
+        self.inner.on_grad(b, pos, p)
+
+    def launch(self, b: FlatBucket, comm: Collectives) -> None:
+        if not (comm.distributed and self.active()):
+            self.inner.launch(b, comm)
+            return
+        src = self.inner.source(b)
+        if self.error_feedback and b.residual is None:
+            b.residual = torch.zeros(b.spec.padded_numel, device=src.device)
+        b.exchange = start_reduce_scatter(
+            comm,
+            self.codec,
+            src,
+            b.residual if self.error_feedback else None,
+            logical_bytes=src.numel() * src.element_size(),
+            buffers=b.wire,
+        )
+        b.comm = comm
+
+    def finish(self, b: FlatBucket) -> None:
+        if b.exchange is None:
+            self.inner.finish(b)
+            return
+        if b.state is not BucketState.REDUCING:
+            return
+        shard = b.exchange.finish()
+        b.exchange = None
+        if self.inner.result == "full":
+            # the all-reduce's second half: every rank's summed shard to everyone
+            if self.error_feedback and b.server_residual is None:
+                b.server_residual = torch.zeros(b.spec.shard_numel, device=shard.device)
+            full = torch.empty(b.spec.padded_numel, device=shard.device)
+            start_all_gather(
+                b.comm, self.codec, shard, full, b.server_residual, buffers=b.wire
+            ).finish()
+            shard = full
+        self.inner.accept(b, shard)
+
+    def partition_grad(self, b: FlatBucket) -> torch.Tensor:
+        return self.inner.partition_grad(b)
+
+    def zero(self, b: FlatBucket) -> None:
+        self.inner.zero(b)
+
+    def nbytes(self, b: FlatBucket) -> int:
+        return self.inner.nbytes(b)
+
+
+# ---------------------------------------------------------------------------- parameter storage
+
+
+class ParamStorage:
+    """Where a bucket's compute parameters live between steps."""
+
+    sharded: ClassVar[bool]
+
+    def __init__(self, dtype: torch.dtype, mixed_precision: bool) -> None:
+        self.dtype, self.mixed_precision = dtype, mixed_precision
+
+    def place(self, b: FlatBucket) -> None:
+        """Set up ``b``'s compute parameters once its master values are in."""
+        b.param_views()
+        if not self.mixed_precision:
+            b.master = b.full[b.lo : b.hi]
+
+    def attach(self, buckets: list[FlatBucket], comm: Collectives, units: dict) -> None:
+        """Bind to a freshly built set of buckets (module hooks, if any)."""
+
+    def detach(self) -> None:
+        """Remove what :meth:`attach` registered."""
+
+    def publish(self, buckets: list[FlatBucket], comm: Collectives) -> None:
+        """Write the updated master partition into the compute parameters."""
+        handles = []
+        with torch.no_grad():
+            for b in buckets:
+                if b.lo == 0 and b.hi == b.spec.padded_numel:
+                    # the optimizer holds the whole bucket (stage 0): no collective
+                    if self.mixed_precision:
+                        b.full.copy_(b.master)
+                    continue
+                src = b.master.to(self.dtype) if self.mixed_precision else b.full[b.lo : b.hi]
+                handles.append(comm.all_gather(b.full, src, async_op=True))
+        for h in handles:
+            h.wait()
+
+    def nbytes(self, b: FlatBucket) -> int:
+        return _nbytes(b.full)
+
+    def after_launch(self, b: FlatBucket) -> None:
+        """``b``'s gradients are handed to a collective (the storage may free it)."""
+
+    def end_backward(self) -> None:
+        """Backward has finished on this rank."""
+
+
+class ReplicatedParams(ParamStorage):
+    """Stages 0–2: every rank holds the full compute parameters."""
+
+    sharded = False
+
+
+class ShardedParams(ParamStorage):
+    """Stage 3: each rank holds a shard of every bucket; a gather unit's buckets are
+    all-gathered before its module's forward and again before its backward,
+    and freed after each (see worker/flat.py [Note: stage-3 storage]).
+
+    Prefetch follows the order of the first forward: after a unit is gathered,
+    the next ``prefetch`` units in forward order (previous ones in backward)
+    start gathering.
+    """
+
+    sharded = True
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        mixed_precision: bool,
+        *,
+        prefetch: int,
+        gather_codec: Codec | None,
+    ) -> None:
+        super().__init__(dtype, mixed_precision)
+        self.prefetch, self.gather_codec = prefetch, gather_codec
+        self.units: list[GatherUnit] = []
+        self._unit_by_index: dict[int, GatherUnit] = {}
+        self._hooks: list[Any] = []
+        self._order: list[GatherUnit] = []
+        self._order_recorded = False
+
+    def place(self, b: FlatBucket) -> None:
+        b.param_views()
+        b.shard = b.master.to(self.dtype)
+        if not self.mixed_precision:
+            b.master = b.shard
+        b.full.untyped_storage().resize_(0)
+
+    def attach(self, buckets: list[FlatBucket], comm: Collectives, units: dict) -> None:
+        self.detach()
+        self.comm = comm
+        by_unit: dict[int, list[FlatBucket]] = {}
+        for b in buckets:
+            by_unit.setdefault(b.spec.unit, []).append(b)
+        for index, module in units.items():
+            if index not in by_unit:
+                continue
+            unit = GatherUnit(index, module, by_unit[index], self.gather_codec)
+            self.units.append(unit)
+            self._hooks += [
+                module.register_forward_pre_hook(self._pre_forward_hook(unit)),
+                module.register_forward_hook(self._post_forward_hook(unit)),
+            ]
+        self._unit_by_index = {u.index: u for u in self.units}
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.units, self._unit_by_index = [], {}
+        self._order, self._order_recorded = [], False
+
+    def publish(self, buckets: list[FlatBucket], comm: Collectives) -> None:
+        if self.mixed_precision:
+            with torch.no_grad():
+                for b in buckets:
+                    b.shard.copy_(b.master)
+
+    def nbytes(self, b: FlatBucket) -> int:
+        return _nbytes(b.shard)
+
+    def after_launch(self, b: FlatBucket) -> None:
+        unit = self._unit_by_index[b.spec.unit]
+        if all(x.state in (BucketState.REDUCING, BucketState.REDUCED) for x in unit.buckets):
+            unit.reshard()
+
+    def end_backward(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+        self._order_recorded = bool(self.units)
+
+    # the hooks: gather, wait, prefetch; free after use
+
+    def _pre_forward_hook(self, unit: GatherUnit):
+        def hook(module: nn.Module, args: Any) -> None:
+            with record_function("zeroplane.gather"):
+                unit.gather(self.comm)
+                unit.wait()
+            if not self._order_recorded and unit not in self._order:
+                self._order.append(unit)
+            self._prefetch(unit, +1)
+
+        return hook
+
+    def _post_forward_hook(self, unit: GatherUnit):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.is_grad_enabled():
+                outputs = [
+                    t
+                    for t in tree_leaves(output)
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+                if outputs:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        outputs, lambda grads: self._pre_backward(unit), mode="any"
+                    )
+                if unit.index == 0:
+                    return  # the root's parameters are used first in backward: keep them
+            unit.reshard()
+
+        return hook
+
+    def _pre_backward(self, unit: GatherUnit) -> None:
+        with record_function("zeroplane.gather"):
+            unit.gather(self.comm)
+            unit.wait()
+        self._prefetch(unit, -1)
+
+    def _prefetch(self, unit: GatherUnit, direction: int) -> None:
+        if not self._order_recorded or not self.prefetch:
+            return
+        try:
+            pos = self._order.index(unit)
+        except ValueError:
+            return
+        for k in range(1, self.prefetch + 1):
+            j = pos + direction * k
+            if 0 <= j < len(self._order):
+                self._order[j].gather(self.comm)
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One row of DESIGN.md's stage table, as the pieces that implement it."""
+
+    number: int
+    optimizer_sharded: bool
+    reducer: type[GradReducer]
+    params: type[ParamStorage]
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage(0, optimizer_sharded=False, reducer=AllReduce, params=ReplicatedParams),
+    Stage(1, optimizer_sharded=True, reducer=ReduceScatterPersistent, params=ReplicatedParams),
+    Stage(2, optimizer_sharded=True, reducer=ReduceScatterStaging, params=ReplicatedParams),
+    Stage(3, optimizer_sharded=True, reducer=ReduceScatterStaging, params=ShardedParams),
+)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

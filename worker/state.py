@@ -1,0 +1,418 @@
+"""The shard state of one rank: buckets, the optimizer over shards, the counters.
+
+:class:`ShardState` is the one owner of what a rank holds between steps. The
+engine (worker/engine.py) drives it through a step; checkpoints
+(worker/checkpoint.py), the live exchange between world sizes
+(worker/elastic.py) and the metrics exporter use only its public methods:
+
+* :meth:`build` for a world (``Collectives``), from the module's values or
+  empty for a transfer to fill; :meth:`release` before building again;
+* :meth:`publish_params` (master partition → compute parameters) and
+  :meth:`zero_grads`;
+* :meth:`export_ranges` / :meth:`import_ranges`: state addressed by
+  (parameter name, element range), see coordinator/ranges.py
+  [Note: element ranges];
+* :meth:`counters` / :meth:`restore_counters`, :meth:`memory_report`.
+
+``whole`` says whether the state is complete at a step boundary (not half
+stepped, not half rebuilt): only then is it a source for recovery after a
+peer is lost (worker/elastic.py [Note: recovery sources]).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from coordinator.layout import Layout, compute_layout
+from coordinator.ranges import Range, RangeIndex, owned_ranges
+from worker.collectives import Collectives
+from worker.compression import make_codec
+from worker.config import ZeroConfig
+from worker.flat import BucketState, FlatBucket, GatherUnit
+from worker.inventory import Inventory
+from worker.optim import Piece, ShardOptimizer
+from worker.precision import MixedPrecision
+from worker.stages import (
+    STAGES,
+    Compressed,
+    GradReducer,
+    ParamStorage,
+    ShardedParams,
+    Stage,
+    StagingPool,
+)
+
+__all__ = ["Counters", "Entries", "MissingRange", "ShardState"]
+
+logger = logging.getLogger(__name__)
+
+# ``name[start:stop]`` -> {"master": fp32 values, "state": optimizer state sliced alike}
+Entries = dict[str, dict[str, Any]]
+
+
+class MissingRange(KeyError):
+    """State for a range this rank owns is in none of the entries offered."""
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What a rank carries besides its shards, identical on every rank."""
+
+    global_steps: int
+    loss_scale: float
+    skipped_steps: int
+
+
+class ShardState:
+    """This rank's buffers, optimizer and counters for one world (see the module notes)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        user_optimizer: torch.optim.Optimizer,
+        inventory: Inventory,
+        config: ZeroConfig,
+        *,
+        dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        device: torch.device,
+        align: int = 1,
+    ) -> None:
+        self.module, self.user_optimizer, self.inventory = module, user_optimizer, inventory
+        self.config, self.dtype, self.device, self.align = config, dtype, device, align
+        self.stage: Stage = STAGES[config.stage]
+        self.index = {name: i for i, name in enumerate(inventory.trainable)}
+        self.scaler = MixedPrecision.loss_scaler(config)
+        self.global_steps = self.micro_steps = self.skipped_steps = 0
+        self.pool = StagingPool()
+        self.reducer = self._make_reducer(reduce_dtype)
+        self.params: ParamStorage = self._make_storage()
+        self.comm = Collectives(None)
+        self.layout: Layout | None = None
+        self.buckets: list[FlatBucket] = []
+        self.bucket_of: dict[nn.Parameter, tuple[FlatBucket, int]] = {}
+        self.optimizer = ShardOptimizer(user_optimizer, [[] for _ in user_optimizer.param_groups])
+        self.whole = False
+        self.builds = 0  # how many times the buffers were (re)built
+
+    def _make_reducer(self, reduce_dtype: torch.dtype) -> GradReducer:
+        cls = self.stage.reducer
+        if cls.grads_in_place:
+            reducer = cls(reduce_dtype)
+        else:
+            reducer = cls(reduce_dtype, self.pool, lambda b: self.reducer.finish(b))  # type: ignore[call-arg]
+        codec = make_codec(self.config.compression, self.config.compression_block)
+        if codec is None:
+            return reducer
+        warmup = self.config.compression_warmup_steps
+        return Compressed(
+            reducer,
+            codec,
+            error_feedback=self.config.error_feedback,
+            active=lambda: self.global_steps >= warmup,
+        )
+
+    def _make_storage(self) -> ParamStorage:
+        mixed = self.config.mixed_precision
+        if self.stage.params is ShardedParams:
+            return ShardedParams(
+                self.dtype,
+                mixed,
+                prefetch=self.config.stage3_prefetch,
+                gather_codec=make_codec(
+                    self.config.stage3_gather_compression, self.config.compression_block
+                ),
+            )
+        return self.stage.params(self.dtype, mixed)
+
+    # ------------------------------------------------------------ world
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def units(self) -> list[GatherUnit]:
+        return self.params.units if isinstance(self.params, ShardedParams) else []
+
+    def layout_for(self, world_size: int) -> Layout:
+        """The shard layout of this model at ``world_size`` ranks."""
+        return compute_layout(
+            self.inventory.specs,
+            world_size,
+            bucket_numel=self.config.bucket_numel,
+            align=self.align,
+            by_unit=self.stage.params.sharded,
+        )
+
+    def build(self, comm: Collectives, *, from_module: bool) -> None:
+        """Build this rank's buffers and optimizer for ``comm``'s world.
+
+        ``from_module``: take values from the module's parameters (after a
+        broadcast from rank 0, as DDP does); otherwise start from zeros, for
+        state that a transfer or a checkpoint then fills in.
+        """
+        self.release()
+        self.comm = comm
+        if comm.world_size == 1 and self.stage.number > 0:
+            logger.warning(
+                "ZeRO stage %d on a single rank saves no memory and costs time; "
+                "stage 0 with mixed precision or activation checkpointing is the lever here",
+                self.stage.number,
+            )
+        if from_module:
+            self._broadcast_module_states()
+        self.layout = self.layout_for(comm.world_size)
+        self.buckets = [self._build_bucket(spec, from_module) for spec in self.layout.buckets]
+        self.bucket_of = {p: (b, pos) for b in self.buckets for pos, p in enumerate(b.params)}
+        self.pool.reset(max((b.spec.padded_numel for b in self.buckets), default=0))
+        pieces: list[list[Piece]] = [[] for _ in self.user_optimizer.param_groups]
+        for b in self.buckets:
+            for piece in b.pieces:
+                pieces[b.spec.group].append(
+                    Piece(
+                        param_index=self.index[piece.slot.name],
+                        view=b.master[piece.shard_start : piece.shard_start + piece.numel],
+                        bucket=b.spec.index,
+                        grad_offset=piece.shard_start,
+                        name=piece.slot.name,
+                        param_start=piece.param_start,
+                    )
+                )
+        self.optimizer = ShardOptimizer(self.user_optimizer, pieces)
+        self.params.attach(self.buckets, comm, self.inventory.unit_modules)
+        self.whole = from_module
+        self.builds += 1
+
+    def release(self) -> None:
+        """Drop this rank's buffers and hooks (before building for another world)."""
+        self.whole = False
+        self.params.detach()
+        self.buckets, self.bucket_of = [], {}
+        self.pool.reset(0)
+        self.optimizer = ShardOptimizer(
+            self.user_optimizer, [[] for _ in self.user_optimizer.param_groups]
+        )
+
+    def _broadcast_module_states(self) -> None:
+        if not self.comm.distributed:
+            return
+        tensors = list(dict.fromkeys([*self.module.parameters(), *self.module.buffers()]))
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                self.comm.broadcast(flat, src=0)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def _build_bucket(self, spec, from_module: bool) -> FlatBucket:
+        params = [self.inventory.params[s.name] for s in spec.slots]
+        lo, hi = (
+            spec.shard_range(self.rank) if self.stage.optimizer_sharded else (0, spec.padded_numel)
+        )
+        pieces = spec.pieces(lo, hi)
+        # fp32 master values come from the original parameters, before any cast.
+        master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        full = torch.zeros(spec.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for piece in pieces if from_module else ():
+                src = params[spec.slots.index(piece.slot)].detach().reshape(-1)
+                master[piece.shard_start : piece.shard_start + piece.numel] = src[
+                    piece.param_start : piece.param_start + piece.numel
+                ]
+            if from_module and not self.stage.params.sharded:
+                for p, slot in zip(params, spec.slots, strict=True):
+                    full[slot.offset : slot.offset + slot.numel] = p.detach().reshape(-1)
+        bucket = FlatBucket(
+            spec=spec,
+            params=params,
+            param_index=[self.index[s.name] for s in spec.slots],
+            lo=lo,
+            hi=hi,
+            pieces=pieces,
+            full=full,
+            master=master,
+        )
+        self.params.place(bucket)
+        self.reducer.allocate(bucket, self.dtype)
+        return bucket
+
+    # ------------------------------------------------------------ the step's last phases
+
+    def publish_params(self) -> None:
+        """Write the updated master partition back into the compute parameters."""
+        self.params.publish(self.buckets, self.comm)
+
+    def zero_grads(self) -> None:
+        for b in self.buckets:
+            self.reducer.zero(b)
+            b.state = BucketState.IDLE
+
+    def counters(self) -> Counters:
+        return Counters(self.global_steps, self.scaler.scale, self.skipped_steps)
+
+    def restore_counters(self, counters: Counters) -> None:
+        self.global_steps = counters.global_steps
+        self.scaler.scale = counters.loss_scale
+        self.skipped_steps = counters.skipped_steps
+
+    # ------------------------------------------------------------ state by element range
+
+    def owned(self) -> list[Range]:
+        """The ranges this rank's optimizer owns (those of ``owned_ranges``), in the
+        order of the optimizer's pieces."""
+        return [
+            Range(p.name, p.param_start, p.param_start + p.view.numel())
+            for p in self.optimizer.pieces
+        ]
+
+    def written_ranges(self) -> list[Range]:
+        """The ranges this rank writes to a checkpoint or a replica: range ``rank`` of
+        every bucket, whatever the stage (at stage 0 each rank writes only its
+        part, so writes still run in parallel)."""
+        assert self.layout is not None
+        return owned_ranges(self.layout, self.rank, partitioned=True)
+
+    def export_ranges(self) -> Entries:
+        """Master values and optimizer state for :meth:`written_ranges`."""
+        held = RangeIndex()
+        views: dict[str, tuple[torch.Tensor, dict]] = {}
+        state = self.optimizer.inner.state
+        for piece in self.optimizer.pieces:
+            rng = Range(piece.name, piece.param_start, piece.param_start + piece.view.numel())
+            held.add(rng, rng.key)
+            views[rng.key] = (piece.view, state.get(piece.view, {}))
+        entries: Entries = {}
+        for want in self.written_ranges():
+            for have, a, b, key in held.overlapping(want):
+                if (a, b) != (want.start, want.stop):
+                    continue
+                view, opt_state = views[key]
+                lo, hi = a - have.start, b - have.start
+                entries[want.key] = {
+                    "master": view.detach()[lo:hi].clone(),
+                    "state": {k: _slice_state(v, lo, hi, view) for k, v in opt_state.items()},
+                }
+                break
+            else:
+                raise MissingRange(f"rank {self.rank} does not hold {want.key}")
+        return entries
+
+    def import_ranges(self, entries: Entries, index: RangeIndex | None = None) -> None:
+        """Set the master values and optimizer state of every range this rank owns
+        from ``entries`` (``index`` says which keys hold what; by default, the
+        keys themselves), then publish the parameters.
+
+        Everything is assembled before anything is assigned: a range missing
+        from ``entries`` raises :class:`MissingRange` and leaves the state as it was.
+        """
+        index = index or RangeIndex.of_keys(entries)
+        new_state: dict[torch.Tensor, dict] = {}
+        new_master: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for want, piece in zip(self.owned(), self.optimizer.pieces, strict=True):
+            values = torch.empty(want.numel, dtype=torch.float32, device=self.device)
+            state: dict[str, Any] = {}
+            covered = 0
+            for have, a, b, _source in index.overlapping(want):
+                entry = entries[have.key]
+                src, dst = (
+                    slice(a - have.start, b - have.start),
+                    slice(a - want.start, b - want.start),
+                )
+                values[dst] = entry["master"][src]
+                for k, v in entry["state"].items():
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == have.numel:
+                        if k not in state:
+                            state[k] = torch.zeros(want.numel, dtype=v.dtype, device=self.device)
+                        state[k][dst] = v[src]
+                    else:
+                        state.setdefault(k, v.clone() if isinstance(v, torch.Tensor) else v)
+                covered += b - a
+            if covered != want.numel:
+                raise MissingRange(f"no state for elements of {want.key}")
+            new_master.append((piece.view, values))
+            if state:
+                new_state[piece.view] = state
+        self.whole = False
+        with torch.no_grad():
+            for view, values in new_master:
+                view.copy_(values)
+        inner = self.optimizer.inner
+        inner.state.clear()
+        for view, state in new_state.items():
+            inner.state[view] = state
+        self.publish_params()
+        self.zero_grads()
+        self.whole = True
+
+    # ------------------------------------------------------------ reports
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter by name (tied ones under each name), fp32 master values
+        where they exist; identical on every rank. A collective."""
+        values: dict[str, torch.Tensor] = {}
+        for b in self.buckets:
+            full = self._gather_master(b)
+            for slot in b.spec.slots:
+                values[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        out = {}
+        for name, first in self.inventory.aliases.items():
+            if first in values:
+                out[name] = values[first].clone()
+            else:
+                out[name] = self.inventory.params[first].detach().clone()
+        return out
+
+    def _gather_master(self, b: FlatBucket) -> torch.Tensor:
+        if not self.stage.optimizer_sharded:
+            return b.master.detach()
+        if not self.stage.params.sharded and not self.config.mixed_precision:
+            return b.full.detach()
+        full = torch.empty(b.spec.padded_numel, dtype=b.master.dtype, device=self.device)
+        self.comm.all_gather(full, b.master.detach())
+        return full
+
+    def frozen_bytes(self) -> int:
+        return sum(_nbytes(p) for p in self.inventory.params.values() if p not in self.bucket_of)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, by kind (padding included)."""
+        report = {
+            "params": sum(self.params.nbytes(b) for b in self.buckets) + self.frozen_bytes(),
+            "grads": sum(self.reducer.nbytes(b) for b in self.buckets),
+            "master": sum(_nbytes(b.master) for b in self.buckets)
+            if self.config.mixed_precision
+            else 0,
+            "optimizer": self.optimizer.state_bytes(),
+            "buffers": sum(_nbytes(t) for t in self.module.buffers()),
+            "compression": sum(
+                _nbytes(b.residual) + _nbytes(b.server_residual) for b in self.buckets
+            ),
+        }
+        return report
+
+
+def _slice_state(value: Any, lo: int, hi: int, view: torch.Tensor) -> Any:
+    if isinstance(value, torch.Tensor) and value.shape == view.shape:
+        return value.detach()[lo:hi].clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
