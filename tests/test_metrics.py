@@ -184,6 +184,26 @@ def test_metrics_served_over_http_from_the_environment(monkeypatch) -> None:
         urllib.request.urlopen(url, timeout=2)
 
 
+@pytest.mark.timeout(60)
+def test_serve_metrics_of_an_engine_shows_each_step_boundary() -> None:
+    engine = small_engine()
+    server, port = worker_metrics.serve_metrics(engine, 0, host="127.0.0.1")
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+
+        def steps() -> float:
+            return value(
+                urllib.request.urlopen(url, timeout=5).read().decode(), "zeroplane_steps_total"
+            )
+
+        assert steps() == 0  # served from the start, before any step
+        train(engine, 2)
+        assert steps() == 2
+    finally:
+        server.close()
+        engine.close()
+
+
 def test_metrics_port_is_validated() -> None:
     with pytest.raises(ValueError, match="metrics_port"):
         worker.ZeroConfig(metrics_port=70000)

@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol
@@ -173,13 +174,24 @@ class ZeroEngine:
         self._saved_at = -1  # the step of the last checkpoint saved or loaded
         self._next_bucket = 0
         self.state.build(Collectives(group), from_module=initial_state == "module")
+        # the hooks live in autograd (C++), where the garbage collector cannot see
+        # them: a strong reference to the engine would keep it and all its buffers
+        # alive for as long as the model is
+        engine = weakref.ref(self)
+
+        def on_grad_ready(p: nn.Parameter) -> None:
+            live = engine()
+            if live is not None:
+                live._on_grad_ready(p)
+
         self._grad_hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(on_grad_ready)
             for p in self.inventory.params.values()
             if p.requires_grad
         ]
         # None unless config.metrics_port or $ZEROPLANE_METRICS_PORT asks for it
-        self.metrics = metrics if metrics is not None else start_metrics(config, SnapshotBoard())
+        self.board = SnapshotBoard() if metrics is None else metrics.board
+        self.metrics = metrics if metrics is not None else start_metrics(config, self.board)
         self._memory_cache: tuple[int, float, dict[str, int]] | None = None
         self.publish_snapshot()
 
@@ -473,8 +485,8 @@ class ZeroEngine:
 
     def publish_snapshot(self) -> None:
         """Hand the metrics endpoint (if any) this rank's state as of now."""
-        if self.metrics is not None:
-            self.metrics.board.publish(self.snapshot())
+        if self.board.watched:
+            self.board.publish(self.snapshot())
 
     # ------------------------------------------------------------ checkpoints
 
@@ -564,7 +576,12 @@ class ZeroEngine:
         return self.module.parameters()
 
     def close(self) -> None:
-        """Leave the coordinator's job (if any); the engine must not be used after."""
+        """Leave the coordinator's job (if any), stop serving metrics and unhook the
+        model; the engine must not be used after."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
+        self.state.params.detach()
         if self.membership is not None:
             self.membership.close()
             self.membership = None

@@ -1,7 +1,6 @@
 """Prometheus metrics of one worker, from snapshots its engine publishes.
 
-    board = SnapshotBoard()
-    server, port = serve_metrics(board, port=0)    # 0: a free port
+    server, port = serve_metrics(engine, port=0)   # 0: a free port
     ...                                            # GET http://host:port/metrics
     server.close()
 
@@ -156,6 +155,8 @@ class SnapshotBoard:
     def __init__(self) -> None:
         self._latest: Snapshot | None = None
         self._lock = threading.Lock()
+        # whether an endpoint serves this board (else the engine publishes nothing)
+        self.watched = False
 
     def publish(self, snapshot: Snapshot) -> None:
         with self._lock:
@@ -444,11 +445,16 @@ def start_metrics(config: ZeroConfig, board: SnapshotBoard) -> MetricsServer | N
 
 
 def serve_metrics(
-    board: SnapshotBoard, port: int = 0, *, host: str = "0.0.0.0"
+    source: Any, port: int = 0, *, host: str = "0.0.0.0"
 ) -> tuple[MetricsServer, int]:
-    """Serve ``board``'s latest snapshot at ``http://host:port/metrics`` on a daemon
-    thread. ``port`` 0 picks a free port; the bound one is returned.
+    """Serve the snapshots of ``source`` (an engine, or a :class:`SnapshotBoard`) at
+    ``http://host:port/metrics`` on a daemon thread. ``port`` 0 picks a free
+    port; the bound one is returned.
     """
+    board = source if isinstance(source, SnapshotBoard) else source.board
+    board.watched = True
+    if board.latest() is None and hasattr(source, "publish_snapshot"):
+        source.publish_snapshot()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(board.latest))
     server, _thread = start_http_server(port, addr=host, registry=registry)

@@ -216,8 +216,10 @@ class StagingPool:
         self._count = 0
         self._largest = largest
 
-    def nbytes(self) -> int:
-        return sum(_nbytes(t) for t in self._free)
+    @property
+    def allocated(self) -> int:
+        """Buffers the pool has made since it was last reset."""
+        return self._count
 
 
 class ReduceScatterStaging(GradReducer):
