@@ -23,6 +23,22 @@ complete waits for every bucket before it. Parameters that are not in this
 micro-step's autograd graph are known before backward starts (a walk over
 ``loss.grad_fn``) and count as complete from the start.
 
+[Note: graphs that grow during backward]
+The walk is exact unless the graph holds a custom autograd Function whose
+backward may run a backward of its own: reentrant activation checkpointing
+(``checkpoint(..., use_reentrant=True)``, Hugging Face's
+``gradient_checkpointing_enable`` with it) recomputes its block inside its
+backward node, and the block's parameters enter autograd only then, in a
+nested graph the walk cannot see. Counting on the walk there launched their
+buckets before their gradients existed: silently wrong training. So when
+the walk meets such a node, what backward actually produced decides: the
+gradient hooks mark the parameters used, every bucket is reduced once
+``backward()`` has returned (when all nested backwards have finished), and
+the step-boundary ballot is cast then. Only overlap is lost, and only for
+those graphs. Known-safe Functions (non-reentrant checkpointing's
+``_NoopSaveInputs``) keep the walk. A gradient that still arrives after its
+bucket was reduced is an error naming the parameter, never a silent loss.
+
 [Note: unused parameters]
 A parameter that no rank used this step must behave as in torch.optim: no
 update, state untouched. The used-parameter flags of each rank are known
@@ -46,6 +62,7 @@ from typing import Any, Literal, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 from torch.profiler import record_function
 from torch.utils._pytree import tree_map
 
@@ -173,6 +190,7 @@ class ZeroEngine:
         self.last_checkpoint: Path | None = None
         self._saved_at = -1  # the step of the last checkpoint saved or loaded
         self._next_bucket = 0
+        self._walk_exact = True
         self.state.build(Collectives(group), from_module=initial_state == "module")
         # the hooks live in autograd (C++), where the garbage collector cannot see
         # them: a strong reference to the engine would keep it and all its buffers
@@ -269,7 +287,8 @@ class ZeroEngine:
         self.stats.begin()
         if self.precision.enabled:
             args, kwargs = tree_map(self.precision.cast_input, (args, kwargs))
-        return self.module(*args, **kwargs)
+        with self.state.params.forward_context():
+            return self.module(*args, **kwargs)
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -286,14 +305,13 @@ class ZeroEngine:
         self.stats.loss = loss.detach()
         st = self.state
         boundary = self.is_accumulation_boundary
-        in_graph = _params_in_graph(loss.grad_fn)
+        in_graph, self._walk_exact = _params_in_graph(loss.grad_fn)
         for p in in_graph:
             hit = st.bucket_of.get(p)
             if hit is not None:
                 self.ballot.mark_used(hit[0].param_index[hit[1]])
-        if boundary:
-            vote = self.membership.vote() if self.membership is not None else BoundaryVote()
-            self.ballot.start(st.comm, vote)
+        if boundary and self._walk_exact:
+            self._cast_ballot()
         if st.reducer.grads_in_place:
             self._restore_grad_views()
         reduce_now = st.reducer.every_micro_step or boundary
@@ -301,7 +319,7 @@ class ZeroEngine:
         for b in st.buckets:
             b.pending = sum(1 for p in b.params if p in in_graph)
             b.state = BucketState.FILLING if reduce_now else BucketState.IDLE
-        if reduce_now and self.config.overlap_comm:
+        if reduce_now and self.config.overlap_comm and self._walk_exact:
             for b in st.buckets:
                 if b.pending == 0:
                     b.state = BucketState.READY
@@ -310,6 +328,8 @@ class ZeroEngine:
         scale = st.scaler.scale / self.config.gradient_accumulation_steps
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
 
+        if boundary and not self._walk_exact:
+            self._cast_ballot()  # see [Note: graphs that grow during backward]
         if reduce_now:
             for b in st.buckets:
                 if b.state is BucketState.FILLING:
@@ -326,9 +346,23 @@ class ZeroEngine:
             if any(p.grad is None for p in b.params):
                 b.grad_views()
 
+    def _cast_ballot(self) -> None:
+        vote = self.membership.vote() if self.membership is not None else BoundaryVote()
+        self.ballot.start(self.state.comm, vote)
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b, pos = self.state.bucket_of[p]
+        if b.state in (BucketState.REDUCING, BucketState.REDUCED):
+            raise RuntimeError(
+                f"parameter {b.spec.slots[pos].name!r} received a gradient after its bucket "
+                "was reduced: this backward produced it outside the autograd graph that "
+                "engine.backward() could see (see worker/engine.py [Note: graphs that grow "
+                "during backward]); please report the model"
+            )
         self.state.reducer.on_grad(b, pos, p)
+        if not self._walk_exact:
+            self.ballot.mark_used(b.param_index[pos])
+            return
         if b.state is not BucketState.FILLING:
             return
         b.pending -= 1
@@ -626,9 +660,15 @@ def resolve_optimizer(module: nn.Module, optimizer: OptimizerArg) -> torch.optim
     )
 
 
-def _params_in_graph(root: Any) -> set[torch.Tensor]:
-    """The leaf tensors (parameters) whose AccumulateGrad nodes ``root`` reaches."""
+# custom autograd Functions known not to run a backward of their own
+_SAFE_FUNCTIONS = frozenset({"_NoopSaveInputsBackward"})
+
+
+def _params_in_graph(root: Any) -> tuple[set[torch.Tensor], bool]:
+    """The leaf tensors (parameters) whose AccumulateGrad nodes ``root`` reaches, and
+    whether that is all backward can produce ([Note: graphs that grow during backward])."""
     seen, stack, found = set(), [root], set()
+    exact = True
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:
@@ -637,5 +677,7 @@ def _params_in_graph(root: Any) -> set[torch.Tensor]:
         var = getattr(fn, "variable", None)
         if var is not None:
             found.add(var)
+        elif isinstance(fn, BackwardCFunction) and type(fn).__name__ not in _SAFE_FUNCTIONS:
+            exact = False
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return found
+    return found, exact

@@ -112,8 +112,8 @@ class GatherUnit:
         """Start gathering (asynchronously) if sharded."""
         if self.state is not UnitState.SHARDED:
             return
-        if self.codec is not None and not self.wire:
-            self.wire = [WireBuffers() for _ in self.buckets]
+        if self.codec is not None:
+            self.wire += [WireBuffers() for _ in self.buckets[len(self.wire) :]]
         for i, b in enumerate(self.buckets):
             b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
             if self.codec is None:

@@ -29,6 +29,7 @@ stays IDLE while its gradients accumulate in place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,12 +37,13 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
 from worker.collectives import Collectives
 from worker.compression import Codec, WireBuffers, start_all_gather, start_reduce_scatter
-from worker.flat import BucketState, FlatBucket, GatherUnit
+from worker.flat import BucketState, FlatBucket, GatherUnit, UnitState
 
 __all__ = [
     "STAGES",
@@ -419,6 +421,10 @@ class ParamStorage:
     def end_backward(self) -> None:
         """Backward has finished on this rank."""
 
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """What the engine's forward runs under (stage 3's first forward: discovery)."""
+        return contextlib.nullcontext()
+
 
 class ReplicatedParams(ParamStorage):
     """Stages 0–2: every rank holds the full compute parameters."""
@@ -434,6 +440,21 @@ class ShardedParams(ParamStorage):
     Prefetch follows the order of the first forward: after a unit is gathered,
     the next ``prefetch`` units in forward order (previous ones in backward)
     start gathering.
+
+    [Note: modules whose forward never runs]
+    A unit is gathered by its module's forward hooks, but some modules hold
+    parameters their parent reads without calling them: ``nn.MultiheadAttention``
+    hands ``out_proj.weight`` to the functional op and never runs
+    ``out_proj.forward``, so at stage 3 that weight would still be freed when it
+    is read. The first forward through the engine therefore runs under a
+    torch-function mode that looks at every tensor an op is given: a parameter
+    of a unit that is not gathered is read inside the forward of some unit
+    that is running (the root's, at least), and its unit joins the innermost
+    running unit whose module contains it, for good: its buckets are gathered
+    now and from then on with that unit, before its forward and its backward.
+    The shard layout is untouched (units merge only in how they are
+    gathered), so every rank and the coordinator keep the same layout. After
+    the first forward no mode runs.
     """
 
     sharded = True
@@ -450,9 +471,13 @@ class ShardedParams(ParamStorage):
         self.prefetch, self.gather_codec = prefetch, gather_codec
         self.units: list[GatherUnit] = []
         self._unit_by_index: dict[int, GatherUnit] = {}
+        self._unit_of_param: dict[nn.Parameter, GatherUnit] = {}
         self._hooks: list[Any] = []
         self._order: list[GatherUnit] = []
         self._order_recorded = False
+        # [Note: modules whose forward never runs]: units running their forward now
+        self._discovered = False
+        self._running: list[GatherUnit] = []
 
     def place(self, b: FlatBucket) -> None:
         b.param_views()
@@ -468,22 +493,63 @@ class ShardedParams(ParamStorage):
         for b in buckets:
             by_unit.setdefault(b.spec.unit, []).append(b)
         for index, module in units.items():
-            if index not in by_unit:
+            if index not in by_unit and index != 0:
                 continue
-            unit = GatherUnit(index, module, by_unit[index], self.gather_codec)
+            # the root is always a unit, if only to host the units it reads
+            unit = GatherUnit(index, module, by_unit.get(index, []), self.gather_codec)
             self.units.append(unit)
             self._hooks += [
                 module.register_forward_pre_hook(self._pre_forward_hook(unit)),
                 module.register_forward_hook(self._post_forward_hook(unit)),
             ]
         self._unit_by_index = {u.index: u for u in self.units}
+        self._unit_of_param = {p: u for u in self.units for b in u.buckets for p in b.params}
 
     def detach(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self.units, self._unit_by_index = [], {}
+        self.units, self._unit_by_index, self._unit_of_param = [], {}, {}
         self._order, self._order_recorded = [], False
+        self._discovered, self._running = False, []
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        if self._discovered:
+            return contextlib.nullcontext()
+        return _DiscoverReads(self)
+
+    def _read_while_sharded(self, unit: GatherUnit) -> None:
+        """A parameter of ``unit`` was read while it was not gathered: it joins the
+        innermost running unit that contains it ([Note: modules whose forward never runs])."""
+        host = next(
+            (
+                r
+                for r in reversed(self._running)
+                if any(m is unit.module for m in r.module.modules())
+            ),
+            None,
+        )
+        if host is None or host is unit:
+            raise RuntimeError(
+                f"a parameter of {type(unit.module).__name__} was read outside the forward "
+                "of every module that holds it; at stage 3 parameters exist only inside "
+                "the model's forward (engine(...)) and backward"
+            )
+        unit.gather(self.comm)
+        unit.wait()
+        host.buckets.extend(unit.buckets)
+        for b in unit.buckets:
+            self._unit_by_index[b.spec.unit] = host
+            for p in b.params:
+                self._unit_of_param[p] = host
+        self._unit_by_index[unit.index] = host
+        unit.buckets, unit.state = [], UnitState.SHARDED
+        self.units.remove(unit)
+        logger.debug(
+            "stage 3: %s's parameters are read in %s's forward; gathered with it",
+            type(unit.module).__name__,
+            type(host.module).__name__,
+        )
 
     def publish(self, buckets: list[FlatBucket], comm: Collectives) -> None:
         if self.mixed_precision:
@@ -511,6 +577,8 @@ class ShardedParams(ParamStorage):
             with record_function("zeroplane.gather"):
                 unit.gather(self.comm)
                 unit.wait()
+            if not self._discovered:
+                self._running.append(unit)
             if not self._order_recorded and unit not in self._order:
                 self._order.append(unit)
             self._prefetch(unit, +1)
@@ -519,6 +587,8 @@ class ShardedParams(ParamStorage):
 
     def _post_forward_hook(self, unit: GatherUnit):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not self._discovered and unit in self._running:
+                del self._running[len(self._running) - 1 - self._running[::-1].index(unit)]
             if torch.is_grad_enabled():
                 outputs = [
                     t
@@ -552,6 +622,35 @@ class ShardedParams(ParamStorage):
             j = pos + direction * k
             if 0 <= j < len(self._order):
                 self._order[j].gather(self.comm)
+
+
+class _DiscoverReads(TorchFunctionMode):
+    """The first forward at stage 3: find parameters read outside their unit's forward
+    ([Note: modules whose forward never runs])."""
+
+    def __init__(self, storage: ShardedParams) -> None:
+        super().__init__()
+        self.storage = storage
+
+    def __enter__(self):
+        self.storage._running = []
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.storage._discovered = True
+        self.storage._running = []
+        return super().__exit__(exc_type, exc, tb)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        unit_of = self.storage._unit_of_param
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, nn.Parameter):
+                unit = unit_of.get(t)
+                if unit is not None and unit.state is UnitState.SHARDED:
+                    self.storage._read_while_sharded(unit)
+        return func(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------- the table

@@ -1,0 +1,143 @@
+"""Models nobody on this project wrote, and the ways users run them: activation
+checkpointing (reentrant or not), torch's own transformer layers at stage 3.
+Every case is compared with single-process torch on the same global batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import worker
+from tests.reference import VOCAB, ParityNet, max_diff
+
+STEPS = 6
+GLOBAL_BATCH = 4
+
+
+class CheckpointedNet(ParityNet):
+    """ParityNet with its blocks under torch's activation checkpoint."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        x = self.frozen(self.emb(idx))
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=self.reentrant)
+        x = x + self.twice(torch.tanh(self.twice(x)))
+        if use_extra:
+            x = x + self.extra(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class EncoderNet(nn.Module):
+    """torch's own transformer layers (nn.MultiheadAttention inside)."""
+
+    def __init__(self, d: int, heads: int, layers: int, decoder: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        if decoder:
+            self.body: nn.Module = nn.Transformer(
+                d, heads, layers, layers, dim_feedforward=2 * d, dropout=0.0, batch_first=True
+            )
+        else:
+            layer = nn.TransformerEncoderLayer(
+                d, heads, dim_feedforward=2 * d, dropout=0.0, batch_first=True
+            )
+            self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        x = self.emb(idx)
+        x = self.body(x, x) if isinstance(self.body, nn.Transformer) else self.body(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, VOCAB, (GLOBAL_BATCH, 6), generator=g)
+    return idx, torch.roll(idx, 1, dims=1)
+
+
+def train_against_torch(
+    build: Callable[[], nn.Module], stage: int, config: dict, accum: int = 1
+) -> float:
+    """Train with zeroplane on this rank's slice and with torch on the whole batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per = GLOBAL_BATCH // world
+    torch.manual_seed(0)
+    model = build()
+    torch.manual_seed(0)
+    ref = build()
+
+    def opt(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    engine = worker.initialize(
+        model,
+        opt(model),
+        config=worker.ZeroConfig(stage=stage, gradient_accumulation_steps=accum, **config),
+    )
+    ref_opt = opt(ref)
+    for step in range(STEPS):
+        idx, tgt = global_batch(step)
+        use_extra = step % 2 == 0
+        for micro in range(accum):
+            sl = slice(rank * per, (rank + 1) * per)
+            if accum > 1:
+                sl = slice(rank * per + micro, rank * per + micro + 1)
+            engine.backward(engine(idx[sl], tgt[sl], use_extra))
+            engine.step()
+        ref_loss = 0.0
+        for micro in range(accum):
+            for r in range(world):
+                sl = slice(r * per, (r + 1) * per)
+                if accum > 1:
+                    sl = slice(r * per + micro, r * per + micro + 1)
+                loss = ref(idx[sl], tgt[sl], use_extra) / (world * accum)
+                loss.backward()
+                ref_loss += loss.item()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    want = {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}
+    diff, name = max_diff(engine.full_state_dict(), want)
+    assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
+    return diff
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_user_activation_checkpointing_trains_like_torch(
+    pools, stage: int, reentrant: bool
+) -> None:
+    config = {"bucket_numel": 97, "stage3_min_unit_numel": 1}
+    pools(2).run(train_against_torch, partial(CheckpointedNet, reentrant), stage, config)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reentrant_checkpointing_with_accumulation(pools, stage: int) -> None:
+    config = {"bucket_numel": 97}
+    pools(2).run(train_against_torch, partial(CheckpointedNet, True), stage, config, 2)
+
+
+@pytest.mark.parametrize("min_unit_numel", [1, 2**20], ids=["every-module-a-unit", "default-units"])
+def test_stage3_multihead_attention(pools, min_unit_numel: int) -> None:
+    # d=1024: out_proj alone reaches the default unit size, and MultiheadAttention
+    # reads its weight without calling it
+    d = 1024 if min_unit_numel > 1 else 16
+    config = {"stage3_min_unit_numel": min_unit_numel}
+    pools(2).run(train_against_torch, partial(EncoderNet, d, 4, 1), 3, config)
+
+
+def test_stage3_full_transformer_every_module_a_unit(pools) -> None:
+    config = {"stage3_min_unit_numel": 1, "bucket_numel": 211}
+    pools(2).run(train_against_torch, partial(EncoderNet, 16, 2, 1, decoder=True), 3, config)
