@@ -53,6 +53,7 @@ TINY_CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=
 @dataclass
 class StageResult:
     stage: int
+    checkpointing: bool = False  # activation checkpointing of every block
     status: str = "ok"  # "ok", "skipped: ..." or "failed: ..."
     median_step_s: float | None = None
     tokens_per_s: float | None = None
@@ -60,7 +61,12 @@ class StageResult:
     max_allocated_bytes: int | None = None
     predicted_state_bytes: float | None = None
     reported_state_bytes: int | None = None
+    saved_activation_bytes: int | None = None
     loss: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.stage}{'+ac' if self.checkpointing else ''}"
 
 
 def _free_port() -> int:
@@ -75,18 +81,26 @@ def _sync(device: torch.device) -> None:
 
 
 def run_stage(
-    stage: int, cfg: GPTConfig, device: torch.device, args: argparse.Namespace, deadline: float
+    stage: int,
+    cfg: GPTConfig,
+    device: torch.device,
+    args: argparse.Namespace,
+    deadline: float,
+    checkpointing: bool = False,
 ) -> StageResult:
     import worker
 
-    res = StageResult(stage=stage)
+    res = StageResult(stage=stage, checkpointing=checkpointing)
     torch.manual_seed(0)
     # Built on the device: initialising 1B parameters on the host takes longer than a stage.
     with device:
         model = GPT(cfg)
     numel = sum(p.numel() for p in model.parameters())  # tied weights once
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    engine = worker.initialize(model, opt, config=worker.ZeroConfig(stage=stage, dtype="bf16"))
+    config = worker.ZeroConfig(
+        stage=stage, dtype="bf16", activation_checkpointing="units" if checkpointing else "none"
+    )
+    engine = worker.initialize(model, opt, config=config)
     # A 1B-parameter step on the host would take the whole budget: fail fast instead.
     stray = {str(p.device) for p in model.parameters()} - {str(device)}
     if stray:
@@ -129,7 +143,9 @@ def run_stage(
     res.predicted_state_bytes = model_state_bytes(
         numel, stage=stage, world_size=1, dtype="bf16"
     ).total
-    res.reported_state_bytes = int(engine.memory_report()["total"])
+    report = engine.memory_report()
+    res.reported_state_bytes = int(report["total"])
+    res.saved_activation_bytes = int(report["activations"])
     if device.type == "cuda":
         res.max_allocated_bytes = torch.cuda.max_memory_allocated(device)
     return res
@@ -144,10 +160,13 @@ def _cleanup(device: torch.device) -> None:
 def format_table(results: list[StageResult], numel: int, args: argparse.Namespace) -> str:
     # GiB for the real model; MiB keeps the dry run's tiny numbers readable.
     unit, uname = (2**20, "MiB") if args.dry_run else (2**30, "GiB")
-    base = next((r for r in results if r.stage == 0 and r.status == "ok"), None)
+    base = next(
+        (r for r in results if r.stage == 0 and not r.checkpointing and r.status == "ok"), None
+    )
     header = (
         f"{'stage':>5} {'step ms':>8} {'tok/s':>9} {'MFU':>6} {'max alloc ' + uname:>13} "
-        f"{'formula ' + uname:>11} {'engine ' + uname:>10} {'t/t0':>6} {'mem/mem0':>8} {'loss':>8}"
+        f"{'formula ' + uname:>11} {'engine ' + uname:>10} {'saved act ' + uname:>13} "
+        f"{'t/t0':>6} {'mem/mem0':>8} {'loss':>8}"
     )
     lines = [
         f"{numel / 1e6:,.1f}M params, bf16, micro-batch {args.micro_batch} x seq {args.seq}, "
@@ -157,14 +176,15 @@ def format_table(results: list[StageResult], numel: int, args: argparse.Namespac
     ]
     for r in results:
         if r.status != "ok":
-            lines.append(f"{r.stage:>5} {r.status}")
+            lines.append(f"{r.label:>5} {r.status}")
             continue
         alloc = r.max_allocated_bytes
         lines.append(
-            f"{r.stage:>5} {1e3 * r.median_step_s:>8.1f} {r.tokens_per_s:>9.0f} "
+            f"{r.label:>5} {1e3 * r.median_step_s:>8.1f} {r.tokens_per_s:>9.0f} "
             f"{100 * r.mfu:>5.1f}% "
             f"{alloc / unit if alloc is not None else float('nan'):>13.2f} "
             f"{r.predicted_state_bytes / unit:>11.2f} {r.reported_state_bytes / unit:>10.2f} "
+            f"{(r.saved_activation_bytes or 0) / unit:>13.2f} "
             f"{r.median_step_s / base.median_step_s if base else float('nan'):>5.2f}x "
             + (
                 f"{alloc / base.max_allocated_bytes:>7.2f}x"
@@ -175,7 +195,8 @@ def format_table(results: list[StageResult], numel: int, args: argparse.Namespac
         )
     lines.append(
         "formula = model states only (16 bytes/param at world size 1 for every stage); "
-        "max alloc adds activations and transient buffers"
+        "max alloc adds activations and transient buffers; saved act = bytes autograd kept "
+        "for backward (+ac: every block under activation checkpointing)"
     )
     return "\n".join(lines)
 
@@ -184,6 +205,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="tiny model on CPU, gloo")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4))
+    p.add_argument(
+        "--checkpointing-stages",
+        type=int,
+        nargs="*",
+        default=[0, 3],
+        choices=range(4),
+        help="also run these stages with activation checkpointing on every block",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--micro-batch", type=int, default=8)
@@ -223,21 +252,23 @@ def main(argv: list[str] | None = None) -> int:
     results: list[StageResult] = []
     numel = 0
     try:
-        for stage in args.stages:
+        runs = [(s, False) for s in args.stages] + [(s, True) for s in args.checkpointing_stages]
+        for stage, ckpt in runs:
             elapsed = time.perf_counter() - start
             if elapsed > args.budget_s:
-                results.append(StageResult(stage, status=f"skipped: {elapsed:.0f} s spent"))
+                results.append(StageResult(stage, ckpt, status=f"skipped: {elapsed:.0f} s spent"))
                 continue
             try:
-                results.append(run_stage(stage, cfg, device, args, start + args.budget_s))
+                results.append(run_stage(stage, cfg, device, args, start + args.budget_s, ckpt))
             # One stage failing (say, out of memory) should not hide the others' numbers.
             except Exception as e:
                 traceback.print_exc()
-                results.append(StageResult(stage, status=f"failed: {type(e).__name__}: {e}"))
+                results.append(StageResult(stage, ckpt, status=f"failed: {type(e).__name__}: {e}"))
             finally:
                 _cleanup(device)
             print(
-                f"stage {stage}: {results[-1].status} ({time.perf_counter() - start:.0f} s)",
+                f"stage {results[-1].label}: {results[-1].status} "
+                f"({time.perf_counter() - start:.0f} s)",
                 flush=True,
             )
         with torch.device("meta"):

@@ -141,3 +141,93 @@ def test_stage3_multihead_attention(pools, min_unit_numel: int) -> None:
 def test_stage3_full_transformer_every_module_a_unit(pools) -> None:
     config = {"stage3_min_unit_numel": 1, "bucket_numel": 211}
     pools(2).run(train_against_torch, partial(EncoderNet, 16, 2, 1, decoder=True), 3, config)
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_activation_checkpointing_trains_like_torch(pools, stage: int) -> None:
+    config = {
+        "bucket_numel": 97,
+        "stage3_min_unit_numel": 1,
+        "activation_checkpointing": "units",
+    }
+    pools(2).run(train_against_torch, ParityNet, stage, config)
+
+
+def gpt_run(stage: int, policy, min_unit: int = 2**20) -> tuple[worker.ZeroEngine, list[int]]:
+    """A few steps of a small GPT; the most units gathered at once during each backward."""
+    from worker.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=6, n_head=2, n_embd=32))
+    engine = worker.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        config=worker.ZeroConfig(
+            stage=stage, activation_checkpointing=policy, stage3_min_unit_numel=min_unit
+        ),
+    )
+    peaks: list[int] = []
+
+    def count(p: torch.Tensor) -> None:
+        gathered = sum(u.index != 0 and u.state.value != "sharded" for u in engine.units)
+        peaks[-1] = max(peaks[-1], gathered)
+
+    hooks = [p.register_post_accumulate_grad_hook(count) for p in model.parameters()]
+    for step in range(4):
+        idx, tgt = global_batch(step)
+        peaks.append(0)
+        engine.backward(engine(idx, tgt))
+        engine.step()
+    for h in hooks:
+        h.remove()
+    return engine, peaks
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_activation_checkpointing_saves_activations_and_changes_no_number(stage: int) -> None:
+    plain, plain_peaks = gpt_run(stage, "none")
+    ckpt, ckpt_peaks = gpt_run(stage, "units")
+    assert len(ckpt.checkpointed) == 6  # the blocks
+    saved, kept = ckpt.memory_report()["activations"], plain.memory_report()["activations"]
+    assert 0 < saved < 0.5 * kept, (saved, kept)
+    diff, name = max_diff(ckpt.full_state_dict(), plain.full_state_dict())
+    assert diff < 1e-6, f"{name} differs by {diff:.3g} with checkpointing"
+    if stage == 3:
+        # recomputation gathers the unit again; the running unit and the prefetched
+        # one stay the most gathered at once, as without checkpointing
+        assert max(ckpt_peaks[1:]) <= max(plain_peaks[1:]) <= 2, (ckpt_peaks, plain_peaks)
+
+
+def test_stage3_recomputation_of_a_block_made_of_units() -> None:
+    # every linear its own unit: recomputing a block runs its units' forward hooks
+    # in the middle of backward, which must not free what backward is about to read
+    from worker.models import Block
+
+    plain, _ = gpt_run(3, "none", min_unit=1)
+    ckpt, _ = gpt_run(3, lambda m: isinstance(m, Block), min_unit=1)
+    assert len(ckpt.checkpointed) == 6
+    diff, name = max_diff(ckpt.full_state_dict(), plain.full_state_dict())
+    assert diff < 1e-6, f"{name} differs by {diff:.3g} with checkpointing"
+
+
+def test_activation_checkpointing_policies() -> None:
+    from worker.activations import choose_modules
+    from worker.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=4, n_head=2, n_embd=32))
+    inventory = worker.engine.build_inventory_for(
+        model, torch.optim.SGD(model.parameters()), worker.ZeroConfig()
+    )
+    blocks = list(model.blocks)
+    assert choose_modules(model, inventory, "none") == []
+    assert choose_modules(model, inventory, "units") == blocks  # the repeated blocks
+    assert choose_modules(model, inventory, 1) == blocks
+    assert choose_modules(model, inventory, 2) == blocks[1::2]
+    linears = choose_modules(model, inventory, lambda m: isinstance(m, nn.Linear))
+    assert linears and all(isinstance(m, nn.Linear) for m in linears)
+    # the outermost of nested choices: checkpointing inside a checkpoint recomputes twice
+    inner = next(m for m in blocks[0].modules() if isinstance(m, nn.Linear))
+    assert choose_modules(model, inventory, lambda m: m in (blocks[0], inner)) == [blocks[0]]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import math
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -13,6 +15,24 @@ logger = logging.getLogger(__name__)
 
 Precision = Literal["fp32", "bf16", "fp16"]
 _PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class _FieldError(ValueError):
+    """A ZeroConfig field's bad value; ``field`` names it (from_deepspeed adds its key)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +75,14 @@ class ZeroConfig:
         metrics_port: serve Prometheus metrics on this port (0: a free one;
             see worker/metrics.py); None: as ``$ZEROPLANE_METRICS_PORT`` says,
             which launchers set, and off when it is unset.
+        activation_checkpointing: which modules' activations are recomputed in
+            backward instead of kept (see worker/activations.py). ``"none"``:
+            off. ``"units"``: every gather unit's module (the blocks of an
+            ``nn.ModuleList``/``nn.Sequential`` and modules of at least
+            ``stage3_min_unit_numel`` parameters; never the root), each run
+            under torch's non-reentrant ``checkpoint``. An int ``k >= 1``:
+            every k-th of those units (1 = all of them). A callable
+            ``policy(module) -> bool``: each module for which it is True.
     """
 
     stage: Literal[0, 1, 2, 3] = 0
@@ -78,25 +106,35 @@ class ZeroConfig:
     stage3_gather_compression: Literal["none", "int8"] = "none"
     metrics_port: int | None = None
     replica_interval: int = 0
+    # torch-free annotation: the callable takes an nn.Module
+    activation_checkpointing: Literal["none", "units"] | int | Callable[[Any], bool] = "none"
 
     def __post_init__(self) -> None:
-        def bad(name: str, want: str) -> ValueError:
-            return ValueError(f"ZeroConfig.{name} must be {want}, got {getattr(self, name)!r}")
+        # Types are checked before values: a bool is not a number, a float is not
+        # an int, and NaN/inf are no numbers either (NaN passes every `<` test).
+        def bad(name: str, want: str) -> _FieldError:
+            return _FieldError(
+                f"ZeroConfig.{name} must be {want}, got {getattr(self, name)!r}", name
+            )
 
-        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+        def one_of(value: Any, choices: tuple[Any, ...]) -> bool:
+            return isinstance(value, str) and value in choices
+
+        if not _is_int(self.stage) or self.stage not in (0, 1, 2, 3):
             raise bad("stage", "0, 1, 2 or 3")
-        if self.dtype not in _PRECISIONS:
+        if not one_of(self.dtype, _PRECISIONS):
             raise bad("dtype", f"one of {_PRECISIONS}")
-        if self.reduce_dtype is not None and self.reduce_dtype not in _PRECISIONS:
+        if self.reduce_dtype is not None and not one_of(self.reduce_dtype, _PRECISIONS):
             raise bad("reduce_dtype", f"None or one of {_PRECISIONS}")
         for name in (
             "gradient_accumulation_steps",
             "bucket_numel",
             "loss_scale_window",
             "hysteresis",
+            "compression_block",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise bad(name, "an integer >= 1")
         for name in (
             "stage3_prefetch",
@@ -105,76 +143,131 @@ class ZeroConfig:
             "replica_interval",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not _is_int(value) or value < 0:
                 raise bad(name, "an integer >= 0")
-        if not 0 <= self.initial_scale_power <= 64:
-            raise bad("initial_scale_power", "between 0 and 64")
+        if not _is_int(self.initial_scale_power) or not 0 <= self.initial_scale_power <= 64:
+            raise bad("initial_scale_power", "an integer between 0 and 64")
         for name in ("gradient_clipping", "loss_scale"):
-            if not isinstance(getattr(self, name), int | float) or getattr(self, name) < 0:
-                raise bad(name, "a number >= 0")
-        if not self.min_loss_scale > 0:
-            raise bad("min_loss_scale", "> 0")
+            value = getattr(self, name)
+            if not _is_finite_number(value) or value < 0:
+                raise bad(name, "a finite number >= 0")
+        if not _is_finite_number(self.min_loss_scale) or not self.min_loss_scale > 0:
+            raise bad("min_loss_scale", "a finite number > 0")
         for name in ("overlap_comm", "error_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
-        if self.compression not in ("none", "bf16", "fp16", "int8", "onebit"):
+        if not one_of(self.compression, ("none", "bf16", "fp16", "int8", "onebit")):
             raise bad("compression", "one of none, bf16, fp16, int8, onebit")
-        if self.stage3_gather_compression not in ("none", "int8"):
+        if not one_of(self.stage3_gather_compression, ("none", "int8")):
             raise bad("stage3_gather_compression", "none or int8")
         if self.stage3_gather_compression != "none" and self.stage != 3:
             raise bad("stage3_gather_compression", "'none' unless stage is 3")
         if self.metrics_port is not None and (
-            not isinstance(self.metrics_port, int)
-            or isinstance(self.metrics_port, bool)
-            or not 0 <= self.metrics_port <= 65535
+            not _is_int(self.metrics_port) or not 0 <= self.metrics_port <= 65535
         ):
             raise bad("metrics_port", "None or an integer in [0, 65535]")
+        policy = self.activation_checkpointing
+        if isinstance(policy, str):
+            ok = policy in ("none", "units")
+        elif isinstance(policy, bool):
+            ok = False
+        elif isinstance(policy, int):
+            ok = policy >= 1
+        else:
+            ok = callable(policy)
+        if not ok:
+            raise bad(
+                "activation_checkpointing",
+                "'none', 'units', an integer >= 1 or a callable policy(module) -> bool",
+            )
 
     @property
     def mixed_precision(self) -> bool:
         return self.dtype != "fp32"
 
     @classmethod
-    def from_deepspeed(cls, ds: Mapping[str, Any], **overrides: Any) -> ZeroConfig:
+    def from_deepspeed(
+        cls,
+        ds: Mapping[str, Any],
+        *,
+        hidden_size: int | None = None,
+        fp16: bool | None = None,
+        bf16: bool | None = None,
+        **overrides: Any,
+    ) -> ZeroConfig:
         """Read the ZeRO-related keys of a DeepSpeed JSON config.
 
         Keys that would change what training computes and that zeroplane does
         not implement (CPU/NVMe offload, for example) raise ``ValueError``
         naming them. Known DeepSpeed keys that belong to other parts of a
         training script (optimizer, scheduler, batch sizes, logging) are
-        logged as ignored. Unknown keys raise.
+        logged as ignored, ``"auto"`` or not. Unknown keys raise.
+
+        ``"auto"`` values (Hugging Face Trainer's templates) are resolved from
+        keywords, as ``HfTrainerDeepSpeedConfig`` resolves them from
+        ``TrainingArguments`` and the model's config:
+
+        - ``**overrides``: ZeroConfig field names. Each sets that field,
+          whatever the file says, and so also resolves an ``"auto"`` of the
+          DeepSpeed key the field is read from: ``gradient_accumulation_steps``,
+          ``gradient_clipping``, ``stage`` (``zero_optimization.stage``),
+          ``bucket_numel`` (``zero_optimization.reduce_bucket_size``),
+          ``overlap_comm``, ``stage3_prefetch``
+          (``zero_optimization.stage3_prefetch_bucket_size``), ``loss_scale``,
+          ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
+          ``min_loss_scale`` (``fp16.*``) and ``dtype`` (``fp16.enabled`` and
+          ``bf16.enabled``: ``dtype="bf16"`` reads as bf16 on, fp16 off).
+        - ``hidden_size``: the model's hidden size (the largest of
+          ``hidden_sizes`` where a model has several), as HF's trainer uses
+          it: ``reduce_bucket_size = hidden_size**2`` and
+          ``stage3_prefetch_bucket_size = 0.9 * hidden_size**2`` when they are
+          ``"auto"`` (the latter only says whether to prefetch: zeroplane
+          prefetches whole units). ``stage3_param_persistence_threshold`` is
+          ignored, ``"auto"`` or not.
+        - ``fp16``, ``bf16``: ``TrainingArguments``-style booleans for
+          ``fp16.enabled`` / ``bf16.enabled``; giving one makes the other
+          False unless given too. Like HF, a file value that is not ``"auto"``
+          and disagrees with the keyword raises. They must agree with
+          ``dtype`` when both are given.
+
+        A key mapped to a ZeroConfig field that is still ``"auto"`` after that
+        raises ``ValueError`` naming the key and the keyword that resolves it
+        (all such keys at once).
+
+        Values are converted as DeepSpeed 0.19 converts them, or refused with
+        the key in the error (the notes above ``_ds_bool`` say why): in
+        ``zero_optimization``, ``fp16`` and ``bf16`` a boolean may be
+        true/false, 0/1 or a string such as ``"false"``, and an integer an
+        integral number (``5e8``) or a decimal string (``"500000000"``), not
+        ``"5e8"`` or ``1.5``; top-level ``gradient_accumulation_steps`` and
+        ``gradient_clipping`` and the ``activation_checkpointing`` section take
+        JSON numbers and booleans only. ``null`` is refused, except where
+        DeepSpeed's own default is null (``gradient_accumulation_steps``,
+        ``zero_optimization.overlap_comm``): there it means unset.
+
+        A top-level ``activation_checkpointing`` dict sets
+        ``activation_checkpointing="units"``; its keys that tune DeepSpeed's
+        own implementation are logged as ignored, and ``cpu_checkpointing:
+        true`` is refused.
         """
         if not isinstance(ds, Mapping):
             raise TypeError(f"from_deepspeed expects a dict, got {type(ds).__name__}")
-        kw: dict[str, Any] = {}
-        unsupported: list[str] = []
-        ignored: list[str] = []
-
-        for key, value in ds.items():
-            if key == "zero_optimization":
-                _read_zero_section(value, kw, unsupported, ignored)
-            elif key in ("bf16", "fp16"):
-                _read_precision_section(key, value, kw, unsupported, ignored)
-            elif key == "gradient_accumulation_steps":
-                kw["gradient_accumulation_steps"] = value
-            elif key == "gradient_clipping":
-                kw["gradient_clipping"] = value
-            elif key in _DS_IGNORED_TOP:
-                ignored.append(key)
-            else:
-                unsupported.append(key)
-        if kw.get("dtype") is None:
-            kw.pop("dtype", None)
-        if unsupported:
-            raise ValueError(
-                "DeepSpeed config keys zeroplane does not support: " + ", ".join(unsupported)
+        unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(
+                f"from_deepspeed() got unexpected keyword arguments {unknown}: it takes "
+                "ZeroConfig field names, hidden_size, fp16 and bf16"
             )
-        if ignored:
-            logger.warning(
-                "DeepSpeed config keys ignored (not part of ZeroConfig): %s", ", ".join(ignored)
-            )
+        reader = _DeepSpeedReader(overrides, hidden_size=hidden_size, fp16=fp16, bf16=bf16)
+        kw = reader.read(ds)
         kw.update(overrides)
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except _FieldError as error:
+            source = reader.sources.get(error.field)
+            if source is None or error.field in overrides:
+                raise
+            raise ValueError(f"{error} (read from DeepSpeed key {source!r})") from None
 
     def replace(self, **changes: Any) -> ZeroConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -225,58 +318,329 @@ _DS_ZERO_IGNORED = frozenset(
     }
 )
 
-
-def _read_zero_section(
-    zero: Any, kw: dict[str, Any], unsupported: list[str], ignored: list[str]
-) -> None:
-    if not isinstance(zero, Mapping):
-        raise ValueError(f"DeepSpeed 'zero_optimization' must be a dict, got {zero!r}")
-    for key, value in zero.items():
-        name = f"zero_optimization.{key}"
-        if key == "stage":
-            kw["stage"] = value
-        elif key == "reduce_bucket_size":
-            kw["bucket_numel"] = int(value)
-        elif key == "overlap_comm":
-            kw["overlap_comm"] = bool(value)
-        elif key == "stage3_prefetch_bucket_size":
-            # DeepSpeed counts elements; zeroplane prefetches whole units.
-            kw["stage3_prefetch"] = 1 if value else 0
-        elif key in ("offload_optimizer", "offload_param", "cpu_offload"):
-            device = value.get("device", "none") if isinstance(value, Mapping) else value
-            if device not in ("none", None, False):
-                unsupported.append(name)
-        elif key in ("reduce_scatter", "allgather_partitions") and value is False:
-            unsupported.append(f"{name}=false")
-        elif key in _DS_ZERO_IGNORED:
-            ignored.append(name)
-        else:
-            unsupported.append(name)
-
-
-def _read_precision_section(
-    key: str, section: Any, kw: dict[str, Any], unsupported: list[str], ignored: list[str]
-) -> None:
-    if not isinstance(section, Mapping):
-        raise ValueError(f"DeepSpeed '{key}' must be a dict, got {section!r}")
-    if not section.get("enabled", False):
-        return
-    if kw.get("dtype") not in (None, key):
-        raise ValueError("DeepSpeed config enables both 'bf16' and 'fp16'")
-    kw["dtype"] = key
-    mapping = {
-        "loss_scale": "loss_scale",
-        "initial_scale_power": "initial_scale_power",
-        "loss_scale_window": "loss_scale_window",
-        "hysteresis": "hysteresis",
-        "min_loss_scale": "min_loss_scale",
+# activation_checkpointing keys that tune DeepSpeed's own implementation.
+_DS_ACTIVATION_IGNORED = frozenset(
+    {
+        "partition_activations",
+        "contiguous_memory_optimization",
+        "number_checkpoints",
+        "synchronize_checkpoint_boundary",
+        "profile",
     }
-    for sub, value in section.items():
-        if sub == "enabled":
-            continue
-        if key == "fp16" and sub in mapping:
-            kw[mapping[sub]] = value
-        elif sub in ("auto_cast", "immediate_grad_update", "consecutive_hysteresis"):
-            ignored.append(f"{key}.{sub}")
+)
+
+# ---------------------------------------------------------------- value conversion
+#
+# DeepSpeed 0.19 reads a config two ways (deepspeed/runtime/config.py):
+# - zero_optimization, fp16 and bf16 are pydantic models (DeepSpeedZeroConfig in
+#   runtime/zero/config.py, DeepSpeedFP16Config/DeepSpeedBF16Config in
+#   runtime/precision_config.py) validated in pydantic v2's lax mode: a bool
+#   field takes true/false, 0/1 and the strings below; an int field takes ints,
+#   integral floats (5e8 as a JSON number) and decimal strings ("500000000",
+#   "5.0"), not "5e8" or 1.5; fields that are not Optional refuse null.
+# - top-level gradient_accumulation_steps / gradient_clipping and the whole
+#   activation_checkpointing section are read raw (config_utils.get_scalar_param)
+#   and used as they are: `clip > 0.0` and `micro * steps == batch` fail on a
+#   string, and `if CPU_CHECKPOINT:` treats "false" as on. There only JSON
+#   numbers and booleans mean what they say, so only they are accepted.
+# "auto" is the one string DeepSpeed itself drops (DeepSpeedConfigModel's
+# non-strict __init__); here it is resolved or refused (from_deepspeed).
+# Bools are refused where a number is wanted even where pydantic would read
+# true as 1: "stage": true is a mistake, not a stage.
+
+_AUTO = "auto"
+_SKIP = object()
+
+# pydantic v2's lax str -> bool table (matched case-insensitively, not stripped)
+_BOOL_STRINGS = {
+    **dict.fromkeys(("0", "off", "f", "false", "n", "no"), False),
+    **dict.fromkeys(("1", "on", "t", "true", "y", "yes"), True),
+}
+# pydantic v2's lax str -> int: optional sign, digits with single underscores
+# between them, optionally a fraction of zeros; surrounding whitespace allowed
+_INT_STRING = re.compile(r"\s*([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?\s*", re.ASCII)
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == _AUTO
+
+
+def _ds_error(key: str, want: str, value: Any) -> ValueError:
+    return ValueError(f"DeepSpeed key {key!r} must be {want}, got {value!r}")
+
+
+def _ds_bool(key: str, value: Any) -> bool:
+    """A pydantic-read bool (zero_optimization, fp16, bf16)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _BOOL_STRINGS:
+        return _BOOL_STRINGS[value.lower()]
+    raise _ds_error(key, "true or false", value)
+
+
+def _raw_bool(key: str, value: Any) -> bool:
+    """A raw-read bool: DeepSpeed tests it by truthiness, so only a JSON bool is clear."""
+    if isinstance(value, bool):
+        return value
+    raise _ds_error(key, "a JSON boolean (true or false, without quotes)", value)
+
+
+def _ds_int(key: str, value: Any) -> int:
+    """A pydantic-read int (zero_optimization, fp16)."""
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and (match := _INT_STRING.fullmatch(value)):
+        return int(match.group(1))
+    hint = ""
+    if isinstance(value, str):
+        hint = " (DeepSpeed refuses numbers in exponent notation as strings: unquote it)"
+    raise _ds_error(key, "an integer (such as 500000000 or 5e8)" + hint, value)
+
+
+def _raw_int(key: str, value: Any) -> int:
+    """A raw-read int: a JSON number with no fraction."""
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    raise _ds_error(key, "an integer JSON number", value)
+
+
+def _raw_number(key: str, value: Any) -> float:
+    """A raw-read number (gradient_clipping): a finite JSON number."""
+    if _is_finite_number(value):
+        return float(value)
+    raise _ds_error(key, "a finite JSON number", value)
+
+
+def _ds_loss_scale(key: str, value: Any) -> float:
+    """fp16.loss_scale, as DeepSpeedFP16Config._validate_loss_scale reads it."""
+    if not isinstance(value, bool):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            pass
         else:
-            unsupported.append(f"{key}.{sub}")
+            if math.isfinite(number):
+                return number
+    raise _ds_error(key, "a finite number", value)
+
+
+def _ds_min_loss_scale(key: str, value: Any) -> float:
+    # DeepSpeedFP16Config declares min_loss_scale an int: 0.5 is refused there too
+    return float(_ds_int(key, value))
+
+
+# fp16 keys read into ZeroConfig fields, with their conversion
+_FP16_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "loss_scale": _ds_loss_scale,
+    "initial_scale_power": _ds_int,
+    "loss_scale_window": _ds_int,
+    "hysteresis": _ds_int,
+    "min_loss_scale": _ds_min_loss_scale,
+}
+
+
+class _DeepSpeedReader:
+    """One from_deepspeed call: the fields read, where from, and what is wrong."""
+
+    def __init__(
+        self,
+        overrides: Mapping[str, Any],
+        *,
+        hidden_size: int | None,
+        fp16: bool | None,
+        bf16: bool | None,
+    ) -> None:
+        if hidden_size is not None and (not _is_int(hidden_size) or hidden_size < 1):
+            raise ValueError(
+                f"from_deepspeed hidden_size must be an integer >= 1, got {hidden_size!r}"
+            )
+        self.overrides = overrides
+        self.hidden_size = hidden_size
+        self.explicit = {"fp16": fp16, "bf16": bf16}
+        self.precision = _precision_choice(overrides, fp16, bf16)
+        self.kw: dict[str, Any] = {}
+        self.sources: dict[str, str] = {}
+        self.unsupported: list[str] = []
+        self.ignored: list[str] = []
+        self.unresolved: list[str] = []
+
+    def read(self, ds: Mapping[str, Any]) -> dict[str, Any]:
+        for key, value in ds.items():
+            if key == "zero_optimization":
+                self.zero_section(value)
+            elif key in ("bf16", "fp16"):
+                self.precision_section(key, value)
+            elif key == "gradient_accumulation_steps":
+                # DeepSpeed's default is null: null means unset there, as here
+                if value is not None:
+                    value = self.resolve(key, value, key)
+                    if value is not _SKIP:
+                        self.set(key, key, _raw_int(key, value))
+            elif key == "gradient_clipping":
+                value = self.resolve(key, value, key)
+                if value is not _SKIP:
+                    self.set(key, key, _raw_number(key, value))
+            elif key == "activation_checkpointing":
+                self.activation_section(value)
+            elif key in _DS_IGNORED_TOP:
+                self.ignored.append(key)
+            else:
+                self.unsupported.append(key)
+        if self.unsupported:
+            raise ValueError(
+                "DeepSpeed config keys zeroplane does not support: " + ", ".join(self.unsupported)
+            )
+        if self.unresolved:
+            raise ValueError("; ".join(self.unresolved))
+        if self.ignored:
+            logger.warning(
+                "DeepSpeed config keys ignored (not part of ZeroConfig): %s",
+                ", ".join(self.ignored),
+            )
+        return self.kw
+
+    def set(self, field: str, key: str, value: Any) -> None:
+        self.kw[field] = value
+        self.sources[field] = key
+
+    def resolve(
+        self,
+        key: str,
+        value: Any,
+        field: str,
+        from_hidden: Callable[[int], int] | None = None,
+    ) -> Any:
+        """``value``, or for "auto" what resolves it; _SKIP where an override will."""
+        if not _is_auto(value):
+            return value
+        if field in self.overrides:
+            return _SKIP
+        if from_hidden is not None and self.hidden_size is not None:
+            return from_hidden(self.hidden_size)
+        hint = f"{field}=..." + (" or hidden_size=..." if from_hidden else "")
+        self.unresolved.append(f'DeepSpeed key {key!r} is "auto": pass {hint} to from_deepspeed')
+        return _SKIP
+
+    def zero_section(self, zero: Any) -> None:
+        if not isinstance(zero, Mapping):
+            raise ValueError(f"DeepSpeed 'zero_optimization' must be a dict, got {zero!r}")
+        for sub, value in zero.items():
+            key = f"zero_optimization.{sub}"
+            if sub == "stage":
+                value = self.resolve(key, value, "stage")
+                if value is not _SKIP:
+                    self.set("stage", key, _ds_int(key, value))
+            elif sub == "reduce_bucket_size":
+                value = self.resolve(key, value, "bucket_numel", lambda h: h * h)
+                if value is not _SKIP:
+                    self.set("bucket_numel", key, _ds_int(key, value))
+            elif sub == "overlap_comm":
+                # Optional[bool] in DeepSpeed: null means its default, as absent does
+                if value is not None:
+                    value = self.resolve(key, value, "overlap_comm")
+                    if value is not _SKIP:
+                        self.set("overlap_comm", key, _ds_bool(key, value))
+            elif sub == "stage3_prefetch_bucket_size":
+                value = self.resolve(key, value, "stage3_prefetch", lambda h: int(0.9 * h * h))
+                if value is not _SKIP:
+                    numel = _ds_int(key, value)
+                    if numel < 0:  # Field(ge=0) in DeepSpeed
+                        raise _ds_error(key, "an integer >= 0", value)
+                    # DeepSpeed counts elements; zeroplane prefetches whole units.
+                    self.set("stage3_prefetch", key, 1 if numel > 0 else 0)
+            elif sub in ("offload_optimizer", "offload_param", "cpu_offload"):
+                device = value.get("device", "none") if isinstance(value, Mapping) else value
+                if device not in ("none", None, False):
+                    self.unsupported.append(key)
+            elif sub in ("reduce_scatter", "allgather_partitions") and not _is_auto(value):
+                # "auto" is dropped by DeepSpeed, leaving its default true
+                if _ds_bool(key, value):
+                    self.ignored.append(key)
+                else:
+                    self.unsupported.append(f"{key}=false")
+            elif sub in _DS_ZERO_IGNORED:
+                self.ignored.append(key)
+            else:
+                self.unsupported.append(key)
+
+    def precision_section(self, section_key: str, section: Any) -> None:
+        if not isinstance(section, Mapping):
+            raise ValueError(f"DeepSpeed '{section_key}' must be a dict, got {section!r}")
+        key = f"{section_key}.enabled"
+        raw = section.get("enabled", False)
+        if _is_auto(raw):
+            if self.precision is None:
+                self.unresolved.append(
+                    f'DeepSpeed key {key!r} is "auto": pass dtype=... '
+                    f"(or {section_key}=True/False) to from_deepspeed"
+                )
+                return
+            enabled = self.precision[section_key]
+        else:
+            enabled = _ds_bool(key, raw)
+            explicit = self.explicit[section_key]
+            if explicit is not None and explicit != enabled:
+                raise ValueError(
+                    f"DeepSpeed key {key!r} is {raw!r} but from_deepspeed got "
+                    f'{section_key}={explicit}; make the key "auto" or pass the same'
+                )
+        if not enabled:
+            return
+        if self.kw.get("dtype") not in (None, section_key):
+            raise ValueError("DeepSpeed config enables both 'bf16' and 'fp16'")
+        self.set("dtype", key, section_key)
+        for sub, value in section.items():
+            if sub == "enabled":
+                continue
+            key = f"{section_key}.{sub}"
+            if section_key == "fp16" and sub in _FP16_FIELDS:
+                value = self.resolve(key, value, sub)
+                if value is not _SKIP:
+                    self.set(sub, key, _FP16_FIELDS[sub](key, value))
+            elif sub in ("auto_cast", "immediate_grad_update", "consecutive_hysteresis"):
+                self.ignored.append(key)
+            else:
+                self.unsupported.append(key)
+
+    def activation_section(self, section: Any) -> None:
+        if not isinstance(section, Mapping):
+            raise ValueError(
+                f"DeepSpeed 'activation_checkpointing' must be a dict, got {section!r}"
+            )
+        self.set("activation_checkpointing", "activation_checkpointing", "units")
+        for sub, value in section.items():
+            key = f"activation_checkpointing.{sub}"
+            if sub == "cpu_checkpointing":
+                if _raw_bool(key, value):
+                    self.unsupported.append(key)
+            elif sub in _DS_ACTIVATION_IGNORED:
+                self.ignored.append(key)
+            else:
+                self.unsupported.append(key)
+
+
+def _precision_choice(
+    overrides: Mapping[str, Any], fp16: bool | None, bf16: bool | None
+) -> dict[str, bool] | None:
+    """What "auto" in fp16.enabled / bf16.enabled reads as; None: nothing says."""
+    for name, flag in (("fp16", fp16), ("bf16", bf16)):
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"from_deepspeed {name} must be True, False or None, got {flag!r}")
+    if "dtype" in overrides:
+        dtype = overrides["dtype"]
+        choice = {"fp16": dtype == "fp16", "bf16": dtype == "bf16"}
+        for name, flag in (("fp16", fp16), ("bf16", bf16)):
+            if flag is not None and flag != choice[name]:
+                raise ValueError(
+                    f"from_deepspeed got dtype={dtype!r} and {name}={flag}, which disagree"
+                )
+        return choice
+    if fp16 is None and bf16 is None:
+        return None
+    return {"fp16": bool(fp16), "bf16": bool(bf16)}

@@ -237,7 +237,9 @@ class ControlPlane:
         self._reported_at = time.monotonic()
         self.client.set_report(
             WorkerReport(
-                model_state_bytes={k: int(v) for k, v in memory.items() if k != "total"},
+                model_state_bytes={
+                    k: int(v) for k, v in memory.items() if k not in ("total", "activations")
+                },
                 step=step,
                 applied_generation_id=self.generation.id,
             )

@@ -68,6 +68,7 @@ from torch.utils._pytree import tree_map
 
 from coordinator.layout import Layout
 from worker import checkpoint, elastic
+from worker.activations import SavedBytes, checkpoint_modules, choose_modules, unwrap
 from worker.ballot import Ballot, BoundaryVote
 from worker.collectives import CollectiveError, Collectives
 from worker.config import ZeroConfig
@@ -173,6 +174,12 @@ class ZeroEngine:
         self.inventory = inventory or build_inventory_for(module, self.user_optimizer, config)
         self.device = module_device(module)
         self.precision.cast_model(module, self.inventory)
+        # [Note: activation checkpointing] in worker/activations.py
+        self.checkpointed = choose_modules(
+            module, self.inventory, getattr(config, "activation_checkpointing", "none")
+        )
+        checkpoint_modules(self.checkpointed)
+        self.saved_activations = SavedBytes(self._parameter_storages)
         self.state = ShardState(
             module,
             self.user_optimizer,
@@ -287,8 +294,14 @@ class ZeroEngine:
         self.stats.begin()
         if self.precision.enabled:
             args, kwargs = tree_map(self.precision.cast_input, (args, kwargs))
-        with self.state.params.forward_context():
+        with self.saved_activations.measuring(), self.state.params.forward_context():
             return self.module(*args, **kwargs)
+
+    def _parameter_storages(self) -> set[int]:
+        """What autograd may save that is not an activation: parameters and buffers."""
+        tensors = [b.full for b in self.state.buckets]
+        tensors += [*self.inventory.params.values(), *self.module.buffers()]
+        return {t.untyped_storage()._cdata for t in tensors}
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -326,7 +339,12 @@ class ZeroEngine:
             self._launch_ready()
 
         scale = st.scaler.scale / self.config.gradient_accumulation_steps
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        st.params.begin_backward()
+        try:
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        except BaseException:
+            st.params.end_backward()
+            raise
 
         if boundary and not self._walk_exact:
             self._cast_ballot()  # see [Note: graphs that grow during backward]
@@ -471,6 +489,9 @@ class ZeroEngine:
         report = self.state.memory_report()
         report["replica"] = 0 if self.membership is None else self.membership.replica_bytes()
         report["total"] = sum(report.values())
+        # beside the model state, not in its total: what the last measured forward
+        # kept for backward (worker/activations.py [Note: saved-activation bytes])
+        report["activations"] = self.saved_activations.last
         return report
 
     def comm_report(self) -> dict[str, dict[str, int]]:
@@ -615,6 +636,7 @@ class ZeroEngine:
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
+        unwrap(self.checkpointed)
         self.state.params.detach()
         if self.membership is not None:
             self.membership.close()

@@ -84,6 +84,7 @@ METRIC_NAMES = (
     "zeroplane_trainable_parameters",
     "zeroplane_model_state_bytes",
     "zeroplane_model_state_baseline_bytes",
+    "zeroplane_activation_saved_bytes",
     "zeroplane_device_memory_allocated_bytes",
     "zeroplane_device_memory_reserved_bytes",
     "zeroplane_device_memory_peak_bytes",
@@ -319,9 +320,15 @@ class EngineCollector(Collector):
             labels=(*labels, "kind"),
         )
         for kind, value in e.memory.items():
-            if kind != "total":
+            if kind not in ("total", "activations"):
                 state.add_metric((*values, kind), value)
         yield state
+        yield gauge(
+            "zeroplane_activation_saved_bytes",
+            "Bytes autograd kept for backward in the last measured forward (activations; "
+            "activation checkpointing lowers it).",
+            e.memory.get("activations", 0),
+        )
         base = GaugeMetricFamily(
             "zeroplane_model_state_baseline_bytes",
             "Bytes this rank would hold for the same model at stage 0, by kind.",

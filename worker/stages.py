@@ -418,6 +418,9 @@ class ParamStorage:
     def after_launch(self, b: FlatBucket) -> None:
         """``b``'s gradients are handed to a collective (the storage may free it)."""
 
+    def begin_backward(self) -> None:
+        """Backward starts on this rank (forwards from now on are recomputations)."""
+
     def end_backward(self) -> None:
         """Backward has finished on this rank."""
 
@@ -478,6 +481,9 @@ class ShardedParams(ParamStorage):
         # [Note: modules whose forward never runs]: units running their forward now
         self._discovered = False
         self._running: list[GatherUnit] = []
+        # a forward in backward recomputes a checkpointed module: its unit stays
+        # gathered until its gradients are reduced, and nothing is prefetched ahead
+        self._in_backward = False
 
     def place(self, b: FlatBucket) -> None:
         b.param_views()
@@ -565,7 +571,11 @@ class ShardedParams(ParamStorage):
         if all(x.state in (BucketState.REDUCING, BucketState.REDUCED) for x in unit.buckets):
             unit.reshard()
 
+    def begin_backward(self) -> None:
+        self._in_backward = True
+
     def end_backward(self) -> None:
+        self._in_backward = False
         for unit in self.units:
             unit.reshard()
         self._order_recorded = bool(self.units)
@@ -581,7 +591,8 @@ class ShardedParams(ParamStorage):
                 self._running.append(unit)
             if not self._order_recorded and unit not in self._order:
                 self._order.append(unit)
-            self._prefetch(unit, +1)
+            if not self._in_backward:
+                self._prefetch(unit, +1)
 
         return hook
 
@@ -589,6 +600,8 @@ class ShardedParams(ParamStorage):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self._discovered and unit in self._running:
                 del self._running[len(self._running) - 1 - self._running[::-1].index(unit)]
+            if self._in_backward:
+                return  # a recomputation: the backward about to run reads these parameters
             if torch.is_grad_enabled():
                 outputs = [
                     t
@@ -624,6 +637,26 @@ class ShardedParams(ParamStorage):
                 self._order[j].gather(self.comm)
 
 
+# tensor methods and properties that look at metadata only, never at values
+_METADATA = frozenset(
+    {
+        "size", "dim", "numel", "stride", "storage_offset", "element_size", "data_ptr",
+        "untyped_storage", "is_floating_point", "is_complex", "is_contiguous",
+        "register_hook", "register_post_accumulate_grad_hook", "shape", "dtype",
+        "device", "requires_grad", "ndim", "is_cuda", "layout", "is_leaf", "grad_fn",
+        "grad", "names", "is_sparse", "is_quantized", "is_meta", "is_nested",
+        "_version", "output_nr", "itemsize", "nbytes",
+    }
+)  # fmt: skip
+
+
+def _reads_data(func: Callable) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: named by its descriptor
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name not in _METADATA
+
+
 class _DiscoverReads(TorchFunctionMode):
     """The first forward at stage 3: find parameters read outside their unit's forward
     ([Note: modules whose forward never runs])."""
@@ -644,6 +677,8 @@ class _DiscoverReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not _reads_data(func):
+            return func(*args, **kwargs)
         unit_of = self.storage._unit_of_param
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, nn.Parameter):

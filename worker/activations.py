@@ -1,0 +1,118 @@
+"""Activations: checkpointing chosen modules, and measuring what backward keeps.
+
+[Note: activation checkpointing]
+``ZeroConfig(activation_checkpointing=...)`` picks modules whose activations
+are not kept for backward but recomputed in it: ``"units"`` every gather
+unit's module but the root (the blocks of an ``nn.ModuleList`` or
+``nn.Sequential`` and modules of at least ``stage3_min_unit_numel``
+parameters: the same units stage 3 gathers), an int ``k`` every k-th of them,
+or a callable policy over modules. Only the outermost of nested choices is
+checkpointed. Each chosen module's forward runs under torch's non-reentrant
+``checkpoint``: its parameters stay in the autograd graph (so the engine's
+graph walk stays exact and overlap is kept, worker/engine.py [Note: bucket
+order]) and at stage 3 the recomputation runs the units' own forward hooks
+again, gathering each unit for its recomputation and freeing it after, so
+stage 3's bound (the running unit and the prefetched one) holds in backward
+too. Parameter names, checkpoints and the module tree are unchanged: the
+module's ``forward`` is wrapped on the instance, and :func:`unwrap` restores it.
+
+[Note: saved-activation bytes]
+What checkpointing saves is measured, not estimated: a
+``saved_tensors_hooks`` pair around the forward counts the bytes of every
+distinct storage autograd keeps for backward (parameters excluded; tensors a
+checkpointed region recomputes are packed by the checkpoint's own hooks, so
+they are not kept and not counted). A Python call per saved tensor costs a
+little, so the engine measures the first forward after it is built and every
+``MEASURE_EVERY``-th one after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from worker.inventory import Inventory
+
+__all__ = ["MEASURE_EVERY", "SavedBytes", "checkpoint_modules", "choose_modules", "unwrap"]
+
+MEASURE_EVERY = 50
+
+Policy = str | int | Callable[[nn.Module], bool]
+
+
+def choose_modules(root: nn.Module, inventory: Inventory, policy: Policy) -> list[nn.Module]:
+    """The modules ``policy`` checkpoints (see [Note: activation checkpointing])."""
+    if policy == "none":
+        return []
+    if callable(policy):
+        chosen = [m for m in root.modules() if m is not root and policy(m)]
+    else:
+        units = [m for index, m in inventory.unit_modules.items() if index != 0]
+        step = 1 if policy == "units" else int(policy)
+        chosen = units[step - 1 :: step]
+    # the outermost of nested choices: checkpointing inside a checkpoint recomputes twice
+    inner = {id(d) for m in chosen for d in m.modules() if d is not m}
+    return [m for m in chosen if id(m) not in inner]
+
+
+def checkpoint_modules(modules: list[nn.Module]) -> None:
+    """Run each module's forward under torch's non-reentrant checkpoint."""
+    for module in modules:
+        if "forward" in vars(module):
+            raise ValueError(
+                f"{type(module).__name__} already has a forward of its own on the instance "
+                "(checkpointed twice, or wrapped by another library)"
+            )
+        original = module.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, _original=original, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _original(*args, **kwargs)
+            return checkpoint(_original, *args, use_reentrant=False, **kwargs)
+
+        module.forward = forward  # type: ignore[method-assign]
+
+
+def unwrap(modules: list[nn.Module]) -> None:
+    """Undo :func:`checkpoint_modules`."""
+    for module in modules:
+        vars(module).pop("forward", None)
+
+
+class SavedBytes:
+    """Counts the bytes autograd keeps for backward ([Note: saved-activation bytes])."""
+
+    def __init__(self, params: Callable[[], set[int]]) -> None:
+        self._params = params  # ids (``_cdata``) of the parameters' storages
+        self.last = 0  # bytes kept by the last measured forward
+        self.peak = 0
+        self._calls = 0
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Count this forward, if it is one to measure."""
+        self._calls += 1
+        if self._calls != 1 and self._calls % MEASURE_EVERY:
+            yield
+            return
+        skip = self._params()
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key not in skip and key not in seen:
+                seen[key] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.last = sum(seen.values())
+        self.peak = max(self.peak, self.last)
