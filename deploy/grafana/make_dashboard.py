@@ -254,8 +254,10 @@ def panels() -> list[dict[str, Any]]:
         timeseries(
             "Device and host memory, per rank",
             "CUDA: allocated, reserved, peak and the device's total. CPU: the worker "
-            "process's resident memory.",
+            "process's resident memory. Activations: what autograd kept for backward in "
+            "the last measured forward (activation checkpointing lowers it).",
             [
+                (f"zeroplane_activation_saved_bytes{{{SEL}}}", "rank {{rank}} activations"),
                 (f"zeroplane_device_memory_allocated_bytes{{{SEL}}}", "rank {{rank}} allocated"),
                 (f"zeroplane_device_memory_reserved_bytes{{{SEL}}}", "rank {{rank}} reserved"),
                 (f"zeroplane_device_memory_peak_bytes{{{SEL}}}", "rank {{rank}} peak"),
