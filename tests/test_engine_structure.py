@@ -118,3 +118,17 @@ def test_stage2_staging_buffers_come_from_a_pool_of_two() -> None:
         engine.backward(engine(idx, idx, True))
         engine.step()
     assert engine.state.pool.allocated <= 2
+
+
+def test_session_phases_move_only_as_documented() -> None:
+    from worker.session import ElasticSession, Phase
+
+    session = ElasticSession()
+    assert session.phase is Phase.JOINING
+    for phase in (Phase.MEMBER, Phase.RECOVERING, Phase.RECOVERING, Phase.MEMBER, Phase.LEAVING):
+        session._to(phase)
+    with pytest.raises(RuntimeError, match=r"no transition from Phase\.LEAVING to Phase\.MEMBER"):
+        session._to(Phase.MEMBER)
+    session._to(Phase.LEFT)
+    with pytest.raises(RuntimeError, match="no transition"):
+        session._to(Phase.JOINING)

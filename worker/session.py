@@ -94,7 +94,8 @@ _TRANSITIONS: dict[Phase, set[Phase]] = {
     Phase.JOINING: {Phase.MEMBER, Phase.RECOVERING, Phase.LEFT},
     Phase.MEMBER: {Phase.MEMBER, Phase.LEAVING, Phase.RECOVERING, Phase.LEFT},
     Phase.LEAVING: {Phase.LEFT, Phase.RECOVERING},
-    Phase.RECOVERING: {Phase.MEMBER, Phase.LEFT},
+    # a peer lost while recovering from an earlier loss: recover again
+    Phase.RECOVERING: {Phase.MEMBER, Phase.RECOVERING, Phase.LEFT},
     Phase.LEFT: set(),
 }
 
