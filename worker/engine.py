@@ -434,10 +434,7 @@ class ZeroEngine:
             ]
             # from here until the step is whole, a lost peer leaves this state torn
             st.whole = False
-            with record_function("zeroplane.optimizer_step"):
-                st.optimizer.step(piece_grads)
-            with record_function("zeroplane.publish"):
-                st.publish_params()
+            st.step_and_publish(piece_grads)
             st.global_steps += 1
             st.whole = True
         else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,14 +99,22 @@ class ShardOptimizer:
         ]
         self.inner = rebuild_optimizer(user, groups)
 
-    def step(self, grads: Iterable[torch.Tensor | None]) -> None:
-        """One step; ``grads[i]`` is piece i's fp32 gradient, ``None`` if unused."""
+    def step(
+        self, grads: Sequence[torch.Tensor | None], *, buckets: Collection[int] | None = None
+    ) -> None:
+        """One step; ``grads[i]`` is piece i's fp32 gradient, ``None`` if unused.
+
+        ``buckets``: update only the pieces of these buckets (the others are
+        skipped as torch.optim skips a parameter without a gradient), so the
+        caller can publish one part while the next is updated.
+        """
         for ug, ig in zip(self.user.param_groups, self.inner.param_groups, strict=True):
             for key, value in ug.items():
                 if key != "params":
                     ig[key] = value
         for piece, grad in zip(self.pieces, grads, strict=True):
-            piece.view.grad = grad
+            if buckets is None or piece.bucket in buckets:
+                piece.view.grad = grad
         self.inner.step()
         for piece in self.pieces:
             piece.view.grad = None

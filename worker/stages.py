@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
-from worker.collectives import Collectives
+from worker.collectives import Collectives, Handle
 from worker.compression import Codec, WireBuffers, start_all_gather, start_reduce_scatter
 from worker.flat import BucketState, FlatBucket, GatherUnit, UnitState
 
@@ -399,18 +399,22 @@ class ParamStorage:
 
     def publish(self, buckets: list[FlatBucket], comm: Collectives) -> None:
         """Write the updated master partition into the compute parameters."""
-        handles = []
-        with torch.no_grad():
-            for b in buckets:
-                if b.lo == 0 and b.hi == b.spec.padded_numel:
-                    # the optimizer holds the whole bucket (stage 0): no collective
-                    if self.mixed_precision:
-                        b.full.copy_(b.master)
-                    continue
-                src = b.master.to(self.dtype) if self.mixed_precision else b.full[b.lo : b.hi]
-                handles.append(comm.all_gather(b.full, src, async_op=True))
+        handles = [self.start_publish(b, comm) for b in buckets]
         for h in handles:
-            h.wait()
+            if h is not None:
+                h.wait()
+
+    def start_publish(self, b: FlatBucket, comm: Collectives) -> Handle | None:
+        """Start writing ``b``'s updated master partition into its compute parameters;
+        a collective to wait on, if one was needed."""
+        with torch.no_grad():
+            if b.lo == 0 and b.hi == b.spec.padded_numel:
+                # the optimizer holds the whole bucket (stage 0): no collective
+                if self.mixed_precision:
+                    b.full.copy_(b.master)
+                return None
+            src = b.master.to(self.dtype) if self.mixed_precision else b.full[b.lo : b.hi]
+            return comm.all_gather(b.full, src, async_op=True)
 
     def nbytes(self, b: FlatBucket) -> int:
         return _nbytes(b.full)
@@ -557,11 +561,11 @@ class ShardedParams(ParamStorage):
             type(host.module).__name__,
         )
 
-    def publish(self, buckets: list[FlatBucket], comm: Collectives) -> None:
+    def start_publish(self, b: FlatBucket, comm: Collectives) -> Handle | None:
         if self.mixed_precision:
             with torch.no_grad():
-                for b in buckets:
-                    b.shard.copy_(b.master)
+                b.shard.copy_(b.master)
+        return None
 
     def nbytes(self, b: FlatBucket) -> int:
         return _nbytes(b.shard)

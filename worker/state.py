@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from coordinator.layout import Layout, compute_layout
 from coordinator.ranges import Range, RangeIndex, owned_ranges
-from worker.collectives import Collectives
+from worker.collectives import Collectives, Handle
 from worker.compression import make_codec
 from worker.config import ZeroConfig
 from worker.flat import BucketState, FlatBucket, GatherUnit
@@ -47,9 +48,12 @@ from worker.stages import (
     StagingPool,
 )
 
-__all__ = ["Counters", "Entries", "MissingRange", "ShardState"]
+__all__ = ["PUBLISH_CHUNKS", "Counters", "Entries", "MissingRange", "ShardState"]
 
 logger = logging.getLogger(__name__)
+
+# optimizer-step chunks whose all-gathers overlap the next chunk's update
+PUBLISH_CHUNKS = 4
 
 # ``name[start:stop]`` -> {"master": fp32 values, "state": optimizer state sliced alike}
 Entries = dict[str, dict[str, Any]]
@@ -99,6 +103,7 @@ class ShardState:
         self.optimizer = ShardOptimizer(user_optimizer, [[] for _ in user_optimizer.param_groups])
         self.whole = False
         self.builds = 0  # how many times the buffers were (re)built
+        self._publish_chunks: list[set[int]] = []
 
     def _make_reducer(self, reduce_dtype: torch.dtype) -> GradReducer:
         cls = self.stage.reducer
@@ -190,6 +195,7 @@ class ShardState:
                 )
         self.optimizer = ShardOptimizer(self.user_optimizer, pieces)
         self.params.attach(self.buckets, comm, self.inventory.unit_modules)
+        self._publish_chunks = self._chunks()
         self.whole = from_module
         self.builds += 1
 
@@ -256,6 +262,53 @@ class ShardState:
     def publish_params(self) -> None:
         """Write the updated master partition back into the compute parameters."""
         self.params.publish(self.buckets, self.comm)
+
+    def step_and_publish(self, grads: list[torch.Tensor | None]) -> None:
+        """The optimizer step on this rank's partition, then publish it.
+
+        [Note: publish while stepping]
+        Where publishing is an all-gather (stages 1–2), the buckets are stepped
+        in a few chunks and each chunk's all-gathers start as soon as it is
+        updated, so they run while the next chunk is (DDP has no such
+        all-gather; this hides most of it). Every chunk calls the optimizer
+        with the other chunks' gradients absent, which torch.optim skips, so
+        the numbers are those of one step over all.
+        """
+        chunks = self._publish_chunks
+        if len(chunks) <= 1:
+            with record_function("zeroplane.optimizer_step"):
+                self.optimizer.step(grads)
+            with record_function("zeroplane.publish"):
+                self.publish_params()
+            return
+        handles: list[Handle] = []
+        for chunk in chunks:
+            with record_function("zeroplane.optimizer_step"):
+                self.optimizer.step(grads, buckets=chunk)
+            with record_function("zeroplane.publish"):
+                for i in chunk:
+                    h = self.params.start_publish(self.buckets[i], self.comm)
+                    if h is not None:
+                        handles.append(h)
+        with record_function("zeroplane.publish"):
+            for h in handles:
+                h.wait()
+
+    def _chunks(self) -> list[set[int]]:
+        """Buckets in index order, in up to ``PUBLISH_CHUNKS`` runs of similar size
+        ([Note: publish while stepping]); one run where publishing is local."""
+        everything = [set(range(len(self.buckets)))]
+        if not (self.comm.distributed and self.stage.optimizer_sharded) or self.params.sharded:
+            return everything
+        total = sum(b.spec.padded_numel for b in self.buckets)
+        chunks: list[set[int]] = [set()]
+        filled = 0
+        for i, b in enumerate(self.buckets):
+            if filled >= total * len(chunks) / PUBLISH_CHUNKS and chunks[-1]:
+                chunks.append(set())
+            chunks[-1].add(i)
+            filled += b.spec.padded_numel
+        return chunks
 
     def zero_grads(self) -> None:
         for b in self.buckets:
