@@ -2,10 +2,27 @@
 
 Model states come from ``coordinator.memory`` (the ZeRO paper's formulas).
 Activations are not derivable from a parameter inventory, so they enter as a
-stated per-rank term (``PlanConfig.activation_bytes``) that every estimate
-shows beside the model states. A stage fits when model states plus
-activations stay within the device memory less a headroom fraction (CUDA
-context, allocator fragmentation, communication buffers).
+stated per-rank term (``PlanConfig.activation_bytes``), or are estimated
+from the transformer's shape (``PlanConfig.activations``, see
+[Note: activation memory]); every estimate shows them beside the model
+states. A stage fits when model states plus activations stay within the
+device memory less a headroom fraction (CUDA context, allocator
+fragmentation, communication buffers). When no stage fits with every
+activation kept but one does with activation checkpointing, the plan says
+that checkpointing is what makes the model fit.
+
+[Note: activation memory]
+Per transformer layer, a micro-batch of ``b`` sequences of ``s`` tokens with
+hidden size ``h`` and ``a`` attention heads keeps ``s*b*h*(34 + 5*a*s/h)``
+bytes for backward in 16-bit training (Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", eq. 1: 34 bytes per
+token and hidden unit for the linear layers, norms and dropout masks, and
+``5*a*s/h`` for the attention scores, their softmax and its dropout). fp32
+doubles it. With every layer checkpointed a layer keeps only its input,
+``2*s*b*h`` bytes (16-bit), and backward recomputes one layer at a time, so
+one layer's full activations come on top. Attention kernels that never
+store the score matrix (flash attention) drop the ``5*a*s/h`` term; the
+estimate keeps it, erring high.
 
 The choice is the lowest stage that fits the smallest worker: a lower stage
 moves fewer bytes (stage 3 gathers parameters every step). With one rank no
@@ -25,6 +42,7 @@ from coordinator.memory import DTYPE_BYTES, ModelStateBytes, model_state_bytes
 
 __all__ = [
     "STAGES",
+    "ActivationShape",
     "MemoryEstimate",
     "PlanConfig",
     "StageChoice",
@@ -42,6 +60,43 @@ Precision = Literal["fp32", "bf16", "fp16"]
 
 
 @dataclass(frozen=True, kw_only=True)
+class ActivationShape:
+    """A transformer's shape and micro-batch, for [Note: activation memory]."""
+
+    layers: int
+    hidden: int
+    seq: int
+    micro_batch: int = 1
+    # attention heads; None: hidden // 64, the usual head size
+    heads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "seq", "micro_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ActivationShape.{name} must be an integer >= 1, got {value!r}")
+        if self.heads is not None and (not isinstance(self.heads, int) or self.heads < 1):
+            raise ValueError(f"ActivationShape.heads must be None or >= 1, got {self.heads!r}")
+
+    def layer_bytes(self, precision: str) -> float:
+        """One layer's activations kept for backward, every one of them kept."""
+        s, b, h = self.seq, self.micro_batch, self.hidden
+        a = self.heads or max(1, h // 64)
+        return s * b * h * (34 + 5 * a * s / h) * _ACT_SCALE[precision]
+
+    def bytes(self, precision: str, *, checkpointing: bool) -> float:
+        """Activation bytes per rank, with or without checkpointing every layer."""
+        if not checkpointing:
+            return self.layers * self.layer_bytes(precision)
+        inputs = self.layers * 2 * self.seq * self.micro_batch * self.hidden
+        return inputs * _ACT_SCALE[precision] + self.layer_bytes(precision)
+
+
+# the activation formula counts 16-bit tensors; fp32 keeps them in 4 bytes
+_ACT_SCALE = {"bf16": 1.0, "fp16": 1.0, "fp32": 2.0}
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     """How the coordinator plans a generation."""
 
@@ -55,6 +110,8 @@ class PlanConfig:
     headroom: float = 0.1
     # Activation bytes per rank, added to every stage's estimate.
     activation_bytes: int = 0
+    # Or the transformer's shape, to estimate them with and without checkpointing.
+    activations: ActivationShape | None = None
     # Layout: real elements per bucket, and the element alignment of each shard.
     bucket_numel: int = 1 << 24
     align: int = 1
@@ -76,6 +133,8 @@ class PlanConfig:
             raise ValueError(
                 f"PlanConfig.activation_bytes must be >= 0, got {self.activation_bytes}"
             )
+        if self.activations is not None and self.activation_bytes:
+            raise ValueError("PlanConfig takes activation_bytes or activations, not both")
         if self.bucket_numel < 1:
             raise ValueError(f"PlanConfig.bucket_numel must be >= 1, got {self.bucket_numel}")
         if self.align < 1:
@@ -105,12 +164,20 @@ class StageChoice:
     # Device memory less headroom; 0 when the device memory is unknown.
     usable_bytes: float
     fits: bool
+    # Whether the plan checkpoints activations (only what makes a model fit does).
+    checkpointing: bool = False
 
 
 def estimate_memory(
-    numel: int, *, stage: int, world_size: int, config: PlanConfig = PlanConfig()
+    numel: int,
+    *,
+    stage: int,
+    world_size: int,
+    config: PlanConfig = PlanConfig(),
+    checkpointing: bool = False,
 ) -> MemoryEstimate:
-    """Model states by the ZeRO formulas plus the configured activation term."""
+    """Model states by the ZeRO formulas plus the activations (stated, or estimated
+    from ``config.activations`` with or without ``checkpointing``)."""
     states = model_state_bytes(
         numel,
         stage=stage,
@@ -118,7 +185,10 @@ def estimate_memory(
         dtype=config.precision,
         optimizer_states=config.optimizer_states,
     )
-    return MemoryEstimate(stage, world_size, states, float(config.activation_bytes))
+    activations = float(config.activation_bytes)
+    if config.activations is not None:
+        activations = config.activations.bytes(config.precision, checkpointing=checkpointing)
+    return MemoryEstimate(stage, world_size, states, activations)
 
 
 def choose_stage(
@@ -168,6 +238,17 @@ def choose_stage(
             "mixed precision and activation checkpointing are the memory levers"
         )
         if device_memory_bytes > 0 and not fits(0):
+            if config.activations is not None:
+                saved = tuple(
+                    estimate_memory(numel, stage=s, world_size=1, config=config, checkpointing=True)
+                    for s in STAGES
+                )
+                if saved[0].total <= usable:
+                    reason += (
+                        f"; with activation checkpointing it fits: "
+                        f"{format_bytes(saved[0].total)} of {have}"
+                    )
+                    return StageChoice(0, reason, saved, usable, True, checkpointing=True)
             reason += f" (needs {need(0)}, more than {have})"
         return StageChoice(0, reason, estimates, usable, fits(0))
     if device_memory_bytes == 0:
@@ -183,6 +264,22 @@ def choose_stage(
                     f"stage {stage - 1} needs {need(stage - 1)}"
                 )
             return StageChoice(stage, reason, estimates, usable, True)
+    if config.activations is not None:
+        saved = tuple(
+            estimate_memory(
+                numel, stage=s, world_size=world_size, config=config, checkpointing=True
+            )
+            for s in STAGES
+        )
+        for stage in STAGES:
+            if saved[stage].total <= usable:
+                reason = (
+                    f"stage {stage} with activation checkpointing: "
+                    f"{format_bytes(saved[stage].total)} per rank of {have}; with every "
+                    f"activation kept even stage 3 needs {need(3)} "
+                    f"({format_bytes(estimates[3].activation_bytes)} of it activations)"
+                )
+                return StageChoice(stage, reason, saved, usable, True, checkpointing=True)
     reason = (
         f"no stage fits: even stage 3 needs {need(3)}, more than {have}; "
         "stage 3 comes closest (add ranks, offload, or checkpoint activations)"

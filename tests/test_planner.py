@@ -9,6 +9,7 @@ import pytest
 
 from coordinator.cli import main
 from coordinator.planner import (
+    ActivationShape,
     PlanConfig,
     choose_stage,
     estimate_memory,
@@ -131,3 +132,59 @@ def test_cli_plan_loads_a_model_factory(tmp_path, monkeypatch, capsys) -> None:
     assert data["trainable_params"] == 10 * 20 + 20 * 5 + 5  # the frozen bias is not counted
     assert main(["plan", "--model", "planned_model:nope"]) == 2
     assert "cannot load" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- activations
+
+
+def test_activation_estimate_is_korthikanti_eq1() -> None:
+    # GPT-3 175B's shape (s=2048, h=12288, a=96), one sequence: the paper's eq. 1 gives
+    # s*b*h*(34 + 5*a*s/h) = 2048*12288*(34 + 80) bytes per layer in 16-bit training
+    shape = ActivationShape(layers=96, hidden=12288, seq=2048, micro_batch=1, heads=96)
+    per_layer = 2048 * 12288 * 114
+    assert shape.layer_bytes("bf16") == per_layer
+    assert shape.bytes("bf16", checkpointing=False) == 96 * per_layer
+    assert shape.bytes("fp32", checkpointing=False) == 2 * 96 * per_layer
+    # checkpointing keeps each layer's input (2*s*b*h) and recomputes one layer at a time
+    assert shape.bytes("bf16", checkpointing=True) == 96 * 2 * 2048 * 12288 + per_layer
+    assert ActivationShape(layers=1, hidden=128, seq=16).layer_bytes("fp16") == 16 * 128 * (
+        34 + 5 * 2 * 16 / 128
+    )
+    with pytest.raises(ValueError, match=r"ActivationShape\.seq"):
+        ActivationShape(layers=1, hidden=8, seq=0)
+
+
+def test_checkpointing_is_recommended_only_when_it_is_what_fits() -> None:
+    shape = ActivationShape(layers=32, hidden=4096, seq=4096, micro_batch=4, heads=32)
+    kept = shape.bytes("bf16", checkpointing=False)
+    ckpt = shape.bytes("bf16", checkpointing=True)
+    config = PlanConfig(activations=shape)
+    # 7B on 8 ranks of 80 GB: every activation kept, nothing fits (416 GB of activations)
+    choice = choose_stage(7 * 10**9, world_size=8, device_memory_bytes=80 * 10**9, config=config)
+    assert choice.fits and choice.checkpointing
+    assert choice.stage == 1  # stage 0 needs 16*7e9 = 112 GB of model states alone
+    assert choice.estimates[1].activation_bytes == ckpt
+    assert "activation checkpointing" in choice.reason and "even stage 3" in choice.reason
+    # a short sequence fits without it: the plan keeps every activation
+    short = PlanConfig(activations=ActivationShape(layers=32, hidden=4096, seq=128, heads=32))
+    plain = choose_stage(7 * 10**9, world_size=8, device_memory_bytes=80 * 10**9, config=short)
+    assert plain.fits and not plain.checkpointing
+    assert kept > 72e9 > ckpt + choice.estimates[1].model_states.total
+    with pytest.raises(ValueError, match="activation_bytes or activations"):
+        PlanConfig(activation_bytes=1, activations=shape)
+
+
+def test_cli_plan_with_a_transformer_shape(capsys) -> None:
+    argv = ["plan", "--params", "7e9", "--world-sizes", "8", "--device-memory", "80GB"]
+    shape = ["--seq", "4096", "--micro-batch", "4", "--layers", "32", "--hidden", "4096"]
+    assert main([*argv, *shape, "--heads", "32"]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["8"])
+    assert row[-1] == "1+ac"
+    assert main([*argv, *shape, "--heads", "32", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plans"][0]
+    assert plan["activation_checkpointing"] and plan["recommended_stage"] == 1
+    assert main([*argv, "--seq", "4096"]) == 2
+    assert "--seq needs --layers and --hidden" in capsys.readouterr().err
+    assert main([*argv, "--layers", "32"]) == 2
+    assert "need --seq" in capsys.readouterr().err

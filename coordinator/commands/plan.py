@@ -15,7 +15,14 @@ import sys
 from decimal import ROUND_HALF_UP, Decimal
 
 from coordinator.layout import ParamSpec
-from coordinator.planner import STAGES, PlanConfig, choose_stage, parse_bytes, parse_count
+from coordinator.planner import (
+    STAGES,
+    ActivationShape,
+    PlanConfig,
+    choose_stage,
+    parse_bytes,
+    parse_count,
+)
 
 __all__ = ["add_parser", "inventory_of", "plan"]
 
@@ -77,6 +84,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="BYTES",
         help="activation memory per rank, added to every stage (default 0: not included)",
     )
+    shape = parser.add_argument_group(
+        "activations from the model's shape",
+        "estimate activations per rank from a transformer's shape instead of --activations "
+        "(Korthikanti et al. 2022), with and without activation checkpointing; with --model, "
+        "--layers/--hidden/--heads default to the model's config where it has one",
+    )
+    shape.add_argument("--seq", type=int, metavar="TOKENS", help="sequence length")
+    shape.add_argument(
+        "--micro-batch", type=int, default=1, metavar="N", help="sequences per rank (default 1)"
+    )
+    shape.add_argument("--layers", type=int, metavar="N", help="transformer layers")
+    shape.add_argument("--hidden", type=int, metavar="H", help="hidden size")
+    shape.add_argument("--heads", type=int, metavar="A", help="attention heads (default H/64)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=plan)
     return parser
@@ -95,7 +115,49 @@ def inventory_of(module: object) -> list[ParamSpec]:
     ]
 
 
-def _load_model(spec: str) -> tuple[int, str]:
+def _shape_of(model: object) -> dict[str, int]:
+    """layers/hidden/heads from a model's config, where it has one (Hugging Face's, or
+    zeroplane's GPT): what ``--layers``/``--hidden``/``--heads`` default to."""
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    found: dict[str, int] = {}
+    for key, names in (
+        ("layers", ("num_hidden_layers", "n_layer", "num_layers")),
+        ("hidden", ("hidden_size", "n_embd", "d_model")),
+        ("heads", ("num_attention_heads", "n_head", "num_heads")),
+    ):
+        for name in names:
+            value = getattr(cfg, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                found[key] = value
+                break
+    return found
+
+
+def _activations(args: argparse.Namespace, defaults: dict[str, int]) -> ActivationShape | None:
+    if args.seq is None:
+        given = [f"--{n}" for n in ("layers", "hidden", "heads") if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --seq (the sequence length)")
+        return None
+    if args.activations != "0":
+        raise ValueError("--activations and --seq both set activations: give one")
+    layers = args.layers if args.layers is not None else defaults.get("layers")
+    hidden = args.hidden if args.hidden is not None else defaults.get("hidden")
+    missing = [n for n, v in (("--layers", layers), ("--hidden", hidden)) if v is None]
+    if missing:
+        raise ValueError(
+            f"--seq needs {' and '.join(missing)} (or a --model whose config has them)"
+        )
+    return ActivationShape(
+        layers=layers,
+        hidden=hidden,
+        seq=args.seq,
+        micro_batch=args.micro_batch,
+        heads=args.heads if args.heads is not None else defaults.get("heads"),
+    )
+
+
+def _load_model(spec: str) -> tuple[int, str, dict[str, int]]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model must be MODULE:FACTORY, got {spec!r}")
@@ -112,7 +174,7 @@ def _load_model(spec: str) -> tuple[int, str]:
     note = f"{type(model).__name__} from {spec}: {len(inventory)} parameter tensors"
     if frozen:
         note += f", {frozen:,} frozen elements not counted"
-    return numel, note
+    return numel, note, _shape_of(model)
 
 
 def _fixed(value: float, places: int) -> str:
@@ -132,16 +194,17 @@ def plan(args: argparse.Namespace) -> int:
         if not world_sizes or min(world_sizes) < 1:
             raise ValueError(f"--world-sizes must be positive integers, got {args.world_sizes!r}")
         device_memory = parse_bytes(args.device_memory)
+        if args.params is not None:
+            numel, source, shape = parse_count(args.params), "given", {}
+        else:
+            numel, source, shape = _load_model(args.model)
         config = PlanConfig(
             precision=args.precision,
             optimizer_states=args.optimizer_states,
             headroom=args.headroom,
             activation_bytes=parse_bytes(args.activations),
+            activations=_activations(args, shape),
         )
-        if args.params is not None:
-            numel, source = parse_count(args.params), "given"
-        else:
-            numel, source = _load_model(args.model)
     except ValueError as exc:
         print(f"zeroplane plan: {exc}", file=sys.stderr)
         return 2
@@ -158,14 +221,20 @@ def plan(args: argparse.Namespace) -> int:
             "device_memory_bytes": device_memory,
             "headroom": config.headroom,
             "activation_bytes": config.activation_bytes,
+            "activations": None if config.activations is None else vars(config.activations),
             "plans": [
                 {
                     "world_size": n,
                     "recommended_stage": c.stage,
+                    "activation_checkpointing": c.checkpointing,
                     "fits": c.fits,
                     "reason": c.reason,
                     "bytes_per_rank": {
-                        str(e.stage): {**e.model_states.as_dict(), "total": e.total}
+                        str(e.stage): {
+                            **e.model_states.as_dict(),
+                            "activations": e.activation_bytes,
+                            "total": e.total,
+                        }
                         for e in c.estimates
                     },
                 }
@@ -188,14 +257,28 @@ def plan(args: argparse.Namespace) -> int:
         f"device memory: {_cell(device_memory, 1e9)} GB per rank, {config.headroom:.0%} "
         f"headroom -> {_cell(usable, 1e9)} GB usable"
     )
-    if config.activation_bytes:
+    act = config.activations
+    if act is not None:
+        kept = act.bytes(config.precision, checkpointing=False)
+        ckpt = act.bytes(config.precision, checkpointing=True)
+        print(
+            f"activations: {act.layers} layers, hidden {act.hidden}, seq {act.seq}, "
+            f"micro-batch {act.micro_batch}: {_cell(kept, 1e9)} GB per rank kept, "
+            f"{_cell(ckpt, 1e9)} GB with activation checkpointing (+ac: the column "
+            "uses it)"
+        )
+    elif config.activation_bytes:
         print(f"activations: {_cell(config.activation_bytes, 1e9)} GB per rank, in every column")
     else:
         print("activations: not included (0 per rank; --activations adds them)")
     print()
     header = ["world size", *(f"stage {s}" for s in STAGES), "recommended"]
     rows = [
-        [str(n), *(_cell(e.total, scale) for e in c.estimates), f"{c.stage}{'' if c.fits else '*'}"]
+        [
+            str(n),
+            *(_cell(e.total, scale) for e in c.estimates),
+            f"{c.stage}{'+ac' if c.checkpointing else ''}{'' if c.fits else '*'}",
+        ]
         for n, c in zip(world_sizes, choices, strict=True)
     ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
