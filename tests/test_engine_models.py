@@ -231,3 +231,79 @@ def test_activation_checkpointing_policies() -> None:
     # the outermost of nested choices: checkpointing inside a checkpoint recomputes twice
     inner = next(m for m in blocks[0].modules() if isinstance(m, nn.Linear))
     assert choose_modules(model, inventory, lambda m: m in (blocks[0], inner)) == [blocks[0]]
+
+
+# ---------------------------------------------------------------- Hugging Face models
+
+
+class HFNet(nn.Module):
+    """A Hugging Face model built from a tiny config (no download), dropout off,
+    called as the other test models are."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import transformers as tf
+
+        v, d = VOCAB, 16
+        if kind == "gpt2":
+            cfg = tf.GPT2Config(
+                vocab_size=v, n_positions=16, n_embd=d, n_layer=2, n_head=2,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            )  # fmt: skip
+            self.model = tf.GPT2LMHeadModel(cfg)
+        elif kind == "llama":
+            cfg = tf.LlamaConfig(
+                vocab_size=v, hidden_size=d, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+            )  # fmt: skip
+            self.model = tf.LlamaForCausalLM(cfg)
+        elif kind == "mixtral":
+            cfg = tf.MixtralConfig(
+                vocab_size=v, hidden_size=d, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                num_local_experts=4, num_experts_per_tok=2,
+            )  # fmt: skip
+            self.model = tf.MixtralForCausalLM(cfg)
+        elif kind == "bert":
+            cfg = tf.BertConfig(
+                vocab_size=v, hidden_size=d, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=32, max_position_embeddings=16,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            )  # fmt: skip
+            self.model = tf.BertForMaskedLM(cfg)
+        elif kind == "t5":
+            cfg = tf.T5Config(
+                vocab_size=v, d_model=d, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                dropout_rate=0.0, decoder_start_token_id=0,
+            )  # fmt: skip
+            self.model = tf.T5ForConditionalGeneration(cfg)
+        else:
+            raise ValueError(kind)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        return self.model(input_ids=idx, labels=targets).loss
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral", "bert", "t5"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hugging_face_models_train_like_torch(pools, kind: str, stage: int) -> None:
+    pytest.importorskip("transformers")
+    config = {"bucket_numel": 211, "stage3_min_unit_numel": 1}
+    pools(2).run(train_against_torch, partial(HFNet, kind), stage, config)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_gradient_checkpointing_reentrant(pools, kind: str) -> None:
+    pytest.importorskip("transformers")
+    pools(2).run(train_against_torch, partial(HFNetCheckpointed, kind), 3, {})
+
+
+class HFNetCheckpointed(HFNet):
+    """With the model's own (reentrant) gradient checkpointing, as HF users turn it on."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": True}
+        )
+        self.model.train()
