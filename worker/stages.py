@@ -528,7 +528,7 @@ class ShardedParams(ParamStorage):
             return contextlib.nullcontext()
         return _DiscoverReads(self)
 
-    def _read_while_sharded(self, unit: GatherUnit) -> None:
+    def _read_while_sharded(self, unit: GatherUnit, param: nn.Parameter) -> None:
         """A parameter of ``unit`` was read while it was not gathered: it joins the
         innermost running unit that contains it ([Note: modules whose forward never runs])."""
         host = next(
@@ -540,10 +540,19 @@ class ShardedParams(ParamStorage):
             None,
         )
         if host is None or host is unit:
+            name = next(
+                (
+                    s.name
+                    for b in unit.buckets
+                    for p, s in zip(b.params, b.spec.slots, strict=True)
+                    if p is param
+                ),
+                type(unit.module).__name__,
+            )
             raise RuntimeError(
-                f"a parameter of {type(unit.module).__name__} was read outside the forward "
-                "of every module that holds it; at stage 3 parameters exist only inside "
-                "the model's forward (engine(...)) and backward"
+                f"parameter {name!r} was read outside the forward of every module that "
+                "holds it; at stage 3 parameters exist only inside the model's forward "
+                "(engine(...)) and backward: read it there"
             )
         unit.gather(self.comm)
         unit.wait()
@@ -688,7 +697,7 @@ class _DiscoverReads(TorchFunctionMode):
             if isinstance(t, nn.Parameter):
                 unit = unit_of.get(t)
                 if unit is not None and unit.state is UnitState.SHARDED:
-                    self.storage._read_while_sharded(unit)
+                    self.storage._read_while_sharded(unit, t)
         return func(*args, **kwargs)
 
 
