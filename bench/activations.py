@@ -8,20 +8,26 @@ system with and without checkpointing every block:
 
 * ``zp0``/``zp3``: zeroplane stage 0 / 3, ``ZeroConfig(activation_checkpointing="units")``;
 * ``fsdp2``: ``fully_shard`` on each block and the root, blocks wrapped in torch's
-  ``checkpoint_wrapper`` (non-reentrant), as torchtitan applies it.
+  ``checkpoint_wrapper`` (non-reentrant), as torchtitan applies it;
+* ``ds0``/``ds3``: DeepSpeed ZeRO 0 / 3, each block called through
+  ``deepspeed.checkpointing.checkpoint`` (DeepSpeed's reentrant checkpoint, as
+  Megatron-DeepSpeed models do); skipped with a message when DeepSpeed is not
+  installed (``pip install -e '.[bench]'``).
 
 For each: the bytes autograd keeps for backward in one forward (counted the same
 way for every system, with saved-tensor hooks: every distinct storage packed,
 less those of parameters, whether sharded or gathered at that moment) and the
 median step time. Ratios are checkpointed over not checkpointed, per system.
-DeepSpeed's activation checkpointing needs its own calls in the model's code
-(``deepspeed.checkpointing.checkpoint``) and is not in this table yet.
+DeepSpeed's checkpoint keeps each block's inputs on its context object rather
+than through ``save_for_backward``, so the hooks do not see them: its saved
+bytes read lower by the block inputs (about 1 MiB per block here).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 from datetime import timedelta
@@ -42,13 +48,35 @@ from bench.common import (  # noqa: E402
     gloo_group,
     median_ms,
     quiet_gloo_warnings,
+    rank_env,
     ratio,
     timed_step,
 )
 from worker.models import GPT, GPTConfig  # noqa: E402
 
 CFG = GPTConfig(vocab_size=2048, block_size=256, n_layer=12, n_head=4, n_embd=256)
-SYSTEMS = ("zp0", "zp3", "fsdp2")
+SYSTEMS = ("zp0", "zp3", "fsdp2", "ds0", "ds3")
+
+
+class DeepSpeedCheckpointed(nn.Module):
+    """A block whose forward runs under ``deepspeed.checkpointing.checkpoint``."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import deepspeed
+
+        return deepspeed.checkpointing.checkpoint(self.block, x)
+
+
+def has_deepspeed() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def saved_bytes(model: nn.Module, forward) -> tuple[torch.Tensor, int]:
@@ -79,6 +107,24 @@ def build(system: str, checkpointing: bool, mesh) -> tuple[nn.Module, object]:
             stage=int(system[2:]), activation_checkpointing="units" if checkpointing else "none"
         )
         return model, worker.initialize(model, opt, config=config)
+    if system.startswith("ds"):
+        import deepspeed
+
+        if checkpointing:
+            deepspeed.checkpointing.configure(None, partition_activations=False)
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = DeepSpeedCheckpointed(block)
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": int(system[2:])},
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,
+            "steps_per_print": 1 << 30,
+        }
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        torch.set_num_threads(1)  # in case DeepSpeed's CPU accelerator changed it
+        return model, engine
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
 
@@ -94,6 +140,7 @@ def build(system: str, checkpointing: bool, mesh) -> tuple[nn.Module, object]:
 def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     quiet_gloo_warnings()
     torch.set_num_threads(1)
+    os.environ.update(rank_env(rank, world, port))  # DeepSpeed reads LOCAL_RANK
     with gloo_group("127.0.0.1", port, rank, world, timedelta(seconds=120)):
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -105,12 +152,12 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out) ->
         for system in args.systems:
             for ckpt in (False, True):
                 model, runner = build(system, ckpt, mesh)
-                zp = system.startswith("zp")
+                engine = system[:2] in ("zp", "ds")  # wrapped: forward, backward, step
 
-                def step(measure: bool = False, model=model, runner=runner, zp=zp):
-                    fwd = (lambda: runner(x, y)) if zp else (lambda: model(x, y))
+                def step(measure: bool = False, model=model, runner=runner, engine=engine):
+                    fwd = (lambda: runner(x, y)) if engine else (lambda: model(x, y))
                     loss, nbytes = saved_bytes(model, fwd) if measure else (fwd(), 0)
-                    if zp:
+                    if engine:
                         runner.backward(loss)
                         runner.step()
                     else:
@@ -124,8 +171,10 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out) ->
                 nbytes, _, _ = timed_step(lambda step=step: step(True))
                 times = [timed_step(step)[1] for _ in range(args.steps)]
                 rows.append((system, ckpt, nbytes, statistics.median(times)))
-                if zp:
+                if system.startswith("zp"):
                     runner.close()
+                elif system.startswith("ds"):
+                    runner.destroy()
                 del model, runner
         if rank == 0:
             out.put(rows)
@@ -140,6 +189,9 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     args = p.parse_args()
+    if not has_deepspeed() and any(s.startswith("ds") for s in args.systems):
+        print("DeepSpeed is not installed: its rows are skipped (pip install -e '.[bench]')")
+        args.systems = [s for s in args.systems if not s.startswith("ds")]
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(
