@@ -92,7 +92,6 @@ class SavedBytes:
     def __init__(self, params: Callable[[], set[int]]) -> None:
         self._params = params  # ids (``_cdata``) of the parameters' storages
         self.last = 0  # bytes kept by the last measured forward
-        self.peak = 0
         self._calls = 0
 
     @contextlib.contextmanager
@@ -115,4 +114,3 @@ class SavedBytes:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
         self.last = sum(seen.values())
-        self.peak = max(self.peak, self.last)

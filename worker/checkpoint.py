@@ -185,7 +185,8 @@ def load_checkpoint(state: ShardState, path: str | os.PathLike) -> dict:
         step_dir = resolve(path)
         manifest = read_manifest(step_dir)
         _check_inventory(state, manifest)
-        needed = _files_needed(state, manifest)
+        index = _index_ranges(manifest)
+        needed = sorted({_rank_file(0)} | index.sources(state.owned()))
         error = _verify(step_dir, manifest, needed)
     except CheckpointError as exc:
         error = str(exc)
@@ -202,7 +203,7 @@ def load_checkpoint(state: ShardState, path: str | os.PathLike) -> dict:
 
     # everything is read; only now change the state
     try:
-        state.import_ranges(entries, _index_ranges(manifest))
+        state.import_ranges(entries, index)
     except MissingRange as exc:
         raise CheckpointError(f"checkpoint lacks elements: {exc}") from None
     _import_unsharded(state, unsharded)
@@ -246,10 +247,6 @@ def _index_ranges(manifest: dict) -> RangeIndex:
         for file, info in manifest["files"].items()
         for name, start, stop in info["ranges"]
     )
-
-
-def _files_needed(state: ShardState, manifest: dict) -> list[str]:
-    return sorted({_rank_file(0)} | _index_ranges(manifest).sources(state.owned()))
 
 
 def _verify(step_dir: Path, manifest: dict, needed: list[str]) -> str:

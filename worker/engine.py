@@ -515,11 +515,7 @@ class ZeroEngine:
             compression=self.config.compression,
             trainable_numel=self.layout.numel,
             master_numel=sum(b.master.numel() for b in st.buckets),
-            frozen_bytes=sum(
-                p.numel() * p.element_size()
-                for p in self.inventory.params.values()
-                if not p.requires_grad
-            ),
+            frozen_bytes=st.frozen_bytes(),
             memory=dict(cache[2]),
             collectives={
                 op: (s.calls, s.bytes, s.wire_bytes, s.seconds)

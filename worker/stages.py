@@ -242,12 +242,16 @@ class ReduceScatterStaging(GradReducer):
     def allocate(self, b: FlatBucket, dtype: torch.dtype) -> None:
         b.grad_shard = b.full.new_zeros(b.spec.shard_numel, dtype=dtype)
 
-    def on_grad(self, b: FlatBucket, pos: int, p: nn.Parameter) -> None:
+    def _staging(self, b: FlatBucket) -> torch.Tensor:
+        """``b``'s staging buffer for this backward, taken from the pool on first use."""
         if b.staging is None:
             b.staging = self.pool.acquire(b, self._finish)
             b.staged = [False] * len(b.params)
+        return b.staging
+
+    def on_grad(self, b: FlatBucket, pos: int, p: nn.Parameter) -> None:
         slot = b.spec.slots[pos]
-        dst = b.staging[slot.offset : slot.offset + slot.numel]
+        dst = self._staging(b)[slot.offset : slot.offset + slot.numel]
         grad = p.grad.reshape(-1)
         # a parameter can receive its gradient in several pieces within one
         # backward (a reentrant checkpoint runs a backward of its own)
@@ -256,15 +260,13 @@ class ReduceScatterStaging(GradReducer):
         p.grad = None
 
     def source(self, b: FlatBucket) -> torch.Tensor:
-        if b.staging is None:
-            b.staging = self.pool.acquire(b, self._finish)
-            b.staged = [False] * len(b.params)
+        staging = self._staging(b)
         # the pool's buffers are reused: clear what no gradient wrote this time
         for pos, slot in enumerate(b.spec.slots):
             if not b.staged[pos]:
-                b.staging[slot.offset : slot.offset + slot.numel].zero_()
-        b.staging[b.spec.numel :].zero_()
-        return b.staging
+                staging[slot.offset : slot.offset + slot.numel].zero_()
+        staging[b.spec.numel :].zero_()
+        return staging
 
     def launch(self, b: FlatBucket, comm: Collectives) -> None:
         src = _as(self.source(b), self.reduce_dtype)
