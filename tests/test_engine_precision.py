@@ -113,3 +113,40 @@ def test_fp16_overflow_skips_step_and_halves_scale(pools, stage: int) -> None:
         assert case["scale"] == (256.0, 128.0)
         assert case["skipped"] == 1
         assert case["recovered"] is True
+
+
+def bf16_buffers() -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    llama = LlamaForCausalLM(cfg)
+    want = {n: b.clone() for n, b in llama.named_buffers()}
+    engine = worker.initialize(
+        llama, torch.optim.AdamW(llama.parameters(), lr=1e-3), config=worker.ZeroConfig(stage=3, dtype="bf16")
+    )
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    kept = {n: b.dtype == want[n].dtype and torch.equal(b, want[n]) for n, b in llama.named_buffers()}
+
+    bn_model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    bn = worker.initialize(
+        bn_model, torch.optim.SGD(bn_model.parameters(), lr=0.1), config=worker.ZeroConfig(stage=2, dtype="bf16")
+    )
+    loss = bn(torch.randn(4, 8)).float().pow(2).mean()
+    bn.backward(loss)
+    bn.step()
+    return {"kept": kept, "bn_loss": loss.item()}
+
+
+def test_bf16_keeps_buffers_in_the_models_dtype(pools) -> None:
+    """FSDP2's rule: only parameters are cast for compute; a Llama's fp32 rotary
+    ``inv_freq`` stays exactly what the model computed (batch norm's running
+    statistics, which torch needs in the weight's dtype, are the exception)."""
+    for case in pools(2).run(bf16_buffers):
+        assert case["kept"] and all(case["kept"].values()), case["kept"]
+        assert case["bn_loss"] == case["bn_loss"]  # finite, trained

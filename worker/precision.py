@@ -47,17 +47,25 @@ class MixedPrecision:
         return self.param_dtype != torch.float32
 
     def cast_model(self, module: nn.Module, inventory: Inventory) -> None:
-        """Cast what is not in a bucket (frozen parameters, floating buffers) to the
-        compute dtype; trainable parameters get it from their bucket."""
+        """Cast frozen parameters to the compute dtype; trainable parameters get it
+        from their bucket.
+
+        Buffers keep the dtype the model gave them (as FSDP2's mixed precision
+        does): a rotary embedding's fp32 ``inv_freq`` rounded to bf16 would
+        change the model. The one exception is batch norm's running statistics,
+        which torch's ``batch_norm`` requires in its weight's dtype.
+        """
         if not self.enabled:
             return
         with torch.no_grad():
             for p in inventory.params.values():
                 if not p.requires_grad and p.is_floating_point():
                     p.data = p.data.to(self.param_dtype)
-            for b in module.buffers():
-                if b.is_floating_point():
-                    b.data = b.data.to(self.param_dtype)
+            for m in module.modules():
+                if isinstance(m, nn.modules.batchnorm._NormBase) and m.affine:
+                    for b in m.buffers(recurse=False):
+                        if b.is_floating_point():
+                            b.data = b.data.to(self.param_dtype)
 
     def cast_input(self, x: Any) -> Any:
         if self.enabled and isinstance(x, torch.Tensor) and x.is_floating_point():
