@@ -43,7 +43,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from coordinator.config import (
     ADDRESS_ENV,
@@ -71,7 +71,7 @@ class RaySpec:
         (default: exactly ``nproc``).
     address: a running Ray cluster (``ray.init(address=...)``); None starts a local one.
     gpus_per_worker / cpus_per_worker: each worker's bundle.
-    stage: None (the planner's choice) or 0-3.
+    stage: 0-3, ``"auto"`` (the planner's choice) or None (each worker's ZeroConfig).
     max_restarts: how often one worker may be started again after failing.
     grace_s: SIGTERM to SIGKILL, for workers that are stopped.
     env: extra environment for every worker.
@@ -84,7 +84,7 @@ class RaySpec:
     address: str | None = None
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 1.0
-    stage: int | None = None
+    stage: int | Literal["auto"] | None = None
     max_restarts: int = 3
     lease_timeout_s: float = 10.0
     grace_s: float = 30.0
@@ -111,8 +111,8 @@ class RaySpec:
             raise ValueError(f"RaySpec.gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
         if self.cpus_per_worker <= 0:
             raise ValueError(f"RaySpec.cpus_per_worker must be > 0, got {self.cpus_per_worker}")
-        if self.stage not in (None, 0, 1, 2, 3):
-            raise ValueError(f"RaySpec.stage must be None or 0-3, got {self.stage!r}")
+        if self.stage not in (None, "auto", 0, 1, 2, 3):
+            raise ValueError(f"RaySpec.stage must be None, 'auto' or 0-3, got {self.stage!r}")
         for name in ("max_restarts", "lease_timeout_s", "grace_s", "ready_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RaySpec.{name} must be >= 0, got {getattr(self, name)}")
@@ -239,7 +239,10 @@ class RayJob:
                     lease_timeout_s=spec.lease_timeout_s,
                     heartbeat_interval_s=spec.lease_timeout_s / 5,
                 ),
-                plan=PlanConfig(stage=spec.stage),
+                plan=PlanConfig(
+                    stage=None if spec.stage in (None, "auto") else spec.stage,  # type: ignore[arg-type]
+                    stage_from_workers=spec.stage is None,
+                ),
             )
             self._coordinator = EmbeddedCoordinator(config)
             env = self._coordinator.start()

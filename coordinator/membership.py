@@ -17,6 +17,7 @@ without knowing the current membership.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -255,12 +256,39 @@ class Membership:
             return None
         return self._form()
 
+    def _fixed_group(self) -> list[str] | None:
+        """The joiners of a process group their script formed itself, once all of
+        its ranks have registered (None: no such group is complete)."""
+        fixed = [w for w in self._joiners if self._workers[w].info.fixed_rank is not None]
+        if not fixed:
+            return None
+        size = self._workers[fixed[0]].info.fixed_world_size
+        ranks = {self._workers[w].info.fixed_rank for w in fixed}
+        return fixed if len(fixed) == size and ranks == set(range(size or 0)) else None
+
+    def _asked_stage(self, workers: Sequence[_Worker]) -> int | None:
+        """The stage the workers' ZeroConfig asks for, when the coordinator has none."""
+        if self.plan.stage is not None or not self.plan.stage_from_workers:
+            return None
+        asked = sorted({w.info.stage for w in workers if w.info.stage is not None})
+        if len(asked) > 1:
+            logger.warning(
+                "the workers ask for different stages (%s): stage %d, the highest, applies",
+                ", ".join(map(str, asked)),
+                asked[-1],
+            )
+        return asked[-1] if asked else None
+
     def _target_size(self) -> tuple[int, int]:
         survivors = 0 if self.generation is None else self.generation.world_size - len(self._lost)
         admitted = min(len(self._joiners), self.config.max_workers - survivors)
         return survivors, admitted
 
     def _due(self) -> bool:
+        if self.generation is None and any(
+            self._workers[w].info.fixed_rank is not None for w in self._joiners
+        ):
+            return self._fixed_group() is not None
         survivors, admitted = self._target_size()
         if not self._lost and admitted == 0:
             return False
@@ -297,21 +325,35 @@ class Membership:
             if previous is None
             else [m for m in previous.members if m.worker_id not in self._lost]
         )
-        _, admitted_count = self._target_size()
-        admitted = list(self._joiners)[:admitted_count]
-        # Joiners grouped by host, so that ranks on one machine are neighbours.
-        admitted.sort(key=lambda wid: (self._workers[wid].info.host, wid))
+        fixed = self._fixed_group()
+        if fixed is not None:
+            # a group the workers' script formed itself: its ranks are theirs
+            admitted = sorted(fixed, key=lambda wid: self._workers[wid].info.fixed_rank or 0)
+        else:
+            _, admitted_count = self._target_size()
+            admitted = [w for w in self._joiners if self._workers[w].info.fixed_rank is None]
+            admitted = admitted[:admitted_count]
+            # Joiners grouped by host, so that ranks on one machine are neighbours.
+            admitted.sort(key=lambda wid: (self._workers[wid].info.host, wid))
         ids = [m.worker_id for m in survivors] + admitted
         previous_rank = {m.worker_id: m.rank for m in survivors}
         workers = [self._workers[wid] for wid in ids]
 
         memories = [w.info.device_memory_bytes for w in workers if w.info.device_memory_bytes > 0]
+        plan, asked = self.plan, self._asked_stage(workers)
+        if asked is not None:
+            plan = dataclasses.replace(plan, stage=asked)
         choice = choose_stage(
             self.trainable_numel,
             world_size=len(ids),
             device_memory_bytes=min(memories, default=0),
-            config=self.plan,
+            config=plan,
         )
+        if asked is not None:
+            choice = dataclasses.replace(
+                choice,
+                reason=choice.reason.replace("set by configuration", "asked for by the workers"),
+            )
         if not choice.fits and memories:
             logger.warning("generation %d: %s", self.generation_id + 1, choice.reason)
         layout = compute_layout(

@@ -41,6 +41,7 @@ __all__ = [
 GENERATION_METADATA_KEY = "zeroplane-generation"
 MAX_ID_CHARS = 253  # a DNS name, so a pod name always fits
 MAX_PORTS = 8
+MAX_WORLD_SIZE = 1 << 20  # ranks in one process group
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +61,11 @@ class WorkerInfo:
     # Random per process: a restarted worker with the same id is a new incarnation
     # (its state is lost), not a re-attach.
     incarnation: str = ""
+    # The stage the worker's ZeroConfig asks for (used when the coordinator has none).
+    stage: int | None = None
+    # Rank and world size of a process group the worker's script formed itself.
+    fixed_rank: int | None = None
+    fixed_world_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_id("WorkerInfo.worker_id", self.worker_id)
@@ -75,6 +81,18 @@ class WorkerInfo:
         _check_ports("WorkerInfo.free_ports", self.free_ports)
         if len(self.incarnation) > 64:
             raise ValueError("WorkerInfo.incarnation is longer than 64 characters")
+        if self.stage is not None and self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"WorkerInfo.stage must be 0-3, got {self.stage}")
+        if (self.fixed_rank is None) != (self.fixed_world_size is None):
+            raise ValueError("WorkerInfo.fixed_rank and fixed_world_size come together")
+        if self.fixed_world_size is not None and not (
+            1 <= self.fixed_world_size <= MAX_WORLD_SIZE
+            and 0 <= (self.fixed_rank or 0) < self.fixed_world_size
+        ):
+            raise ValueError(
+                f"WorkerInfo.fixed_rank {self.fixed_rank} is not a rank of a group of "
+                f"{self.fixed_world_size} (at most {MAX_WORLD_SIZE})"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,6 +278,9 @@ def worker_to_proto(info: WorkerInfo) -> pb.WorkerInfo:
         metrics_endpoint=info.metrics_endpoint,
         free_ports=list(info.free_ports),
         incarnation=info.incarnation,
+        stage=info.stage,
+        fixed_rank=info.fixed_rank,
+        fixed_world_size=info.fixed_world_size,
     )
 
 
@@ -272,6 +293,9 @@ def worker_from_proto(msg: pb.WorkerInfo) -> WorkerInfo:
         metrics_endpoint=msg.metrics_endpoint,
         free_ports=tuple(msg.free_ports),
         incarnation=msg.incarnation,
+        stage=msg.stage if msg.HasField("stage") else None,
+        fixed_rank=msg.fixed_rank if msg.HasField("fixed_rank") else None,
+        fixed_world_size=msg.fixed_world_size if msg.HasField("fixed_world_size") else None,
     )
 
 

@@ -102,6 +102,10 @@ class PlanConfig:
 
     # None: the planner chooses per generation; 0-3: always this stage.
     stage: int | None = None
+    # With no stage set: use the stage the workers' own ZeroConfig asks for
+    # (`zeroplane run` without --stage); the planner chooses only when they
+    # ask for none (`--stage auto` turns this off).
+    stage_from_workers: bool = False
     # Compute dtype; bf16/fp16 mean mixed precision with fp32 master weights.
     precision: Precision = "bf16"
     # fp32 tensors the optimizer keeps per element (Adam: 2, SGD with momentum: 1).

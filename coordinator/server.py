@@ -31,7 +31,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import metadata
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -513,7 +513,7 @@ class EmbeddedCoordinator:
     def for_local_job(
         cls,
         nproc: int,
-        stage: int | None,
+        stage: int | Literal["auto"] | None,
         *,
         http_port: int | None = None,
         job_name: str = "zeroplane",
@@ -522,7 +522,8 @@ class EmbeddedCoordinator:
     ) -> EmbeddedCoordinator:
         """The coordinator of a one-machine job of ``nproc`` workers (elastic between
         ``min_workers`` and ``max_workers``, both ``nproc`` by default), a fresh
-        random token, and ``stage`` (None: the planner's choice).
+        random token, and ``stage``: 0-3, ``"auto"`` (the planner's choice) or
+        None (the stage each worker's ZeroConfig asks for).
         ``http_port``: serve metrics, service discovery and the status page there
         (0: a free port), and have the workers serve their metrics too."""
         low = nproc if min_workers is None else min_workers
@@ -540,7 +541,10 @@ class EmbeddedCoordinator:
                     # an elastic job still starts with all nproc: give them time to register
                     join_window_s=0.0 if low == nproc else 3.0,
                 ),
-                plan=PlanConfig(stage=stage),
+                plan=PlanConfig(
+                    stage=None if stage in (None, "auto") else int(stage),
+                    stage_from_workers=stage is None,
+                ),
                 http=HttpConfig(port=http_port, job_name=job_name),
             )
         )

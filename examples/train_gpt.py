@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import worker
+from worker.config import stage_from_env
 from worker.data import GlobalBatchSampler
 from worker.demo import load_corpus
 from worker.models import GPT, GPTConfig
@@ -49,7 +50,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--global-batch", type=int, default=12)
-    p.add_argument("--stage", type=int, default=int(os.environ.get("ZEROPLANE_STAGE", "0")))
+    p.add_argument("--stage", type=int, default=stage_from_env(0))
     # the Kubernetes manifests pass the job spec's compression this way
     p.add_argument("--compression", default=os.environ.get("ZEROPLANE_COMPRESSION", "none"))
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")

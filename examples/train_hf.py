@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import worker
+from worker.config import stage_from_env
 from worker.data import GlobalBatchSampler
 from worker.demo import load_corpus
 
@@ -57,7 +57,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--stage", type=int, default=int(os.environ.get("ZEROPLANE_STAGE", "3")))
+    p.add_argument("--stage", type=int, default=stage_from_env(3))
     p.add_argument("--hf-checkpointing", action="store_true")
     p.add_argument("--checkpoint", type=Path)
     p.add_argument("--save-every", type=int, default=10)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from coordinator.config import MembershipConfig, PlanConfig
@@ -254,3 +256,41 @@ def test_snapshot_survives_the_state_file(tmp_path) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="unreadable"):
         load_snapshot(tmp_path / "bad.json")
+
+
+def test_a_scripts_own_group_keeps_its_ranks_and_forms_only_when_whole() -> None:
+    """Workers whose script formed the process group register its ranks; the
+    coordinator waits for the whole group (whatever the join window) and keeps them."""
+    clock = Clock()
+    m = membership(clock, min_workers=1, max_workers=3, join_window_s=0.0)
+    m.register(dataclasses.replace(worker("a"), fixed_rank=2, fixed_world_size=3), inventory())
+    m.register(dataclasses.replace(worker("c"), fixed_rank=0, fixed_world_size=3), inventory())
+    clock.now += 10
+    assert m.maybe_form() is None
+    m.register(dataclasses.replace(worker("b"), fixed_rank=1, fixed_world_size=3), inventory())
+    gen = m.maybe_form()
+    assert gen is not None
+    assert [x.worker_id for x in gen.members] == ["c", "b", "a"]
+
+
+@pytest.mark.parametrize(
+    "from_workers, asked, want",
+    [(True, (1, 1), 1), (True, (None, None), 0), (True, (1, 2), 2), (False, (1, 1), 0)],
+)
+def test_the_workers_stage_applies_when_the_coordinator_has_none(
+    from_workers: bool, asked: tuple[int | None, int | None], want: int
+) -> None:
+    clock = Clock()
+    m = Membership(
+        MembershipConfig(min_workers=2, max_workers=2, join_window_s=0.0),
+        PlanConfig(stage=None, stage_from_workers=from_workers, bucket_numel=100, align=2),
+        clock=clock,
+        wall_clock=clock,
+    )
+    for wid, stage in zip("ab", asked, strict=True):
+        m.register(dataclasses.replace(worker(wid), stage=stage), inventory())
+    gen = m.maybe_form()
+    assert gen is not None and gen.stage == want, gen and gen.stage_reason
+    assert ("asked for by the workers" in gen.stage_reason) == (
+        from_workers and asked[0] is not None
+    )

@@ -126,16 +126,24 @@ def bf16_buffers() -> dict:
     llama = LlamaForCausalLM(cfg)
     want = {n: b.clone() for n, b in llama.named_buffers()}
     engine = worker.initialize(
-        llama, torch.optim.AdamW(llama.parameters(), lr=1e-3), config=worker.ZeroConfig(stage=3, dtype="bf16")
+        llama,
+        torch.optim.AdamW(llama.parameters(), lr=1e-3),
+        config=worker.ZeroConfig(stage=3, dtype="bf16"),
     )
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
-    kept = {n: b.dtype == want[n].dtype and torch.equal(b, want[n]) for n, b in llama.named_buffers()}
+    kept = {
+        n: b.dtype == want[n].dtype and torch.equal(b, want[n]) for n, b in llama.named_buffers()
+    }
 
-    bn_model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    bn_model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)
+    )
     bn = worker.initialize(
-        bn_model, torch.optim.SGD(bn_model.parameters(), lr=0.1), config=worker.ZeroConfig(stage=2, dtype="bf16")
+        bn_model,
+        torch.optim.SGD(bn_model.parameters(), lr=0.1),
+        config=worker.ZeroConfig(stage=2, dtype="bf16"),
     )
     loss = bn(torch.randn(4, 8)).float().pow(2).mean()
     bn.backward(loss)

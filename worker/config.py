@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -644,3 +645,14 @@ def _precision_choice(
     if fp16 is None and bf16 is None:
         return None
     return {"fp16": bool(fp16), "bf16": bool(bf16)}
+
+
+def stage_from_env(default: int) -> int:
+    """``$ZEROPLANE_STAGE`` (set by ``zeroplane run --stage``) as a script's default
+    stage; ``auto`` or unset gives ``default`` (the coordinator then plans it)."""
+    raw = os.environ.get("ZEROPLANE_STAGE", "auto")
+    if raw == "auto":
+        return default
+    if raw not in ("0", "1", "2", "3"):
+        raise ValueError(f"$ZEROPLANE_STAGE must be 0-3 or auto, got {raw!r}")
+    return int(raw)

@@ -4,8 +4,10 @@ A worker started with ``ZEROPLANE_COORDINATOR=host:port`` in its environment
 (or ``worker.initialize(..., coordinator="host:port")``) registers its
 parameter inventory, waits for the first generation that includes it, and
 forms the process group at that generation's rendezvous endpoint with the
-rank the coordinator assigned. The generation's stage and bucket layout win
-over the local ``ZeroConfig``: the coordinator plans for the whole job.
+rank the coordinator assigned (or, when the script formed a group itself,
+keeps that group and its ranks). The generation's stage and bucket layout win
+over the local ``ZeroConfig``: the coordinator plans for the whole job, from
+the stage the workers ask for unless it was given one.
 Heartbeats carry this rank's model-state bytes so ``zeroplane status`` can
 show them.
 """
@@ -106,6 +108,8 @@ class ControlPlane:
         metrics_port: int | None = None,
         wait_s: float | None = None,
         stop: Callable[[], bool] = lambda: False,
+        stage: int | None = None,
+        fixed: tuple[int, int] | None = None,
     ) -> ControlPlane:
         """Register with the coordinator at ``address`` and wait to be given a rank.
 
@@ -113,6 +117,8 @@ class ControlPlane:
         with (the coordinator lists it for Prometheus); ``metrics_endpoint`` overrides.
         ``stop``: polled while waiting; when it turns true before this worker is
         given a rank, it leaves the coordinator and raises :class:`LeftBeforeAdmission`.
+        ``stage``: what this worker's ZeroConfig asks for. ``fixed``: (rank, world
+        size) of a process group the script formed itself, which the coordinator keeps.
         """
         # read before registering: a bad value fails here, not in the middle of a job
         timeout = timedelta(seconds=env_seconds(TIMEOUT_ENV, 60.0))
@@ -132,6 +138,9 @@ class ControlPlane:
             device_kind=device.type,
             device_memory_bytes=memory,
             metrics_endpoint=metrics_endpoint,
+            stage=stage,
+            fixed_rank=None if fixed is None else fixed[0],
+            fixed_world_size=None if fixed is None else fixed[1],
         )
         client.register(info, inventory.specs)
         client.start()

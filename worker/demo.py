@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 import worker
 from coordinator.config import ADDRESS_ENV
+from worker.config import stage_from_env
 from worker.models import GPT, GPTConfig
 
 __all__ = ["DemoConfig", "load_corpus", "main", "sample_batch", "train"]
@@ -191,7 +192,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[DemoConfig, Path]:
     p.add_argument(
         "--stage",
         type=int,
-        default=int(os.environ.get("ZEROPLANE_STAGE", "0")),
+        default=stage_from_env(0),
         help="ZeRO stage (default: $ZEROPLANE_STAGE, else 0)",
     )
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=default.dtype)

@@ -66,7 +66,7 @@ from worker.engine import (
 )
 from worker.metrics import SnapshotBoard, start_metrics
 
-__all__ = ["ElasticSession", "PeerLost", "Phase", "StepAborted", "initialize"]
+__all__ = ["AttachedSession", "ElasticSession", "PeerLost", "Phase", "StepAborted", "initialize"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,120 @@ def initialize(
     """
     config = config or ZeroConfig()
     address = coordinator_address(coordinator)
-    if address is None or group is not None or (dist.is_available() and dist.is_initialized()):
+    own_group = group is not None or (dist.is_available() and dist.is_initialized())
+    if address is None:
         return ZeroEngine(model, optimizer, config=config, group=group)
+    if own_group:
+        return AttachedSession.attach(model, optimizer, config=config, address=address, group=group)
     return ElasticSession.join(model, optimizer, config=config, address=address)
+
+
+def _planned(config: ZeroConfig, gen: Generation, rank: int) -> ZeroConfig:
+    """``config`` with the generation's stage and bucket size, the coordinator's plan
+    for the whole job; a stage other than the script's is said (once, by rank 0)."""
+    changes: dict[str, Any] = {"bucket_numel": gen.bucket_numel}
+    if gen.stage != config.stage:
+        if rank == 0:
+            logger.warning(
+                "stage %d applies, not this script's ZeroConfig(stage=%d): %s",
+                gen.stage,
+                config.stage,
+                gen.stage_reason or "the coordinator's plan",
+            )
+        changes["stage"] = gen.stage
+        if gen.stage != 3:
+            changes["stage3_gather_compression"] = "none"
+    return config.replace(**changes)
+
+
+class AttachedSession:
+    """A worker whose script formed the process group itself, in a coordinator's job.
+
+    It registers (keeping the script's ranks), heartbeats, reports and serves
+    metrics like any member, and takes the coordinator's stage and layout. The
+    group is the script's, so zeroplane cannot re-form it: no worker joins or
+    leaves while it runs, and a lost peer ends the job (as under torchrun).
+    """
+
+    def __init__(self, control: ControlPlane) -> None:
+        self.control = control
+
+    @classmethod
+    def attach(
+        cls,
+        model: nn.Module,
+        optimizer: OptimizerArg,
+        *,
+        config: ZeroConfig,
+        address: str,
+        group: dist.ProcessGroup | None,
+    ) -> ZeroEngine:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        user_optimizer = resolve_optimizer(model, optimizer)
+        inventory = build_inventory_for(model, user_optimizer, config)
+        metrics = start_metrics(config, SnapshotBoard())
+        control = ControlPlane.join(
+            address,
+            inventory,
+            device=module_device(model),
+            metrics_port=None if metrics is None else metrics.port,
+            stage=config.stage,
+            fixed=(rank, world),
+        )
+        gen = control.generation
+        if gen.world_size != world or control.rank != rank:
+            control.close(leave=True)
+            raise RuntimeError(
+                f"the coordinator placed this worker at rank {control.rank} of "
+                f"{gen.world_size}, but the script's process group has it at rank "
+                f"{rank} of {world}: is another job registered with this coordinator?"
+            )
+        if rank == 0:
+            logger.warning(
+                "this script formed its own process group, which zeroplane cannot "
+                "re-form: workers joining or leaving (elastic scaling, crash recovery "
+                "from replicas) are off for this job. Let worker.initialize form the "
+                "group (no dist.init_process_group in the script) to have them."
+            )
+        engine = ZeroEngine(
+            model,
+            user_optimizer,
+            config=_planned(config, gen, rank),
+            group=group,
+            inventory=inventory,
+            align=gen.align,
+            metrics=metrics,
+        )
+        if engine.layout != gen.layout:
+            control.close(leave=True)
+            raise RuntimeError(
+                "the coordinator's bucket layout differs from this worker's: "
+                "are all workers running the same model and zeroplane version?"
+            )
+        engine.membership = cls(control)
+        control.report(engine.memory_report(), engine.global_steps)
+        return engine
+
+    # ------------------------------------------------------------ the engine's seams
+
+    def vote(self) -> BoundaryVote:
+        return BoundaryVote(generation=self.control.generation.id)
+
+    def generation_id(self) -> int:
+        return self.control.generation.id
+
+    def replica_bytes(self) -> int:
+        return 0
+
+    def after_step(self, engine: ZeroEngine, agreed: BoundaryVote, stepped: bool) -> None:
+        if stepped and self.control.report_due():
+            self.control.report(engine.memory_report(), engine.global_steps)
+
+    def recover(self, engine: ZeroEngine, exc: CollectiveError) -> NoReturn:
+        raise exc
+
+    def close(self) -> None:
+        self.control.close(leave=True)
 
 
 class ElasticSession:
@@ -172,6 +283,7 @@ class ElasticSession:
                 device=device,
                 metrics_port=None if metrics is None else metrics.port,
                 stop=lambda: session.leave_requested,
+                stage=config.stage,
             )
         except LeftBeforeAdmission:
             logger.info("SIGTERM before this worker was given a rank: left the job")
@@ -181,13 +293,7 @@ class ElasticSession:
             raise SystemExit(0) from None
         session.control = control
         gen = control.generation
-        changes: dict[str, Any] = {"bucket_numel": gen.bucket_numel}
-        if gen.stage != config.stage:
-            logger.info("stage %d (coordinator: %s)", gen.stage, gen.stage_reason or "planned")
-            changes["stage"] = gen.stage
-            if gen.stage != 3:
-                changes["stage3_gather_compression"] = "none"
-        config = config.replace(**changes)
+        config = _planned(config, gen, control.rank)
         control.init_process_group()
         me = gen.member(control.client.worker_id)
         newcomer = gen.reshard is not None and me is not None and me.previous_rank is None

@@ -36,7 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--stage",
         choices=STAGE_CHOICES,
         default=None,
-        help="ZeRO stage, exported to the workers as ZEROPLANE_STAGE",
+        help="ZeRO stage for every worker, over the script's own ZeroConfig(stage=...) "
+        "(a worker whose script asks for another says so); auto: the coordinator's "
+        "planner picks the lowest that fits. Default: the script's own stage",
     )
     parser.add_argument(
         "--grace",
@@ -144,11 +146,10 @@ def run(args: argparse.Namespace) -> int:
         # imported here: the gRPC server is only needed when this process hosts it
         from coordinator.server import EmbeddedCoordinator
 
-        stage = None if args.stage in (None, "auto") else int(args.stage)
         try:
             embedded = EmbeddedCoordinator.for_local_job(
                 args.nproc,
-                stage,
+                args.stage if args.stage in (None, "auto") else int(args.stage),
                 min_workers=args.min_nproc,
                 max_workers=args.max_nproc,
                 http_port=None if args.no_http else args.http_port,
@@ -231,7 +232,7 @@ def _run_on_ray(args: argparse.Namespace, command: tuple[str, ...]) -> int:
             nproc=args.nproc,
             address=args.address,
             gpus_per_worker=args.gpus_per_worker,
-            stage=None if args.stage in (None, "auto") else int(args.stage),
+            stage=args.stage if args.stage in (None, "auto") else int(args.stage),
             grace_s=args.grace,
             min_workers=args.min_nproc,
             max_workers=args.max_nproc,

@@ -23,7 +23,7 @@ class ParamInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., requires_grad: _Optional[bool] = ..., group: _Optional[int] = ..., unit: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "host", "device_kind", "device_memory_bytes", "metrics_endpoint", "free_ports", "incarnation")
+    __slots__ = ("worker_id", "host", "device_kind", "device_memory_bytes", "metrics_endpoint", "free_ports", "incarnation", "stage", "fixed_rank", "fixed_world_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,9 @@ class WorkerInfo(_message.Message):
     METRICS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    FIXED_RANK_FIELD_NUMBER: _ClassVar[int]
+    FIXED_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     device_kind: str
@@ -38,7 +41,10 @@ class WorkerInfo(_message.Message):
     metrics_endpoint: str
     free_ports: _containers.RepeatedScalarFieldContainer[int]
     incarnation: str
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ..., free_ports: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    stage: int
+    fixed_rank: int
+    fixed_world_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ..., free_ports: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., stage: _Optional[int] = ..., fixed_rank: _Optional[int] = ..., fixed_world_size: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker", "inventory")
