@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -169,12 +170,31 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+# a line that starts with a timestamp of its own (a logging format with asctime)
+_STAMPED = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d")
+
+
+def timestamp(unix_s: float | None = None) -> str:
+    """``2026-11-30 23:59:59,123``: logging's ``asctime``, as the coordinator's lines have."""
+    now = time.time() if unix_s is None else unix_s
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
+
+
 def prefix_lines(stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> LineHandler:
-    """A line handler that writes ``[rankN] line`` to stdout/stderr as the worker did."""
+    """A line handler that writes ``[rankN] line`` to stdout/stderr as the worker did.
+
+    Lines on stderr (the workers' logs) are stamped with the time they arrived,
+    like the coordinator's log lines, unless they carry a timestamp already;
+    stdout is the script's output and stays as it printed it.
+    """
 
     def handle(rank: int, stream: str, line: str) -> None:
-        out = (stderr or sys.stderr) if stream == "stderr" else (stdout or sys.stdout)
-        out.write(f"[rank{rank}] {line}\n")
+        if stream == "stderr":
+            stamp = "" if _STAMPED.match(line) else f"{timestamp()} "
+            out = stderr or sys.stderr
+        else:
+            stamp, out = "", stdout or sys.stdout
+        out.write(f"{stamp}[rank{rank}] {line}\n")
         out.flush()
 
     return handle

@@ -53,6 +53,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# workers whose last report is kept for the job's summary (the newest)
+MAX_LAST_REPORTS = 4096
+
 
 class MembershipError(Exception):
     """A request the membership cannot honour; the server maps each kind to a status code."""
@@ -147,6 +150,8 @@ class Membership:
         self._workers: dict[str, _Worker] = {}
         # Registered workers not in the current generation, in registration order.
         self._joiners: dict[str, None] = {}
+        # every worker's last report, kept after it leaves or is lost (the job's summary)
+        self._last_reports: dict[str, WorkerReport] = {}
         # Members of the current generation that are gone (left, expired, replaced).
         self._lost: dict[str, _Worker] = {}
         self._left: set[str] = set()  # the lost that asked to leave
@@ -192,6 +197,10 @@ class Membership:
         worker.deadline = self._clock() + self.config.lease_timeout_s
         if report is not None:
             worker.report = report
+            self._last_reports.pop(worker_id, None)  # newest last, oldest evicted first
+            self._last_reports[worker_id] = report
+            while len(self._last_reports) > MAX_LAST_REPORTS:
+                del self._last_reports[next(iter(self._last_reports))]
         if free_ports:
             worker.free_ports = free_ports
         return self.config.lease_timeout_s
@@ -436,6 +445,10 @@ class Membership:
                 return endpoint
 
     # ---- status and persistence -------------------------------------------------------
+
+    def last_reports(self) -> dict[str, WorkerReport]:
+        """Each worker's last report by id, including workers that left or were lost."""
+        return dict(self._last_reports)
 
     def status(self, server_version: str = "") -> StatusReport:
         now = self._clock()

@@ -106,8 +106,17 @@ class WorkerReport:
     step: int = 0
     # The generation the worker trains in.
     applied_generation_id: int = 0
+    # This rank's loss in its last optimizer step (mean over its micro-batches).
+    loss: float | None = None
+    # What this rank reported through engine.step(samples=, tokens=), in total.
+    samples: int = 0
+    tokens: int = 0
+    # The directory of the last checkpoint this rank saved ("" if none).
+    checkpoint: str = ""
 
     def __post_init__(self) -> None:
+        if len(self.checkpoint) > 4096:
+            raise ValueError("WorkerReport.checkpoint is longer than 4096 characters")
         if len(self.model_state_bytes) > 16:
             raise ValueError("WorkerReport.model_state_bytes has more than 16 kinds")
         for kind, value in self.model_state_bytes.items():
@@ -115,7 +124,13 @@ class WorkerReport:
                 raise ValueError(f"WorkerReport.model_state_bytes kind {kind!r} is not 1-64 chars")
             if value < 0:
                 raise ValueError(f"WorkerReport.model_state_bytes[{kind!r}] is negative: {value}")
-        for name in ("device_allocated_bytes", "device_reserved_bytes", "step"):
+        for name in (
+            "device_allocated_bytes",
+            "device_reserved_bytes",
+            "step",
+            "samples",
+            "tokens",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"WorkerReport.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -306,6 +321,10 @@ def report_to_proto(report: WorkerReport) -> pb.WorkerReport:
         device_reserved_bytes=report.device_reserved_bytes,
         step=report.step,
         applied_generation_id=report.applied_generation_id,
+        loss=report.loss,
+        samples=report.samples,
+        tokens=report.tokens,
+        checkpoint=report.checkpoint,
     )
 
 
@@ -316,6 +335,10 @@ def report_from_proto(msg: pb.WorkerReport) -> WorkerReport:
         device_reserved_bytes=msg.device_reserved_bytes,
         step=msg.step,
         applied_generation_id=msg.applied_generation_id,
+        loss=msg.loss if msg.HasField("loss") else None,
+        samples=msg.samples,
+        tokens=msg.tokens,
+        checkpoint=msg.checkpoint,
     )
 
 

@@ -60,6 +60,7 @@ from coordinator.membership import (
 from coordinator.messages import (
     GENERATION_METADATA_KEY,
     StatusReport,
+    WorkerReport,
     generation_to_proto,
     param_from_proto,
     report_from_proto,
@@ -485,6 +486,13 @@ class CoordinatorServer:
     async def _read_status(self) -> StatusReport:
         return self._servicer.m.status(VERSION)
 
+    def last_reports(self) -> dict[str, WorkerReport]:
+        """Each worker's last report, including those that left (read in process)."""
+        return self._call(self._read_last_reports())
+
+    async def _read_last_reports(self) -> dict[str, WorkerReport]:
+        return self._servicer.m.last_reports()
+
     def _status_or_none(self) -> StatusReport | None:
         if self._terminated.is_set() or not hasattr(self, "_servicer"):
             return None
@@ -508,6 +516,8 @@ class EmbeddedCoordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.server: CoordinatorServer | None = None
+        # the job's status and every worker's last report, read as it stopped
+        self.final: tuple[StatusReport, dict[str, WorkerReport]] | None = None
 
     @classmethod
     def for_local_job(
@@ -563,6 +573,10 @@ class EmbeddedCoordinator:
 
     def stop(self) -> None:
         if self.server is not None:
+            try:
+                self.final = (self.server.status(), self.server.last_reports())
+            except Exception as exc:  # the job's summary must never fail its stop
+                logger.debug("no final status: %s", exc)
             self.server.stop()
 
 

@@ -104,10 +104,11 @@ def main() -> None:
             engine.step(samples=x.shape[0], tokens=x.numel())  # for the throughput metrics
         except worker.StepAborted:
             continue  # a peer was lost; the engine re-formed the job at global_steps
+        if engine.rank == 0 and engine.global_steps % 10 == 0:
+            # the last step's loss averaged over every rank (not a collective)
+            logging.info("step %d loss %.4f", engine.global_steps, engine.mean_loss())
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        if engine.rank == 0 and engine.global_steps % 10 == 0:
-            logging.info("step %d loss %.4f", engine.global_steps, loss.item())
 
     state = engine.full_state_dict()
     if args.out and engine.rank == 0:

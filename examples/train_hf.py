@@ -98,7 +98,8 @@ def main() -> None:
         except worker.StepAborted:
             continue
         if engine.rank == 0 and engine.global_steps % 5 == 0:
-            logging.info("step %d loss %.4f", engine.global_steps, loss.item())
+            # the last step's loss averaged over every rank (not a collective)
+            logging.info("step %d loss %.4f", engine.global_steps, engine.mean_loss())
 
     state = engine.full_state_dict()
     if engine.rank == 0:

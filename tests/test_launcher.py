@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -208,9 +209,14 @@ def test_prefix_lines_format(capsys):
     handle = prefix_lines()
     handle(0, "stdout", "hello")
     handle(3, "stderr", "oops")
+    handle(1, "stderr", "2026-11-30 10:00:00,001 INFO x: stamped already")
     captured = capsys.readouterr()
-    assert captured.out == "[rank0] hello\n"
-    assert captured.err == "[rank3] oops\n"
+    assert captured.out == "[rank0] hello\n"  # the script's output, as printed
+    # logs get the coordinator's timestamp format, once
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+    err = captured.err.splitlines()
+    assert re.fullmatch(stamp + r" \[rank3\] oops", err[0]), err
+    assert err[1] == "[rank1] 2026-11-30 10:00:00,001 INFO x: stamped already"
 
 
 @pytest.mark.timeout(30)

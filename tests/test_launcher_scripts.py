@@ -28,18 +28,22 @@ def _script():
     return module
 
 
-def reference() -> dict[str, torch.Tensor]:
-    """One process, the two ranks' batches' mean loss per step."""
+def reference() -> tuple[dict[str, torch.Tensor], float]:
+    """One process, the two ranks' batches' mean loss per step: the final
+    parameters and the last step's loss."""
     s = _script()
     torch.manual_seed(0)
     model = s.GPT(s.CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(s.STEPS):
+        last = 0.0
         for rank in range(2):
-            (model(*s.batch(step, rank)) / 2).backward()
+            loss = model(*s.batch(step, rank)) / 2
+            loss.backward()
+            last += loss.item()
         opt.step()
         opt.zero_grad()
-    return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, last
 
 
 def _get_json(url: str) -> object:
@@ -126,12 +130,23 @@ def run_job(
     return job, ranks, status
 
 
-def check_trained_like_torch(tmp: Path) -> None:
+def check_trained_like_torch(tmp: Path, job: Job, ranks: list[dict]) -> None:
     got = torch.load(tmp / "final.pt", weights_only=True)
-    want = reference()
+    want, last_loss = reference()
     assert got.keys() == want.keys()
     worst = max((got[k] - want[k]).abs().max().item() for k in got)
     assert worst < 1e-5, worst
+    # the loss a job logs is the mean over ranks (engine.mean_loss), and so is the
+    # one in the summary the launcher ends with, from the workers' final reports
+    assert all(abs(r["mean_loss"] - last_loss) < 1e-5 for r in ranks), (ranks, last_loss)
+    summary = job.output[job.output.index("zeroplane run: finished in") :]
+    s = _script()
+    assert re.search(rf"steps +{s.STEPS} \(generation 1, world size 2", summary), summary
+    loss = re.search(r"loss +([0-9.]+) \(step \d+, mean over 2 ranks\)", summary)
+    assert loss and abs(float(loss.group(1)) - last_loss) < 1e-4, summary
+    tokens = s.STEPS * 2 * 2 * s.CFG.block_size
+    assert f"({tokens:,} tokens)" in summary, summary
+    assert "metrics     http://" in summary, summary
 
 
 @pytest.mark.timeout(240)
@@ -146,7 +161,7 @@ def test_own_group_script_is_managed_and_the_launchers_stage_wins(tmp_path: Path
     # said, not silent, with no logging set up in the script
     assert "stage 3 applies, not this script's ZeroConfig(stage=1)" in job.output
     assert job.output.count("this script formed its own process group") == 1
-    check_trained_like_torch(tmp_path)
+    check_trained_like_torch(tmp_path, job, ranks)
 
 
 @pytest.mark.timeout(240)
@@ -160,4 +175,4 @@ def test_stage_is_the_scripts_unless_the_launcher_says(
     assert [r["stage"] for r in ranks] == [want, want]
     assert status["stage"] == want
     assert ("not this script's ZeroConfig" in job.output) == (want != 1)
-    check_trained_like_torch(tmp_path)
+    check_trained_like_torch(tmp_path, job, ranks)

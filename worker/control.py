@@ -15,6 +15,7 @@ show them.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -242,7 +243,16 @@ class ControlPlane:
         often than a few times a second, off the per-step path."""
         return time.monotonic() - self._reported_at >= 0.25
 
-    def report(self, memory: dict[str, int], step: int) -> None:
+    def report(
+        self,
+        memory: dict[str, int],
+        step: int,
+        *,
+        loss: float | None = None,
+        samples: int = 0,
+        tokens: int = 0,
+        checkpoint: str = "",
+    ) -> None:
         self._reported_at = time.monotonic()
         self.client.set_report(
             WorkerReport(
@@ -251,8 +261,20 @@ class ControlPlane:
                 },
                 step=step,
                 applied_generation_id=self.generation.id,
+                loss=loss if loss is None or math.isfinite(loss) else None,
+                samples=samples,
+                tokens=tokens,
+                checkpoint=checkpoint,
             )
         )
+
+    def final_report(self) -> None:
+        """Send what the heartbeats carry now, once more (at the end of training, so
+        the coordinator's last view is the final step)."""
+        try:
+            self.client.heartbeat()
+        except (CoordinatorError, ValueError, RuntimeError) as exc:  # ValueError: closed
+            logger.debug("final report not sent: %s", exc)
 
     def close(self, *, leave: bool = True) -> None:
         self.client.close(leave=leave)

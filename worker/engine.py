@@ -267,6 +267,16 @@ class ZeroEngine:
     def global_steps(self) -> int:
         return self.state.global_steps
 
+    def mean_loss(self) -> float | None:
+        """The last optimizer step's loss averaged over every rank (each rank's mean
+        over its micro-batches): what a job should log; None before the first step.
+
+        Not a collective: the engine sums it over the ranks at each step, in an
+        all-reduce of two numbers that overlaps the optimizer step, so any rank
+        may ask at any time (rank 0 alone, every k steps).
+        """
+        return self.stats.mean_loss()
+
     @property
     def micro_steps(self) -> int:
         return self.state.micro_steps
@@ -315,7 +325,7 @@ class ZeroEngine:
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
             raise ValueError("engine.backward expects a loss tensor that requires grad")
         self.stats.begin()
-        self.stats.loss = loss.detach()
+        self.stats.add_loss(loss)
         st = self.state
         boundary = self.is_accumulation_boundary
         in_graph, self._walk_exact = _params_in_graph(loss.grad_fn)
@@ -419,6 +429,9 @@ class ZeroEngine:
         if not boundary:
             return False
         self.ballot.wait()
+        # the step's loss summed over the ranks, overlapping the optimizer step
+        loss_pair = self.stats.close_window_loss(st.device)
+        loss_sum = st.comm.all_reduce(loss_pair, async_op=True, control=True)
         grads = [_fp32(st.reducer.partition_grad(b)) for b in st.buckets]
         factor = 1.0 / (st.world_size * st.scaler.scale)
         for g in grads:
@@ -440,6 +453,8 @@ class ZeroEngine:
         else:
             st.skipped_steps += 1
         agreed = self.ballot.agreed()
+        loss_sum.wait()
+        self.stats.global_loss = loss_pair
         st.zero_grads()
         self.ballot.clear()
         self.stats.end_step()

@@ -39,11 +39,15 @@ rank has heard of and the rank of a worker that got SIGTERM. After the step:
 
 from __future__ import annotations
 
+import atexit
 import enum
+import functools
 import logging
 import signal
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -130,6 +134,26 @@ def initialize(
     return ElasticSession.join(model, optimizer, config=config, address=address)
 
 
+def _report(control: ControlPlane, engine: ZeroEngine) -> None:
+    """What this rank's heartbeats carry from now on: memory, step, loss, throughput."""
+    control.report(
+        engine.memory_report(),
+        engine.global_steps,
+        loss=engine.stats.last_step_loss(),
+        samples=engine.stats.samples,
+        tokens=engine.stats.tokens,
+        checkpoint="" if engine.last_checkpoint is None else str(engine.last_checkpoint.resolve()),
+    )
+
+
+def _report_at_exit(control: ControlPlane, engine_ref: weakref.ref[ZeroEngine]) -> None:
+    """At interpreter exit, the coordinator's last view of this rank is its last step."""
+    engine = engine_ref()
+    if engine is not None and engine.membership is not None:
+        _report(control, engine)
+        control.final_report()
+
+
 def _planned(config: ZeroConfig, gen: Generation, rank: int) -> ZeroConfig:
     """``config`` with the generation's stage and bucket size, the coordinator's plan
     for the whole job; a stage other than the script's is said (once, by rank 0)."""
@@ -148,7 +172,30 @@ def _planned(config: ZeroConfig, gen: Generation, rank: int) -> ZeroConfig:
     return config.replace(**changes)
 
 
-class AttachedSession:
+class _FinalReport:
+    """A session whose last report (the final step, loss, tokens) reaches the
+    coordinator when the interpreter exits, for the job's summary."""
+
+    control: ControlPlane | None
+
+    def __init__(self) -> None:
+        self._at_exit: Callable[[], None] | None = None
+
+    def report_at_exit(self, engine: ZeroEngine) -> None:
+        assert self.control is not None
+        self._at_exit = functools.partial(_report_at_exit, self.control, weakref.ref(engine))
+        atexit.register(self._at_exit)
+
+    def _forget_exit(self, *, send: bool = False) -> None:
+        """Drop the exit hook; ``send``: send its final report now (closing early)."""
+        at_exit, self._at_exit = self._at_exit, None
+        if at_exit is not None:
+            atexit.unregister(at_exit)
+            if send:
+                at_exit()
+
+
+class AttachedSession(_FinalReport):
     """A worker whose script formed the process group itself, in a coordinator's job.
 
     It registers (keeping the script's ranks), heartbeats, reports and serves
@@ -158,6 +205,7 @@ class AttachedSession:
     """
 
     def __init__(self, control: ControlPlane) -> None:
+        super().__init__()
         self.control = control
 
     @classmethod
@@ -212,8 +260,10 @@ class AttachedSession:
                 "the coordinator's bucket layout differs from this worker's: "
                 "are all workers running the same model and zeroplane version?"
             )
-        engine.membership = cls(control)
-        control.report(engine.memory_report(), engine.global_steps)
+        session = cls(control)
+        engine.membership = session
+        session.report_at_exit(engine)
+        _report(control, engine)
         return engine
 
     # ------------------------------------------------------------ the engine's seams
@@ -229,19 +279,21 @@ class AttachedSession:
 
     def after_step(self, engine: ZeroEngine, agreed: BoundaryVote, stepped: bool) -> None:
         if stepped and self.control.report_due():
-            self.control.report(engine.memory_report(), engine.global_steps)
+            _report(self.control, engine)
 
     def recover(self, engine: ZeroEngine, exc: CollectiveError) -> NoReturn:
         raise exc
 
     def close(self) -> None:
+        self._forget_exit(send=True)
         self.control.close(leave=True)
 
 
-class ElasticSession:
+class ElasticSession(_FinalReport):
     """One worker's membership in a coordinator's job (see the module notes)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.phase = Phase.JOINING
         self.leave_requested = False
         self.control: ControlPlane | None = None
@@ -307,6 +359,7 @@ class ElasticSession:
             metrics=metrics,
         )
         engine.membership = session
+        session.report_at_exit(engine)
         if engine.layout != gen.layout:
             raise RuntimeError(
                 "the coordinator's bucket layout differs from this worker's: "
@@ -335,7 +388,7 @@ class ElasticSession:
             logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
         session.held_generation = gen.id
         session._to(Phase.MEMBER)
-        control.report(engine.memory_report(), engine.global_steps)
+        _report(control, engine)
         return engine
 
     # ------------------------------------------------------------ the engine's seams
@@ -361,7 +414,7 @@ class ElasticSession:
             if interval and engine.global_steps % interval == 0:
                 self.replica = elastic.refresh_replica(engine.state, control.generation.id)
             if control.report_due():
-                control.report(engine.memory_report(), engine.global_steps)
+                _report(control, engine)
         start = time.perf_counter()
         if agreed.leaving_rank is not None:
             self._hand_over(engine, agreed.leaving_rank)
@@ -398,6 +451,7 @@ class ElasticSession:
         ) from exc
 
     def close(self) -> None:
+        self._forget_exit(send=self.phase is Phase.MEMBER)
         if self.phase is not Phase.LEFT and self.control is not None:
             self.control.close(leave=True)
         self.phase = Phase.LEFT
@@ -414,6 +468,7 @@ class ElasticSession:
         if engine.rank == leaving:
             engine.state.release()
             dist.destroy_process_group()
+            self._forget_exit()
             control.close(leave=True)
             self._to(Phase.LEFT)
             logger.info("handed over at step %d; leaving", handover.counters.global_steps)

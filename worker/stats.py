@@ -54,6 +54,11 @@ class StepStats:
     # The last micro-batch loss given to ``backward`` (detached; read at scrape time,
     # so a CUDA loss costs the training loop no synchronization).
     loss: torch.Tensor | None = None
+    # The last optimizer step's loss: this rank's mean over its micro-batches, and
+    # (sum over ranks, ranks) as the engine all-reduced it; detached tensors.
+    step_loss: torch.Tensor | None = None
+    global_loss: torch.Tensor | None = None
+    _window_losses: list[torch.Tensor] = field(default_factory=list)
     # Step-duration histogram: per-bucket counts (not cumulative) and the sum.
     bucket_counts: list[int] = field(default_factory=lambda: [0] * len(STEP_SECONDS_BUCKETS))
     seconds_sum: float = 0.0
@@ -71,6 +76,21 @@ class StepStats:
         """Mark the start of an accumulation window (idempotent within one)."""
         if self._window_start is None:
             self._window_start = time.perf_counter()
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch loss given to ``backward`` (no synchronization: kept as a tensor)."""
+        self.loss = loss.detach()
+        self._window_losses.append(self.loss.float().mean())
+
+    def close_window_loss(self, device: torch.device) -> torch.Tensor:
+        """This window's mean loss, and ``[loss, 1.0]`` in float64 to sum over ranks
+        (``[0, 0]`` for a window without a loss)."""
+        pair = torch.zeros(2, dtype=torch.float64, device=device)
+        if self._window_losses:
+            self.step_loss = torch.stack(self._window_losses).mean()
+            self._window_losses.clear()
+            pair[0], pair[1] = self.step_loss.to(torch.float64), 1.0
+        return pair
 
     def record(self, samples: int, tokens: int) -> None:
         self.samples += samples
@@ -97,3 +117,13 @@ class StepStats:
     def last_loss(self) -> float | None:
         loss = self.loss
         return None if loss is None else float(loss.float().mean())
+
+    def last_step_loss(self) -> float | None:
+        loss = self.step_loss
+        return None if loss is None else float(loss)
+
+    def mean_loss(self) -> float | None:
+        pair = self.global_loss
+        if pair is None or pair[1] == 0:
+            return None
+        return float(pair[0] / pair[1])

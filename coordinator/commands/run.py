@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 from coordinator.config import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
 from coordinator.launch import STAGE_CHOICES, JobResult, LaunchSpec, LocalJob, forward_signals
+from coordinator.messages import StatusReport, WorkerReport
+from coordinator.summary import JobSummary
 
 __all__ = ["add_parser", "run"]
+
+logger = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -160,22 +166,53 @@ def run(args: argparse.Namespace) -> int:
             return 2
         services = (embedded,)
     job = LocalJob(spec, services=services)
+    started = time.monotonic()
+    page = None
     with forward_signals(job), job:
         for service in services:
             http = service.server.http_address if service.server else None
             if http:
+                page = f"http://{http}/"
                 print(
-                    f"zeroplane run: status page http://{http}/ "
-                    f"(metrics /metrics, Prometheus http_sd /sd)",
+                    f"zeroplane run: status page {page} (metrics /metrics, Prometheus http_sd /sd)",
                     file=sys.stderr,
                     flush=True,
                 )
         result = _wait_scaling(job, args)
+        # read before the embedded coordinator stops with the job
+        status, reports = _final_status(services)
     if not result.ok:
         print(f"zeroplane run: {result.message}", file=sys.stderr)
-    elif args.hold:
+    summary = JobSummary(
+        ok=result.ok,
+        outcome=result.message,
+        wall_s=time.monotonic() - started,
+        status=status,
+        reports=reports,
+        status_page=page,
+    )
+    print(summary, file=sys.stderr, flush=True)
+    if result.ok and args.hold:
         _hold()
     return result.returncode
+
+
+def _final_status(
+    services: Sequence[object],
+) -> tuple[StatusReport | None, dict[str, WorkerReport]]:
+    """The embedded coordinator's last view of the job and every worker's last
+    report (nothing without an embedded coordinator)."""
+    for service in services:
+        final = getattr(service, "final", None)  # an EmbeddedCoordinator, as it stopped
+        if final is not None:
+            return final
+        server = getattr(service, "server", None)
+        if server is not None:
+            try:
+                return server.status(), server.last_reports()
+            except Exception as exc:  # a summary must never fail a finished job
+                logger.debug("no final status: %s", exc)
+    return None, {}
 
 
 def _wait_scaling(job: LocalJob, args: argparse.Namespace) -> JobResult:

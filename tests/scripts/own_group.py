@@ -48,7 +48,8 @@ def main() -> None:
     for step in range(STEPS):
         loss = engine(*batch(step, rank))
         engine.backward(loss)
-        engine.step()
+        engine.step(samples=2, tokens=2 * CFG.block_size)
+    mean_loss = engine.mean_loss()
     full = engine.full_state_dict()
     control = engine.membership.control if engine.membership is not None else None
     (out / f"rank{rank}.json").write_text(
@@ -57,6 +58,7 @@ def main() -> None:
                 "stage": engine.config.stage,
                 "world": engine.world_size,
                 "generation": None if control is None else control.generation.id,
+                "mean_loss": mean_loss,
             }
         )
     )

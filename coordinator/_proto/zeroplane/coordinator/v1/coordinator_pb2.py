@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n=coordinator/_proto/zeroplane/coordinator/v1/coordinator.proto\x12\x18zeroplane.coordinator.v1\"k\n\tParamInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x15\n\rrequires_grad\x18\x04 \x01(\x08\x12\r\n\x05group\x18\x05 \x01(\r\x12\x0c\n\x04unit\x18\x06 \x01(\r\"\x9c\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x04 \x01(\x04\x12\x18\n\x10metrics_endpoint\x18\x05 \x01(\t\x12\x12\n\nfree_ports\x18\x06 \x03(\r\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x12\n\x05stage\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nfixed_rank\x18\t \x01(\rH\x01\x88\x01\x01\x12\x1d\n\x10\x66ixed_world_size\x18\n \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06_stageB\r\n\x0b_fixed_rankB\x13\n\x11_fixed_world_size\"\x7f\n\x0fRegisterRequest\x12\x34\n\x06worker\x18\x01 \x01(\x0b\x32$.zeroplane.coordinator.v1.WorkerInfo\x12\x36\n\tinventory\x18\x02 \x03(\x0b\x32#.zeroplane.coordinator.v1.ParamInfo\"\x96\x01\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0flease_timeout_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x15\n\rgeneration_id\x18\x04 \x01(\x04\x12\x12\n\nreattached\x18\x05 \x01(\x08\x12\r\n\x05\x65poch\x18\x06 \x01(\t\"\x8a\x02\n\x0cWorkerReport\x12V\n\x11model_state_bytes\x18\x01 \x03(\x0b\x32;.zeroplane.coordinator.v1.WorkerReport.ModelStateBytesEntry\x12\x1e\n\x16\x64\x65vice_allocated_bytes\x18\x02 \x01(\x04\x12\x1d\n\x15\x64\x65vice_reserved_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x1d\n\x15\x61pplied_generation_id\x18\x05 \x01(\x04\x1a\x36\n\x14ModelStateBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x88\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rgeneration_id\x18\x02 \x01(\x04\x12\x36\n\x06report\x18\x03 \x01(\x0b\x32&.zeroplane.coordinator.v1.WorkerReport\x12\x12\n\nfree_ports\x18\x04 \x03(\r\"E\n\x11HeartbeatResponse\x12\x15\n\rgeneration_id\x18\x01 \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x02 \x01(\x01\"I\n\x17WatchGenerationsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1b\n\x13\x61\x66ter_generation_id\x18\x02 \x01(\x04\"1\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"k\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x15\n\rprevious_rank\x18\x04 \x01(\x05\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x05 \x01(\x04\"B\n\x04Slot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x03\"\x97\x01\n\x06\x42ucket\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05group\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04unit\x18\x04 \x01(\r\x12-\n\x05slots\x18\x05 \x03(\x0b\x32\x1e.zeroplane.coordinator.v1.Slot\x12\r\n\x05numel\x18\x06 \x01(\x04\x12\x14\n\x0cpadded_numel\x18\x07 \x01(\x04\"\x85\x01\n\x06Layout\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62ucket_numel\x18\x02 \x01(\x04\x12\r\n\x05\x61lign\x18\x03 \x01(\r\x12\x0f\n\x07\x62y_unit\x18\x04 \x01(\x08\x12\x31\n\x07\x62uckets\x18\x05 \x03(\x0b\x32 .zeroplane.coordinator.v1.Bucket\"W\n\x04Move\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0c\n\x04stop\x18\x03 \x01(\x04\x12\x11\n\told_owner\x18\x04 \x01(\r\x12\x11\n\tnew_owner\x18\x05 \x01(\r\"\xb1\x01\n\x0fReshardSchedule\x12\x1a\n\x12\x66rom_generation_id\x18\x01 \x01(\x04\x12\x17\n\x0f\x66rom_world_size\x18\x02 \x01(\r\x12\x12\n\nfrom_stage\x18\x03 \x01(\r\x12-\n\x05moves\x18\x04 \x03(\x0b\x32\x1e.zeroplane.coordinator.v1.Move\x12\x12\n\nlost_ranks\x18\x05 \x03(\r\x12\x12\n\nleft_ranks\x18\x06 \x03(\r\"\xd0\x02\n\nGeneration\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x07members\x18\x02 \x03(\x0b\x32 .zeroplane.coordinator.v1.Member\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x1b\n\x13rendezvous_endpoint\x18\x04 \x01(\t\x12\r\n\x05stage\x18\x05 \x01(\r\x12\x14\n\x0cstage_reason\x18\x06 \x01(\t\x12\x30\n\x06layout\x18\x07 \x01(\x0b\x32 .zeroplane.coordinator.v1.Layout\x12:\n\x07reshard\x18\x08 \x01(\x0b\x32).zeroplane.coordinator.v1.ReshardSchedule\x12\x18\n\x10inventory_digest\x18\t \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\n \x01(\x01\x12\r\n\x05\x65poch\x18\x0b \x01(\t\"\x0f\n\rStatusRequest\"\xb2\x01\n\x0cWorkerStatus\x12\x32\n\x04info\x18\x01 \x01(\x0b\x32$.zeroplane.coordinator.v1.WorkerInfo\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x19\n\x11lease_remaining_s\x18\x03 \x01(\x01\x12\x36\n\x06report\x18\x04 \x01(\x0b\x32&.zeroplane.coordinator.v1.WorkerReport\x12\r\n\x05state\x18\x05 \x01(\t\"_\n\x05\x45vent\x12\x0e\n\x06unix_s\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x15\n\rgeneration_id\x18\x04 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"\x8c\x01\n\x12MembershipSettings\x12\x13\n\x0bmin_workers\x18\x01 \x01(\r\x12\x13\n\x0bmax_workers\x18\x02 \x01(\r\x12\x15\n\rjoin_window_s\x18\x03 \x01(\x01\x12\x17\n\x0flease_timeout_s\x18\x04 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x05 \x01(\x01\"\xa8\x03\n\x0eStatusResponse\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x16\n\x0ewaiting_reason\x18\x02 \x01(\t\x12\x15\n\rgeneration_id\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\r\n\x05stage\x18\x05 \x01(\r\x12\x14\n\x0cstage_reason\x18\x06 \x01(\t\x12\x1b\n\x13rendezvous_endpoint\x18\x07 \x01(\t\x12\x37\n\x07workers\x18\x08 \x03(\x0b\x32&.zeroplane.coordinator.v1.WorkerStatus\x12/\n\x06\x65vents\x18\t \x03(\x0b\x32\x1f.zeroplane.coordinator.v1.Event\x12>\n\x08settings\x18\n \x01(\x0b\x32,.zeroplane.coordinator.v1.MembershipSettings\x12\x17\n\x0ftrainable_numel\x18\x0b \x01(\x04\x12\x18\n\x10inventory_digest\x18\x0c \x01(\t\x12\x16\n\x0eserver_version\x18\r \x01(\t\x12\r\n\x05\x65poch\x18\x0e \x01(\t\"\xe0\x01\n\x0ePersistedState\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x36\n\tinventory\x18\x02 \x03(\x0b\x32#.zeroplane.coordinator.v1.ParamInfo\x12\x38\n\ngeneration\x18\x03 \x01(\x0b\x32$.zeroplane.coordinator.v1.Generation\x12\x35\n\x07members\x18\x04 \x03(\x0b\x32$.zeroplane.coordinator.v1.WorkerInfo\x12\r\n\x05\x65poch\x18\x05 \x01(\t2\xfc\x03\n\x0b\x43oordinator\x12\x61\n\x08Register\x12).zeroplane.coordinator.v1.RegisterRequest\x1a*.zeroplane.coordinator.v1.RegisterResponse\x12\x64\n\tHeartbeat\x12*.zeroplane.coordinator.v1.HeartbeatRequest\x1a+.zeroplane.coordinator.v1.HeartbeatResponse\x12m\n\x10WatchGenerations\x12\x31.zeroplane.coordinator.v1.WatchGenerationsRequest\x1a$.zeroplane.coordinator.v1.Generation0\x01\x12X\n\x05Leave\x12&.zeroplane.coordinator.v1.LeaveRequest\x1a\'.zeroplane.coordinator.v1.LeaveResponse\x12[\n\x06Status\x12\'.zeroplane.coordinator.v1.StatusRequest\x1a(.zeroplane.coordinator.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n=coordinator/_proto/zeroplane/coordinator/v1/coordinator.proto\x12\x18zeroplane.coordinator.v1\"k\n\tParamInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x15\n\rrequires_grad\x18\x04 \x01(\x08\x12\r\n\x05group\x18\x05 \x01(\r\x12\x0c\n\x04unit\x18\x06 \x01(\r\"\x9c\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x04 \x01(\x04\x12\x18\n\x10metrics_endpoint\x18\x05 \x01(\t\x12\x12\n\nfree_ports\x18\x06 \x03(\r\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x12\n\x05stage\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nfixed_rank\x18\t \x01(\rH\x01\x88\x01\x01\x12\x1d\n\x10\x66ixed_world_size\x18\n \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06_stageB\r\n\x0b_fixed_rankB\x13\n\x11_fixed_world_size\"\x7f\n\x0fRegisterRequest\x12\x34\n\x06worker\x18\x01 \x01(\x0b\x32$.zeroplane.coordinator.v1.WorkerInfo\x12\x36\n\tinventory\x18\x02 \x03(\x0b\x32#.zeroplane.coordinator.v1.ParamInfo\"\x96\x01\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0flease_timeout_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x15\n\rgeneration_id\x18\x04 \x01(\x04\x12\x12\n\nreattached\x18\x05 \x01(\x08\x12\r\n\x05\x65poch\x18\x06 \x01(\t\"\xdb\x02\n\x0cWorkerReport\x12V\n\x11model_state_bytes\x18\x01 \x03(\x0b\x32;.zeroplane.coordinator.v1.WorkerReport.ModelStateBytesEntry\x12\x1e\n\x16\x64\x65vice_allocated_bytes\x18\x02 \x01(\x04\x12\x1d\n\x15\x64\x65vice_reserved_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x1d\n\x15\x61pplied_generation_id\x18\x05 \x01(\x04\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07samples\x18\x07 \x01(\x04\x12\x0e\n\x06tokens\x18\x08 \x01(\x04\x12\x12\n\ncheckpoint\x18\t \x01(\t\x1a\x36\n\x14ModelStateBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\x07\n\x05_loss\"\x88\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rgeneration_id\x18\x02 \x01(\x04\x12\x36\n\x06report\x18\x03 \x01(\x0b\x32&.zeroplane.coordinator.v1.WorkerReport\x12\x12\n\nfree_ports\x18\x04 \x03(\r\"E\n\x11HeartbeatResponse\x12\x15\n\rgeneration_id\x18\x01 \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x02 \x01(\x01\"I\n\x17WatchGenerationsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1b\n\x13\x61\x66ter_generation_id\x18\x02 \x01(\x04\"1\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"k\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x15\n\rprevious_rank\x18\x04 \x01(\x05\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x05 \x01(\x04\"B\n\x04Slot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x03\"\x97\x01\n\x06\x42ucket\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05group\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04unit\x18\x04 \x01(\r\x12-\n\x05slots\x18\x05 \x03(\x0b\x32\x1e.zeroplane.coordinator.v1.Slot\x12\r\n\x05numel\x18\x06 \x01(\x04\x12\x14\n\x0cpadded_numel\x18\x07 \x01(\x04\"\x85\x01\n\x06Layout\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62ucket_numel\x18\x02 \x01(\x04\x12\r\n\x05\x61lign\x18\x03 \x01(\r\x12\x0f\n\x07\x62y_unit\x18\x04 \x01(\x08\x12\x31\n\x07\x62uckets\x18\x05 \x03(\x0b\x32 .zeroplane.coordinator.v1.Bucket\"W\n\x04Move\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0c\n\x04stop\x18\x03 \x01(\x04\x12\x11\n\told_owner\x18\x04 \x01(\r\x12\x11\n\tnew_owner\x18\x05 \x01(\r\"\xb1\x01\n\x0fReshardSchedule\x12\x1a\n\x12\x66rom_generation_id\x18\x01 \x01(\x04\x12\x17\n\x0f\x66rom_world_size\x18\x02 \x01(\r\x12\x12\n\nfrom_stage\x18\x03 \x01(\r\x12-\n\x05moves\x18\x04 \x03(\x0b\x32\x1e.zeroplane.coordinator.v1.Move\x12\x12\n\nlost_ranks\x18\x05 \x03(\r\x12\x12\n\nleft_ranks\x18\x06 \x03(\r\"\xd0\x02\n\nGeneration\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x07members\x18\x02 \x03(\x0b\x32 .zeroplane.coordinator.v1.Member\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x1b\n\x13rendezvous_endpoint\x18\x04 \x01(\t\x12\r\n\x05stage\x18\x05 \x01(\r\x12\x14\n\x0cstage_reason\x18\x06 \x01(\t\x12\x30\n\x06layout\x18\x07 \x01(\x0b\x32 .zeroplane.coordinator.v1.Layout\x12:\n\x07reshard\x18\x08 \x01(\x0b\x32).zeroplane.coordinator.v1.ReshardSchedule\x12\x18\n\x10inventory_digest\x18\t \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\n \x01(\x01\x12\r\n\x05\x65poch\x18\x0b \x01(\t\"\x0f\n\rStatusRequest\"\xb2\x01\n\x0cWorkerStatus\x12\x32\n\x04info\x18\x01 \x01(\x0b\x32$.zeroplane.coordinator.v1.WorkerInfo\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x19\n\x11lease_remaining_s\x18\x03 \x01(\x01\x12\x36\n\x06report\x18\x04 \x01(\x0b\x32&.zeroplane.coordinator.v1.WorkerReport\x12\r\n\x05state\x18\x05 \x01(\t\"_\n\x05\x45vent\x12\x0e\n\x06unix_s\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x15\n\rgeneration_id\x18\x04 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"\x8c\x01\n\x12MembershipSettings\x12\x13\n\x0bmin_workers\x18\x01 \x01(\r\x12\x13\n\x0bmax_workers\x18\x02 \x01(\r\x12\x15\n\rjoin_window_s\x18\x03 \x01(\x01\x12\x17\n\x0flease_timeout_s\x18\x04 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x05 \x01(\x01\"\xa8\x03\n\x0eStatusResponse\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x16\n\x0ewaiting_reason\x18\x02 \x01(\t\x12\x15\n\rgeneration_id\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\r\n\x05stage\x18\x05 \x01(\r\x12\x14\n\x0cstage_reason\x18\x06 \x01(\t\x12\x1b\n\x13rendezvous_endpoint\x18\x07 \x01(\t\x12\x37\n\x07workers\x18\x08 \x03(\x0b\x32&.zeroplane.coordinator.v1.WorkerStatus\x12/\n\x06\x65vents\x18\t \x03(\x0b\x32\x1f.zeroplane.coordinator.v1.Event\x12>\n\x08settings\x18\n \x01(\x0b\x32,.zeroplane.coordinator.v1.MembershipSettings\x12\x17\n\x0ftrainable_numel\x18\x0b \x01(\x04\x12\x18\n\x10inventory_digest\x18\x0c \x01(\t\x12\x16\n\x0eserver_version\x18\r \x01(\t\x12\r\n\x05\x65poch\x18\x0e \x01(\t\"\xe0\x01\n\x0ePersistedState\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x36\n\tinventory\x18\x02 \x03(\x0b\x32#.zeroplane.coordinator.v1.ParamInfo\x12\x38\n\ngeneration\x18\x03 \x01(\x0b\x32$.zeroplane.coordinator.v1.Generation\x12\x35\n\x07members\x18\x04 \x03(\x0b\x32$.zeroplane.coordinator.v1.WorkerInfo\x12\r\n\x05\x65poch\x18\x05 \x01(\t2\xfc\x03\n\x0b\x43oordinator\x12\x61\n\x08Register\x12).zeroplane.coordinator.v1.RegisterRequest\x1a*.zeroplane.coordinator.v1.RegisterResponse\x12\x64\n\tHeartbeat\x12*.zeroplane.coordinator.v1.HeartbeatRequest\x1a+.zeroplane.coordinator.v1.HeartbeatResponse\x12m\n\x10WatchGenerations\x12\x31.zeroplane.coordinator.v1.WatchGenerationsRequest\x1a$.zeroplane.coordinator.v1.Generation0\x01\x12X\n\x05Leave\x12&.zeroplane.coordinator.v1.LeaveRequest\x1a\'.zeroplane.coordinator.v1.LeaveResponse\x12[\n\x06Status\x12\'.zeroplane.coordinator.v1.StatusRequest\x1a(.zeroplane.coordinator.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,45 +42,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRESPONSE']._serialized_start=617
   _globals['_REGISTERRESPONSE']._serialized_end=767
   _globals['_WORKERREPORT']._serialized_start=770
-  _globals['_WORKERREPORT']._serialized_end=1036
-  _globals['_WORKERREPORT_MODELSTATEBYTESENTRY']._serialized_start=982
-  _globals['_WORKERREPORT_MODELSTATEBYTESENTRY']._serialized_end=1036
-  _globals['_HEARTBEATREQUEST']._serialized_start=1039
-  _globals['_HEARTBEATREQUEST']._serialized_end=1175
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1177
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1246
-  _globals['_WATCHGENERATIONSREQUEST']._serialized_start=1248
-  _globals['_WATCHGENERATIONSREQUEST']._serialized_end=1321
-  _globals['_LEAVEREQUEST']._serialized_start=1323
-  _globals['_LEAVEREQUEST']._serialized_end=1372
-  _globals['_LEAVERESPONSE']._serialized_start=1374
-  _globals['_LEAVERESPONSE']._serialized_end=1389
-  _globals['_MEMBER']._serialized_start=1391
-  _globals['_MEMBER']._serialized_end=1498
-  _globals['_SLOT']._serialized_start=1500
-  _globals['_SLOT']._serialized_end=1566
-  _globals['_BUCKET']._serialized_start=1569
-  _globals['_BUCKET']._serialized_end=1720
-  _globals['_LAYOUT']._serialized_start=1723
-  _globals['_LAYOUT']._serialized_end=1856
-  _globals['_MOVE']._serialized_start=1858
-  _globals['_MOVE']._serialized_end=1945
-  _globals['_RESHARDSCHEDULE']._serialized_start=1948
-  _globals['_RESHARDSCHEDULE']._serialized_end=2125
-  _globals['_GENERATION']._serialized_start=2128
-  _globals['_GENERATION']._serialized_end=2464
-  _globals['_STATUSREQUEST']._serialized_start=2466
-  _globals['_STATUSREQUEST']._serialized_end=2481
-  _globals['_WORKERSTATUS']._serialized_start=2484
-  _globals['_WORKERSTATUS']._serialized_end=2662
-  _globals['_EVENT']._serialized_start=2664
-  _globals['_EVENT']._serialized_end=2759
-  _globals['_MEMBERSHIPSETTINGS']._serialized_start=2762
-  _globals['_MEMBERSHIPSETTINGS']._serialized_end=2902
-  _globals['_STATUSRESPONSE']._serialized_start=2905
-  _globals['_STATUSRESPONSE']._serialized_end=3329
-  _globals['_PERSISTEDSTATE']._serialized_start=3332
-  _globals['_PERSISTEDSTATE']._serialized_end=3556
-  _globals['_COORDINATOR']._serialized_start=3559
-  _globals['_COORDINATOR']._serialized_end=4067
+  _globals['_WORKERREPORT']._serialized_end=1117
+  _globals['_WORKERREPORT_MODELSTATEBYTESENTRY']._serialized_start=1054
+  _globals['_WORKERREPORT_MODELSTATEBYTESENTRY']._serialized_end=1108
+  _globals['_HEARTBEATREQUEST']._serialized_start=1120
+  _globals['_HEARTBEATREQUEST']._serialized_end=1256
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1258
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1327
+  _globals['_WATCHGENERATIONSREQUEST']._serialized_start=1329
+  _globals['_WATCHGENERATIONSREQUEST']._serialized_end=1402
+  _globals['_LEAVEREQUEST']._serialized_start=1404
+  _globals['_LEAVEREQUEST']._serialized_end=1453
+  _globals['_LEAVERESPONSE']._serialized_start=1455
+  _globals['_LEAVERESPONSE']._serialized_end=1470
+  _globals['_MEMBER']._serialized_start=1472
+  _globals['_MEMBER']._serialized_end=1579
+  _globals['_SLOT']._serialized_start=1581
+  _globals['_SLOT']._serialized_end=1647
+  _globals['_BUCKET']._serialized_start=1650
+  _globals['_BUCKET']._serialized_end=1801
+  _globals['_LAYOUT']._serialized_start=1804
+  _globals['_LAYOUT']._serialized_end=1937
+  _globals['_MOVE']._serialized_start=1939
+  _globals['_MOVE']._serialized_end=2026
+  _globals['_RESHARDSCHEDULE']._serialized_start=2029
+  _globals['_RESHARDSCHEDULE']._serialized_end=2206
+  _globals['_GENERATION']._serialized_start=2209
+  _globals['_GENERATION']._serialized_end=2545
+  _globals['_STATUSREQUEST']._serialized_start=2547
+  _globals['_STATUSREQUEST']._serialized_end=2562
+  _globals['_WORKERSTATUS']._serialized_start=2565
+  _globals['_WORKERSTATUS']._serialized_end=2743
+  _globals['_EVENT']._serialized_start=2745
+  _globals['_EVENT']._serialized_end=2840
+  _globals['_MEMBERSHIPSETTINGS']._serialized_start=2843
+  _globals['_MEMBERSHIPSETTINGS']._serialized_end=2983
+  _globals['_STATUSRESPONSE']._serialized_start=2986
+  _globals['_STATUSRESPONSE']._serialized_end=3410
+  _globals['_PERSISTEDSTATE']._serialized_start=3413
+  _globals['_PERSISTEDSTATE']._serialized_end=3637
+  _globals['_COORDINATOR']._serialized_start=3640
+  _globals['_COORDINATOR']._serialized_end=4148
 # @@protoc_insertion_point(module_scope)
