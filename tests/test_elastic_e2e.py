@@ -242,13 +242,17 @@ def test_a_leave_and_a_join_in_one_generation(job_factory) -> None:
     job.spawn("w3")
     job.wait_until("w3 standing by", lambda: job.state_of("w3") == "standby")
     assert job.step() < STEPS - 10, "the job is too fast for this test to resize it"
+    leaver = job.server.status().worker("w2").rank
     job.workers["w2"].send_signal(signal.SIGTERM)
     codes = job.finish()
     assert codes == {"w0": 0, "w1": 0, "w2": 0, "w3": 0}, codes
     assert "handed over" in job.log("w2")
     assert "joined at step" in job.log("w3")
     logs = job.log("w0") + job.log("w1")
-    assert "recovered" not in logs and logs.count("rank 2 left; now rank") == 2, logs[-3000:]
+    # under load the workers join in any order: w2's rank is the one that left
+    assert "recovered" not in logs and logs.count(f"rank {leaver} left; now rank") == 2, (
+        logs[-3000:]
+    )
     assert_matches_reference(job.tmp / "final.pt")
 
 
@@ -313,17 +317,23 @@ def kill_and_recover(job: Job, victim: str, *, every: int, source: str) -> None:
     ``every`` steps, to ``source``, and still end equal to the reference."""
     job.wait_until("three ranks training", lambda: job.world_size() == 3 and job.step() >= 12)
     assert job.step() < STEPS - 10, "the job is too fast for this test to kill a worker"
-    before = max(w.report.step for w in job.server.status().members if w.report is not None)
+    # a lower bound only: reports ride on heartbeats and lag training
+    reported = max(w.report.step for w in job.server.status().members if w.report is not None)
     job.workers[victim].kill()
     job.wait_until("recovered on two", lambda: job.world_size() == 2)
     codes = job.finish()
     assert codes.pop(victim) == -signal.SIGKILL and set(codes.values()) == {0}, codes
     # under load the workers may have joined in any order: any survivor will do
     log = "".join(job.log(name) for name in codes)
-    found = re.search(rf"recovered as rank \d of 2 at step (\d+) \(from {source}", log)
+    found = re.search(
+        rf"recovered as rank \d of 2 at step (\d+) \(from {source}; "
+        r"this rank had reached step (\d+)\)",
+        log,
+    )
     assert found, log[-3000:]
-    recovered = int(found.group(1))
-    assert recovered % every == 0 and 0 <= before - recovered <= every, (before, recovered)
+    recovered, reached = int(found.group(1)), int(found.group(2))
+    assert reached >= reported, (reported, reached)
+    assert recovered % every == 0 and 0 <= reached - recovered <= every, (reached, recovered)
     assert_matches_reference(job.tmp / "final.pt")
 
 

@@ -533,6 +533,7 @@ class ElasticSession(_FinalReport):
         (a restarted pod under its old name) takes part holding nothing
         (``holds_state=False``)."""
         assert self.control is not None
+        reached = engine.global_steps
         replica, self.replica = (self.replica if holds_state else None), None
         live = self._live(engine) if holds_state else None
         # a rank that left without handing over (its script failed) is gone too
@@ -592,9 +593,10 @@ class ElasticSession(_FinalReport):
         engine.mark_restored()
         self.held_generation = gen.id
         logger.warning(
-            "recovered as rank %d of %d at step %d (from %s)",
+            "recovered as rank %d of %d at step %d (from %s; this rank had reached step %d)",
             engine.rank,
             engine.world_size,
             engine.global_steps,
             source,
+            reached,
         )
