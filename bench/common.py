@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import statistics
 import subprocess
 import time
@@ -19,6 +18,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from coordinator import ports
+
 T = TypeVar("T")
 
 # --------------------------------------------------------------------------- ranks
@@ -26,9 +27,7 @@ T = TypeVar("T")
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port("127.0.0.1")
 
 
 def rank_env(rank: int, world: int, port: int | str, addr: str = "127.0.0.1") -> dict[str, str]:

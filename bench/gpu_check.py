@@ -19,12 +19,10 @@ check the script without a GPU; its MFU column means nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import logging
 import os
-import socket
 import statistics
 import sys
 import time
@@ -41,6 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from coordinator.memory import model_state_bytes  # noqa: E402
+from coordinator.ports import free_port  # noqa: E402
 from worker.models import GPT, GPTConfig  # noqa: E402
 
 H200_BF16_DENSE_PEAK = 989e12  # FLOP/s, dense (no sparsity), from NVIDIA's H200 datasheet
@@ -67,12 +66,6 @@ class StageResult:
     @property
     def label(self) -> str:
         return f"{self.stage}{'+ac' if self.checkpointing else ''}"
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sync(device: torch.device) -> None:
@@ -244,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq > cfg.block_size:
         print(f"--seq {args.seq} exceeds the model's block_size {cfg.block_size}", file=sys.stderr)
         return 2
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")))
     init_kw = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, rank=0, world_size=1, **init_kw)
 

@@ -34,7 +34,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +42,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import IO, Protocol
+
+from coordinator.ports import free_port
 
 __all__ = [
     "STAGE_CHOICES",
@@ -165,9 +166,7 @@ class JobResult:
 
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (what torchrun does too; racy by nature)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_port(host)
 
 
 # a line that starts with a timestamp of its own (a logging format with asctime)

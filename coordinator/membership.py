@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import time
 import uuid
 from collections import deque
@@ -38,6 +37,7 @@ from coordinator.messages import (
     WorkerStatus,
 )
 from coordinator.planner import PlanConfig, choose_stage
+from coordinator.ports import free_port
 from coordinator.reshard import ReshardSchedule, reshard_schedule
 
 __all__ = [
@@ -435,7 +435,7 @@ class Membership:
                 return endpoint
         # Correct only when rank 0 runs beside the coordinator (local runs).
         while True:
-            endpoint = _endpoint(rank0.info.host, _free_local_port())
+            endpoint = _endpoint(rank0.info.host, free_port())
             if endpoint != used:
                 logger.warning(
                     "rank 0 (%s) reported no free port; using %s, free on the coordinator's host",
@@ -578,9 +578,3 @@ class Membership:
 
 def _endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-def _free_local_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]

@@ -250,9 +250,9 @@ def test_a_leave_and_a_join_in_one_generation(job_factory) -> None:
     assert "joined at step" in job.log("w3")
     logs = job.log("w0") + job.log("w1")
     # under load the workers join in any order: w2's rank is the one that left
-    assert "recovered" not in logs and logs.count(f"rank {leaver} left; now rank") == 2, (
-        logs[-3000:]
-    )
+    assert "recovered" not in logs and logs.count(f"rank {leaver} left; now rank") == 2, logs[
+        -3000:
+    ]
     assert_matches_reference(job.tmp / "final.pt")
 
 

@@ -158,3 +158,53 @@ def test_bf16_keeps_buffers_in_the_models_dtype(pools) -> None:
     for case in pools(2).run(bf16_buffers):
         assert case["kept"] and all(case["kept"].values()), case["kept"]
         assert case["bn_loss"] == case["bn_loss"]  # finite, trained
+
+
+def grad_scaler_scales(pattern: list[bool], *, init: float, interval: int) -> list[float]:
+    """torch.amp.GradScaler's scale after each step of ``pattern`` (True: an overflow)."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_interval=interval)
+    scales = []
+    for overflow in pattern:
+        scaler.scale(p.sum()).backward()
+        if overflow:
+            p.grad.fill_(float("inf"))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def loss_scaler_scales(pattern: list[bool], **kw) -> list[float]:
+    from worker.precision import LossScaler
+
+    scaler = LossScaler(dynamic=True, **kw)
+    scales = []
+    for overflow in pattern:
+        scaler.update(overflow)
+        scales.append(scaler.scale)
+    return scales
+
+
+def test_loss_scaler_is_grad_scaler_where_deepspeed_agrees_and_differs_where_it_does_not() -> None:
+    """Why zeroplane keeps its own LossScaler beside torch.amp.GradScaler: the
+    overflow decision is one across ranks on sharded gradients (worker/engine.py),
+    and DeepSpeed's fp16 settings (hysteresis, min_loss_scale) have no GradScaler
+    counterpart. With those off the two follow the same scale, step for step."""
+    rng = torch.Generator().manual_seed(0)
+    pattern = [bool(x) for x in (torch.rand(200, generator=rng) < 0.08)]
+    pattern[10:13] = [True, True, True]  # consecutive overflows
+    same = dict(scale=2.0**16, window=7, hysteresis=1, min_scale=1.0)
+    assert loss_scaler_scales(pattern, **same) == grad_scaler_scales(
+        pattern, init=2.0**16, interval=7
+    )
+    # hysteresis 2 (DeepSpeed's default): a lone overflow skips the step without halving
+    lone = [False] * 3 + [True] + [False] * 3
+    assert grad_scaler_scales(lone, init=1024.0, interval=1000)[3] == 512.0
+    assert loss_scaler_scales(lone, **{**same, "scale": 1024.0, "hysteresis": 2})[3] == 1024.0
+    # min_loss_scale: the scale never goes below it (GradScaler's keeps halving)
+    many = [True] * 12
+    assert grad_scaler_scales(many, init=1024.0, interval=1000)[-1] < 1.0
+    assert loss_scaler_scales(many, **{**same, "scale": 1024.0, "min_scale": 1.0})[-1] == 1.0

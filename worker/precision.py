@@ -91,6 +91,12 @@ class LossScaler:
     On an overflowing step the step is skipped; after ``hysteresis``
     consecutive overflows the scale halves (not below ``min_scale``). After
     ``window`` steps without overflow the scale doubles.
+
+    With ``hysteresis=1`` this is ``torch.amp.GradScaler`` (growth_interval =
+    window), step for step (tests/test_engine_precision.py). It is kept rather
+    than GradScaler because the overflow is decided once for all ranks on
+    sharded gradients (GradScaler inspects the local optimizer's gradients) and
+    DeepSpeed's ``hysteresis`` and ``min_loss_scale`` have no GradScaler setting.
     """
 
     scale: float
