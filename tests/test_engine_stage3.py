@@ -72,3 +72,63 @@ def test_units_gathered_just_in_time_and_freed(pools, prefetch: int) -> None:
         if prefetch and k > 0:
             assert k - 1 in held, "block k-1 was not prefetched during block k's backward"
     assert not any(case["after"]), "units still gathered after the step"
+
+
+def reads_outside_forward() -> dict:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = worker.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), config=worker.ZeroConfig(stage=3)
+    )
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=g)
+    engine.backward(engine(x, x))
+    engine.step()
+    p = model.blocks[1].fc.weight
+    errors = {}
+    for what, read in {
+        "state_dict": lambda: model.state_dict()["blocks.1.fc.weight"].sum(),
+        "sum": lambda: p.sum(),
+        "save": lambda: torch.save(model.state_dict(), "/dev/null"),
+        "clone": lambda: p.clone(),
+        "data": lambda: p.data.sum(),
+    }.items():
+        try:
+            read()
+            errors[what] = None
+        except RuntimeError as exc:
+            errors[what] = str(exc)
+    metadata = (tuple(p.shape), p.dtype, p.grad is None, "fc.weight" in repr(p), {p: 1}[p])
+    with engine.gathered_params():
+        inside = {k: v.clone() for k, v in model.state_dict().items()}
+    full = engine.full_state_dict()
+    same = all(torch.equal(inside[k], full[k]) for k in full)
+    # freed again on exit, and training goes on
+    again = False
+    try:
+        p.sum()
+    except RuntimeError:
+        again = True
+    engine.backward(engine(x, x))
+    stepped = engine.step()
+    return {
+        "errors": errors,
+        "metadata": metadata,
+        "same": same,
+        "again": again,
+        "stepped": stepped,
+    }
+
+
+def test_a_parameter_read_outside_forward_raises_never_crashes(pools) -> None:
+    """Reading a stage-3 parameter between steps used to read freed memory (a
+    segfault). It raises an error that names the parameter and the two ways to
+    the values; `engine.gathered_params()` (FSDP's summon_full_params) gives them."""
+    for case in pools(2).run(reads_outside_forward):
+        for what, error in case["errors"].items():
+            assert error is not None, f"{what} read a sharded parameter without an error"
+            assert "engine.full_state_dict()" in error and "gathered_params" in error, error
+        assert "'blocks.1.fc.weight'" in case["errors"]["sum"]
+        assert case["metadata"] == ((4 * CFG.n_embd, CFG.n_embd), torch.float32, True, True, 1)
+        assert case["same"], "gathered_params() differs from full_state_dict()"
+        assert case["again"] and case["stepped"]

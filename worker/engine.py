@@ -49,6 +49,7 @@ all-reduced once per optimizer step in the step-boundary ballot
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -490,6 +491,16 @@ class ZeroEngine:
         return True
 
     # ------------------------------------------------------------ reports
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Every parameter's full compute values on every rank for the duration, as
+        FSDP's ``summon_full_params``: at stage 3 its parameters are gathered on entry
+        (a collective: every rank enters) and freed on exit; at stages 0-2 they are
+        always whole and this does nothing. Read-only: writes are not kept, and a
+        tensor that views a parameter is freed with it (clone what you keep)."""
+        with self.state.params.gathered():
+            yield
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter by name (tied ones under each name), fp32 master values

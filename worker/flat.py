@@ -36,6 +36,7 @@ from worker.compression import (
     WireBuffers,
     start_all_gather,
 )
+from worker.sharded import mark_gathered, mark_sharded
 
 __all__ = ["BucketState", "FlatBucket", "GatherUnit", "UnitState"]
 
@@ -80,6 +81,7 @@ class FlatBucket:
 
     def param_views(self) -> None:
         """Point every parameter's ``.data`` at its slot in ``full``."""
+        mark_gathered(self.params)
         for p, slot in zip(self.params, self.spec.slots, strict=True):
             p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
@@ -116,6 +118,7 @@ class GatherUnit:
             self.wire += [WireBuffers() for _ in self.buckets[len(self.wire) :]]
         for i, b in enumerate(self.buckets):
             b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
+            mark_gathered(b.params)
             if self.codec is None:
                 self.handles.append(comm.all_gather(b.full, b.shard, async_op=True))
             else:
@@ -136,4 +139,5 @@ class GatherUnit:
         if self.state is UnitState.GATHERED:
             for b in self.buckets:
                 b.full.untyped_storage().resize_(0)
+                mark_sharded(b.params)
             self.state = UnitState.SHARDED

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 from worker.collectives import Collectives, Handle
 from worker.compression import Codec, WireBuffers, start_all_gather, start_reduce_scatter
 from worker.flat import BucketState, FlatBucket, GatherUnit, UnitState
+from worker.sharded import mark_sharded, name_params, reads_data
 
 __all__ = [
     "STAGES",
@@ -434,6 +435,10 @@ class ParamStorage:
         """What the engine's forward runs under (stage 3's first forward: discovery)."""
         return contextlib.nullcontext()
 
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """Every compute parameter whole on this rank for the duration (a collective)."""
+        return contextlib.nullcontext()
+
 
 class ReplicatedParams(ParamStorage):
     """Stages 0–2: every rank holds the full compute parameters."""
@@ -493,10 +498,12 @@ class ShardedParams(ParamStorage):
 
     def place(self, b: FlatBucket) -> None:
         b.param_views()
+        name_params(b.params, (s.name for s in b.spec.slots))
         b.shard = b.master.to(self.dtype)
         if not self.mixed_precision:
             b.master = b.shard
         b.full.untyped_storage().resize_(0)
+        mark_sharded(b.params)
 
     def attach(self, buckets: list[FlatBucket], comm: Collectives, units: dict) -> None:
         self.detach()
@@ -524,6 +531,18 @@ class ShardedParams(ParamStorage):
         self.units, self._unit_by_index, self._unit_of_param = [], {}, {}
         self._order, self._order_recorded = [], False
         self._discovered, self._running = False, []
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        for unit in self.units:
+            unit.gather(self.comm)
+        for unit in self.units:
+            unit.wait()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.reshard()
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         if self._discovered:
@@ -652,26 +671,6 @@ class ShardedParams(ParamStorage):
                 self._order[j].gather(self.comm)
 
 
-# tensor methods and properties that look at metadata only, never at values
-_METADATA = frozenset(
-    {
-        "size", "dim", "numel", "stride", "storage_offset", "element_size", "data_ptr",
-        "untyped_storage", "is_floating_point", "is_complex", "is_contiguous",
-        "register_hook", "register_post_accumulate_grad_hook", "shape", "dtype",
-        "device", "requires_grad", "ndim", "is_cuda", "layout", "is_leaf", "grad_fn",
-        "grad", "names", "is_sparse", "is_quantized", "is_meta", "is_nested",
-        "_version", "output_nr", "itemsize", "nbytes",
-    }
-)  # fmt: skip
-
-
-def _reads_data(func: Callable) -> bool:
-    name = getattr(func, "__name__", "")
-    if name == "__get__":  # a property: named by its descriptor
-        name = getattr(getattr(func, "__self__", None), "__name__", "")
-    return name not in _METADATA
-
-
 class _DiscoverReads(TorchFunctionMode):
     """The first forward at stage 3: find parameters read outside their unit's forward
     ([Note: modules whose forward never runs])."""
@@ -692,7 +691,7 @@ class _DiscoverReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not _reads_data(func):
+        if not reads_data(func):
             return func(*args, **kwargs)
         unit_of = self.storage._unit_of_param
         for t in tree_leaves((args, kwargs)):
