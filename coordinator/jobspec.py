@@ -13,6 +13,8 @@
     device: {kind: cpu, count: 1}          # or cuda; processes (and GPUs) per pod
     resources: {cpu: "2", memory: 8Gi}     # per worker pod
     compression: none                      # or bf16, fp16, int8, onebit
+    format: job                            # or trainjob, pytorchjob (Kubeflow)
+    monitoring: none                       # or prometheus-operator (adds a PodMonitor)
 
 and optionally ``namespace``, ``coordinator_image``, ``grace_period_s``,
 ``state_storage``, ``storage_class``, ``checkpoint_storage``,
@@ -34,7 +36,9 @@ from coordinator.config import ADDRESS_ENV, METRICS_PORT_ENV, TOKEN_ENV
 
 __all__ = [
     "COMPRESSION_ENV",
+    "FORMATS",
     "HOST_ENV",
+    "MONITORING",
     "WORKER_ID_ENV",
     "Device",
     "JobSpec",
@@ -52,6 +56,11 @@ COMPRESSION_ENV = "ZEROPLANE_COMPRESSION"
 STAGES = ("auto", "0", "1", "2", "3")
 COMPRESSIONS = ("none", "bf16", "fp16", "int8", "onebit")
 DEVICE_KINDS = ("cpu", "cuda")
+# How the workers are run: a Kubernetes Indexed Job, a Kubeflow Trainer v2 TrainJob,
+# or a Kubeflow training-operator v1 PyTorchJob (coordinator/k8s.py).
+FORMATS = ("job", "trainjob", "pytorchjob")
+# prometheus-operator: a PodMonitor, which needs the Prometheus Operator's CRDs.
+MONITORING = ("none", "prometheus-operator")
 # Set by the manifests; a spec's ``env`` may not override them.
 RESERVED_ENV = frozenset(
     {
@@ -62,6 +71,8 @@ RESERVED_ENV = frozenset(
         COMPRESSION_ENV,
         METRICS_PORT_ENV,
         "POD_NAME",
+        "POD_IP",
+        "JOB_COMPLETION_INDEX",
     }
 )
 
@@ -78,7 +89,7 @@ class JobSpecError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class Workers:
-    """Worker pods: the StatefulSet starts ``replicas``, scaling stays in [min, max]."""
+    """Worker pods: ``replicas`` start, scaling stays in [min, max]."""
 
     min: int = 1
     max: int = 1
@@ -136,6 +147,13 @@ class JobSpec:
         /checkpoints in every worker (checkpoints need one directory all ranks share:
         pass ``--checkpoint /checkpoints`` to the script); None: no such volume.
     env: extra environment for the workers.
+    format: how the workers run: ``job`` (an Indexed Job: completes when training
+        does, scaled by patching its completions and parallelism), ``trainjob`` (a
+        Kubeflow Trainer v2 TrainJob with its own TrainingRuntime) or ``pytorchjob``
+        (a Kubeflow training-operator v1 PyTorchJob); the coordinator runs beside
+        each as a Deployment.
+    monitoring: ``prometheus-operator`` adds a PodMonitor (the Prometheus Operator's
+        CRD); ``none`` renders only objects every cluster knows.
     """
 
     name: str
@@ -155,6 +173,8 @@ class JobSpec:
     checkpoint_storage: str | None = None
     checkpoint_storage_class: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    format: Literal["job", "trainjob", "pytorchjob"] = "job"
+    monitoring: Literal["none", "prometheus-operator"] = "none"
 
     def __post_init__(self) -> None:
         _check(
@@ -243,6 +263,10 @@ class JobSpec:
             _check(key not in RESERVED_ENV, f"env.{key}", "a name the manifests do not set", key)
             _check(isinstance(value, str), f"env.{key}", "a string (quote numbers)", value)
         object.__setattr__(self, "env", dict(self.env))
+        _check(self.format in FORMATS, "format", ", ".join(FORMATS), self.format)
+        _check(
+            self.monitoring in MONITORING, "monitoring", " or ".join(MONITORING), self.monitoring
+        )
 
     # ---- derived names ----------------------------------------------------------------
 
@@ -269,6 +293,10 @@ class JobSpec:
     @property
     def checkpoint_claim(self) -> str:
         return f"{self.name}-checkpoints"
+
+    @property
+    def dashboard(self) -> str:
+        return f"{self.name}-grafana-dashboard"
 
     @property
     def min_processes(self) -> int:
@@ -323,9 +351,13 @@ def load_job_spec(path: str | Path) -> JobSpec:
     """Read and validate a job spec file; JobSpecError names the file and the field."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise JobSpecError(f"cannot read {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise JobSpecError(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+        ) from None
     except yaml.YAMLError as exc:
         raise JobSpecError(f"{path}: not valid YAML: {exc}") from None
     try:

@@ -6,12 +6,12 @@
 
 [Note: one source for the manifests]
 Python builds every object here, once. ``base_objects`` is what does not
-depend on the device (the coordinator, the worker StatefulSet without its
-image and resources, Services, the PodDisruptionBudget, NetworkPolicy,
-PodMonitor, the dashboard ConfigMap); ``device_patch`` is a strategic-merge
-patch of the worker StatefulSet for one device kind (image, resources, GPU
-tolerations). ``render`` applies the patch in Python; ``kustomize_tree``
-writes the same base and the same patch as a kustomize base with ``cpu`` and
+depend on the device (the coordinator, the workers' Services, the
+PodDisruptionBudget, NetworkPolicy, the dashboard ConfigMap and, when asked
+for, the PodMonitor); ``worker_objects`` is the workers' workload for one
+device kind (image, resources, GPU tolerations) in the spec's ``format``.
+``render`` is the two together; ``kustomize_tree`` writes the first as a
+kustomize base and the second, for each device kind, as the ``cpu`` and
 ``gpu`` overlays. ``k8s/`` in the repository is ``kustomize_tree`` of
 ``examples/job.yaml``, written by ``zeroplane submit --out k8s --no-apply``;
 tests check that it has not drifted, and that ``kubectl kustomize`` of each
@@ -20,28 +20,43 @@ overlay equals ``render`` of that device kind.
 [Note: how the pieces find each other]
 Workers reach the coordinator through its Service, ``<job>-coordinator:50051``
 (``$ZEROPLANE_COORDINATOR``), with the bearer token from the ``<job>-token``
-Secret (``$ZEROPLANE_TOKEN``; the coordinator reads the same variable).
-Each worker pod advertises ``<pod>.<job>-workers`` (``$ZEROPLANE_HOST``), its
-stable name under the headless Service, which is where the other ranks find
-the rendezvous store when it is rank 0. ``publishNotReadyAddresses`` lets
-those names resolve before a pod is ready, since the first generation forms
-while pods are still starting. The coordinator keeps its state file on a
-small PersistentVolumeClaim, so a restarted coordinator re-attaches to the
-workers that kept training.
+Secret (``$ZEROPLANE_TOKEN``; the coordinator reads the same variable); every
+format's workers get the same environment from ``_worker_env``. Each worker
+advertises an address the other ranks reach it at (``$ZEROPLANE_HOST``), which
+is where they find the rendezvous store when it is rank 0: a Job's pod its
+stable name under the headless Service, ``<job>-worker-<index>.<job>-workers``
+(``publishNotReadyAddresses`` lets those names resolve before a pod is ready,
+since the first generation forms while pods are still starting); a Kubeflow
+pod, whose names its operator chooses, its IP. The coordinator keeps its state
+file on a small PersistentVolumeClaim, so a restarted coordinator re-attaches
+to the workers that kept training.
 
-[Note: elastic scaling]
-``kubectl scale statefulset/<job>-worker --replicas=N`` is the scaling
-interface. The coordinator is started with the job's ``--min-workers`` and
-``--max-workers`` (pods times ``device.count``): new pods register and join
-the next generation after the join window; pods removed by a scale-down get
-SIGTERM and ``terminationGracePeriodSeconds`` to hand their shards over;
-pods beyond ``max`` wait as standbys, and below ``min`` the job waits.
+[Note: completion and elastic scaling]
+A finished job completes: workers run ``zeroplane run`` without ``--hold``,
+so each pod exits 0 once training is done, and the Indexed Job
+``<job>-worker`` gets its ``Complete`` condition when every index has
+(``kubectl wait --for=condition=complete job/<job>-worker``); the TrainJob's
+``Complete`` and the PyTorchJob's ``Succeeded`` follow from their pods the
+same way. A worker stopped before the end (SIGTERM) exits 128+15, so a pod
+evicted mid-training is not a finished index: the Job starts it again
+(``podFailurePolicy`` does not count disruptions against ``backoffLimit``).
+
+An Indexed Job is elastic (Kubernetes >= 1.27): patching ``completions`` and
+``parallelism`` together to N is the scaling interface. The coordinator is
+started with the job's ``--min-workers`` and ``--max-workers`` (pods times
+``device.count``): new pods register and join the next generation after the
+join window; pods of the indexes a scale-down removes get SIGTERM and
+``terminationGracePeriodSeconds`` to hand their shards over (the Job does not
+count them as failed); pods beyond ``max`` wait as standbys, and below ``min``
+the job waits. The Kubeflow formats run ``workers.replicas`` pods and are not
+scaled through Kubernetes; the coordinator still carries the job over a lost
+pod while at least ``min`` remain.
 """
 
 from __future__ import annotations
 
 import base64
-import copy
+import hashlib
 import json
 import logging
 import re
@@ -56,20 +71,20 @@ from coordinator.jobspec import COMPRESSION_ENV, HOST_ENV, WORKER_ID_ENV, JobSpe
 
 __all__ = [
     "COORDINATOR_PORT",
-    "DASHBOARD_CONFIGMAP",
     "KUBERNETES_VERSIONS",
     "OVERLAYS",
     "base_objects",
     "coordinator_args",
-    "device_patch",
+    "dashboard_uid",
     "dump_yaml",
     "find_dashboard",
+    "job_dashboard",
     "kustomize_tree",
     "overlay_for",
     "render",
-    "strategic_merge",
     "token_secret",
     "worker_args",
+    "worker_objects",
 ]
 
 logger = logging.getLogger(__name__)
@@ -88,7 +103,6 @@ TMP_DIR = "/tmp"
 SERVICE_NAME = "zeroplane.coordinator.v1.Coordinator"
 # Numeric, so that runAsNonRoot can be checked; the image creates this user.
 RUN_AS = 10001
-DASHBOARD_CONFIGMAP = "zeroplane-grafana-dashboard"
 DASHBOARD_DIR = Path(__file__).resolve().parents[1] / "deploy" / "grafana"
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -126,12 +140,14 @@ def _pod_template(
     volumes: list[dict[str, Any]],
     *,
     grace_period_s: int,
+    **pod: Any,
 ) -> dict[str, Any]:
     """A hardened pod of one container: no service-account token, no service
-    links, the restricted security context."""
+    links, the restricted security context; ``pod``: more fields of its spec."""
     return {
         "metadata": {"labels": selector},
         "spec": {
+            **pod,
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "securityContext": _pod_security(),
@@ -183,7 +199,8 @@ def coordinator_args(spec: JobSpec) -> list[str]:
 
 
 def worker_args(spec: JobSpec) -> list[str]:
-    """``zeroplane run`` arguments that start one pod's worker processes."""
+    """``zeroplane run`` arguments that start one pod's worker processes; the pod
+    exits with the job's code once they have (see [Note: completion ...])."""
     return [
         "run",
         "--coordinator",
@@ -193,8 +210,6 @@ def worker_args(spec: JobSpec) -> list[str]:
         # SIGKILL from the launcher comes before the kubelet's.
         "--grace",
         str(max(spec.grace_period_s - 10, 5)),
-        # A StatefulSet restarts a container that exits, even with 0.
-        "--hold",
         spec.script,
         *spec.args,
     ]
@@ -314,19 +329,42 @@ def _coordinator_objects(spec: JobSpec) -> list[dict[str, Any]]:
     ]
 
 
-def _worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
-    selector = _labels(spec, "worker")
-    env: list[dict[str, Any]] = [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+# Kubeflow's APIs, as the schemas in tests/data/kubeflow validate them.
+TRAINER_GROUP = "trainer.kubeflow.org"
+TRAINER_API = f"{TRAINER_GROUP}/v1alpha1"
+PYTORCHJOB_API = "kubeflow.org/v1"
+# The label that marks the runtime's pod template a TrainJob's ``trainer`` fills in.
+TRAINER_ANCESTOR = {f"{TRAINER_GROUP}/trainjob-ancestor-step": "trainer"}
+# The worker container's name: Kubeflow's operators look for theirs by name.
+CONTAINER_NAMES = {"job": "worker", "trainjob": "node", "pytorchjob": "pytorch"}
+# Set by the Job controller on each pod of an Indexed Job.
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _worker_env(spec: JobSpec) -> list[dict[str, Any]]:
+    """The workers' environment, the same in every format but for how a pod names
+    itself (see [Note: how the pieces find each other])."""
+    if spec.format == "job":
+        # An Indexed Job's pod has the hostname <job>-<index>; its name has a suffix.
+        env = [_field_env("JOB_COMPLETION_INDEX", COMPLETION_INDEX)]
+        pod = f"{spec.worker}-$(JOB_COMPLETION_INDEX)"
+        host = f"{pod}.{spec.workers_service}"
+    else:
+        env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_IP", "status.podIP")]
+        pod, host = "$(POD_NAME)", "$(POD_IP)"
+    env += [
         {"name": ADDRESS_ENV, "value": f"{spec.coordinator}:{COORDINATOR_PORT}"},
         _token_env(spec),
-        # The pod's stable name under the headless Service (see [Note: how the pieces ...]).
-        {"name": HOST_ENV, "value": f"$(POD_NAME).{spec.workers_service}"},
+        {"name": HOST_ENV, "value": host},
     ]
     if spec.device.count == 1:
-        # Several processes per pod fall back to <hostname>-<local rank>, which is the
-        # pod name too; one process is named after the pod alone.
-        env.append({"name": WORKER_ID_ENV, "value": "$(POD_NAME)"})
+        # Several processes per pod fall back to <hostname>-<local rank>; one process
+        # is named after its pod alone.
+        env.append({"name": WORKER_ID_ENV, "value": pod})
     # One process serves /metrics on the pod's named port; several take free ports
     # and register them with the coordinator, whose /sd lists them for Prometheus.
     metrics_port = METRICS_PORT if spec.device.count == 1 else 0
@@ -334,6 +372,22 @@ def _worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
     env.append({"name": COMPRESSION_ENV, "value": spec.compression})
     env.append({"name": "PYTHONUNBUFFERED", "value": "1"})
     env += [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
+    return env
+
+
+def _worker_resources(spec: JobSpec) -> dict[str, Any]:
+    requests: dict[str, Any] = dict(spec.resources)
+    limits: dict[str, Any] = {}
+    if "memory" in spec.resources:
+        limits["memory"] = spec.resources["memory"]
+    if spec.device.kind == "cuda":
+        requests[GPU_RESOURCE] = spec.device.count
+        limits[GPU_RESOURCE] = spec.device.count
+    return {"requests": requests, "limits": limits}
+
+
+def _worker_pod(spec: JobSpec, **pod: Any) -> dict[str, Any]:
+    """The pod template of a worker in the spec's format and device kind."""
     mounts = [
         {"name": "tmp", "mountPath": TMP_DIR},
         # NCCL and DataLoader workers need more shared memory than a container's 64 MiB.
@@ -343,6 +397,32 @@ def _worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
+    if spec.checkpoint_storage is not None:
+        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
+        volumes.append(
+            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint_claim}}
+        )
+    if spec.device.kind == "cuda":
+        # GPU nodes are commonly tainted so that only GPU workloads land there.
+        pod["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    container = {
+        "name": CONTAINER_NAMES[spec.format],
+        "image": spec.image,
+        "args": worker_args(spec),
+        "env": _worker_env(spec),
+        "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        "resources": _worker_resources(spec),
+        "securityContext": _CONTAINER_SECURITY,
+        "volumeMounts": mounts,
+    }
+    return _pod_template(
+        _labels(spec, "worker"), container, volumes, grace_period_s=spec.grace_period_s, **pod
+    )
+
+
+def _worker_base_objects(spec: JobSpec) -> list[dict[str, Any]]:
+    """What the workers need in every device kind: their claim, Service and budget."""
+    selector = _labels(spec, "worker")
     objects: list[dict[str, Any]] = []
     if spec.checkpoint_storage is not None:
         # One directory every rank writes its shards to and any rank can read back.
@@ -360,46 +440,21 @@ def _worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
                 "spec": claim,
             }
         )
-        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
-        volumes.append(
-            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint_claim}}
+    if spec.format == "job":
+        # The Job's pods are <job>-worker-<index>.<job>-workers under it.
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": _meta(spec, spec.workers_service, "worker"),
+                "spec": {
+                    "clusterIP": "None",
+                    "publishNotReadyAddresses": True,
+                    "selector": selector,
+                },
+            }
         )
-    container = {
-        "name": "worker",
-        "image": spec.image,
-        "args": worker_args(spec),
-        "env": env,
-        "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
-        "securityContext": _CONTAINER_SECURITY,
-        "volumeMounts": mounts,
-    }
-    return [
-        *objects,
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": _meta(spec, spec.workers_service, "worker"),
-            "spec": {
-                "clusterIP": "None",
-                "publishNotReadyAddresses": True,
-                "selector": selector,
-            },
-        },
-        {
-            "apiVersion": "apps/v1",
-            "kind": "StatefulSet",
-            "metadata": _meta(spec, spec.worker, "worker"),
-            "spec": {
-                "serviceName": spec.workers_service,
-                "replicas": spec.workers.replicas,
-                # Workers start together; the coordinator, not pod order, assigns ranks.
-                "podManagementPolicy": "Parallel",
-                "selector": {"matchLabels": selector},
-                "template": _pod_template(
-                    selector, container, volumes, grace_period_s=spec.grace_period_s
-                ),
-            },
-        },
+    objects.append(
         {
             "apiVersion": "policy/v1",
             "kind": "PodDisruptionBudget",
@@ -409,37 +464,145 @@ def _worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
                 "minAvailable": spec.workers.min,
                 "selector": {"matchLabels": selector},
             },
-        },
-    ]
+        }
+    )
+    return objects
 
 
-def _monitoring_objects(spec: JobSpec, dashboard: str | None) -> list[dict[str, Any]]:
-    objects: list[dict[str, Any]] = [
+def worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
+    """The workers' workload in the spec's format, for its device kind."""
+    replicas = spec.workers.replicas
+    if spec.format == "trainjob":
+        pod = _worker_pod(spec, restartPolicy="OnFailure")
+        return [
+            {
+                "apiVersion": TRAINER_API,
+                "kind": "TrainingRuntime",
+                "metadata": _meta(spec, spec.name, "worker"),
+                "spec": {
+                    # No torch policy: zeroplane, not torchrun, forms the process group.
+                    "mlPolicy": {"numNodes": replicas},
+                    "template": {
+                        "spec": {
+                            "replicatedJobs": [
+                                {
+                                    "name": "node",
+                                    "template": {
+                                        "metadata": {"labels": TRAINER_ANCESTOR},
+                                        "spec": {"template": pod},
+                                    },
+                                }
+                            ]
+                        }
+                    },
+                },
+            },
+            {
+                "apiVersion": TRAINER_API,
+                "kind": "TrainJob",
+                "metadata": _meta(spec, spec.name, "worker"),
+                "spec": {
+                    "runtimeRef": {
+                        "apiGroup": TRAINER_GROUP,
+                        "kind": "TrainingRuntime",
+                        "name": spec.name,
+                    },
+                    "trainer": {
+                        "image": spec.image,
+                        "args": worker_args(spec),
+                        "numNodes": replicas,
+                        "resourcesPerNode": _worker_resources(spec),
+                    },
+                },
+            },
+        ]
+    if spec.format == "pytorchjob":
+        replica = {
+            "replicas": replicas,
+            "restartPolicy": "OnFailure",
+            "template": _worker_pod(spec),
+        }
+        return [
+            {
+                "apiVersion": PYTORCHJOB_API,
+                "kind": "PyTorchJob",
+                "metadata": _meta(spec, spec.name, "worker"),
+                # Workers only: zeroplane's coordinator, not a master pod, forms the group.
+                "spec": {"pytorchReplicaSpecs": {"Worker": replica}},
+            }
+        ]
+    return [
         {
-            "apiVersion": "monitoring.coreos.com/v1",
-            "kind": "PodMonitor",
-            "metadata": _meta(spec, spec.name),
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": _meta(spec, spec.worker, "worker"),
             "spec": {
-                # Prometheus' job label becomes the zeroplane job's name.
-                "jobLabel": "app.kubernetes.io/instance",
-                "selector": {"matchLabels": _labels(spec)},
-                "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
+                # Elastic: completions and parallelism move together (see [Note: completion ...]).
+                "completionMode": "Indexed",
+                "completions": replicas,
+                "parallelism": replicas,
+                # One pod per index at a time: a replacement registers under the same name.
+                "podReplacementPolicy": "Failed",
+                "podFailurePolicy": {
+                    "rules": [
+                        {
+                            "action": "Ignore",
+                            "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                        }
+                    ]
+                },
+                "template": _worker_pod(
+                    spec, restartPolicy="Never", subdomain=spec.workers_service
+                ),
             },
         }
     ]
-    if dashboard is not None:
-        meta = _meta(spec, DASHBOARD_CONFIGMAP)
-        # Shared by every job in the namespace: no instance label.
-        del meta["labels"]["app.kubernetes.io/instance"]
-        meta["labels"]["grafana_dashboard"] = "1"
+
+
+def dashboard_uid(spec: JobSpec) -> str:
+    """The job's Grafana dashboard uid: ``zeroplane-<job>`` within Grafana's 40 characters."""
+    uid = f"zeroplane-{spec.name}"
+    if len(uid) > 40:
+        digest = hashlib.sha256(spec.name.encode()).hexdigest()[:8]
+        uid = f"zeroplane-{spec.name[:21]}-{digest}"
+    return uid
+
+
+def job_dashboard(spec: JobSpec, dashboard: str) -> str:
+    """The shipped dashboard as this job's own: its uid and title, its job preselected."""
+    board = json.loads(dashboard)
+    board["uid"] = dashboard_uid(spec)
+    board["title"] = f"{board['title']} {spec.name}"
+    for variable in board.get("templating", {}).get("list", []):
+        if variable.get("name") == "job":
+            variable["current"] = {"text": spec.name, "value": spec.name}
+    return json.dumps(board, indent=2) + "\n"
+
+
+def _monitoring_objects(spec: JobSpec, dashboard: str | None) -> list[dict[str, Any]]:
+    objects: list[dict[str, Any]] = []
+    if spec.monitoring == "prometheus-operator":
         objects.append(
             {
-                "apiVersion": "v1",
-                "kind": "ConfigMap",
-                "metadata": meta,
-                "data": {"zeroplane.json": dashboard},
+                "apiVersion": "monitoring.coreos.com/v1",
+                "kind": "PodMonitor",
+                "metadata": _meta(spec, spec.name),
+                "spec": {
+                    # Prometheus' job label becomes the zeroplane job's name.
+                    "jobLabel": "app.kubernetes.io/instance",
+                    "selector": {"matchLabels": _labels(spec)},
+                    "podMetricsEndpoints": [
+                        {"port": "metrics", "path": "/metrics", "interval": "15s"}
+                    ],
+                },
             }
         )
+    if dashboard is not None:
+        meta = _meta(spec, spec.dashboard)
+        meta["labels"]["grafana_dashboard"] = "1"
+        # Grafana's sidecar writes each key to a file: one file per job.
+        data = {f"{dashboard_uid(spec)}.json": job_dashboard(spec, dashboard)}
+        objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
     return objects
 
 
@@ -469,79 +632,19 @@ def find_dashboard(directory: Path = DASHBOARD_DIR) -> str | None:
 
 
 def base_objects(spec: JobSpec, *, dashboard: str | None = None) -> list[dict[str, Any]]:
-    """Every object but the token Secret, without the device-specific worker fields."""
+    """Every object but the token Secret and the workers' workload (``worker_objects``)."""
     return [
         *_coordinator_objects(spec),
-        *_worker_objects(spec),
+        *_worker_base_objects(spec),
         *_monitoring_objects(spec, dashboard),
     ]
-
-
-def device_patch(spec: JobSpec) -> dict[str, Any]:
-    """The strategic-merge patch of the worker StatefulSet for ``spec.device``."""
-    requests: dict[str, Any] = dict(spec.resources)
-    limits: dict[str, Any] = {}
-    if "memory" in spec.resources:
-        limits["memory"] = spec.resources["memory"]
-    pod: dict[str, Any] = {}
-    if spec.device.kind == "cuda":
-        requests[GPU_RESOURCE] = spec.device.count
-        limits[GPU_RESOURCE] = spec.device.count
-        # GPU nodes are commonly tainted so that only GPU workloads land there.
-        pod["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-    container = {
-        "name": "worker",
-        "image": spec.image,
-        "resources": {"requests": requests, "limits": limits},
-    }
-    patch_meta = {"name": spec.worker}
-    if spec.namespace is not None:
-        patch_meta["namespace"] = spec.namespace
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": patch_meta,
-        "spec": {"template": {"spec": {"containers": [container], **pod}}},
-    }
-
-
-def strategic_merge(target: Any, patch: Any) -> Any:
-    """``patch`` merged into ``target`` as kustomize does for the patches made here:
-    maps merge by key, lists of named maps (containers, env, volumes) merge by name,
-    other lists are replaced."""
-    if isinstance(target, dict) and isinstance(patch, dict):
-        out = dict(target)
-        for key, value in patch.items():
-            merged = strategic_merge(target[key], value) if key in target else value
-            out[key] = copy.deepcopy(merged)
-        return out
-    if (
-        isinstance(target, list)
-        and isinstance(patch, list)
-        and all(isinstance(x, dict) and "name" in x for x in [*target, *patch])
-    ):
-        out_list = list(target)
-        index = {x["name"]: i for i, x in enumerate(out_list)}
-        for item in patch:
-            if item["name"] in index:
-                i = index[item["name"]]
-                out_list[i] = strategic_merge(out_list[i], item)
-            else:
-                out_list.append(copy.deepcopy(item))
-        return out_list
-    return copy.deepcopy(patch)
 
 
 def render(
     spec: JobSpec, *, token: str | None = None, dashboard: str | None = None
 ) -> list[dict[str, Any]]:
     """The job's manifests for its device kind; the token Secret first when ``token`` is given."""
-    patch = device_patch(spec)
-    objects = []
-    for obj in base_objects(spec, dashboard=dashboard):
-        if obj["kind"] == patch["kind"] and obj["metadata"]["name"] == patch["metadata"]["name"]:
-            obj = strategic_merge(obj, {k: v for k, v in patch.items() if k != "metadata"})
-        objects.append(obj)
+    objects = [*base_objects(spec, dashboard=dashboard), *worker_objects(spec)]
     if token is not None:
         objects.insert(0, token_secret(spec, token))
     return objects
@@ -588,8 +691,10 @@ def _file_name(obj: Mapping[str, Any]) -> str:
 def kustomize_tree(spec: JobSpec, *, dashboard: str | None = None) -> dict[str, str]:
     """``base/`` and ``overlays/{cpu,gpu}/`` as {relative path: file text}.
 
-    The token Secret comes from a ``secretGenerator`` reading ``base/token``,
-    which is not part of the tree (``base/.gitignore`` keeps it out of git).
+    The base holds ``base_objects``; each overlay adds ``worker_objects`` for its
+    device kind. The token Secret comes from a ``secretGenerator`` reading
+    ``base/token``, which is not part of the tree (``base/.gitignore`` keeps it
+    out of git).
     """
     files: dict[str, str] = {}
     resources = []
@@ -618,13 +723,15 @@ def kustomize_tree(spec: JobSpec, *, dashboard: str | None = None) -> dict[str, 
     files["base/kustomization.yaml"] = GENERATED + dump_yaml([base])
     files["base/.gitignore"] = "# the bearer token: `openssl rand -hex 32 > token`\ntoken\n"
     for overlay, kind in OVERLAYS.items():
-        patch = device_patch(spec.for_device(kind))
-        files[f"overlays/{overlay}/worker-{overlay}.patch.yaml"] = GENERATED + dump_yaml([patch])
+        workers = []
+        for obj in worker_objects(spec.for_device(kind)):
+            name = _file_name(obj)
+            files[f"overlays/{overlay}/{name}"] = GENERATED + dump_yaml([obj])
+            workers.append(name)
         kustomization = {
             "apiVersion": "kustomize.config.k8s.io/v1beta1",
             "kind": "Kustomization",
-            "resources": ["../../base"],
-            "patches": [{"path": f"worker-{overlay}.patch.yaml"}],
+            "resources": ["../../base", *workers],
         }
         files[f"overlays/{overlay}/kustomization.yaml"] = GENERATED + dump_yaml([kustomization])
     return files

@@ -17,8 +17,13 @@ Taken from the manifests exactly as written: each container's ``command``
 (else the image's ENTRYPOINT, read from deploy/Dockerfile) and ``args`` (else
 CMD), its ``env`` with ``$(VAR)`` expansion, ``secretKeyRef`` (from the
 rendered Secret) and ``fieldRef``, its probes, and the pod's
-``terminationGracePeriodSeconds``. What stands in for the image and the
-kubelet, and is the only rewriting, is a mapping of paths: the image's
+``terminationGracePeriodSeconds``. An Indexed Job's pods get what its
+controller gives them (the completion-index annotation, the hostname
+``<job>-<index>`` under the template's ``subdomain``), and the Job's
+``Complete`` condition and elastic scaling are emulated as its controller
+does them (:meth:`LocalCluster.job_complete`, :meth:`LocalCluster.scale_job`).
+What stands in for the image and the kubelet, and is the only rewriting, is a
+mapping of paths: the image's
 ``/opt/venv`` is this virtual environment, its working directory ``/app`` is
 the repository (which is what the image copies), and each volume's
 ``mountPath`` is a directory of the pod's (a claim's directory outlives the
@@ -159,6 +164,10 @@ def expand(value: str, env: Mapping[str, str]) -> str:
     return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, value)
 
 
+# What the Job controller annotates an Indexed Job's pods with.
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+
+
 @dataclass
 class Pod:
     name: str
@@ -167,7 +176,10 @@ class Pod:
     spec: dict[str, Any]
     paths: dict[str, Path]
     log: Path
+    hostname: str = ""
+    owner: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
@@ -179,8 +191,22 @@ class Pod:
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The container's exit code once it has exited."""
+        return None if self.proc is None else self.proc.poll()
+
     def volume(self, mount_path: str) -> Path:
         return self.paths[mount_path]
+
+    @property
+    def index(self) -> int | None:
+        value = self.annotations.get(COMPLETION_INDEX)
+        return None if value is None else int(value)
 
 
 class LocalCluster:
@@ -269,8 +295,9 @@ class LocalCluster:
             selector = svc["spec"].get("selector", {})
             members = [p for p in self.pods.values() if _matches(p, selector)]
             if svc["spec"].get("clusterIP") == "None":
-                for p in members:  # headless: one name per pod
-                    for n in (f"{p.name}.{name}", f"{p.name}.{name}.{suffix}"):
+                # headless: a name for each pod whose subdomain it is
+                for p in (p for p in members if p.spec.get("subdomain") == name):
+                    for n in (f"{p.hostname}.{name}", f"{p.hostname}.{name}.{suffix}"):
                         names[n] = p.ip
             else:
                 for n in (name, f"{name}.{self.namespace}", f"{name}.{suffix}"):
@@ -326,7 +353,7 @@ class LocalCluster:
             lines = ["127.0.0.1 localhost"]
             pod = own.get(ns)
             if pod is not None:  # the kubelet maps a pod's own hostname to its address
-                lines.append(f"{pod.ip} {pod.name}")
+                lines.append(f"{pod.ip} {pod.hostname}")
             d = Path("/etc/netns") / ns
             d.mkdir(parents=True, exist_ok=True)
             (d / "hosts").write_text("\n".join(lines + names) + "\n")
@@ -348,13 +375,22 @@ class LocalCluster:
 
     # ---- pods ----------------------------------------------------------------------------
 
-    def start(self, kind: str, name: str, ordinal: int = 0) -> Pod:
-        """Start a pod of the Deployment or StatefulSet ``name`` (ordinal for StatefulSets)."""
+    def start(self, kind: str, name: str, index: int = 0) -> Pod:
+        """Start a pod of the Deployment or Indexed Job ``name`` (``index``: its completion
+        index), named as their controllers name them."""
         workload = self.get(kind, name)
         template = workload["spec"]["template"]
-        pod_name = f"{name}-{ordinal}" if kind == "StatefulSet" else f"{name}-{self.tag[-4:]}"
-        if pod_name in self.pods and self.pods[pod_name].proc is not None:
-            raise RuntimeError(f"pod {pod_name} is running")
+        suffix = f"{self._next_ip:05x}"
+        annotations = {}
+        if kind == "Job":
+            if workload["spec"].get("completionMode") != "Indexed":
+                raise NotImplementedError("only Indexed Jobs are emulated")
+            if any(p.owner == name and p.index == index and p.running for p in self.pods.values()):
+                raise RuntimeError(f"index {index} of Job {name} has a running pod")
+            hostname, annotations = f"{name}-{index}", {COMPLETION_INDEX: str(index)}
+            pod_name = f"{hostname}-{suffix}"
+        else:
+            pod_name = hostname = f"{name}-{suffix}"
         ns = f"{self.tag}-p{self._next_ip}"  # unique: addresses are never reused
         self._netns_add(ns)
         ip = self._attach(ns)
@@ -365,7 +401,10 @@ class LocalCluster:
             spec=template["spec"],
             paths=self._volumes(pod_name, template["spec"]),
             log=self.workdir / "logs" / f"{pod_name}.log",
+            hostname=hostname,
+            owner=name,
             labels=dict(template["metadata"].get("labels", {})),
+            annotations=annotations,
         )
         self.pods[pod_name] = pod
         self._write_hosts()
@@ -402,6 +441,8 @@ class LocalCluster:
             "status.podIP": pod.ip,
             "spec.nodeName": "local",
         }
+        if annotation := re.fullmatch(r"metadata\.annotations\['([^']+)'\]", path):
+            return pod.annotations[annotation.group(1)]
         return values[path]
 
     def _launch(self, pod: Pod) -> None:
@@ -435,7 +476,7 @@ class LocalCluster:
                 [
                     *("ip", "netns", "exec", pod.netns, "unshare", "--uts", "sh", "-c"),
                     'hostname "$0" && exec "$@"',
-                    *(pod.name, program, *argv[1:]),
+                    *(pod.hostname, program, *argv[1:]),
                 ],
                 env=full_env,
                 cwd=cwd,
@@ -480,6 +521,24 @@ class LocalCluster:
         self._netns.remove(pod.netns)
         self._write_hosts()
         return code
+
+    def job_complete(self, name: str) -> bool:
+        """The Job's ``Complete`` condition (what ``kubectl wait --for=condition=complete``
+        waits for): each index in ``[0, completions)`` has a pod that exited 0."""
+        completions = self.get("Job", name)["spec"]["completions"]
+        done = {p.index for p in self.pods.values() if p.owner == name and p.exit_code == 0}
+        return done >= set(range(completions))
+
+    def scale_job(self, name: str, n: int) -> list[Pod]:
+        """``kubectl patch job/NAME`` to ``completions = parallelism = n``, then what the
+        Job controller does: pods start for the new indexes, and the pods of indexes at or
+        above ``n`` are deleted. Returns the pods started."""
+        job = self.get("Job", name)
+        job["spec"]["completions"] = job["spec"]["parallelism"] = n
+        for pod in [p for p in self.pods.values() if p.owner == name and p.index >= n]:
+            self.delete(pod)
+        have = {p.index for p in self.pods.values() if p.owner == name}
+        return [self.start("Job", name, i) for i in range(n) if i not in have]
 
     def _kill(self, pod: Pod) -> None:
         if pod.proc is not None and pod.proc.poll() is None:

@@ -1,4 +1,5 @@
-"""The rendered manifests run as written: coordinator and worker pods as local processes.
+"""The rendered manifests run as written: coordinator and worker pods as local processes,
+scaled as the Job is scaled, until the worker Job completes.
 
 tests/k8s_local.py stands in for the cluster (a network namespace per pod,
 names resolved through /etc/hosts, volumes as directories); what each pod
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -24,8 +26,6 @@ from tests.test_run_e2e import reference
 why_not = available()
 pytestmark = pytest.mark.skipif(why_not is not None, reason=why_not or "")
 
-FINISHED = "all workers finished"
-
 
 def job(steps: int, **kw: object) -> JobSpec:
     return JobSpec(
@@ -36,6 +36,8 @@ def job(steps: int, **kw: object) -> JobSpec:
         workers=Workers(min=2, max=3, replicas=2),
         resources={"cpu": "1", "memory": "1Gi"},
         grace_period_s=30,
+        # a PodMonitor, for scrape() to read its endpoint from
+        monitoring="prometheus-operator",
         **kw,
     )
 
@@ -51,6 +53,20 @@ def status(cluster: LocalCluster, token: str) -> dict:
     return json.loads(result.stdout)
 
 
+def wait_complete(
+    cluster: LocalCluster, workers: list[Pod], others: list[Pod], timeout: float
+) -> None:
+    """``kubectl wait --for=condition=complete job/e2e-worker``: each index's pod exits 0
+    by itself once training is done (a worker that exits otherwise fails at once)."""
+
+    def complete() -> bool:
+        for w in workers:
+            assert w.exit_code in (None, 0), f"{w.name} exited {w.exit_code}:\n{w.output()[-4000:]}"
+        return cluster.job_complete("e2e-worker")
+
+    cluster.wait_for(complete, timeout, "the Job's Complete condition", others)
+
+
 def scrape(cluster: LocalCluster, pod: Pod) -> str:
     """GET the pod's metrics as the PodMonitor's endpoint names them (port name, path)."""
     (endpoint,) = cluster.get("PodMonitor", "e2e")["spec"]["podMetricsEndpoints"]
@@ -63,7 +79,7 @@ def scrape(cluster: LocalCluster, pod: Pod) -> str:
 
 
 @pytest.mark.timeout(240)
-def test_manifests_run_as_written_and_train(tmp_path: Path) -> None:
+def test_manifests_run_as_written_train_and_complete(tmp_path: Path) -> None:
     token = secrets.token_hex(16)
     objects = render(job(steps=8, stage="2"), token=token)
     with LocalCluster(objects, tmp_path) as cluster:
@@ -77,13 +93,8 @@ def test_manifests_run_as_written_and_train(tmp_path: Path) -> None:
         assert cluster.probe(coordinator, "livenessProbe")
         assert 'zeroplane_coordinator_info{job_name="e2e"' in scrape(cluster, coordinator)
 
-        workers = [cluster.start("StatefulSet", "e2e-worker", i) for i in range(2)]
-        cluster.wait_for(
-            lambda: all(FINISHED in w.output() for w in workers),
-            180,
-            "training to finish on every worker pod",
-            [coordinator, *workers],
-        )
+        workers = [cluster.start("Job", "e2e-worker", i) for i in range(2)]
+        wait_complete(cluster, workers, [coordinator], 180)
         report = status(cluster, token)
         generations = [e for e in report["events"] if e["kind"] == "generation"]
         assert generations and "world size 2, stage 2" in generations[0]["detail"]
@@ -103,9 +114,9 @@ def test_manifests_run_as_written_and_train(tmp_path: Path) -> None:
         assert got.keys() == want.keys()
         assert max((got[k] - want[k]).abs().max().item() for k in got) < 1e-5
 
-        # SIGTERM, as for a deleted pod: every container exits 0 within its grace period
-        codes = [cluster.stop(p) for p in [*workers, coordinator]]
-        assert codes == [0, 0, 0], "\n".join(p.output()[-2000:] for p in [*workers, coordinator])
+        # the coordinator stays up for `zeroplane status` until the job is deleted, and
+        # exits 0 on the SIGTERM of its pod's deletion
+        assert cluster.stop(coordinator) == 0, coordinator.output()[-2000:]
 
 
 def steps(cluster: LocalCluster, token: str) -> tuple[int, int]:
@@ -130,14 +141,14 @@ def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Pat
     with LocalCluster(objects, tmp_path) as cluster:
         first = cluster.start("Deployment", "e2e-coordinator")
         cluster.wait_for(lambda: cluster.probe(first, "readinessProbe"), 60, "ready", [first])
-        workers = [cluster.start("StatefulSet", "e2e-worker", i) for i in range(2)]
+        workers = [cluster.start("Job", "e2e-worker", i) for i in range(2)]
         all_pods = [first, *workers]
         cluster.wait_for(lambda: steps(cluster, token)[1] >= 2, 120, "training", all_pods)
         for pod in workers:  # each worker serves /metrics where the PodMonitor looks
             assert "zeroplane_model_state_bytes{" in scrape(cluster, pod)
 
-        # kubectl scale statefulset/e2e-worker --replicas=3: pod e2e-worker-2 joins
-        third = cluster.start("StatefulSet", "e2e-worker", 2)
+        # kubectl patch job/e2e-worker to completions = parallelism = 3: index 2 joins
+        (third,) = cluster.scale_job("e2e-worker", 3)
         cluster.wait_for(
             lambda: steps(cluster, token)[0] == 3, 120, "three ranks", [*all_pods, third]
         )
@@ -156,16 +167,13 @@ def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Pat
         )
         assert status(cluster, token)["events"][0]["kind"] == "restored"
 
-        # kubectl scale --replicas=2: the highest ordinal gets SIGTERM and hands over
+        # back to 2: the pod of index 2 gets SIGTERM and hands over; stopped before the
+        # end, it exits 128+15, never a completed index (an evicted pod is started again)
         assert steps(cluster, token)[1] < total - 5, "the job is too fast to scale it down"
-        cluster.delete(third)
+        assert cluster.scale_job("e2e-worker", 2) == []
         assert "handed over" in third.output(), third.output()[-3000:]
-        cluster.wait_for(
-            lambda: all(FINISHED in w.output() for w in workers),
-            180,
-            "training to finish on two ranks",
-            [second, *workers],
-        )
+        assert third.exit_code == 128 + signal.SIGTERM
+        wait_complete(cluster, workers, [second], 180)
         events = status(cluster, token)["events"]
         assert not [e for e in events if e["kind"] == "registered"], "nobody re-registered"
         outs = [p for w in workers if (p := w.volume("/tmp") / "final.pt").exists()]
@@ -173,4 +181,4 @@ def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Pat
         got = torch.load(outs[0], weights_only=True)
         want = reference(total, 12, optimizer="sgd")
         assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
-        assert [cluster.stop(p) for p in [*workers, second]] == [0, 0, 0]
+        assert cluster.stop(second) == 0

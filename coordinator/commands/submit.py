@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import secrets
 import shutil
@@ -10,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
+from coordinator.jobspec import FORMATS, JobSpec, JobSpecError, load_job_spec
 from coordinator.k8s import (
     COORDINATOR_PORT,
     GENERATED,
@@ -30,12 +31,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="run a job spec on Kubernetes (renders and applies its manifests)",
         description=(
             "Render JOB.yaml (name, image, script and args, workers min/max, stage, device, "
-            "resources, compression) into a kustomize base with cpu and gpu overlays in "
-            "--out, create the bearer token, and `kubectl apply -k` the overlay of the job's "
-            "device kind."
+            "resources, compression, format, monitoring) into a kustomize base with cpu and "
+            "gpu overlays in --out, create the bearer token, and `kubectl apply -k` the "
+            "overlay of the job's device kind."
         ),
     )
     parser.add_argument("job", type=Path, metavar="JOB.yaml", help="the job spec")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        help="how the workers run (default: the spec's format, else job): an Indexed Job, "
+        "a Kubeflow Trainer v2 TrainJob, or a Kubeflow training-operator v1 PyTorchJob",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -84,7 +91,10 @@ def write_tree(spec: JobSpec, out: Path, *, dashboard: str | None) -> list[Path]
 def _token(args: argparse.Namespace, existing: Path | None) -> str:
     for path in (args.token_file, existing):
         if path is not None and path.is_file():
-            token = path.read_text().strip()
+            try:
+                token = path.read_text(encoding="utf-8").strip()
+            except UnicodeDecodeError:
+                raise ValueError(f"token file {str(path)!r} is not UTF-8 text") from None
             if not token:
                 raise ValueError(f"token file {str(path)!r} is empty")
             return token
@@ -99,6 +109,8 @@ def submit(args: argparse.Namespace) -> int:
     except JobSpecError as exc:
         print(f"zeroplane submit: {exc}", file=sys.stderr)
         return 2
+    if args.format is not None:
+        spec = dataclasses.replace(spec, format=args.format)
     dashboard = find_dashboard()
     out = args.out or Path(f"zeroplane-{spec.name}")
     token_path = out / "base" / "token"
@@ -138,14 +150,39 @@ def submit(args: argparse.Namespace) -> int:
     if code != 0:
         print(f"zeroplane submit: kubectl apply failed with exit code {code}", file=sys.stderr)
         return code
-    ns = f" -n {spec.namespace}" if spec.namespace else ""
-    print(
-        f"submitted job {spec.name!r}\n"
-        f"  scale:  kubectl{ns} scale statefulset/{spec.worker} --replicas=N "
-        f"(N in [{spec.workers.min}, {spec.workers.max}])\n"
-        f"  status: kubectl{ns} port-forward svc/{spec.coordinator} {COORDINATOR_PORT} & "
-        f"ZEROPLANE_TOKEN_FILE={token_path} zeroplane status\n"
-        f"  logs:   kubectl{ns} logs -f statefulset/{spec.worker}\n"
-        f"  delete: kubectl delete -k {overlay}"
-    )
+    print(f"submitted job {spec.name!r}")
+    for what, command in _next_steps(spec, overlay, token_path):
+        print(f"  {what + ':':7} {command}")
     return 0
+
+
+# The condition `kubectl wait` waits for on the workload once the job has finished.
+_COMPLETE = {"job": "complete", "trainjob": "Complete", "pytorchjob": "Succeeded"}
+
+
+def _next_steps(spec: JobSpec, overlay: Path, token_path: Path) -> list[tuple[str, str]]:
+    kubectl = f"kubectl -n {spec.namespace}" if spec.namespace else "kubectl"
+    workload = {
+        "job": f"job/{spec.worker}",
+        "trainjob": f"trainjob/{spec.name}",
+        "pytorchjob": f"pytorchjob/{spec.name}",
+    }[spec.format]
+    complete = _COMPLETE[spec.format]
+    steps = [("wait", f"{kubectl} wait --for=condition={complete} {workload} --timeout=-1s")]
+    if spec.format == "job":
+        scale = '{"spec":{"completions":N,"parallelism":N}}'
+        steps.append(
+            (
+                "scale",
+                f"{kubectl} patch {workload} --type=merge -p '{scale}' "
+                f"(N in [{spec.workers.min}, {spec.workers.max}])",
+            )
+        )
+    workers = f"app.kubernetes.io/instance={spec.name},app.kubernetes.io/component=worker"
+    forward = f"{kubectl} port-forward svc/{spec.coordinator} {COORDINATOR_PORT}"
+    steps += [
+        ("status", f"{forward} & ZEROPLANE_TOKEN_FILE={token_path} zeroplane status"),
+        ("logs", f"{kubectl} logs -f -l {workers} --prefix"),
+        ("delete", f"kubectl delete -k {overlay}"),
+    ]
+    return steps
