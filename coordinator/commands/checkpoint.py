@@ -34,7 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def _inspect(args: argparse.Namespace) -> int:
     try:
         step_dir = resolve(args.path)
-        manifest = read_manifest(step_dir)
+        manifest = read_manifest(step_dir)  # validated: every field below is there
     except CheckpointError as exc:
         print(f"zeroplane checkpoint inspect: {exc}", file=sys.stderr)
         return 2
@@ -45,8 +45,10 @@ def _inspect(args: argparse.Namespace) -> int:
     trainable = sum(math.prod(p["shape"]) for p in params.values() if p["requires_grad"])
     frozen = sum(math.prod(p["shape"]) for p in params.values() if not p["requires_grad"])
     size = sum(f["bytes"] for f in manifest["files"].values())
+    checksum = manifest.get("checksum", "none (written before manifests carried one)")
     print(f"checkpoint   {step_dir}")
     print(f"format       {manifest['format']}")
+    print(f"checksum     {checksum}")
     print(f"step         {manifest['global_steps']}")
     print(
         f"saved by     {manifest['world_size']} rank(s), stage {manifest['stage']}, "
