@@ -54,6 +54,7 @@ import logging
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -466,26 +467,29 @@ def _import_unsharded(state: ShardState, unsharded: dict) -> None:
 
 # ---------------------------------------------------------------------------- export
 
-_SAFETENSORS_DTYPES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+DEFAULT_SHARD_BYTES = 5 * 10**9  # "5GB", as transformers' save_pretrained splits
 
 
-def export_consolidated(path: str | os.PathLike, out: str | os.PathLike) -> int:
+def export_consolidated(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> tuple[int, list[Path]]:
     """Write the checkpoint's full persistent state (fp32 masters; frozen parameters
-    and buffers as saved) to one safetensors file, for inference. Returns the tensor count.
+    and buffers as saved; every floating tensor cast to ``dtype`` if given) as
+    safetensors, for inference. Returns the tensor count and the files written.
 
-    Streams: the header is computed from the manifest, then each tensor is
-    assembled from the memory-mapped rank files and written before the next,
-    so memory stays bounded by the largest tensor, not the model.
+    Up to ``max_shard_bytes`` the output is the one file ``out``; beyond, it is
+    split as transformers splits it: ``{stem}-00001-of-0000N.safetensors``
+    beside ``out`` and an index ``{out}.index.json``, which ``from_pretrained``
+    reads. Memory is bounded by one output file (or the largest tensor):
+    tensors are assembled from the memory-mapped rank files one file at a time
+    and handed to ``safetensors.torch.save_file``, which needs them all at once.
     """
+    from safetensors.torch import save_file
+
     step_dir = resolve(path)
     manifest = read_manifest(step_dir)
     files = _read_files(step_dir, manifest, sorted(manifest["files"]))
@@ -499,44 +503,69 @@ def export_consolidated(path: str | os.PathLike, out: str | os.PathLike) -> int:
             flat[a:b] = files[file]["entries"][have.key]["master"]
         return flat.view(shape)
 
-    # (name, dtype, shape, producer) in output order; aliases repeat their tensor
-    plan: list[tuple[str, torch.dtype, list[int], Any]] = []
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    # (name, bytes, producer) in output order; aliases repeat their tensor
+    plan: list[tuple[str, int, Callable[[], torch.Tensor]]] = []
+    sources: dict[str, tuple[int, Callable[[], torch.Tensor]]] = {}
     for name, info in manifest["params"].items():
         if info["requires_grad"]:
-            plan.append((name, torch.float32, info["shape"], lambda n=name: trained(n)))
+            like = torch.empty((), dtype=torch.float32)
+            producer = lambda n=name: cast(trained(n))  # noqa: E731
         else:
-            t = unsharded["frozen"][name]
-            plan.append((name, t.dtype, list(t.shape), lambda t=t: t))
+            like = unsharded["frozen"][name]
+            producer = lambda t=like: cast(t)  # noqa: E731
+        nbytes = math.prod(info["shape"]) * cast(like.new_empty(())).element_size()
+        sources[name] = (nbytes, producer)
+        plan.append((name, nbytes, producer))
     for alias, name in manifest.get("aliases", {}).items():
-        producer = next(p for n, _, _, p in plan if n == name)
-        dtype, shape = next((d, s) for n, d, s, _ in plan if n == name)
-        plan.append((alias, dtype, shape, producer))
+        plan.append((alias, *sources[name]))
     for name, t in unsharded["buffers"].items():
-        plan.append((name, t.dtype, list(t.shape), lambda t=t: t))
+        plan.append((name, t.numel() * cast(t.new_empty(())).element_size(), lambda t=t: cast(t)))
 
-    header: dict[str, Any] = {
-        "__metadata__": {"format": "pt", "global_steps": str(manifest["global_steps"])}
-    }
-    offset = 0
-    for name, dtype, shape, _ in plan:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": shape,
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    shards: list[list[tuple[str, int, Callable[[], torch.Tensor]]]] = [[]]
+    size = 0
+    for item in plan:
+        if shards[-1] and size + item[1] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item[1]
+
     target = Path(out)
-    tmp = target.with_name(target.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for _, dtype, _, producer in plan:
-            t = producer().detach().to(dtype).contiguous()
-            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    return len(plan)
+    index_file = target.with_name(target.name + ".index.json")
+    if len(shards) == 1:
+        targets = [target]
+    else:
+        stem = target.name.removesuffix(".safetensors")
+        n = len(shards)
+        targets = [target.with_name(f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors") for i in range(n)]
+    metadata = {"format": "pt", "global_steps": str(manifest["global_steps"])}
+    for shard, file in zip(shards, targets, strict=True):
+        tensors: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()
+        for name, _, producer in shard:
+            t = producer().detach().contiguous()
+            if t.untyped_storage().data_ptr() in storages:  # an alias, or a cast that was a no-op
+                t = t.clone()
+            storages.add(t.untyped_storage().data_ptr())
+            tensors[name] = t
+        tmp = file.with_name(file.name + ".tmp")
+        save_file(tensors, tmp, metadata=metadata)
+        with tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, file)
+        del tensors
+    if len(shards) > 1:
+        weight_map = {
+            name: f.name for shard, f in zip(shards, targets, strict=True) for name, _, _ in shard
+        }
+        total = sum(nbytes for _, nbytes, _ in plan)
+        body = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_durably(index_file, lambda f: f.write(json.dumps(body, indent=2).encode()))
+        target.unlink(missing_ok=True)  # a single file from an earlier export would win
+        targets.append(index_file)
+    else:
+        index_file.unlink(missing_ok=True)
+    return len(plan), targets
