@@ -48,6 +48,7 @@ raises the same :class:`CheckpointError`. Only then is state assigned.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -55,6 +56,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +247,8 @@ def load_checkpoint(state: ShardState, path: str | os.PathLike) -> dict:
         error = str(exc)
     except Exception as exc:  # a rank that stops here must not leave the others waiting
         logger.warning("loading checkpoint %s failed unexpectedly", path, exc_info=True)
-        error = f"{path}: unexpected {type(exc).__name__}: {exc}"
+        first = (str(exc).strip().splitlines() or [""])[0]
+        error = f"{path}: unexpected {type(exc).__name__}: {first}"
     _agree(state, error, digest, path)
 
     # every rank has everything it needs; only now change the state
@@ -314,7 +317,7 @@ def _read_files(
         try:
             payload = torch.load(path, weights_only=True, mmap=True, map_location=device)
         except Exception as exc:  # pickle, zip and weights_only errors alike
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            first = (str(exc).strip().splitlines() or [""])[0]
             raise CheckpointError(f"{path} cannot be read: {type(exc).__name__}: {first}") from None
         _check_entries(path, info["ranges"], payload)
         if name == rank_file(0):
@@ -467,7 +470,16 @@ def _import_unsharded(state: ShardState, unsharded: dict) -> None:
 
 # ---------------------------------------------------------------------------- export
 
-DEFAULT_SHARD_BYTES = 5 * 10**9  # "5GB", as transformers' save_pretrained splits
+DEFAULT_SHARD_BYTES = 5 * 10**9  # "5GB", where transformers' save_pretrained splits
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One tensor of an export: its name, its size there and how to make it."""
+
+    name: str
+    nbytes: int
+    make: Callable[[], torch.Tensor]
 
 
 def export_consolidated(
@@ -484,88 +496,99 @@ def export_consolidated(
     Up to ``max_shard_bytes`` the output is the one file ``out``; beyond, it is
     split as transformers splits it: ``{stem}-00001-of-0000N.safetensors``
     beside ``out`` and an index ``{out}.index.json``, which ``from_pretrained``
-    reads. Memory is bounded by one output file (or the largest tensor):
-    tensors are assembled from the memory-mapped rank files one file at a time
-    and handed to ``safetensors.torch.save_file``, which needs them all at once.
+    reads. Memory is bounded by one output file (or the largest tensor): the
+    tensors of a file are assembled from the memory-mapped rank files and
+    handed to ``safetensors.torch.save_file``, which needs them all at once.
     """
-    from safetensors.torch import save_file
-
     step_dir = resolve(path)
     manifest = read_manifest(step_dir)
     files = _read_files(step_dir, manifest, sorted(manifest["files"]))
+    plan = _plan_export(manifest, files, dtype)
+    shards: list[list[_Planned]] = [[]]
+    size = 0
+    for item in plan:
+        if shards[-1] and size + item.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item.nbytes
+
+    target = Path(out)
+    index_file = target.with_name(target.name + ".index.json")
+    n = len(shards)
+    stem = target.name.removesuffix(".safetensors")
+    targets = (
+        [target]
+        if n == 1
+        else [target.with_name(f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors") for i in range(n)]
+    )
+    metadata = {"format": "pt", "global_steps": str(manifest["global_steps"])}
+    for shard, file in zip(shards, targets, strict=True):
+        _write_safetensors(shard, file, metadata)
+    if n == 1:
+        index_file.unlink(missing_ok=True)  # from an earlier, larger export
+        return len(plan), targets
+    weight_map = {
+        item.name: f.name for shard, f in zip(shards, targets, strict=True) for item in shard
+    }
+    body = {"metadata": {"total_size": sum(i.nbytes for i in plan)}, "weight_map": weight_map}
+    _write_durably(index_file, lambda f: f.write(json.dumps(body, indent=2).encode()))
+    target.unlink(missing_ok=True)  # a single file from an earlier export would win
+    return len(plan), [*targets, index_file]
+
+
+def _plan_export(
+    manifest: dict, files: dict[str, dict], dtype: torch.dtype | None
+) -> list[_Planned]:
+    """Every tensor of the export in order: parameters, aliases (repeating their
+    parameter) and the saved buffers (persistent ones only, since they are all
+    that is saved)."""
     unsharded = files[rank_file(0)]["unsharded"]
     index = index_ranges(manifest)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     def trained(name: str) -> torch.Tensor:
         shape = manifest["params"][name]["shape"]
         flat = torch.empty(math.prod(shape), dtype=torch.float32)
         for have, a, b, file in index.overlapping(Range(name, 0, flat.numel())):
             flat[a:b] = files[file]["entries"][have.key]["master"]
-        return flat.view(shape)
+        return cast(flat.view(shape))
 
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    def planned(name: str, like: torch.Tensor, numel: int, make) -> _Planned:
+        return _Planned(name, numel * cast(like.new_empty(())).element_size(), make)
 
-    # (name, bytes, producer) in output order; aliases repeat their tensor
-    plan: list[tuple[str, int, Callable[[], torch.Tensor]]] = []
-    sources: dict[str, tuple[int, Callable[[], torch.Tensor]]] = {}
+    plan: dict[str, _Planned] = {}
     for name, info in manifest["params"].items():
+        numel = math.prod(info["shape"])
         if info["requires_grad"]:
             like = torch.empty((), dtype=torch.float32)
-            producer = lambda n=name: cast(trained(n))  # noqa: E731
+            plan[name] = planned(name, like, numel, functools.partial(trained, name))
         else:
             like = unsharded["frozen"][name]
-            producer = lambda t=like: cast(t)  # noqa: E731
-        nbytes = math.prod(info["shape"]) * cast(like.new_empty(())).element_size()
-        sources[name] = (nbytes, producer)
-        plan.append((name, nbytes, producer))
+            plan[name] = planned(name, like, numel, functools.partial(cast, like))
     for alias, name in manifest.get("aliases", {}).items():
-        plan.append((alias, *sources[name]))
+        plan[alias] = _Planned(alias, plan[name].nbytes, plan[name].make)
     for name, t in unsharded["buffers"].items():
-        plan.append((name, t.numel() * cast(t.new_empty(())).element_size(), lambda t=t: cast(t)))
+        plan[name] = planned(name, t, t.numel(), functools.partial(cast, t))
+    return list(plan.values())
 
-    shards: list[list[tuple[str, int, Callable[[], torch.Tensor]]]] = [[]]
-    size = 0
-    for item in plan:
-        if shards[-1] and size + item[1] > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += item[1]
 
-    target = Path(out)
-    index_file = target.with_name(target.name + ".index.json")
-    if len(shards) == 1:
-        targets = [target]
-    else:
-        stem = target.name.removesuffix(".safetensors")
-        n = len(shards)
-        targets = [target.with_name(f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors") for i in range(n)]
-    metadata = {"format": "pt", "global_steps": str(manifest["global_steps"])}
-    for shard, file in zip(shards, targets, strict=True):
-        tensors: dict[str, torch.Tensor] = {}
-        storages: set[int] = set()
-        for name, _, producer in shard:
-            t = producer().detach().contiguous()
-            if t.untyped_storage().data_ptr() in storages:  # an alias, or a cast that was a no-op
-                t = t.clone()
-            storages.add(t.untyped_storage().data_ptr())
-            tensors[name] = t
-        tmp = file.with_name(file.name + ".tmp")
-        save_file(tensors, tmp, metadata=metadata)
-        with tmp.open("rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, file)
-        del tensors
-    if len(shards) > 1:
-        weight_map = {
-            name: f.name for shard, f in zip(shards, targets, strict=True) for name, _, _ in shard
-        }
-        total = sum(nbytes for _, nbytes, _ in plan)
-        body = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write_durably(index_file, lambda f: f.write(json.dumps(body, indent=2).encode()))
-        target.unlink(missing_ok=True)  # a single file from an earlier export would win
-        targets.append(index_file)
-    else:
-        index_file.unlink(missing_ok=True)
-    return len(plan), targets
+def _write_safetensors(shard: list[_Planned], file: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for item in shard:
+        t = item.make().detach().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages and t.numel():  # an alias, or a cast that changed nothing
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[item.name] = t
+    tmp = file.with_name(file.name + ".tmp")
+    save_file(tensors, tmp, metadata=metadata)
+    with tmp.open("rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
