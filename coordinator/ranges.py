@@ -91,3 +91,25 @@ class RangeIndex:
     def sources(self, wanted: Iterable[Range]) -> set[str]:
         """Every source holding part of a wanted range."""
         return {source for want in wanted for *_, source in self.overlapping(want)}
+
+    def names(self) -> set[str]:
+        return set(self._by_name)
+
+    def cover_flaw(self, name: str, numel: int) -> str | None:
+        """How the held ranges of ``name`` fail to hold each of its ``numel``
+        elements exactly once (the first gap or overlap), or None if they do."""
+        pos, last = 0, ""
+        for lo, hi, source in self._by_name.get(name, ()):
+            if lo > pos:
+                return f"elements [{pos}, {lo}) of {name!r} are held by none"
+            if lo < pos:
+                return (
+                    f"elements [{lo}, {min(pos, hi)}) of {name!r} are held twice "
+                    f"({last} and {source})"
+                )
+            pos, last = hi, source
+        if pos != numel:
+            if pos > numel:
+                return f"{name!r} has {numel} elements but {last} holds up to {pos}"
+            return f"elements [{pos}, {numel}) of {name!r} are held by none"
+        return None

@@ -233,3 +233,86 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         t = torch.frombuffer(bytearray(body[a:b]), dtype=dtypes[info["dtype"]])
         out[name] = t.reshape(info["shape"])
     return out
+
+
+def _saved_in_process(path: Path, model: torch.nn.Module | None = None) -> Path:
+    model = model or seeded_model()
+    engine = worker.initialize(model, OPTIMIZERS["sgd"](model))
+    return engine.save_checkpoint(path)
+
+
+MANIFEST_DAMAGE = {
+    "a key missing": lambda m: m.write_text(
+        json.dumps({k: v for k, v in json.loads(m.read_text()).items() if k != "params"})
+    ),
+    "not UTF-8": lambda m: m.write_bytes(b"\xff" + m.read_bytes()),
+    "not JSON": lambda m: m.write_text("{'format': 1"),
+    "a range shifted, no checksum": lambda m: m.write_text(json.dumps(_shifted(m))),
+}
+
+
+def _shifted(manifest: Path) -> dict:
+    m = json.loads(manifest.read_text())
+    del m["checksum"]
+    rng = m["files"]["rank00000.pt"]["ranges"][0]
+    rng[1:] = [rng[1] + 1, rng[2] + 1]
+    return m
+
+
+@pytest.mark.parametrize("damage", sorted(MANIFEST_DAMAGE))
+@pytest.mark.parametrize("action", ["inspect", "inspect --json", "export"])
+def test_cli_on_a_damaged_manifest_says_one_line(tmp_path, capsys, damage, action) -> None:
+    from coordinator.cli import main as cli
+
+    manifest = _saved_in_process(tmp_path / "ckpt") / "manifest.json"
+    MANIFEST_DAMAGE[damage](manifest)
+    args = action.split()
+    out = [str(tmp_path / "model.safetensors")] if action == "export" else []
+    code = cli(["checkpoint", args[0], str(tmp_path / "ckpt"), *out, *args[1:]])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"zeroplane checkpoint {args[0]}: ") and err.count("\n") == 1, err
+    assert str(manifest) in err
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_manifest_without_checksum_still_loads(tmp_path, capsys) -> None:
+    from coordinator.cli import main as cli
+
+    step_dir = _saved_in_process(tmp_path)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert manifest.pop("checksum").startswith("sha256:")
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))  # as written before checksums
+    model = seeded_model(seed=5)
+    engine = worker.initialize(model, OPTIMIZERS["sgd"](model))
+    engine.load_checkpoint(tmp_path)
+    want = seeded_model().state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in engine.full_state_dict().items())
+    assert cli(["checkpoint", "inspect", str(tmp_path)]) == 0
+    assert "checksum     none" in capsys.readouterr().out
+
+
+def test_only_persistent_buffers_are_saved_and_loaded(tmp_path) -> None:
+    def with_buffers() -> torch.nn.Module:
+        model = seeded_model()
+        model.register_buffer("count", torch.tensor([3.0]))  # in state_dict()
+        model.norm.register_buffer("cache", torch.arange(4.0), persistent=False)  # not
+        return model
+
+    saved = with_buffers()
+    saved.count.fill_(7.0)
+    saved.norm.cache.fill_(-1.0)
+    step_dir = _saved_in_process(tmp_path, saved)
+    payload = torch.load(step_dir / "rank00000.pt", weights_only=True)
+    assert set(payload["unsharded"]["buffers"]) == {"count"}
+
+    loaded = with_buffers()
+    engine = worker.initialize(loaded, OPTIMIZERS["sgd"](loaded))
+    engine.load_checkpoint(tmp_path)
+    assert loaded.count.item() == 7.0
+    assert torch.equal(loaded.norm.cache, torch.arange(4.0))  # the model's own, not saved
+
+    lacking = seeded_model()  # a model without the buffer the checkpoint has
+    engine = worker.initialize(lacking, OPTIMIZERS["sgd"](lacking))
+    with pytest.raises(CheckpointError, match=r"rank00000\.pt holds buffers the model lacks"):
+        engine.load_checkpoint(tmp_path)

@@ -9,33 +9,71 @@ its stage (at stage 0 every rank holds everything, but each writes only its
 range, so writes still run in parallel). Every entry is addressed by
 parameter name and element range of the flattened parameter: the fp32 master
 values and each optimizer state tensor sliced to the same range. Rank 0's
-file also holds what is not sharded: frozen parameters, buffers, the
+file also holds what is not sharded: frozen parameters, the persistent
+buffers (those in ``module.state_dict()``; buffers registered with
+``persistent=False`` are the model's to recompute, as in torch), the
 optimizer's param-group hyperparameters and the caller's ``client_state``.
 
 The manifest lists every file with its size, SHA-256 and the ranges it
 holds, so a loader at any world size reads only the files that overlap the
-ranges it owns. Files load with ``torch.load(weights_only=True)``.
+ranges it owns. Files load with ``torch.load(weights_only=True)``. The
+manifest carries its own ``checksum``: ``sha256:`` and the SHA-256 of the
+canonical JSON (sorted keys, no spaces, ASCII) of every other field
+(coordinator/checkpoints.py ``manifest_checksum``). Manifests written before
+the checksum existed have none; they still load, checked structurally only
+(``validate_manifest``), which finds every inconsistent edit but not a
+consistent one such as another loss scale.
 
 Commit is atomic: ranks write into a hidden temporary folder; rank 0 writes
 the manifest, fsyncs, renames the folder to ``step-N`` and then replaces
 ``latest`` by rename. A crash at any point leaves the previous checkpoint
 as ``latest``.
+
+[Note: loading all or nothing]
+A load is a collective and changes nothing until every rank knows that every
+rank can finish it. Each rank, in this order: resolves the folder; reads the
+manifest and validates all of it (checksum, types, ranges covering every
+trainable element exactly once, files, counters; deterministic, so ranks
+reading the same manifest agree); checks that it fits this model and
+optimizer; verifies the size and SHA-256 of each file it needs; loads them
+and checks their entries against the manifest (the keys are exactly the
+file's ranges, master values fp32 of each range's length, optimizer state
+scalars or one value per element; rank 0's frozen parameters, buffers and
+param groups fit). Any failure, including an unexpected exception, becomes a
+message. Then one all-reduce carries a failure flag and the manifest's
+checksum (as max and min, so ranks that read different manifests find out);
+if any rank failed, the failing rank's message is broadcast and every rank
+raises the same :class:`CheckpointError`. Only then is state assigned.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from coordinator.checkpoints import FORMAT, CheckpointError, read_manifest, resolve
-from coordinator.ranges import Range, RangeIndex
+from coordinator.checkpoints import (
+    FORMAT,
+    CheckpointError,
+    index_ranges,
+    manifest_checksum,
+    rank_file,
+    read_manifest,
+    resolve,
+)
+from coordinator.ranges import Range
+from worker.inventory import dtype_name
 from worker.state import MissingRange, ShardState
 
 __all__ = [
@@ -43,13 +81,12 @@ __all__ = [
     "CheckpointError",
     "export_consolidated",
     "load_checkpoint",
+    "persistent_buffers",
     "resolve",
     "save_checkpoint",
 ]
 
-
-def _rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.pt"
+logger = logging.getLogger(__name__)
 
 
 def _sha256(path: Path) -> str:
@@ -73,6 +110,18 @@ def _write_durably(path: Path, write) -> None:
         write(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``module.state_dict()`` holds, by the names it gives them:
+    those not registered with ``persistent=False`` (as ``_save_to_state_dict``
+    decides, without calling state-dict hooks or reading parameters)."""
+    out = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
 
 
 # ---------------------------------------------------------------------------- save
@@ -100,7 +149,7 @@ def save_checkpoint(
     payload: dict[str, Any] = {"entries": entries}
     if rank == 0:
         payload["unsharded"] = _export_unsharded(state, client_state)
-    file = tmp / _rank_file(rank)
+    file = tmp / rank_file(rank)
     _write_durably(file, lambda f: torch.save(payload, f))
     info = {
         "bytes": file.stat().st_size,
@@ -114,8 +163,9 @@ def save_checkpoint(
         files = {}
         for r in range(state.world_size):
             sidecar = tmp / f"rank{r:05d}.json"
-            files[_rank_file(r)] = json.loads(sidecar.read_text())
+            files[rank_file(r)] = json.loads(sidecar.read_text())
             sidecar.unlink()
+        frozen = payload["unsharded"]["frozen"]
         manifest = {
             "format": FORMAT,
             "global_steps": state.global_steps,
@@ -127,7 +177,8 @@ def save_checkpoint(
             "params": {
                 s.name: {
                     "shape": list(s.shape),
-                    "dtype": s.dtype,
+                    # a frozen parameter's is the dtype of the tensor saved for it
+                    "dtype": dtype_name(frozen[s.name].dtype) if s.name in frozen else s.dtype,
                     "requires_grad": s.requires_grad,
                     "group": s.group,
                 }
@@ -137,6 +188,7 @@ def save_checkpoint(
             "aliases": {a: n for a, n in state.inventory.aliases.items() if a != n},
             "files": files,
         }
+        manifest["checksum"] = manifest_checksum(manifest)
         _write_durably(
             tmp / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=1).encode())
         )
@@ -160,7 +212,7 @@ def _export_unsharded(state: ShardState, client_state: dict | None) -> dict[str,
             for name, p in state.inventory.params.items()
             if p not in in_bucket
         },
-        "buffers": {n: b.detach().clone() for n, b in state.module.named_buffers()},
+        "buffers": {n: b.detach().clone() for n, b in persistent_buffers(state.module).items()},
         "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in state.user_optimizer.param_groups
         ],
@@ -176,35 +228,36 @@ def _export_unsharded(state: ShardState, client_state: dict | None) -> dict[str,
 def load_checkpoint(state: ShardState, path: str | os.PathLike) -> dict:
     """Load a checkpoint saved at any world size and stage; a collective.
 
-    Every file this rank needs is verified before anything is assigned; if any
-    rank finds a damaged file, every rank raises :class:`CheckpointError`
-    naming it and the engine keeps the state it had.
+    All or nothing on every rank ([Note: loading all or nothing]): if any rank
+    finds the manifest or a file damaged or unfit, every rank raises the same
+    :class:`CheckpointError` naming it and the engine keeps the state it had.
     """
-    error = ""
+    error, digest = "", 0
     try:
         step_dir = resolve(path)
         manifest = read_manifest(step_dir)
-        _check_inventory(state, manifest)
-        index = _index_ranges(manifest)
-        needed = sorted({_rank_file(0)} | index.sources(state.owned()))
-        error = _verify(step_dir, manifest, needed)
+        digest = int(manifest_checksum(manifest)[7:22], 16)
+        _check_inventory(state, manifest, step_dir / "manifest.json")
+        index = index_ranges(manifest)
+        needed = sorted({rank_file(0)} | index.sources(state.owned()))
+        loaded = _read_files(step_dir, manifest, needed, state.device)
+        unsharded = loaded[rank_file(0)]["unsharded"]
+        _check_fits(state, step_dir / rank_file(0), unsharded)
     except CheckpointError as exc:
         error = str(exc)
-    _agree_on_error(state, error)
+    except Exception as exc:  # a rank that stops here must not leave the others waiting
+        logger.warning("loading checkpoint %s failed unexpectedly", path, exc_info=True)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        error = f"{path}: unexpected {type(exc).__name__}: {first}"
+    _agree(state, error, digest, path)
 
-    loaded = {
-        name: torch.load(step_dir / name, weights_only=True, mmap=True, map_location=state.device)
-        for name in needed
-    }
+    # every rank has everything it needs; only now change the state
     entries: dict[str, dict] = {}
     for name in needed:
         entries.update(loaded[name]["entries"])
-    unsharded = loaded[_rank_file(0)]["unsharded"]
-
-    # everything is read; only now change the state
     try:
         state.import_ranges(entries, index)
-    except MissingRange as exc:
+    except MissingRange as exc:  # excluded by the checks above
         raise CheckpointError(f"checkpoint lacks elements: {exc}") from None
     _import_unsharded(state, unsharded)
     state.global_steps = manifest["global_steps"]
@@ -212,69 +265,191 @@ def load_checkpoint(state: ShardState, path: str | os.PathLike) -> dict:
     return unsharded["client_state"]
 
 
-def _check_inventory(state: ShardState, manifest: dict) -> None:
+def _check_inventory(state: ShardState, manifest: dict, where: Path) -> None:
+    """The manifest's parameters and optimizer are this model's and optimizer's."""
     saved = manifest["params"]
     for spec in state.inventory.specs:
         if spec.name not in saved:
-            raise CheckpointError(f"parameter {spec.name!r} is not in the checkpoint")
+            raise CheckpointError(f"{where}: parameter {spec.name!r} is not in the checkpoint")
         want = saved[spec.name]
         if tuple(want["shape"]) != tuple(spec.shape):
             raise CheckpointError(
-                f"parameter {spec.name!r} has shape {tuple(spec.shape)} here "
+                f"{where}: parameter {spec.name!r} has shape {tuple(spec.shape)} here "
                 f"but {tuple(want['shape'])} in the checkpoint"
             )
         if want["requires_grad"] != spec.requires_grad:
-            raise CheckpointError(f"parameter {spec.name!r} is frozen in one but not the other")
+            raise CheckpointError(
+                f"{where}: parameter {spec.name!r} is frozen in one but not the other"
+            )
         if spec.requires_grad and want["group"] != spec.group:
             raise CheckpointError(
-                f"parameter {spec.name!r} is in optimizer param group {spec.group} here "
-                f"but {want['group']} in the checkpoint"
+                f"{where}: parameter {spec.name!r} is in optimizer param group {spec.group} "
+                f"here but {want['group']} in the checkpoint"
             )
     extra = set(saved) - {s.name for s in state.inventory.specs}
     if extra:
-        raise CheckpointError(f"checkpoint has parameters the model lacks: {sorted(extra)[:5]}")
+        raise CheckpointError(f"{where} has parameters the model lacks: {sorted(extra)[:5]}")
     if manifest["optimizer"] != type(state.user_optimizer).__name__:
         raise CheckpointError(
-            f"checkpoint was trained with {manifest['optimizer']}, "
+            f"{where}: the checkpoint was trained with {manifest['optimizer']}, "
             f"not {type(state.user_optimizer).__name__}"
         )
 
 
-def _index_ranges(manifest: dict) -> RangeIndex:
-    """Every range of the checkpoint, with the file that holds it."""
-    return RangeIndex(
-        (Range(name, start, stop), file)
-        for file, info in manifest["files"].items()
-        for name, start, stop in info["ranges"]
-    )
-
-
-def _verify(step_dir: Path, manifest: dict, needed: list[str]) -> str:
-    for name in needed:
+def _read_files(
+    step_dir: Path, manifest: dict, names: list[str], device: torch.device | str = "cpu"
+) -> dict[str, dict]:
+    """The files ``names`` of a validated manifest, verified and loaded (memory-mapped),
+    their entries checked against the manifest."""
+    out = {}
+    for name in names:
         path = step_dir / name
-        info = manifest["files"].get(name)
-        if info is None:
-            return f"{path} is not listed in the manifest"
+        info = manifest["files"][name]
         if not path.is_file():
-            return f"{path} is missing"
-        if path.stat().st_size != info["bytes"]:
-            return f"{path} has {path.stat().st_size} bytes, the manifest says {info['bytes']}"
+            raise CheckpointError(f"{path} is missing")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"{path} has {size} bytes, the manifest says {info['bytes']}")
         if _sha256(path) != info["sha256"]:
-            return f"{path} does not match its SHA-256 in the manifest (altered or corrupt)"
-    return ""
+            raise CheckpointError(
+                f"{path} does not match its SHA-256 in the manifest (altered or corrupt)"
+            )
+        try:
+            payload = torch.load(path, weights_only=True, mmap=True, map_location=device)
+        except Exception as exc:  # pickle, zip and weights_only errors alike
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise CheckpointError(f"{path} cannot be read: {type(exc).__name__}: {first}") from None
+        _check_entries(path, info["ranges"], payload)
+        if name == rank_file(0):
+            _check_unsharded(path, manifest, payload.get("unsharded"))
+        out[name] = payload
+    return out
 
 
-def _agree_on_error(state: ShardState, error: str) -> None:
-    """Every rank raises if any rank found a problem, with that rank's message."""
+def _check_entries(path: Path, ranges: list, payload: Any) -> None:
+    """The file holds exactly the ranges the manifest lists for it, each with fp32
+    master values of its length and optimizer state that is scalars or one value
+    per element (only elementwise optimizers run on shards)."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("entries"), dict):
+        raise CheckpointError(f"{path} holds no element-range entries")
+    want = {Range(n, a, b).key: b - a for n, a, b in ranges}
+    got = payload["entries"]
+    if got.keys() != want.keys():
+        extra, missing = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
+        what = f"holds {extra[0]!r}, which the manifest does not list" if extra else ""
+        what = what or f"lacks {missing[0]!r}, which the manifest lists"
+        raise CheckpointError(f"{path} {what}")
+    for key, numel in want.items():
+        entry = got[key]
+        master = entry.get("master") if isinstance(entry, dict) else None
+        if not (
+            isinstance(master, torch.Tensor)
+            and master.dtype == torch.float32
+            and master.shape == (numel,)
+        ):
+            raise CheckpointError(
+                f"{path}: {key} holds {_describe(master)}, not {numel} float32 values"
+            )
+        opt_state = entry.get("state")
+        if not isinstance(opt_state, dict):
+            raise CheckpointError(f"{path}: {key} has no optimizer state table")
+        for k, v in opt_state.items():
+            if isinstance(v, torch.Tensor) and v.dim() != 0 and v.shape != (numel,):
+                raise CheckpointError(
+                    f"{path}: {key}'s optimizer state {k!r} is {_describe(v)}, "
+                    f"not a scalar or {numel} values"
+                )
+
+
+def _check_unsharded(path: Path, manifest: dict, unsharded: Any) -> None:
+    """Rank 0's unsharded part has every field, and its frozen parameters are the
+    manifest's, with their shapes and dtypes."""
+    kinds = {
+        "frozen": dict,
+        "buffers": dict,
+        "param_groups": list,
+        "micro_steps": int,
+        "skipped_steps": int,
+        "client_state": dict,
+    }
+    if not isinstance(unsharded, dict):
+        raise CheckpointError(f"{path} lacks the unsharded state rank 0 writes")
+    for key, kind in kinds.items():
+        if not isinstance(unsharded.get(key), kind) or isinstance(unsharded.get(key), bool):
+            raise CheckpointError(f"{path}: unsharded {key!r} is {_describe(unsharded.get(key))}")
+    if unsharded["micro_steps"] < 0 or unsharded["skipped_steps"] < 0:
+        raise CheckpointError(f"{path}: a negative step counter")
+    if not all(isinstance(g, dict) and "params" not in g for g in unsharded["param_groups"]):
+        raise CheckpointError(f"{path}: param groups are not hyperparameter tables")
+    frozen = {n for n, info in manifest["params"].items() if not info["requires_grad"]}
+    if unsharded["frozen"].keys() != frozen:
+        odd = sorted(unsharded["frozen"].keys() ^ frozen)[0]
+        raise CheckpointError(f"{path}: its frozen parameters are not the manifest's ({odd!r})")
+    for name, value in unsharded["frozen"].items():
+        info = manifest["params"][name]
+        if not (
+            isinstance(value, torch.Tensor)
+            and list(value.shape) == info["shape"]
+            and dtype_name(value.dtype) == info["dtype"]
+        ):
+            raise CheckpointError(
+                f"{path}: frozen {name!r} is {_describe(value)}, the manifest says "
+                f"{info['dtype']} of shape {tuple(info['shape'])}"
+            )
+    if not all(isinstance(b, torch.Tensor) for b in unsharded["buffers"].values()):
+        raise CheckpointError(f"{path}: a buffer is not a tensor")
+
+
+def _check_fits(state: ShardState, path: Path, unsharded: dict) -> None:
+    """Rank 0's unsharded state fits this model and optimizer: every persistent buffer
+    is saved with its shape, every saved buffer is one of the model's (older
+    checkpoints also hold non-persistent ones, which are not loaded) and the
+    param groups are as many as the optimizer's."""
+    saved, groups = unsharded["buffers"], state.user_optimizer.param_groups
+    model = dict(state.module.named_buffers(remove_duplicate=False))
+    for name, buf in persistent_buffers(state.module).items():
+        if name not in saved:
+            raise CheckpointError(f"{path} lacks the model's buffer {name!r}")
+        if saved[name].shape != buf.shape:
+            raise CheckpointError(
+                f"{path}: buffer {name!r} has shape {tuple(saved[name].shape)}, "
+                f"the model's {tuple(buf.shape)}"
+            )
+    unknown = sorted(set(saved) - set(model))
+    if unknown:
+        raise CheckpointError(f"{path} holds buffers the model lacks: {unknown[:5]}")
+    if len(unsharded["param_groups"]) != len(groups):
+        raise CheckpointError(
+            f"{path} has {len(unsharded['param_groups'])} optimizer param groups, "
+            f"the optimizer {len(groups)}"
+        )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{dtype_name(value.dtype)} of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _agree(state: ShardState, error: str, digest: int, path: str | os.PathLike) -> None:
+    """Every rank raises if any rank found a problem, with that rank's message, or
+    if the ranks read different manifests."""
     msg = torch.zeros(512, dtype=torch.uint8, device=state.device)
     raw = error.encode()[:511]
     if raw:
         msg[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(state.device)
-    flag = torch.tensor([state.rank + 1 if error else 0], dtype=torch.int64, device=state.device)
-    state.comm.all_reduce(flag, op="max", control=True)
-    if int(flag) == 0:
+    flag = state.rank + 1 if error else 0
+    votes = torch.tensor([flag, digest, -digest], dtype=torch.int64, device=state.device)
+    state.comm.all_reduce(votes, op="max", control=True)
+    flag, most, least = (int(v) for v in votes.tolist())
+    if flag == 0:
+        if most != -least:
+            raise CheckpointError(
+                f"checkpoint not loaded: the ranks read different manifests from {path} "
+                "(rewritten while loading, or storage that differs between nodes)"
+            )
         return
-    source = int(flag) - 1
+    source = flag - 1
     state.comm.broadcast(msg, src=source)
     text = bytes(msg.tolist()).rstrip(b"\0").decode(errors="replace")
     raise CheckpointError(f"checkpoint not loaded (rank {source}): {text}")
@@ -284,10 +459,8 @@ def _import_unsharded(state: ShardState, unsharded: dict) -> None:
     with torch.no_grad():
         for name, value in unsharded["frozen"].items():
             state.inventory.params[name].copy_(value)
-        buffers = dict(state.module.named_buffers())
-        for name, value in unsharded["buffers"].items():
-            if name in buffers:
-                buffers[name].copy_(value)
+        for name, buf in persistent_buffers(state.module).items():
+            buf.copy_(unsharded["buffers"][name])
     groups = zip(state.user_optimizer.param_groups, unsharded["param_groups"], strict=True)
     for group, saved in groups:
         group.update(saved)
@@ -297,81 +470,125 @@ def _import_unsharded(state: ShardState, unsharded: dict) -> None:
 
 # ---------------------------------------------------------------------------- export
 
-_SAFETENSORS_DTYPES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+DEFAULT_SHARD_BYTES = 5 * 10**9  # "5GB", where transformers' save_pretrained splits
 
 
-def export_consolidated(path: str | os.PathLike, out: str | os.PathLike) -> int:
-    """Write the checkpoint's full parameters (fp32 masters; frozen ones and buffers
-    as saved) to one safetensors file, for inference. Returns the tensor count.
+@dataclass(frozen=True)
+class _Planned:
+    """One tensor of an export: its name, its size there and how to make it."""
 
-    Streams: the header is computed from the manifest, then each tensor is
-    assembled from the memory-mapped rank files and written before the next,
-    so memory stays bounded by the largest tensor, not the model.
+    name: str
+    nbytes: int
+    make: Callable[[], torch.Tensor]
+
+
+def export_consolidated(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> tuple[int, list[Path]]:
+    """Write the checkpoint's full persistent state (fp32 masters; frozen parameters
+    and buffers as saved; every floating tensor cast to ``dtype`` if given) as
+    safetensors, for inference. Returns the tensor count and the files written.
+
+    Up to ``max_shard_bytes`` the output is the one file ``out``; beyond, it is
+    split as transformers splits it: ``{stem}-00001-of-0000N.safetensors``
+    beside ``out`` and an index ``{out}.index.json``, which ``from_pretrained``
+    reads. Memory is bounded by one output file (or the largest tensor): the
+    tensors of a file are assembled from the memory-mapped rank files and
+    handed to ``safetensors.torch.save_file``, which needs them all at once.
     """
     step_dir = resolve(path)
     manifest = read_manifest(step_dir)
-    needed = sorted(manifest["files"])
-    error = _verify(step_dir, manifest, needed)
-    if error:
-        raise CheckpointError(error)
-    files = {n: torch.load(step_dir / n, weights_only=True, mmap=True) for n in needed}
-    unsharded = files[_rank_file(0)]["unsharded"]
-    index = _index_ranges(manifest)
+    files = _read_files(step_dir, manifest, sorted(manifest["files"]))
+    plan = _plan_export(manifest, files, dtype)
+    shards: list[list[_Planned]] = [[]]
+    size = 0
+    for item in plan:
+        if shards[-1] and size + item.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item.nbytes
+
+    target = Path(out)
+    index_file = target.with_name(target.name + ".index.json")
+    n = len(shards)
+    stem = target.name.removesuffix(".safetensors")
+    targets = (
+        [target]
+        if n == 1
+        else [target.with_name(f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors") for i in range(n)]
+    )
+    metadata = {"format": "pt", "global_steps": str(manifest["global_steps"])}
+    for shard, file in zip(shards, targets, strict=True):
+        _write_safetensors(shard, file, metadata)
+    if n == 1:
+        index_file.unlink(missing_ok=True)  # from an earlier, larger export
+        return len(plan), targets
+    weight_map = {
+        item.name: f.name for shard, f in zip(shards, targets, strict=True) for item in shard
+    }
+    body = {"metadata": {"total_size": sum(i.nbytes for i in plan)}, "weight_map": weight_map}
+    _write_durably(index_file, lambda f: f.write(json.dumps(body, indent=2).encode()))
+    target.unlink(missing_ok=True)  # a single file from an earlier export would win
+    return len(plan), [*targets, index_file]
+
+
+def _plan_export(
+    manifest: dict, files: dict[str, dict], dtype: torch.dtype | None
+) -> list[_Planned]:
+    """Every tensor of the export in order: parameters, aliases (repeating their
+    parameter) and the saved buffers (persistent ones only, since they are all
+    that is saved)."""
+    unsharded = files[rank_file(0)]["unsharded"]
+    index = index_ranges(manifest)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     def trained(name: str) -> torch.Tensor:
         shape = manifest["params"][name]["shape"]
         flat = torch.empty(math.prod(shape), dtype=torch.float32)
         for have, a, b, file in index.overlapping(Range(name, 0, flat.numel())):
             flat[a:b] = files[file]["entries"][have.key]["master"]
-        return flat.view(shape)
+        return cast(flat.view(shape))
 
-    # (name, dtype, shape, producer) in output order; aliases repeat their tensor
-    plan: list[tuple[str, torch.dtype, list[int], Any]] = []
+    def planned(name: str, like: torch.Tensor, numel: int, make) -> _Planned:
+        return _Planned(name, numel * cast(like.new_empty(())).element_size(), make)
+
+    plan: dict[str, _Planned] = {}
     for name, info in manifest["params"].items():
+        numel = math.prod(info["shape"])
         if info["requires_grad"]:
-            plan.append((name, torch.float32, info["shape"], lambda n=name: trained(n)))
+            like = torch.empty((), dtype=torch.float32)
+            plan[name] = planned(name, like, numel, functools.partial(trained, name))
         else:
-            t = unsharded["frozen"][name]
-            plan.append((name, t.dtype, list(t.shape), lambda t=t: t))
+            like = unsharded["frozen"][name]
+            plan[name] = planned(name, like, numel, functools.partial(cast, like))
     for alias, name in manifest.get("aliases", {}).items():
-        producer = next(p for n, _, _, p in plan if n == name)
-        dtype, shape = next((d, s) for n, d, s, _ in plan if n == name)
-        plan.append((alias, dtype, shape, producer))
+        plan[alias] = _Planned(alias, plan[name].nbytes, plan[name].make)
     for name, t in unsharded["buffers"].items():
-        plan.append((name, t.dtype, list(t.shape), lambda t=t: t))
+        plan[name] = planned(name, t, t.numel(), functools.partial(cast, t))
+    return list(plan.values())
 
-    header: dict[str, Any] = {
-        "__metadata__": {"format": "pt", "global_steps": str(manifest["global_steps"])}
-    }
-    offset = 0
-    for name, dtype, shape, _ in plan:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": shape,
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
-    target = Path(out)
-    tmp = target.with_name(target.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for _, dtype, _, producer in plan:
-            t = producer().detach().to(dtype).contiguous()
-            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        f.flush()
+
+def _write_safetensors(shard: list[_Planned], file: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for item in shard:
+        t = item.make().detach().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages and t.numel():  # an alias, or a cast that changed nothing
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[item.name] = t
+    tmp = file.with_name(file.name + ".tmp")
+    save_file(tensors, tmp, metadata=metadata)
+    with tmp.open("rb+") as f:
         os.fsync(f.fileno())
-    os.replace(tmp, target)
-    return len(plan)
+    os.replace(tmp, file)

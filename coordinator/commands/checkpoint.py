@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 
 from coordinator.checkpoints import CheckpointError, read_manifest, resolve
+from coordinator.planner import parse_bytes
 
 __all__ = ["add_parser"]
+
+DTYPES = ("fp32", "bf16", "fp16")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,19 +25,48 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     inspect.set_defaults(func=_inspect)
     export = sub.add_parser(
         "export",
-        help="write the full parameters as one safetensors file, for inference",
-        description="Streams tensor by tensor: memory stays bounded by the largest tensor.",
+        help="write the full parameters and persistent buffers as safetensors, for inference",
+        description=(
+            "Writes what the model's state_dict() holds (non-persistent buffers are not "
+            "written), loadable with load_state_dict(strict=True) or from_pretrained. "
+            "Memory stays bounded by one output file: a model larger than --max-shard-size "
+            "is split into NAME-00001-of-0000N.safetensors files and NAME.safetensors"
+            ".index.json, as transformers' save_pretrained splits it."
+        ),
     )
     export.add_argument("path", type=Path, help="checkpoint directory (or one of its step-N)")
     export.add_argument("out", type=Path, help="output file, e.g. model.safetensors")
+    export.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="cast every floating tensor to this dtype (default: fp32 master weights, "
+        "frozen parameters and buffers as saved)",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        type=_shard_size,
+        default="5GB",
+        metavar="SIZE",
+        help="largest output file before splitting: 5GB, 500MB, 2GiB, ... (default 5GB)",
+    )
     export.set_defaults(func=_export)
     return parser
+
+
+def _shard_size(text: str) -> int:
+    try:
+        size = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
+    return size
 
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
         step_dir = resolve(args.path)
-        manifest = read_manifest(step_dir)
+        manifest = read_manifest(step_dir)  # validated: every field below is there
     except CheckpointError as exc:
         print(f"zeroplane checkpoint inspect: {exc}", file=sys.stderr)
         return 2
@@ -45,8 +77,10 @@ def _inspect(args: argparse.Namespace) -> int:
     trainable = sum(math.prod(p["shape"]) for p in params.values() if p["requires_grad"])
     frozen = sum(math.prod(p["shape"]) for p in params.values() if not p["requires_grad"])
     size = sum(f["bytes"] for f in manifest["files"].values())
+    checksum = manifest.get("checksum", "none (written before manifests carried one)")
     print(f"checkpoint   {step_dir}")
     print(f"format       {manifest['format']}")
+    print(f"checksum     {checksum}")
     print(f"step         {manifest['global_steps']}")
     print(
         f"saved by     {manifest['world_size']} rank(s), stage {manifest['stage']}, "
@@ -61,12 +95,18 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from worker.checkpoint import export_consolidated  # torch: only here
+    import torch  # only here: the CLI stays torch-free
 
+    from worker.checkpoint import export_consolidated
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
     try:
-        count = export_consolidated(args.path, args.out)
+        count, files = export_consolidated(
+            args.path, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size
+        )
     except (CheckpointError, OSError) as exc:
         print(f"zeroplane checkpoint export: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {count} tensors to {args.out}")
+    where = args.out if len(files) == 1 else f"{len(files) - 1} files, index {files[-1]}"
+    print(f"wrote {count} tensors to {where}")
     return 0
