@@ -236,8 +236,11 @@ class LocalJob:
         *,
         on_line: LineHandler | None = None,
         services: Sequence[JobService] = (),
+        restarts: int | None = None,
     ) -> None:
         self.spec = spec
+        # elastic jobs: how many failed workers may be replaced (None: fail fast)
+        self._restarts_left = restarts
         self._on_line = on_line or prefix_lines()
         self._services = list(services)
         self._started_services: list[JobService] = []
@@ -253,6 +256,8 @@ class LocalJob:
         self._result: JobResult | None = None
         self._extra_env: dict[str, str] = {}
         self._retiring: set[int] = set()
+        # workers whose exit is not the job's: left when asked, or replaced
+        self._settled: set[int] = set()
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -303,11 +308,16 @@ class LocalJob:
             raise RuntimeError("LocalJob.poll() before start()")
         codes = [p.poll() for p in self._procs]
         if self._failed_rank is None and self._signal is None:
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                self._failed_rank = failed[0]
-                logger.debug("rank %d %s", failed[0], _describe(codes[failed[0]] or 0))
-                self._begin_shutdown(signal.SIGTERM)
+            failed = [
+                r for r, c in enumerate(codes) if c not in (None, 0) and r not in self._settled
+            ]
+            for r in failed:
+                alive = any(c is None for i, c in enumerate(codes) if i != r)
+                if not self._settle(r, codes[r] or 0, alive=alive):
+                    self._failed_rank = r
+                    logger.debug("rank %d %s", r, _describe(codes[r] or 0))
+                    self._begin_shutdown(signal.SIGTERM)
+                    break
         if all(c is not None for c in codes):
             return self._finish([c for c in codes if c is not None])
         if (
@@ -320,6 +330,31 @@ class LocalJob:
             )
             self._kill_all(signal.SIGKILL)
         return None
+
+    def _settle(self, index: int, code: int, *, alive: bool) -> bool:
+        """Whether worker ``index``'s failure leaves the job running: a worker asked
+        to leave that died of that SIGTERM (before its handler was installed) has
+        left; in an elastic job (``alive``: others still train), a failed worker is
+        replaced while restarts last."""
+        if index in self._retiring and code == -signal.SIGTERM:
+            self._settled.add(index)
+            logger.info("worker %d stopped before it could hand over: it has left", index)
+            return True
+        if not self._restarts_left or index in self._retiring or not alive:
+            if self._restarts_left == 0:
+                logger.error("worker %d %s; no restarts left", index, _describe(code))
+            return False
+        self._restarts_left -= 1
+        self._settled.add(index)
+        new = self.add_worker()
+        logger.warning(
+            "worker %d %s; started worker %d in its place (%d restart(s) left)",
+            index,
+            _describe(code),
+            new,
+            self._restarts_left,
+        )
+        return True
 
     def wait(self, timeout: float | None = None) -> JobResult:
         """Block until the job is over; TimeoutError if ``timeout`` passes first."""
@@ -494,6 +529,9 @@ class LocalJob:
                 proc.wait(timeout=max(self.spec.grace_s, 1.0))
 
     def _finish(self, codes: list[int]) -> JobResult:
+        failed = [i for i, c in enumerate(codes) if c != 0 and i not in self._settled]
+        if self._failed_rank is None and self._signal is None and failed:
+            self._failed_rank = failed[0]  # failed as the job was finishing
         if self._failed_rank is not None:
             rank = self._failed_rank
             code = codes[rank]

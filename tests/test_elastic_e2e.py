@@ -373,37 +373,111 @@ def test_sigkill_recovers_from_in_memory_replicas(job_factory) -> None:
     kill_and_recover(job, "w1", every=2, source="in-memory replicas")
 
 
+class LauncherRun:
+    """`zeroplane run` of the example in the background, its output in a file."""
+
+    def __init__(self, tmp: Path, *flags: str, script_flags: tuple[str, ...] = ()) -> None:
+        self.tmp, self.out = tmp, tmp / "final.pt"
+        cmd = [
+            sys.executable, "-m", "coordinator.cli", "run", *flags, "--stage", "2",
+            "--no-http", str(EXAMPLE), "--steps", str(STEPS), "--step-sleep", "0.25",
+            "--optimizer", "sgd", "--out", str(self.out), *script_flags,
+        ]  # fmt: skip
+        self.log_path = tmp / "run.log"
+        self.log = self.log_path.open("w+")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for(self, text: str, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.text():
+            assert self.proc.poll() is None and time.monotonic() < deadline, (
+                f"no {text!r}:\n{self.text()[-3000:]}"
+            )
+            time.sleep(0.1)
+
+    def workers(self) -> list[int]:
+        """The launcher's worker processes (its children), oldest first."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        return sorted(int(pid) for pid in children.split())
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+
 @pytest.mark.timeout(240)
 def test_zeroplane_run_scales_on_signals(tmp_path: Path) -> None:
-    out = tmp_path / "final.pt"
-    cmd = [
-        sys.executable, "-m", "coordinator.cli", "run", "--nproc", "2", "--min-nproc", "2",
-        "--max-nproc", "3", "--stage", "2", "--no-http", str(EXAMPLE), "--steps", str(STEPS),
-        "--step-sleep", "0.25", "--optimizer", "sgd", "--out", str(out),
-    ]  # fmt: skip
-    log = (tmp_path / "run.log").open("w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    run = LauncherRun(tmp_path, "--nproc", "2", "--min-nproc", "2", "--max-nproc", "3")
     try:
-
-        def wait_for(text: str) -> None:
-            deadline = time.monotonic() + 90
-            while text not in (tmp_path / "run.log").read_text():
-                assert proc.poll() is None and time.monotonic() < deadline, (
-                    f"no {text!r}:\n{(tmp_path / 'run.log').read_text()[-3000:]}"
-                )
-                time.sleep(0.1)
-
-        wait_for("step 10 loss")
-        proc.send_signal(signal.SIGUSR1)  # one more worker
-        wait_for("grew to 3 ranks")
-        proc.send_signal(signal.SIGUSR2)  # the newest hands over and leaves
-        wait_for("now rank 0 of 2")
-        assert proc.wait(timeout=120) == 0, (tmp_path / "run.log").read_text()[-3000:]
+        run.wait_for("step 10 loss")
+        run.proc.send_signal(signal.SIGUSR1)  # one more worker
+        run.wait_for("grew to 3 ranks")
+        run.proc.send_signal(signal.SIGUSR2)  # the newest hands over and leaves
+        run.wait_for("now rank 0 of 2")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert_matches_reference(out)
+        code = run.wait()
+    assert code == 0, run.text()[-3000:]
+    assert_matches_reference(run.out)
+
+
+@pytest.mark.timeout(240)
+def test_a_crash_is_a_membership_event_in_an_elastic_run(tmp_path: Path) -> None:
+    """Under `zeroplane run --min-nproc 2 --max-nproc 3` a SIGKILLed worker does
+    not fail the job: the survivors recover from the replicas, the launcher starts
+    a replacement, which joins, and the job ends as the uninterrupted reference."""
+    run = LauncherRun(
+        tmp_path, "--nproc", "3", "--min-nproc", "2", "--max-nproc", "3",
+        script_flags=("--replica-every", "2"),
+    )  # fmt: skip
+    try:
+        run.wait_for("step 10 loss")
+        os.kill(run.workers()[1], signal.SIGKILL)
+        run.wait_for("in its place (2 restart(s) left)")
+        run.wait_for("joined at step")
+    finally:
+        code = run.wait()
+    assert code == 0, run.text()[-3000:]
+    assert "recovered as rank" in run.text()
+    assert_matches_reference(run.out)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_that_keeps_dying_stops_the_job(tmp_path: Path) -> None:
+    """With no restarts left, a crash fails an elastic job with the worker's code."""
+    run = LauncherRun(
+        tmp_path, "--nproc", "2", "--min-nproc", "1", "--max-nproc", "2", "--max-restarts", "0",
+    )  # fmt: skip
+    try:
+        run.wait_for("step 10 loss")
+        os.kill(run.workers()[0], signal.SIGKILL)
+    finally:
+        code = run.wait()
+    assert code == 128 + signal.SIGKILL, run.text()[-3000:]
+    assert "no restarts left" in run.text()
+
+
+@pytest.mark.timeout(240)
+def test_retiring_a_worker_that_is_still_starting_is_a_clean_leave(tmp_path: Path) -> None:
+    """SIGUSR1 then at once SIGUSR2: the new worker is told to leave while it may not
+    have installed its handler yet; either way it leaves and the job ends at 0."""
+    run = LauncherRun(tmp_path, "--nproc", "2", "--min-nproc", "2", "--max-nproc", "3")
+    try:
+        run.wait_for("step 10 loss")
+        run.proc.send_signal(signal.SIGUSR1)
+        run.wait_for("started worker 2")
+        run.proc.send_signal(signal.SIGUSR2)
+    finally:
+        code = run.wait()
+    assert code == 0, run.text()[-3000:]
+    assert_matches_reference(run.out)
 
 
 @pytest.mark.timeout(240)

@@ -70,6 +70,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "newest to hand over its shards and leave (PID: this launcher, printed at start)",
     )
     parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="elastic (--min-nproc < --max-nproc): a worker that dies is a membership "
+        "event, the others carry on, and a replacement is started, up to N times in "
+        "all; then the job fails with the worker's exit code (default 3). A job that "
+        "is not elastic fails as soon as a worker fails",
+    )
+    parser.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
         default=None,
@@ -165,7 +175,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"zeroplane run: {exc}", file=sys.stderr)
             return 2
         services = (embedded,)
-    job = LocalJob(spec, services=services)
+    if args.max_restarts < 0:
+        print("zeroplane run: --max-restarts must be >= 0", file=sys.stderr)
+        return 2
+    low = args.nproc if args.min_nproc is None else args.min_nproc
+    high = args.nproc if args.max_nproc is None else args.max_nproc
+    job = LocalJob(spec, services=services, restarts=args.max_restarts if low < high else None)
     started = time.monotonic()
     page = None
     with forward_signals(job), job:
