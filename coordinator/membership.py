@@ -291,7 +291,26 @@ class Membership:
     def _target_size(self) -> tuple[int, int]:
         survivors = 0 if self.generation is None else self.generation.world_size - len(self._lost)
         admitted = min(len(self._joiners), self.config.max_workers - survivors)
+        if survivors >= self.config.min_workers and self._recovering():
+            admitted = 0
         return survivors, admitted
+
+    def _recovering(self) -> bool:
+        """The current generation replaced lost ranks and not every member has
+        applied it yet. Newcomers wait for it: its members restore together, and a
+        generation that superseded it before it formed must replace lost ranks too,
+        so that everyone in it takes the same path (worker/control.py
+        [Note: superseded rendezvous])."""
+        gen = self.generation
+        if gen is None or gen.reshard is None or not gen.reshard.lost_ranks:
+            return False
+        for m in gen.members:
+            if m.worker_id in self._lost:
+                continue
+            w = self._workers.get(m.worker_id)
+            if w is None or w.report is None or w.report.applied_generation_id < gen.id:
+                return True
+        return False
 
     def _due(self) -> bool:
         if self.generation is None and any(

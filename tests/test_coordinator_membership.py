@@ -14,6 +14,7 @@ from coordinator.membership import (
     StaleGeneration,
     UnknownWorker,
 )
+from coordinator.messages import WorkerReport
 from coordinator.reshard import moves_for_rank
 from coordinator.statefile import load_snapshot, save_snapshot
 from tests.coordinator_util import inventory, worker
@@ -294,3 +295,29 @@ def test_the_workers_stage_applies_when_the_coordinator_has_none(
     assert ("asked for by the workers" in gen.stage_reason) == (
         from_workers and asked[0] is not None
     )
+
+
+def test_newcomers_wait_until_a_recovery_generation_is_applied() -> None:
+    """After a loss, the generation that replaces the lost rank is formed by the
+    survivors alone until every one of them reports having applied it."""
+    clock = Clock()
+    m = membership(clock, min_workers=2, max_workers=4, join_window_s=0.0)
+    for wid in "abc":
+        m.register(worker(wid), inventory())
+    first = m.maybe_form()
+    assert first is not None and first.world_size == 3
+    clock.now += 1
+    for wid in "ab":  # c stops heartbeating: it is lost when its lease runs out
+        m.heartbeat(wid, first.id, WorkerReport(applied_generation_id=first.id))
+    clock.now += 3
+    m.expire()
+    second = m.maybe_form()
+    assert second is not None and second.reshard.lost_ranks and second.world_size == 2
+    m.register(worker("d"), inventory())
+    clock.now += 1
+    m.heartbeat("a", second.id, WorkerReport(applied_generation_id=second.id))
+    m.heartbeat("b", second.id, WorkerReport(applied_generation_id=first.id))
+    assert m.maybe_form() is None  # b is still restoring
+    m.heartbeat("b", second.id, WorkerReport(applied_generation_id=second.id))
+    third = m.maybe_form()
+    assert third is not None and third.world_size == 3 and not third.reshard.lost_ranks

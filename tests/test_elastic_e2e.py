@@ -376,10 +376,12 @@ def test_sigkill_recovers_from_in_memory_replicas(job_factory) -> None:
 class LauncherRun:
     """`zeroplane run` of the example in the background, its output in a file."""
 
-    def __init__(self, tmp: Path, *flags: str, script_flags: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tmp: Path, *flags: str, stage: int = 2, script_flags: tuple[str, ...] = ()
+    ) -> None:
         self.tmp, self.out = tmp, tmp / "final.pt"
         cmd = [
-            sys.executable, "-m", "coordinator.cli", "run", *flags, "--stage", "2",
+            sys.executable, "-m", "coordinator.cli", "run", *flags, "--stage", str(stage),
             "--no-http", str(EXAMPLE), "--steps", str(STEPS), "--step-sleep", "0.25",
             "--optimizer", "sgd", "--out", str(self.out), *script_flags,
         ]  # fmt: skip

@@ -109,7 +109,7 @@ def held(live=None, replica=None, holds_state=True, checkpoint=None) -> Holding:
 def test_a_newcomer_lost_while_joining_leaves_the_members_live_state() -> None:
     # generation 2 = {w0, w1}; generation 3 added w2, which died before it held anything
     members = [held(live=(2, 0, 2), checkpoint="/c"), held(live=(2, 1, 2), checkpoint="/c")]
-    plan = plan_restore(members, lost_from=3, lost_world=3, lost={2})
+    plan = plan_restore(members)
     assert (plan.source, plan.generation) == ("live", 2)
 
 
@@ -118,17 +118,17 @@ def test_a_member_lost_needs_its_state_from_elsewhere() -> None:
     live = [(3, 0, 3), (3, 1, 3)]
     replicas = [held(live=s, replica=(3, s[1], 3), checkpoint="/c") for s in live]
     # rank 0 keeps rank 2's replica (its left neighbour)
-    assert plan_restore(replicas, lost_from=3, lost_world=3, lost={2}).source == "replica"
+    assert plan_restore(replicas).source == "replica"
     # rank 1 lost instead: rank 2 keeps its replica, but rank 2 is gone too
     only_0 = [held(live=(3, 0, 3), replica=(3, 0, 3), checkpoint="/c")]
-    plan = plan_restore(only_0, lost_from=3, lost_world=3, lost={1, 2})
+    plan = plan_restore(only_0)
     assert (plan.source, plan.checkpoint) == ("checkpoint", "/c")
 
 
 def test_a_torn_live_state_is_never_used() -> None:
     # a peer died during the optimizer update: the survivors' state is half-stepped
     torn = [held(replica=(4, 0, 2), checkpoint="/c")]
-    plan = plan_restore(torn, lost_from=4, lost_world=2, lost={1})
+    plan = plan_restore(torn)
     assert plan.source == "replica"
 
 
@@ -137,7 +137,17 @@ def test_replicas_are_all_or_nothing() -> None:
     # restore a later step than the others
     mixed = [held(replica=(5, 0, 3)), held(replica=(4, 1, 3))]
     with pytest.raises(RuntimeError, match="replica_interval or save checkpoints"):
-        plan_restore(mixed, lost_from=5, lost_world=3, lost={2})
+        plan_restore(mixed)
     # a restarted worker holds nothing and takes no part in that
     with_newcomer = [held(replica=(5, 0, 3)), held(replica=(5, 1, 3)), held(holds_state=False)]
-    assert plan_restore(with_newcomer, lost_from=5, lost_world=3, lost={2}).source == "replica"
+    assert plan_restore(with_newcomer).source == "replica"
+
+
+def test_the_plan_reads_what_is_lost_from_the_holdings() -> None:
+    """A group formed after a superseded rendezvous: the ranks of the replicas'
+    generation that nobody holds are the lost ones, whatever the schedule said."""
+    group = [held(replica=(3, 0, 3)), held(replica=(3, 2, 3)), held(holds_state=False)]
+    plan = plan_restore(group)
+    assert (plan.source, plan.generation, plan.lost) == ("replica", 3, frozenset({1}))
+    nothing = [held(holds_state=False), held(holds_state=False, checkpoint="/c")]
+    assert plan_restore(nothing).source == "checkpoint"

@@ -82,6 +82,8 @@ def _reachable_host(coordinator: str) -> str:
 _STOP_POLL_S = 0.2
 # how often a member waiting for the job to re-form says why
 _WAIT_REPORT_S = 30.0
+# how often a rank meeting the others at a generation's store looks again
+_MEET_POLL_S = 0.1
 
 
 class LeftBeforeAdmission(Exception):
@@ -170,22 +172,101 @@ class ControlPlane:
         return rank
 
     def init_process_group(self) -> None:
-        """Form the default process group of this generation."""
-        gen = self.generation
-        logger.info(
-            "joining generation %d as rank %d of %d at %s",
-            gen.id,
-            self.rank,
-            gen.world_size,
-            gen.rendezvous_endpoint,
-        )
-        dist.init_process_group(
-            self.backend,
-            init_method=f"tcp://{gen.rendezvous_endpoint}",
-            rank=self.rank,
-            world_size=gen.world_size,
-            timeout=self.timeout,
-        )
+        """Form the default process group of this generation, or of the newest one.
+
+        [Note: superseded rendezvous]
+        A generation's rendezvous can fail to complete: a member died after the
+        coordinator formed it (its rank 0 may never host the store), or a member
+        is still in an older rendezvous. Meanwhile the coordinator forms the next
+        generation, and waiting out the first one (the collective timeout) would
+        let the others give up on this rank. So every rank first meets the others
+        at the generation's store in short, polled steps; whenever a newer
+        generation that includes this rank is known and the store meeting is not
+        complete, it moves to that one. Only once all ranks of one generation
+        have met does it build the process group (where a failure is retried in
+        the newest generation too). ``self.generation`` is the one formed.
+        """
+        deadline = time.monotonic() + self.patience_s
+        while True:
+            gen = self.generation
+            logger.info(
+                "joining generation %d as rank %d of %d at %s",
+                gen.id,
+                self.rank,
+                gen.world_size,
+                gen.rendezvous_endpoint,
+            )
+            store = self._meet(gen, deadline)
+            if store is None:
+                continue  # superseded: self.generation is the newer one
+            try:
+                dist.init_process_group(
+                    self.backend,
+                    store=dist.PrefixStore(f"zeroplane/{gen.id}", store),
+                    rank=self.rank,
+                    world_size=gen.world_size,
+                    timeout=self.timeout,
+                )
+                return
+            except (RuntimeError, dist.DistError) as exc:
+                # a peer vanished between the meeting and the group: try the newest
+                logger.warning("forming generation %d failed (%s); retrying", gen.id, exc)
+                abort_default_group()
+                if time.monotonic() >= deadline:
+                    raise
+                self.generation = self._newest_for_me(gen) or self.wait_newer(timeout=30.0)
+
+    def _newest_for_me(self, gen: Generation) -> Generation | None:
+        """A generation newer than ``gen`` that includes this worker, if one is known."""
+        latest = self.client.generation
+        if latest is None or latest.id <= gen.id:
+            return None
+        if latest.rank_of(self.client.worker_id) is None:
+            raise RuntimeError(
+                f"the coordinator formed generation {latest.id} without this worker "
+                f"(it was dropped while forming generation {gen.id})"
+            )
+        return latest
+
+    def _meet(self, gen: Generation, deadline: float) -> dist.Store | None:
+        """Meet every rank of ``gen`` at its store (rank 0 hosts it); None when a newer
+        generation for this rank superseded it first ([Note: superseded rendezvous])."""
+        host, port = gen.rendezvous_endpoint.rsplit(":", 1)
+        host = host.strip("[]")
+        rank, key = self.rank, f"zeroplane/{gen.id}/arrived"
+        store: dist.Store | None = None
+        counted = False
+        while True:
+            try:
+                if store is None:
+                    store = dist.TCPStore(
+                        host,
+                        int(port),
+                        gen.world_size,
+                        is_master=rank == 0,
+                        timeout=timedelta(seconds=_MEET_POLL_S * 10),
+                        wait_for_workers=False,
+                    )
+                if not counted:
+                    store.add(key, 1)
+                    counted = True
+                if store.add(key, 0) >= gen.world_size:
+                    store.set_timeout(self.timeout)
+                    return store
+            except (RuntimeError, dist.DistError) as exc:  # no store (yet), or it went away
+                logger.debug("generation %d: meeting at its store: %s", gen.id, exc)
+                store, counted = (None, False) if rank != 0 else (store, counted)
+            newer = self._newest_for_me(gen)
+            if newer is not None:
+                logger.info("generation %d superseded by %d before it formed", gen.id, newer.id)
+                self.generation = newer
+                return None
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"generation {gen.id} did not form within {self.patience_s:g}s "
+                    f"(${MEMBERSHIP_WAIT_ENV}): not every rank met at {gen.rendezvous_endpoint}"
+                )
+            time.sleep(_MEET_POLL_S)
 
     @property
     def latest_id(self) -> int:

@@ -323,20 +323,24 @@ class Holding:
 @dataclass(frozen=True)
 class RestorePlan:
     """``source``: "live" (ranks whose live state is of ``generation`` send it),
-    "replica" or "checkpoint" (load ``checkpoint``)."""
+    "replica" (the replicas of ``generation``; ``lost``: its ranks no member is,
+    whose state comes from their right neighbour's copy) or "checkpoint" (load
+    ``checkpoint``)."""
 
     source: str
     generation: int | None = None
     checkpoint: str | None = None
+    lost: frozenset[int] = frozenset()
 
 
-def plan_restore(
-    holdings: Sequence[Holding], *, lost_from: int, lost_world: int, lost: set[int]
-) -> RestorePlan:
+def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
     """Pick the recovery source every rank will use ([Note: recovery sources]).
 
-    ``lost_from``/``lost_world``: the generation the lost ranks ``lost`` were
-    members of. Raises when nothing the group holds covers the whole job.
+    Everything is read from the holdings themselves, not from the generation's
+    reshard schedule: the group that restores may not be the one the coordinator
+    formed right after the loss (a rendezvous superseded by a newer generation
+    skips it), and the state ids say what each rank really holds.
+    Raises when nothing the group holds covers the whole job.
     """
     by_generation: dict[int, set[int]] = {}
     worlds: dict[int, int] = {}
@@ -349,20 +353,21 @@ def plan_restore(
         if by_generation[gen] == set(range(worlds[gen])):
             return RestorePlan("live", generation=gen)
 
-    covered: set[int] = set()
-    usable = True
-    for h in holdings:
-        if h.replica is None or h.replica[0] != lost_from:
-            # a member without a snapshot of that generation would restore ahead
-            # of the others: replicas are all or nothing
-            usable = usable and not h.holds_state
-            continue
-        _, rank, world = h.replica
-        covered.add(rank)
-        if (rank - 1) % world in lost:
-            covered.add((rank - 1) % world)
-    if usable and covered == set(range(lost_world)):
-        return RestorePlan("replica", generation=lost_from)
+    replicas = [h.replica for h in holdings if h.replica is not None]
+    if replicas:
+        newest = max(r[0] for r in replicas)
+        world = next(r[2] for r in replicas if r[0] == newest)
+        present = {r[1] for r in replicas if r[0] == newest}
+        # a member without a snapshot of that generation would restore ahead of
+        # (or behind) the others: replicas are all or nothing
+        usable = all(
+            h.replica is not None and h.replica[0] == newest for h in holdings if h.holds_state
+        )
+        lost = frozenset(set(range(world)) - present)
+        # each rank keeps its own state and its left neighbour's
+        covered = present | {(r - 1) % world for r in present if (r - 1) % world in lost}
+        if usable and covered == set(range(world)):
+            return RestorePlan("replica", generation=newest, lost=lost)
 
     for h in holdings:
         if h.checkpoint is not None:

@@ -154,6 +154,12 @@ def _report_at_exit(control: ControlPlane, engine_ref: weakref.ref[ZeroEngine]) 
         control.final_report()
 
 
+def _after_loss(gen: Generation) -> bool:
+    """Whether ``gen`` replaces lost ranks: its members restore together, newcomers
+    included, rather than exchange."""
+    return gen.reshard is not None and bool(gen.reshard.lost_ranks)
+
+
 def _planned(config: ZeroConfig, gen: Generation, rank: int) -> ZeroConfig:
     """``config`` with the generation's stage and bucket size, the coordinator's plan
     for the whole job; a stage other than the script's is said (once, by rank 0)."""
@@ -344,11 +350,11 @@ class ElasticSession(_FinalReport):
             session._to(Phase.LEFT)
             raise SystemExit(0) from None
         session.control = control
+        control.init_process_group()  # the generation formed may be newer than the first
         gen = control.generation
         config = _planned(config, gen, control.rank)
-        control.init_process_group()
-        me = gen.member(control.client.worker_id)
-        newcomer = gen.reshard is not None and me is not None and me.previous_rank is None
+        # after the job's first generation a new process holds nothing
+        newcomer = gen.reshard is not None
         engine = ZeroEngine(
             model,
             user_optimizer,
@@ -365,17 +371,11 @@ class ElasticSession(_FinalReport):
                 "the coordinator's bucket layout differs from this worker's: "
                 "are all workers running the same model and zeroplane version?"
             )
-        if newcomer and gen.reshard is not None and gen.reshard.lost_ranks:
-            # joining in the generation that replaces a lost rank (e.g. a restarted pod
+        if newcomer and _after_loss(gen):
+            # joining in a generation that replaces a lost rank (e.g. a restarted pod
             # under its old name): restore with the survivors, holding nothing
             session._to(Phase.RECOVERING)
-            session._restore(
-                engine,
-                gen,
-                gen.reshard.from_generation_id,
-                gen.reshard.from_world_size,
-                holds_state=False,
-            )
+            session._restore(engine, gen, holds_state=False)
         elif newcomer:
             # joining a running job: the members hand this rank its shards
             handover = elastic.exchange(
@@ -433,22 +433,33 @@ class ElasticSession(_FinalReport):
         self._to(Phase.RECOVERING)
         logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
         start = time.perf_counter()
-        old = control.generation
-        gen = control.wait_to_re_form()
-        control.move_to(gen, broken=True)
-        # the generation the loss happened in: this rank may not have formed it yet
-        from_id, from_world = (
-            (gen.reshard.from_generation_id, gen.reshard.from_world_size)
-            if gen.reshard is not None
-            else (old.id, old.world_size)
-        )
-        self._restore(engine, gen, from_id, from_world, holds_state=True)
+        control.move_to(control.wait_to_re_form(), broken=True)
+        self._restore(engine, control.generation, holds_state=True)
         engine.stats.record_pause("crash", time.perf_counter() - start)
         self._to(Phase.MEMBER)
         engine.publish_snapshot()
         raise StepAborted(
             f"step abandoned after a lost peer; resume at step {engine.global_steps}"
         ) from exc
+
+    def _recover_in_formed(self, engine: ZeroEngine, intended: Generation) -> NoReturn:
+        """The rendezvous of ``intended`` was superseded by a generation that lost
+        ranks: restore in the one formed, as every rank of it does
+        ([Note: superseded rendezvous])."""
+        assert self.control is not None
+        self._to(Phase.RECOVERING)
+        formed = self.control.generation
+        logger.warning(
+            "generation %d was superseded by %d, which lost members: restoring",
+            intended.id,
+            formed.id,
+        )
+        self._restore(engine, formed, holds_state=True)
+        self._to(Phase.MEMBER)
+        engine.publish_snapshot()
+        raise StepAborted(
+            f"a membership change overlapped a loss; resume at step {engine.global_steps}"
+        )
 
     def close(self) -> None:
         self._forget_exit(send=self.phase is Phase.MEMBER)
@@ -483,6 +494,8 @@ class ElasticSession(_FinalReport):
                 f"generation {gen.id} lost more of generation {old.id} than rank {leaving}"
             )
         control.move_to(gen)
+        if control.generation.id != gen.id:
+            self._recover_in_formed(engine, gen)
         if gen.world_size > len(survivor_ids):
             # workers admitted in the same generation: pass them their shards of what
             # the survivors were just handed (they run the join exchange)
@@ -508,6 +521,9 @@ class ElasticSession(_FinalReport):
             # a member vanished without a graceful hand-over: recover like a crash
             raise PeerLost(f"generation {gen.id} lost members of generation {old.id}")
         control.move_to(gen)
+        if control.generation.id != gen.id and _after_loss(control.generation):
+            self._recover_in_formed(engine, gen)
+        gen = control.generation
         # the exchange exports from the old layout and rank, which the state still holds
         handover = elastic.exchange(
             engine.state, holds_state=True, via=None, new_members=list(range(gen.world_size))
@@ -524,9 +540,7 @@ class ElasticSession(_FinalReport):
             return None
         return (self.held_generation, engine.rank, engine.world_size)
 
-    def _restore(
-        self, engine: ZeroEngine, gen: Generation, old_id: int, old_world: int, *, holds_state: bool
-    ) -> None:
+    def _restore(self, engine: ZeroEngine, gen: Generation, *, holds_state: bool) -> None:
         """Bring every rank of ``gen`` to one consistent state after a loss, from the
         best source the group holds (worker/elastic.py [Note: recovery sources]).
         A collective of the new group; a worker that joins in the same generation
@@ -536,8 +550,6 @@ class ElasticSession(_FinalReport):
         reached = engine.global_steps
         replica, self.replica = (self.replica if holds_state else None), None
         live = self._live(engine) if holds_state else None
-        # a rank that left without handing over (its script failed) is gone too
-        lost = set() if gen.reshard is None else {*gen.reshard.lost_ranks, *gen.reshard.left_ranks}
         mine = elastic.Holding(
             live=live,
             replica=None
@@ -550,12 +562,7 @@ class ElasticSession(_FinalReport):
         table[self.control.rank] = mine.encode()
         comm = Collectives(None)
         comm.all_reduce(table, op="sum", control=True)
-        plan = elastic.plan_restore(
-            [elastic.Holding.decode(row) for row in table.cpu()],
-            lost_from=old_id,
-            lost_world=old_world,
-            lost=lost,
-        )
+        plan = elastic.plan_restore([elastic.Holding.decode(row) for row in table.cpu()])
         members = list(range(gen.world_size))
         if plan.source == "live":
             sends = live is not None and live[0] == plan.generation
@@ -572,7 +579,7 @@ class ElasticSession(_FinalReport):
             entries: elastic.Entries = {}
             if replica is not None:
                 entries = dict(replica.own)
-                if replica.neighbour_rank in lost:
+                if replica.neighbour_rank in plan.lost:
                     entries.update(replica.neighbour)
             handover = elastic.exchange(
                 engine.state,
@@ -592,6 +599,7 @@ class ElasticSession(_FinalReport):
             source = str(checkpoint_dir)
         engine.mark_restored()
         self.held_generation = gen.id
+        _report(self.control, engine)  # the coordinator admits newcomers once all applied it
         logger.warning(
             "recovered as rank %d of %d at step %d (from %s; this rank had reached step %d)",
             engine.rank,

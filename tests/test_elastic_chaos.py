@@ -1,0 +1,63 @@
+"""Random sequences of membership events on a 3-worker `zeroplane run`: SIGKILL
+of any worker (the launcher replaces it), scale-down (SIGUSR2: the newest hands
+over and leaves), scale-up (SIGUSR1), at random moments, at stages 1-3. Every
+run must end with exit 0 and the parameters of the uninterrupted reference.
+
+Seeded and replayable: ZEROPLANE_CHAOS_SEEDS=7,8 runs those seeds (the events
+and their spacing come from the seed; the machine decides the rest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_elastic_e2e import LauncherRun, assert_matches_reference
+
+SEEDS = [int(s) for s in os.environ.get("ZEROPLANE_CHAOS_SEEDS", "0,1,2,3,4,5,6,7,8,9").split(",")]
+EVENTS = ("kill", "scale_down", "scale_up")
+
+
+def plan(seed: int) -> tuple[int, list[tuple[float, str, float]]]:
+    """The stage and the events: (delay before it in seconds, kind, victim pick)."""
+    rng = random.Random(seed)
+    stage = (1, 2, 3)[seed % 3]
+    events = [(rng.uniform(0.3, 2.5), rng.choice(EVENTS), rng.random()) for _ in range(3)]
+    return stage, events
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_membership_events_end_as_the_reference(tmp_path: Path, seed: int) -> None:
+    stage, events = plan(seed)
+    run = LauncherRun(
+        tmp_path, "--nproc", "3", "--min-nproc", "2", "--max-nproc", "4", "--max-restarts", "5",
+        stage=stage,
+        script_flags=(
+            "--replica-every", "2", "--checkpoint", str(tmp_path / "ckpt"), "--save-every", "10",
+        ),
+    )  # fmt: skip
+    done = []
+    try:
+        run.wait_for("step 10 loss")
+        for delay, kind, pick in events:
+            time.sleep(delay)
+            if kind == "kill":
+                workers = run.workers()
+                victim = workers[int(pick * len(workers))]
+                with contextlib.suppress(ProcessLookupError):  # it may have just left
+                    os.kill(victim, signal.SIGKILL)
+                done.append(f"kill pid {victim} of {len(workers)}")
+            else:
+                run.proc.send_signal(signal.SIGUSR2 if kind == "scale_down" else signal.SIGUSR1)
+                done.append(kind)
+    finally:
+        code = run.wait(timeout=240)
+    assert code == 0, f"seed {seed}, stage {stage}, events {done}:\n{run.text()[-4000:]}"
+    assert_matches_reference(run.out)
