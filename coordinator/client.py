@@ -454,6 +454,8 @@ class CoordinatorClient:
                 delay = 0 if self._catch_up(exc.current) else interval
                 continue
             except LeaseLostError as exc:
+                if self._stop_heartbeats.is_set():
+                    break  # this heartbeat crossed our own Leave: nothing was lost
                 logger.warning("%s; registering again", exc)
                 self._register_again()
                 continue

@@ -1,0 +1,475 @@
+"""A coordinator no request can poison (issue #15, items 8-13): absurd inventories and
+numbers, large inventories, reads before authentication, outside requests, error and log
+sizes, files and flags. Each test starts a real server on loopback where it can."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator import server as server_module
+from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
+from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.layout import ParamSpec
+from coordinator.messages import param_to_proto
+from coordinator.statefile import load_snapshot, save_snapshot
+from tests.coordinator_util import TOKEN, client, config, inventory, running, wait_until, worker
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+
+def stub_for(server) -> tuple[grpc.Channel, pb_grpc.CoordinatorStub]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    return channel, pb_grpc.CoordinatorStub(channel)
+
+
+def register_request(worker_id: str, specs: list[ParamSpec] | None = None) -> pb.RegisterRequest:
+    return pb.RegisterRequest(
+        worker=pb.WorkerInfo(worker_id=worker_id, host="127.0.0.1", free_ports=[40000]),
+        inventory=[param_to_proto(p) for p in specs or inventory()],
+    )
+
+
+def rejected(call, request, **kw) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        result = call(request, metadata=AUTH, timeout=10, **kw)
+        if hasattr(result, "__next__"):
+            next(result)
+    return err.value
+
+
+def assert_serving(stub: pb_grpc.CoordinatorStub, channel: grpc.Channel) -> None:
+    stub.Status(pb.StatusRequest(), metadata=AUTH, timeout=5)
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# ---- 8. absurd inventories ----------------------------------------------------------------
+
+
+def test_an_absurd_parameter_shape_is_invalid_argument_naming_the_field() -> None:
+    with running(config()) as server:
+        channel, stub = stub_for(server)
+        with channel:
+            for shape, field in (
+                ([2**32, 2**32], "shape"),  # 2**64 elements
+                ([2**62, 2**62, 2**62], "shape"),
+                ([4, -1], "negative"),
+                ([4, 0], "shape"),
+            ):
+                request = register_request("a")
+                request.inventory[1].shape[:] = shape
+                err = rejected(stub.Register, request)
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (shape, err.details())
+                assert field in err.details() and "block.0.weight" in err.details(), err.details()
+                assert_serving(stub, channel)
+            # a legitimate worker still registers and gets its generation
+            with client(server) as a:
+                a.register(worker("a"), inventory())
+                assert a.generation is not None and a.generation.id == 1
+            assert_serving(stub, channel)
+
+
+def test_sizes_summing_past_2_64_are_invalid_argument() -> None:
+    big = [ParamSpec(name=f"w{i}", shape=(2**24, 2**24), dtype="float32") for i in range(2**16 + 1)]
+    with running(config()) as server:
+        channel, stub = stub_for(server)
+        with channel:
+            err = rejected(stub.Register, register_request("a", big))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "inventory" in err.details() and "elements" in err.details(), err.details()
+            assert_serving(stub, channel)
+            with client(server) as a:
+                a.register(worker("a"), inventory())
+                assert a.generation is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "mutate"),
+    [
+        ("device_memory_bytes", lambda r: setattr(r.worker, "device_memory_bytes", 2**64 - 1)),
+        ("group", lambda r: setattr(r.inventory[0], "group", 2**32 - 1)),
+        ("unit", lambda r: setattr(r.inventory[0], "unit", 2**32 - 1)),
+        ("dtype", lambda r: setattr(r.inventory[0], "dtype", "x" * 40)),
+        ("free_ports", lambda r: r.worker.free_ports.append(70000)),
+    ],
+)
+def test_absurd_numbers_in_a_registration_are_invalid_argument(field, mutate) -> None:
+    with running(config()) as server:
+        channel, stub = stub_for(server)
+        with channel:
+            request = register_request("a")
+            mutate(request)
+            err = rejected(stub.Register, request)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in err.details(), err.details()
+            assert_serving(stub, channel)
+
+
+def test_absurd_numbers_in_a_heartbeat_or_a_watch_are_invalid_argument() -> None:
+    with running(config()) as server, client(server) as a:
+        a.register(worker("a"), inventory())
+        channel, stub = stub_for(server)
+        with channel:
+            huge = 2**64 - 1
+            for field, request in (
+                ("generation_id", pb.HeartbeatRequest(worker_id="a", generation_id=huge)),
+                (
+                    "step",
+                    pb.HeartbeatRequest(
+                        worker_id="a", generation_id=1, report=pb.WorkerReport(step=huge)
+                    ),
+                ),
+                (
+                    "model_state_bytes",
+                    pb.HeartbeatRequest(
+                        worker_id="a",
+                        generation_id=1,
+                        report=pb.WorkerReport(model_state_bytes={"params": huge}),
+                    ),
+                ),
+            ):
+                err = rejected(stub.Heartbeat, request)
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+                assert field in err.details(), err.details()
+            request = pb.WatchGenerationsRequest(worker_id="a", after_generation_id=huge)
+            err = rejected(stub.WatchGenerations, request)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "after_generation_id" in err.details()
+            assert_serving(stub, channel)
+
+
+def test_a_generation_that_fails_to_encode_is_never_published(monkeypatch, caplog) -> None:
+    """Formation is atomic: an encoding failure leaves the old state whole, says why once,
+    and the next change of membership forms normally."""
+    real = server_module.generation_steps
+    broken = {"on": True}
+
+    def encode(generation):
+        if broken["on"]:
+            raise ValueError("Value out of range: 18446744073709551616")
+        return (yield from real(generation))
+
+    monkeypatch.setattr(server_module, "generation_steps", encode)
+    caplog.set_level(logging.INFO)
+    with running(config(min_workers=1)) as server:
+        channel, stub = stub_for(server)
+        with channel:
+            response = stub.Register(register_request("a"), metadata=AUTH, timeout=10)
+            assert response.generation_id == 0
+            time.sleep(0.5)  # several reconcile ticks
+            status = stub.Status(pb.StatusRequest(), metadata=AUTH, timeout=5)
+            assert status.generation_id == 0 and "cannot form" in status.waiting_reason
+            # a watch waits (no UNKNOWN), and says nothing until a generation is published
+            watch = stub.WatchGenerations(
+                pb.WatchGenerationsRequest(worker_id="a"), metadata=AUTH, timeout=0.5
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                next(watch)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            failures = [r for r in caplog.records if "cannot form" in r.getMessage()]
+            assert len(failures) == 1, [r.getMessage() for r in caplog.records]
+            assert not [r for r in caplog.records if "reconcile failed" in r.getMessage()]
+
+            broken["on"] = False
+            stub.Register(register_request("b"), metadata=AUTH, timeout=10)
+            gen = next(
+                stub.WatchGenerations(
+                    pb.WatchGenerationsRequest(worker_id="a"), metadata=AUTH, timeout=10
+                )
+            )
+            assert gen.id == 1 and [m.worker_id for m in gen.members] == ["a", "b"]
+            assert_serving(stub, channel)
+
+
+def test_a_state_file_whose_generation_lists_an_unknown_member_is_refused(tmp_path) -> None:
+    path = tmp_path / "state.json"
+    with running(config(state_file=path)) as server, client(server) as a:
+        a.register(worker("a"), inventory())
+        assert a.generation is not None
+    snapshot = load_snapshot(path)
+    assert snapshot is not None
+    save_snapshot(path, dataclasses.replace(snapshot, members=()))
+    with pytest.raises(ValueError, match=rf"{path.name}.*'a'"):
+        load_snapshot(path)
+    # the server refuses to start on it, naming the file, rather than answering INTERNAL
+    with pytest.raises(ValueError, match=path.name):
+        running(config(state_file=path)).__enter__()
+
+
+# ---- 9. large inventories do not block the server ----------------------------------------
+
+
+class HealthProbe:
+    """Health checks in a loop on a thread of their own; the slowest answer, in seconds."""
+
+    def __init__(self, port: int) -> None:
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self._stub = health_pb2_grpc.HealthStub(self._channel)
+        self._stop = threading.Event()
+        self.latencies: list[float] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            self._stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            self.latencies.append(time.perf_counter() - start)
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> HealthProbe:
+        self._stub.Check(health_pb2.HealthCheckRequest(), timeout=10)  # connected
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._channel.close()
+
+    @property
+    def worst(self) -> float:
+        return max(self.latencies)
+
+
+def big_inventory(n: int) -> list[ParamSpec]:
+    return [
+        ParamSpec(name=f"model.layers.{i}.mlp.weight", shape=(64, 64), dtype="bfloat16", unit=i // 8)
+        for i in range(n)
+    ]
+
+
+def test_a_duplicate_in_a_large_inventory_is_found_without_stalling_the_server() -> None:
+    specs = big_inventory(30_000)
+    specs.append(specs[-1])  # found last: the old check counted every name before it
+    request = register_request("a", specs)
+    with running(config()) as server, HealthProbe(server.port) as probe:
+        channel, stub = stub_for(server)
+        with channel:
+            err = rejected(stub.Register, request)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "twice" in err.details()
+    # the old check was quadratic: 30k parameters with one duplicate stalled it 16 s
+    assert probe.worst < 0.5, probe.worst
+
+
+def test_a_100k_parameter_inventory_registers_without_blocking_health(tmp_path) -> None:
+    """Registration (conversion, digest, layout, encoding, the state file) runs off the
+    event loop; the state file holds the inventory once, not per generation."""
+    specs = big_inventory(100_000)
+    requests = [register_request(w, specs) for w in ("a", "b", "c")]
+    state = tmp_path / "state.json"
+    with (
+        coordinator_process(
+            "--state-file", str(state), "--max-workers", "3", "--stage", "3",
+            "--lease-timeout", "120", "--join-window", "0",
+        ) as port,
+        HealthProbe(port) as probe,
+        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):  # fmt: skip
+        stub = pb_grpc.CoordinatorStub(channel)
+        for i, request in enumerate(requests):
+            response = stub.Register(request, metadata=AUTH, timeout=60)
+            assert response.generation_id == i + 1
+        inventories = list(tmp_path.glob("state.json.inventory-*"))
+        assert len(inventories) == 1
+        written = inventories[0].stat().st_mtime_ns
+        # a generation is a few kilobytes in the state file, whatever the inventory
+        assert state.stat().st_size < 16_384, state.stat().st_size
+        stub.Leave(pb.LeaveRequest(worker_id="c"), metadata=AUTH, timeout=60)
+        status = stub.Status(pb.StatusRequest(), metadata=AUTH, timeout=10)
+        assert status.generation_id == 4
+        assert inventories[0].stat().st_mtime_ns == written
+    # the event loop never stalled (the old one did for seconds at each registration)
+    assert probe.worst < 0.5, probe.worst
+    snapshot = load_snapshot(state)
+    assert snapshot is not None and snapshot.generation is not None
+    assert snapshot.generation.world_size == 2 and len(snapshot.inventory) == 100_000
+    assert snapshot.generation.reshard is not None and snapshot.generation.reshard.left_ranks == (
+        2,
+    )
+
+
+def test_a_format_1_state_file_still_loads(tmp_path) -> None:
+    from google.protobuf import json_format
+
+    from coordinator.config import MembershipConfig, PlanConfig
+    from coordinator.membership import Membership
+    from coordinator.messages import generation_to_proto, worker_to_proto
+
+    m = Membership(MembershipConfig(min_workers=2, max_workers=2), PlanConfig(bucket_numel=100))
+    m.register(worker("a"), inventory())
+    m.register(worker("b"), inventory())
+    gen = m.maybe_form()
+    old = pb.PersistedState(
+        format_version=1,
+        inventory=[param_to_proto(p) for p in inventory()],
+        generation=generation_to_proto(gen),
+        members=[worker_to_proto(worker(w)) for w in ("a", "b")],
+        epoch=m.epoch,
+    )
+    path = tmp_path / "old.json"
+    path.write_text(json_format.MessageToJson(old, preserving_proto_field_name=True))
+    snapshot = load_snapshot(path)
+    assert snapshot is not None and snapshot.generation == gen and snapshot.epoch == m.epoch
+    # saved again, it is format 2 and loads to the same generation
+    save_snapshot(path, snapshot)
+    assert '"format_version": 2' in path.read_text()
+    again = load_snapshot(path)
+    assert again is not None and again.generation == gen
+
+
+# ---- 10. nothing is read before authentication --------------------------------------------
+
+
+def _rss_peak_kib(pid: int) -> int:
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return int(fields["VmHWM"].split()[0])
+
+
+@contextlib.contextmanager
+def coordinator_process(*args: str) -> Iterator[int]:
+    """A ``zeroplane coordinator`` process of its own (so that what the test does in this
+    process does not share its interpreter); yields its port, the process as ``.proc``."""
+    env = {**os.environ, "ZEROPLANE_TOKEN": TOKEN}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "coordinator", "--host", "127.0.0.1",
+         "--port", "0", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    coordinator_process.proc = proc
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("zeroplane coordinator listening on"), line
+        yield int(line.rsplit(":", 1)[1])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_tokenless_compressed_bomb_is_refused_before_decompression() -> None:
+    with coordinator_process() as port:
+        pid = coordinator_process.proc.pid
+        channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}",
+            options=[("grpc.max_send_message_length", -1)],
+            compression=grpc.Compression.Gzip,
+        )
+        with channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            stub.Status(pb.StatusRequest(), metadata=AUTH, timeout=10)  # warm, authenticated
+            before = _rss_peak_kib(pid)
+            bomb = pb.LeaveRequest(worker_id="a", reason="A" * (120 << 20))  # ~120 KiB gzipped
+            for call in (stub.Leave, stub.Register, stub.Status):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(bomb, timeout=30)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            after = _rss_peak_kib(pid)
+            stub.Status(pb.StatusRequest(), metadata=AUTH, timeout=10)  # still serving
+    # decompressed, the body alone would be 120 MiB (the old peak grew by ~390 MiB)
+    assert after - before < 32 << 10, (before, after)
+
+
+# ---- 12. errors and logs stay small and honest --------------------------------------------
+
+
+def test_a_huge_worker_id_gets_a_short_answer() -> None:
+    with running(config()) as server:
+        channel, stub = stub_for(server)
+        with channel:
+            huge = "x" * (1 << 20)
+            for call, request in (
+                (stub.Heartbeat, pb.HeartbeatRequest(worker_id=huge)),
+                (stub.Leave, pb.LeaveRequest(worker_id=huge)),
+                (stub.WatchGenerations, pb.WatchGenerationsRequest(worker_id=huge)),
+                (stub.Register, pb.RegisterRequest(worker=pb.WorkerInfo(worker_id=huge))),
+            ):
+                err = rejected(call, request)
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.code()
+                assert "worker_id" in err.details() and len(err.details()) < 1024
+            err = rejected(stub.Heartbeat, pb.HeartbeatRequest(worker_id="y" * 250))
+            assert err.code() == grpc.StatusCode.NOT_FOUND and len(err.details()) < 1024
+
+
+def test_a_leave_reason_cannot_forge_log_lines(caplog) -> None:
+    caplog.set_level(logging.INFO)
+    with running(config()) as server, client(server) as a:
+        a.register(worker("a"), inventory())
+        a.leave("done\n2030-01-01 00:00:00 INFO coordinator.membership: forged\x1b[2J")
+        wait_until(lambda: server.status().generation_id == 1)
+    lines = [r.getMessage() for r in caplog.records if "left a" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "\x1b" not in lines[0], lines
+    assert "\\n2030" in lines[0]
+
+
+def test_a_token_that_is_not_utf8_is_not_logged(caplog) -> None:
+    from tests.grpc_raw import raw_call
+
+    caplog.set_level(logging.DEBUG)
+    with running(config()) as server:
+        code = raw_call(
+            server.port,
+            "/zeroplane.coordinator.v1.Coordinator/Status",
+            b"",
+            metadata=((b"authorization", b"Bearer \xff\xfesecret-part"),),
+        )
+        assert code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+        good = ((b"authorization", f"Bearer {TOKEN}".encode()),)
+        assert (
+            raw_call(
+                server.port, "/zeroplane.coordinator.v1.Coordinator/Status", b"", metadata=good
+            )
+            == 0
+        )
+    logged = [r for r in caplog.records if "secret-part" in r.getMessage() or r.exc_info]
+    assert not logged, [r.getMessage() for r in logged]
+
+
+def test_cancelled_watch_streams_log_no_traceback(caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    with running(config(max_workers=2)) as server, client(server) as a:
+        a.register(worker("a"), inventory())
+        channel, stub = stub_for(server)
+        calls = [
+            stub.WatchGenerations(
+                pb.WatchGenerationsRequest(worker_id=w, after_generation_id=after),
+                metadata=AUTH,
+                timeout=timeout,
+            )
+            for w in ("a", "", "nobody")
+            for after in (0, 1, 5)
+            for timeout in (0.2, None)
+        ]
+        time.sleep(0.5)
+        for call in calls[::2]:
+            call.cancel()
+        channel.close()  # the rest go with their connection
+        time.sleep(0.3)
+        open_again = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        waiting = pb_grpc.CoordinatorStub(open_again).WatchGenerations(
+            pb.WatchGenerationsRequest(worker_id="a", after_generation_id=1), metadata=AUTH
+        )
+        time.sleep(0.2)
+    # ... and the server stopped with a stream still open
+    open_again.close()
+    del waiting
+    noisy = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not noisy, [(r.name, r.getMessage()) for r in noisy]
