@@ -48,6 +48,7 @@ from coordinator.messages import (
     WorkerReport,
     WorkerStatus,
     inventory_digest,
+    metrics_target,
 )
 from coordinator.planner import PlanConfig, StageChoice, choose_stage
 from coordinator.reshard import ReshardSchedule, reshard_steps
@@ -105,6 +106,17 @@ class _Worker:
     # open generation streams, and since when none is (see [Note: disconnects])
     streams: int = 0
     unwatched_since: float | None = None
+    # the IP address its last register or heartbeat came from; "" if unknown
+    peer: str = ""
+
+    @property
+    def metrics_url(self) -> str:
+        """The worker's metrics at the address it connects from (see WorkerStatus)."""
+        if not self.peer or not self.info.metrics_endpoint:
+            return ""
+        _, port, path = metrics_target(self.info.metrics_endpoint)
+        host = f"[{self.peer}]" if ":" in self.peer else self.peer
+        return f"http://{host}:{port}{path}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,12 +299,14 @@ class Membership:
         *,
         digest: str | None = None,
         wire: bytes = b"",
+        peer: str = "",
     ) -> bool:
         """Admit ``info`` (or re-attach it); True when it was a re-attach.
 
         ``inventory`` may be the job's own tuple (``self.inventory``), which is then not
         compared again; ``digest`` and ``wire``: its digest and canonical encoding
-        (``messages.inventory_wire``), if the caller has them.
+        (``messages.inventory_wire``), if the caller has them. ``peer``: the IP address
+        the registration came from.
         """
         self._check_inventory(inventory, digest, wire)
         now = self._clock()
@@ -301,11 +315,12 @@ class Membership:
         if old is not None and old.info.incarnation == info.incarnation:
             old.info, old.deadline = info, lease
             old.free_ports = info.free_ports or old.free_ports
+            old.peer = peer or old.peer
             self._event("reattached", info.worker_id)
             return True
         if old is not None:
             self._drop(info.worker_id, "replaced", "registered again as a new process")
-        self._workers[info.worker_id] = _Worker(info, now, lease, info.free_ports)
+        self._workers[info.worker_id] = _Worker(info, now, lease, info.free_ports, peer=peer)
         self._joiners[info.worker_id] = None
         self._event("registered", info.worker_id, f"host {info.host}")
         return False
@@ -316,8 +331,10 @@ class Membership:
         generation_id: int,
         report: WorkerReport | None = None,
         free_ports: tuple[int, ...] = (),
+        peer: str = "",
     ) -> float:
-        """Renew the lease; returns the seconds it now has left."""
+        """Renew the lease; returns the seconds it now has left. ``peer``: the IP address
+        the heartbeat came from."""
         worker = self._workers.get(worker_id)
         if worker is None:
             raise UnknownWorker(f"no lease for worker {worker_id!r}: register again")
@@ -328,6 +345,8 @@ class Membership:
             worker.report = report
         if free_ports:
             worker.free_ports = free_ports
+        if peer:
+            worker.peer = peer
         return self.config.lease_timeout_s
 
     def leave(self, worker_id: str, reason: str = "") -> bool:
@@ -548,6 +567,7 @@ class Membership:
                     rank=m.rank,
                     lease_remaining_s=w.deadline - now,
                     report=w.report,
+                    metrics_url=w.metrics_url,
                 )
             )
         for wid in self._joiners:
@@ -559,6 +579,7 @@ class Membership:
                     rank=None,
                     lease_remaining_s=w.deadline - now,
                     report=w.report,
+                    metrics_url=w.metrics_url,
                 )
             )
         reason = self.waiting_reason()

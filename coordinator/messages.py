@@ -11,6 +11,7 @@ import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from google.protobuf.message import Message
 
@@ -39,6 +40,7 @@ __all__ = [
     "inventory_steps",
     "inventory_wire",
     "inventory_wire_steps",
+    "metrics_target",
     "param_from_proto",
     "param_to_proto",
     "printable",
@@ -94,8 +96,10 @@ class WorkerInfo:
         if len(self.device_kind) > 64:
             raise ValueError("WorkerInfo.device_kind is longer than 64 characters")
         _check_range("WorkerInfo.device_memory_bytes", self.device_memory_bytes, 0, MAX_BYTES)
-        if len(self.metrics_endpoint) > MAX_ID_CHARS + 6:
+        if len(self.metrics_endpoint) > 2 * MAX_ID_CHARS:
             raise ValueError("WorkerInfo.metrics_endpoint is too long")
+        if self.metrics_endpoint:
+            metrics_target(self.metrics_endpoint)
         _check_ports("WorkerInfo.free_ports", self.free_ports)
         if len(self.incarnation) > 64:
             raise ValueError("WorkerInfo.incarnation is longer than 64 characters")
@@ -191,6 +195,9 @@ class WorkerStatus:
     rank: int | None
     lease_remaining_s: float
     report: WorkerReport | None
+    # Where the coordinator itself reads this worker's metrics: the endpoint's port and
+    # path at the address the worker connects from, never a name it gave (not on the wire).
+    metrics_url: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,6 +269,26 @@ def printable(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
     if not cut.isprintable():
         cut = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
     return cut + ("..." if len(text) > limit else "")
+
+
+def metrics_target(endpoint: str) -> tuple[str, int, str]:
+    """(host, port, path) of a worker's ``metrics_endpoint``: ``HOST:PORT[/PATH]`` or
+    ``http://HOST:PORT[/PATH]``, nothing else (no other scheme, no user, no query)."""
+    name = "WorkerInfo.metrics_endpoint"
+    url = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme != "http" or url.username is not None or url.query or url.fragment:
+        raise ValueError(f"{name} {printable(endpoint, 80)!r} is not http://HOST:PORT/PATH")
+    if not url.hostname or not port:
+        raise ValueError(
+            f"{name} {printable(endpoint, 80)!r} needs a host and a port in [1, 65535]"
+        )
+    if not url.path.isprintable() or " " in url.path:
+        raise ValueError(f"{name} {printable(endpoint, 80)!r} has a path that is not printable")
+    return url.hostname, port, url.path
 
 
 def _check_ports(name: str, ports: Sequence[int]) -> None:

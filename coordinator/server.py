@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import logging
 import secrets
 import signal
@@ -33,6 +34,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import metadata
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -66,6 +68,7 @@ from coordinator.messages import (
     GENERATION_METADATA_KEY,
     Generation,
     StatusReport,
+    WorkerInfo,
     check_count,
     check_worker_id,
     generation_steps,
@@ -73,6 +76,7 @@ from coordinator.messages import (
     inventory_digest,
     inventory_steps,
     inventory_wire_steps,
+    metrics_target,
     printable,
     report_from_proto,
     serialize_steps,
@@ -394,8 +398,11 @@ class _Servicer:
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterResponse:
         info = _valid("worker", worker_from_proto, request.worker)
+        peer = _peer_address(context)
+        if info.metrics_endpoint:
+            _check_metrics_host(info, peer)
         inventory, digest, wire = await self._inventory_of(request)
-        reattached = self.m.register(info, inventory, digest=digest, wire=wire)
+        reattached = self.m.register(info, inventory, digest=digest, wire=wire, peer=peer)
         self.metrics.on_register(reattached)
         await self._reconcile()
         ms = self.config.membership
@@ -427,7 +434,8 @@ class _Servicer:
         report = None
         if request.HasField("report"):
             report = _valid("report", report_from_proto, request.report)
-        remaining = self.m.heartbeat(worker_id, generation_id, report, tuple(request.free_ports))
+        ports, peer = tuple(request.free_ports), _peer_address(context)
+        remaining = self.m.heartbeat(worker_id, generation_id, report, ports, peer)
         return pb.HeartbeatResponse(generation_id=self.m.generation_id, lease_remaining_s=remaining)
 
     async def watch_generations(
@@ -468,6 +476,36 @@ class _Servicer:
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusResponse:
         return status_to_proto(self.m.status(VERSION))
+
+
+def _peer_address(context: grpc.aio.ServicerContext) -> str:
+    """The IP address a call came from ("" when it is not an IP connection)."""
+    kind, _, rest = (context.peer() or "").partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(unquote(host))
+    except ValueError:
+        return ""
+    mapped = getattr(address, "ipv4_mapped", None)
+    return str(mapped or address)
+
+
+def _check_metrics_host(info: WorkerInfo, peer: str) -> None:
+    """A worker may only name itself as its metrics host: the address it registers
+    from, or the host it gives the other workers. (Either way the coordinator reads
+    the metrics at the peer's address, see WorkerStatus.metrics_url.)"""
+    host = metrics_target(info.metrics_endpoint)[0]
+    mine = {info.host.lower().strip("[]")} | ({peer} if peer else set())
+    with contextlib.suppress(ValueError):
+        host = str(ipaddress.ip_address(host))
+    if host.lower() not in mine:
+        raise InvalidRequest(
+            f"WorkerInfo.metrics_endpoint: host {printable(host, 80)!r} is neither the "
+            f"address this worker registers from ({peer or 'unknown'}) nor its host "
+            f"{info.host!r}"
+        )
 
 
 def _inventory_steps(

@@ -22,8 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator import server as server_module
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.config import HttpConfig
 from coordinator.layout import ParamSpec
-from coordinator.messages import param_to_proto
+from coordinator.messages import WorkerInfo, param_to_proto
 from coordinator.statefile import load_snapshot, save_snapshot
 from tests.coordinator_util import TOKEN, client, config, inventory, running, wait_until, worker
 
@@ -250,7 +251,7 @@ class HealthProbe:
 
 def big_inventory(n: int) -> list[ParamSpec]:
     return [
-        ParamSpec(name=f"model.layers.{i}.mlp.weight", shape=(64, 64), dtype="bfloat16", unit=i // 8)
+        ParamSpec(name=f"layers.{i}.mlp.weight", shape=(64, 64), dtype="bfloat16", unit=i // 8)
         for i in range(n)
     ]
 
@@ -473,3 +474,99 @@ def test_cancelled_watch_streams_log_no_traceback(caplog) -> None:
     del waiting
     noisy = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert not noisy, [(r.name, r.getMessage()) for r in noisy]
+
+
+# ---- 11. no request reaches outside ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "file:///etc/passwd",
+        "https://127.0.0.1:9100/",
+        "gopher://127.0.0.1:70/",
+        "http://user:pw@127.0.0.1:9100/",
+        "http://127.0.0.1:9100/metrics?x=1",
+        "127.0.0.1",
+        "127.0.0.1:0",
+        "127.0.0.1:99999",
+        "10.1.2.3:9100",  # neither the registering peer nor the worker's own host
+        "169.254.169.254:80",
+    ],
+)
+def test_a_metrics_endpoint_elsewhere_is_refused_at_registration(endpoint) -> None:
+    with running(config()) as server:
+        channel, stub = stub_for(server)
+        with channel:
+            request = register_request("a")
+            request.worker.metrics_endpoint = endpoint
+            err = rejected(stub.Register, request)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+            assert "metrics_endpoint" in err.details()
+
+
+class _Http:
+    """A local HTTP server answering every GET with ``status`` (and ``headers``); counts hits."""
+
+    def __init__(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+        self.hits: list[str] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.hits.append(self.path)
+                self.send_response(status)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _get_json(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_the_status_page_scrapes_only_the_registering_peer_and_follows_no_redirect() -> None:
+    secret = _Http(200, b"zeroplane_steps_total 1\n")
+    redirect = _Http(302, headers={"Location": f"http://127.0.0.1:{secret.port}/metrics"})
+    named = _Http(200, b"zeroplane_steps_total 7\n")
+    cfg = dataclasses.replace(config(), http=HttpConfig(port=0))
+    try:
+        with running(cfg) as server, client(server) as a, client(server) as b:
+            a.register(worker("a", metrics_endpoint=f"127.0.0.1:{redirect.port}"), inventory())
+            # a name the coordinator never resolves: it scrapes the peer's address instead
+            b.register(
+                WorkerInfo(
+                    worker_id="b",
+                    host="worker-b.invalid",
+                    metrics_endpoint=f"worker-b.invalid:{named.port}",
+                ),
+                inventory(),
+            )
+            wait_until(lambda: server.status().generation_id == 2)
+            body = _get_json(f"http://{server.http_address}/api/status")
+            ranks = {r["worker_id"]: r for r in body["ranks"]}
+            assert ranks["a"]["error"], ranks["a"]
+            assert ranks["b"]["steps"] == 7 and not ranks["b"]["error"], ranks["b"]
+        assert redirect.hits and not secret.hits  # the redirect was not followed
+    finally:
+        for http in (secret, redirect, named):
+            http.close()
