@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 import threading
@@ -139,9 +140,10 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.tls_root_cert_file {str(self.tls_root_cert_file)!r} is not a file"
             )
-        for name in ("connect_timeout_s", "rpc_timeout_s", "backoff_initial_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ClientConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("connect_timeout_s", "rpc_timeout_s", "backoff_initial_s", "backoff_max_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"ClientConfig.{name} must be finite and > 0, got {value}")
         if self.backoff_max_s < self.backoff_initial_s:
             raise ValueError(
                 f"ClientConfig.backoff_max_s ({self.backoff_max_s}) must be >= "

@@ -570,3 +570,103 @@ def test_the_status_page_scrapes_only_the_registering_peer_and_follows_no_redire
     finally:
         for http in (secret, redirect, named):
             http.close()
+
+
+# ---- 13. files and flags -----------------------------------------------------------------
+
+
+def test_a_state_file_that_is_not_utf8_is_an_error_naming_it(tmp_path, capsys) -> None:
+    from coordinator.cli import main
+
+    path = tmp_path / "state.json"
+    path.write_bytes(b'{"format_version": 2, "epoch": "\xff\xfe"}')
+    with pytest.raises(ValueError, match=r"state\.json"):
+        load_snapshot(path)
+    argv = ["coordinator", "--port", "0", "--host", "127.0.0.1", "--state-file", str(path)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "state.json" in err and "Traceback" not in err
+
+
+def test_a_state_file_in_a_missing_directory_is_refused_at_start(tmp_path, capsys) -> None:
+    from coordinator.cli import main
+
+    missing = tmp_path / "no-such-dir" / "state.json"
+    assert main(["coordinator", "--port", "0", "--state-file", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert "--state-file" in err and "no-such-dir" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["coordinator", "--join-window", "nan"], "--join-window"),
+        (["coordinator", "--join-window", "inf"], "--join-window"),
+        (["coordinator", "--grace", "nan"], "--grace"),
+        (["coordinator", "--grace", "-1"], "--grace"),
+        (["coordinator", "--lease-timeout", "nan"], "--lease-timeout"),
+        (["coordinator", "--lease-timeout", "inf"], "--lease-timeout"),
+        (["coordinator", "--heartbeat-interval", "nan"], "--heartbeat-interval"),
+        (["coordinator", "--headroom", "nan"], "--headroom"),
+        (["coordinator", "--headroom", "1.5"], "--headroom"),
+        (["run", "--grace", "nan", "x.py"], "--grace"),
+        (["run", "--gpus-per-worker", "nan", "x.py"], "--gpus-per-worker"),
+        (["status", "--timeout", "nan"], "--timeout"),
+        (["status", "--timeout", "0"], "--timeout"),
+        (["status", "--window", "nan"], "--window"),
+        (["plan", "--params", "1e9", "--headroom", "nan"], "--headroom"),
+        (["plan", "--params", "1e9", "--world-sizes", "a,b"], "--world-sizes"),
+        (["plan", "--params", "1e9", "--world-sizes", "1,,2"], "--world-sizes"),
+        (["plan", "--params", "1e9", "--world-sizes", "0"], "--world-sizes"),
+    ],
+)
+def test_a_bad_number_in_a_flag_is_refused_naming_the_flag(argv, flag, capsys) -> None:
+    from coordinator.cli import main
+
+    # should a bad value get through, fail fast rather than serve or wait
+    if argv[0] == "coordinator":
+        argv = [*argv, "--host", "256.0.0.1"]
+    if argv[0] == "status":
+        argv = [*argv, "--coordinator", "127.0.0.1:1"]
+    with pytest.raises(SystemExit) as exit_:
+        code = main(argv)
+        raise SystemExit(code)  # a command that reports the error itself returns 2
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err, err
+
+
+def test_the_config_classes_refuse_nan(tmp_path) -> None:
+    from coordinator.client import ClientConfig
+    from coordinator.config import MembershipConfig, PlanConfig, ServerConfig
+
+    nan = float("nan")
+    for make in (
+        lambda: MembershipConfig(join_window_s=nan),
+        lambda: MembershipConfig(lease_timeout_s=nan),
+        lambda: MembershipConfig(reattach_grace_s=nan),
+        lambda: MembershipConfig(disconnect_grace_s=nan),
+        lambda: ServerConfig(grace_s=nan),
+        lambda: ServerConfig(state_file=tmp_path / "missing" / "state.json"),
+        lambda: PlanConfig(headroom=nan),
+        lambda: ClientConfig(address="h:1", rpc_timeout_s=nan),
+        lambda: ClientConfig(address="h:1", backoff_max_s=float("inf")),
+    ):
+        with pytest.raises(ValueError):
+            make()
+
+
+def test_a_token_file_others_can_read_is_warned_about(tmp_path, caplog) -> None:
+    from coordinator.config import load_token
+
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    with caplog.at_level(logging.WARNING, logger="coordinator.config"):
+        assert load_token(token) == "s3cret"
+    assert not caplog.records
+    token.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="coordinator.config"):
+        assert load_token(token) == "s3cret"
+    assert len(caplog.records) == 1 and str(token) in caplog.records[0].getMessage()
+    assert "0644" in caplog.records[0].getMessage()

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from coordinator.commands.args import non_negative, seconds
 from coordinator.config import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
 from coordinator.launch import STAGE_CHOICES, JobResult, LaunchSpec, LocalJob, forward_signals
 
@@ -40,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "--grace",
-        type=float,
+        type=seconds,
         default=5.0,
         metavar="SECONDS",
         help="time workers get to exit after SIGTERM before SIGKILL (default 5)",
@@ -100,7 +101,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "--gpus-per-worker",
-        type=float,
+        type=non_negative,
         default=0.0,
         metavar="G",
         help="with --launcher ray: GPUs in each worker's placement-group bundle (default 0)",
