@@ -670,3 +670,98 @@ def test_a_token_file_others_can_read_is_warned_about(tmp_path, caplog) -> None:
         assert load_token(token) == "s3cret"
     assert len(caplog.records) == 1 and str(token) in caplog.records[0].getMessage()
     assert "0644" in caplog.records[0].getMessage()
+
+
+# ---- #16: client retries are gRPC's own --------------------------------------------------
+
+
+class _Flaky:
+    """A Coordinator that answers Status UNAVAILABLE ``failures`` times, then OK."""
+
+    def __init__(self, failures: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.failures = failures
+        self.attempts: list[str | None] = []
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=2))
+        handler = grpc.unary_unary_rpc_method_handler(
+            self._status,
+            request_deserializer=pb.StatusRequest.FromString,
+            response_serializer=pb.StatusResponse.SerializeToString,
+        )
+        self.server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "zeroplane.coordinator.v1.Coordinator", {"Status": handler}
+                ),
+            )
+        )
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+
+    def _status(self, request, context):
+        self.attempts.append(dict(context.invocation_metadata()).get("grpc-previous-rpc-attempts"))
+        if len(self.attempts) <= self.failures:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+        return pb.StatusResponse(
+            phase="running",
+            settings=pb.MembershipSettings(
+                min_workers=1, max_workers=1, lease_timeout_s=1, heartbeat_interval_s=0.1
+            ),
+        )
+
+
+def test_the_client_retries_unavailable_with_grpcs_retry_policy() -> None:
+    flaky = _Flaky(failures=2)
+    flaky.server.start()
+    try:
+        with client(flaky.port, backoff_initial_s=0.01, backoff_max_s=0.05) as c:
+            assert c.status().phase == "running"
+        # the retries are gRPC's (its attempts say so), not a loop of fresh calls
+        assert flaky.attempts == [None, "1", "2"]
+    finally:
+        flaky.server.stop(0)
+
+
+def test_the_client_waits_for_a_coordinator_that_is_not_up_yet() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = config(port=port)
+    result: dict[str, object] = {}
+
+    def register() -> None:
+        with client(port, connect_timeout_s=20) as c:
+            result["generation"] = c.register(worker("a"), inventory()).generation_id
+
+    thread = threading.Thread(target=register)
+    thread.start()
+    time.sleep(1.0)  # the client is waiting for a coordinator meanwhile
+    with running(cfg):
+        thread.join(timeout=20)
+    assert result == {"generation": 1}
+
+
+def test_closing_a_client_ends_a_registration_that_waits_for_the_coordinator() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    c = client(port, connect_timeout_s=30)
+    errors: list[BaseException] = []
+
+    def register() -> None:
+        try:
+            c.register(worker("a"), inventory())
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=register)
+    thread.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    c.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and errors and time.monotonic() - started < 5
