@@ -1,12 +1,17 @@
-"""Shared pieces of the coordinator tests: a small inventory, a live server, a polling wait."""
+"""Shared pieces of the coordinator tests: a small inventory, a live server, a polling wait,
+a health probe."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.client import ClientConfig, CoordinatorClient
 from coordinator.config import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
@@ -87,3 +92,46 @@ def wait_until(predicate: Callable[[], T], timeout: float = 10.0, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+class HealthProbe:
+    """Health checks in a loop on a thread of its own; their latencies, and any failure."""
+
+    def __init__(self, port: int, interval_s: float = 0.02) -> None:
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self._stub = health_pb2_grpc.HealthStub(self._channel)
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True, name="health-probe")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            try:
+                response = self._stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                if response.status != health_pb2.HealthCheckResponse.SERVING:
+                    self.failures.append(f"status {response.status}")
+            except grpc.RpcError as exc:
+                self.failures.append(f"{exc.code().name}: {exc.details()}")
+            self.latencies.append(time.perf_counter() - start)
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> HealthProbe:
+        self._stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._channel.close()
+
+    @property
+    def worst(self) -> float:
+        return max(self.latencies, default=0.0)
+
+    def percentile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0

@@ -26,7 +26,16 @@ from coordinator.config import HttpConfig
 from coordinator.layout import ParamSpec
 from coordinator.messages import WorkerInfo, param_to_proto
 from coordinator.statefile import load_snapshot, save_snapshot
-from tests.coordinator_util import TOKEN, client, config, inventory, running, wait_until, worker
+from tests.coordinator_util import (
+    TOKEN,
+    HealthProbe,
+    client,
+    config,
+    inventory,
+    running,
+    wait_until,
+    worker,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -217,38 +226,6 @@ def test_a_state_file_whose_generation_lists_an_unknown_member_is_refused(tmp_pa
 # ---- 9. large inventories do not block the server ----------------------------------------
 
 
-class HealthProbe:
-    """Health checks in a loop on a thread of their own; the slowest answer, in seconds."""
-
-    def __init__(self, port: int) -> None:
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        self._stub = health_pb2_grpc.HealthStub(self._channel)
-        self._stop = threading.Event()
-        self.latencies: list[float] = []
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            start = time.perf_counter()
-            self._stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
-            self.latencies.append(time.perf_counter() - start)
-            self._stop.wait(0.01)
-
-    def __enter__(self) -> HealthProbe:
-        self._stub.Check(health_pb2.HealthCheckRequest(), timeout=10)  # connected
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._channel.close()
-
-    @property
-    def worst(self) -> float:
-        return max(self.latencies)
-
-
 def big_inventory(n: int) -> list[ParamSpec]:
     return [
         ParamSpec(name=f"layers.{i}.mlp.weight", shape=(64, 64), dtype="bfloat16", unit=i // 8)
@@ -304,6 +281,46 @@ def test_a_100k_parameter_inventory_registers_without_blocking_health(tmp_path) 
     assert snapshot.generation.reshard is not None and snapshot.generation.reshard.left_ranks == (
         2,
     )
+
+
+def test_a_generation_serialized_in_pieces_parses_to_the_whole() -> None:
+    from coordinator.layout import compute_layout
+    from coordinator.messages import (
+        Generation,
+        Member,
+        generation_from_proto,
+        generation_to_proto,
+        serialize_steps,
+    )
+    from coordinator.reshard import ReshardSchedule, reshard_schedule
+    from coordinator.steps import finish
+
+    specs = big_inventory(3000)
+    before = compute_layout(specs, 2, bucket_numel=10_000, align=2)
+    after = compute_layout(specs, 3, bucket_numel=10_000, align=2, by_unit=True)
+    gen = Generation(
+        id=2,
+        members=tuple(Member(worker_id=f"w{i}", rank=i, host="h") for i in range(3)),
+        rendezvous_endpoint="h:1",
+        stage=3,
+        stage_reason="r",
+        layout=after,
+        bucket_numel=10_000,
+        align=2,
+        reshard=ReshardSchedule(
+            from_generation_id=1,
+            from_world_size=2,
+            from_stage=2,
+            moves=tuple(reshard_schedule(before, after)),
+            lost_ranks=(1,),
+        ),
+        inventory_digest="d",
+        epoch="e",
+    )
+    msg = generation_to_proto(gen)
+    data = finish(serialize_steps(msg))
+    assert pb.Generation.FromString(data) == msg
+    assert generation_from_proto(pb.Generation.FromString(data)) == gen
 
 
 def test_a_format_1_state_file_still_loads(tmp_path) -> None:
