@@ -33,7 +33,7 @@ from google.protobuf.message import Message
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.messages import param_to_proto
-from tests.coordinator_util import TOKEN, inventory
+from tests.coordinator_util import AUTH, TOKEN, inventory
 from tests.grpc_raw import raw_call
 
 __all__ = ["EXPECTED", "KINDS", "FuzzResult", "fuzz"]
@@ -50,7 +50,6 @@ EXPECTED = {
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-AUTH = (("authorization", f"Bearer {TOKEN}"),)
 REQUEST_TYPES = {
     "Register": pb.RegisterRequest,
     "Heartbeat": pb.HeartbeatRequest,

@@ -13,15 +13,18 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
+from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.client import ClientConfig, CoordinatorClient
 from coordinator.config import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
 from coordinator.layout import ParamSpec
-from coordinator.messages import WorkerInfo
+from coordinator.messages import WorkerInfo, param_to_proto
 from coordinator.server import CoordinatorServer, create_server
 
 T = TypeVar("T")
 
 TOKEN = "test-token-0123456789"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
 
 
 def inventory(hidden: int = 8) -> list[ParamSpec]:
@@ -76,6 +79,19 @@ def client(server_or_port: CoordinatorServer | int, *, token: str | None = TOKEN
     defaults = dict(connect_timeout_s=5.0, rpc_timeout_s=2.0, backoff_max_s=0.3)
     return CoordinatorClient(
         ClientConfig(address=f"127.0.0.1:{port}", token=token, **{**defaults, **kw})
+    )
+
+
+def raw_stub(port: int) -> tuple[grpc.Channel, pb_grpc.CoordinatorStub]:
+    """A channel and a bare stub: requests as built, no client logic in between."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    return channel, pb_grpc.CoordinatorStub(channel)
+
+
+def register_request(worker_id: str, specs: list[ParamSpec] | None = None) -> pb.RegisterRequest:
+    return pb.RegisterRequest(
+        worker=pb.WorkerInfo(worker_id=worker_id, host="127.0.0.1", free_ports=[40000]),
+        inventory=[param_to_proto(p) for p in specs or inventory()],
     )
 
 

@@ -27,11 +27,14 @@ from coordinator.layout import ParamSpec
 from coordinator.messages import WorkerInfo, param_to_proto
 from coordinator.statefile import load_snapshot, save_snapshot
 from tests.coordinator_util import (
+    AUTH,
     TOKEN,
     HealthProbe,
     client,
     config,
     inventory,
+    raw_stub,
+    register_request,
     running,
     wait_until,
     worker,
@@ -40,20 +43,6 @@ from tests.coordinator_util import (
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
-
-AUTH = (("authorization", f"Bearer {TOKEN}"),)
-
-
-def stub_for(server) -> tuple[grpc.Channel, pb_grpc.CoordinatorStub]:
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    return channel, pb_grpc.CoordinatorStub(channel)
-
-
-def register_request(worker_id: str, specs: list[ParamSpec] | None = None) -> pb.RegisterRequest:
-    return pb.RegisterRequest(
-        worker=pb.WorkerInfo(worker_id=worker_id, host="127.0.0.1", free_ports=[40000]),
-        inventory=[param_to_proto(p) for p in specs or inventory()],
-    )
 
 
 def rejected(call, request, **kw) -> grpc.RpcError:
@@ -75,7 +64,7 @@ def assert_serving(stub: pb_grpc.CoordinatorStub, channel: grpc.Channel) -> None
 
 def test_an_absurd_parameter_shape_is_invalid_argument_naming_the_field() -> None:
     with running(config()) as server:
-        channel, stub = stub_for(server)
+        channel, stub = raw_stub(server.port)
         with channel:
             for shape, field in (
                 ([2**32, 2**32], "shape"),  # 2**64 elements
@@ -99,7 +88,7 @@ def test_an_absurd_parameter_shape_is_invalid_argument_naming_the_field() -> Non
 def test_sizes_summing_past_2_64_are_invalid_argument() -> None:
     big = [ParamSpec(name=f"w{i}", shape=(2**24, 2**24), dtype="float32") for i in range(2**16 + 1)]
     with running(config()) as server:
-        channel, stub = stub_for(server)
+        channel, stub = raw_stub(server.port)
         with channel:
             err = rejected(stub.Register, register_request("a", big))
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -122,7 +111,7 @@ def test_sizes_summing_past_2_64_are_invalid_argument() -> None:
 )
 def test_absurd_numbers_in_a_registration_are_invalid_argument(field, mutate) -> None:
     with running(config()) as server:
-        channel, stub = stub_for(server)
+        channel, stub = raw_stub(server.port)
         with channel:
             request = register_request("a")
             mutate(request)
@@ -135,7 +124,7 @@ def test_absurd_numbers_in_a_registration_are_invalid_argument(field, mutate) ->
 def test_absurd_numbers_in_a_heartbeat_or_a_watch_are_invalid_argument() -> None:
     with running(config()) as server, client(server) as a:
         a.register(worker("a"), inventory())
-        channel, stub = stub_for(server)
+        channel, stub = raw_stub(server.port)
         with channel:
             huge = 2**64 - 1
             for field, request in (
@@ -179,7 +168,7 @@ def test_a_generation_that_fails_to_encode_is_never_published(monkeypatch, caplo
     monkeypatch.setattr(server_module, "generation_steps", encode)
     caplog.set_level(logging.INFO)
     with running(config(min_workers=1)) as server:
-        channel, stub = stub_for(server)
+        channel, stub = raw_stub(server.port)
         with channel:
             response = stub.Register(register_request("a"), metadata=AUTH, timeout=10)
             assert response.generation_id == 0
@@ -238,7 +227,7 @@ def test_a_duplicate_in_a_large_inventory_is_found_without_stalling_the_server()
     specs.append(specs[-1])  # found last: the old check counted every name before it
     request = register_request("a", specs)
     with running(config()) as server, HealthProbe(server.port) as probe:
-        channel, stub = stub_for(server)
+        channel, stub = raw_stub(server.port)
         with channel:
             err = rejected(stub.Register, request)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "twice" in err.details()
@@ -411,7 +400,7 @@ def test_a_tokenless_compressed_bomb_is_refused_before_decompression() -> None:
 
 def test_a_huge_worker_id_gets_a_short_answer() -> None:
     with running(config()) as server:
-        channel, stub = stub_for(server)
+        channel, stub = raw_stub(server.port)
         with channel:
             huge = "x" * (1 << 20)
             for call, request in (
@@ -465,7 +454,7 @@ def test_cancelled_watch_streams_log_no_traceback(caplog) -> None:
     caplog.set_level(logging.DEBUG)
     with running(config(max_workers=2)) as server, client(server) as a:
         a.register(worker("a"), inventory())
-        channel, stub = stub_for(server)
+        channel, stub = raw_stub(server.port)
         calls = [
             stub.WatchGenerations(
                 pb.WatchGenerationsRequest(worker_id=w, after_generation_id=after),
@@ -513,7 +502,7 @@ def test_cancelled_watch_streams_log_no_traceback(caplog) -> None:
 )
 def test_a_metrics_endpoint_elsewhere_is_refused_at_registration(endpoint) -> None:
     with running(config()) as server:
-        channel, stub = stub_for(server)
+        channel, stub = raw_stub(server.port)
         with channel:
             request = register_request("a")
             request.worker.metrics_endpoint = endpoint

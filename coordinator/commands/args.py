@@ -24,35 +24,36 @@ def _number(text: str) -> float:
     return value
 
 
+def _checked(text: str, ok: bool, want: str) -> None:
+    if not ok:
+        raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+
+
 def seconds(text: str) -> float:
     """A duration that may be zero: a grace period, a join window."""
     value = _number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    _checked(text, value >= 0, ">= 0 seconds")
     return value
 
 
 def wait_seconds(text: str) -> float:
     """A duration that must be positive: a timeout, a lease, an interval."""
     value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    _checked(text, value > 0, "> 0 seconds")
     return value
 
 
 def non_negative(text: str) -> float:
     """A finite amount >= 0 (GPUs per worker)."""
     value = _number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    _checked(text, value >= 0, ">= 0")
     return value
 
 
 def fraction(text: str) -> float:
     """A ratio in [0, 1) (a headroom)."""
     value = _number(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
+    _checked(text, 0 <= value < 1, "in [0, 1)")
     return value
 
 
