@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParamSpec:
     """One parameter of the model's inventory, as a worker reports it."""
 
@@ -62,7 +62,7 @@ class ParamSpec:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Slot:
     """A parameter's place in a bucket: elements ``[offset, offset + numel)``."""
 
@@ -72,7 +72,7 @@ class Slot:
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SlotShard:
     """The part of one slot that falls in one rank's range.
 
@@ -86,7 +86,7 @@ class SlotShard:
     numel: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Bucket:
     index: int
     group: int
