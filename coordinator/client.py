@@ -20,6 +20,19 @@ back: a coordinator restarted from its state file knows the worker and its
 generation. A heartbeat fenced as stale fetches the newer generation first;
 a lease the coordinator no longer holds is registered again.
 
+[Note: client retries]
+Unary calls are retried by gRPC itself, as the channel's service config
+says (``_service_config``): Register, Leave and Status wait for the channel
+to be ready (``wait_for_ready``: a coordinator not up yet, or restarting, is
+waited for until the call's deadline) and retry UNAVAILABLE with exponential
+backoff (``retryPolicy``: a coordinator draining or shutting down). A
+Heartbeat neither waits nor retries: its thread is its retry, at the
+heartbeat interval, and has to notice an outage. Two loops stay
+hand-written: the watch stream's reconnect (a gRPC retry ends once a
+response has arrived, and a stream that breaks after a generation must be
+re-opened from the newest one received, a request gRPC cannot rewrite), and
+the heartbeat thread's.
+
 Rendezvous: every worker reports a few ports free on its host at register
 time and again with each heartbeat; the coordinator hosts each generation's
 rendezvous store on a reported port of that generation's rank 0, never the
@@ -29,7 +42,9 @@ previous generation's. ``Generation.rendezvous_endpoint`` is ``host:port``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -139,9 +154,10 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.tls_root_cert_file {str(self.tls_root_cert_file)!r} is not a file"
             )
-        for name in ("connect_timeout_s", "rpc_timeout_s", "backoff_initial_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ClientConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("connect_timeout_s", "rpc_timeout_s", "backoff_initial_s", "backoff_max_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"ClientConfig.{name} must be finite and > 0, got {value}")
         if self.backoff_max_s < self.backoff_initial_s:
             raise ValueError(
                 f"ClientConfig.backoff_max_s ({self.backoff_max_s}) must be >= "
@@ -172,6 +188,26 @@ def free_ports(count: int = 2, *, exclude: Sequence[int] = ()) -> tuple[int, ...
 
 
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_SERVICE = "zeroplane.coordinator.v1.Coordinator"
+# gRPC caps maxAttempts at 5.
+_ATTEMPTS = 5
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.6f}".rstrip("0").rstrip(".") + "s"
+
+
+def _service_config(config: ClientConfig) -> str:
+    """The channel's service config: gRPC's retry policy (see [Note: client retries])."""
+    retry = {
+        "maxAttempts": _ATTEMPTS,
+        "initialBackoff": _duration(config.backoff_initial_s),
+        "maxBackoff": _duration(config.backoff_max_s),
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    retried = [{"service": _SERVICE, "method": m} for m in ("Register", "Leave", "Status")]
+    return json.dumps({"methodConfig": [{"name": retried, "retryPolicy": retry}]})
 
 
 class CoordinatorClient:
@@ -190,6 +226,10 @@ class CoordinatorClient:
             # Notice a vanished coordinator host on the watch stream.
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", _service_config(config)),
+            # A request is retried only while gRPC still holds it: a large inventory too.
+            ("grpc.per_rpc_retry_buffer_size", config.max_message_bytes),
         ]
         if config.tls:
             roots = None
@@ -258,7 +298,7 @@ class CoordinatorClient:
         request = pb.RegisterRequest(
             worker=worker_to_proto(worker), inventory=[param_to_proto(p) for p in inventory]
         )
-        response = self._unary("Register", request, retry_for=self.config.connect_timeout_s)
+        response = self._unary("Register", request, wait_s=self.config.connect_timeout_s)
         self._worker, self._inventory = worker, tuple(inventory)
         self._registration = Registration(
             worker_id=response.worker_id,
@@ -300,11 +340,14 @@ class CoordinatorClient:
     def fetch_generation(self, *, after: int = 0, timeout: float | None = None) -> Generation:
         """The first generation newer than ``after`` (waiting for it up to ``timeout``)."""
         worker_id = "" if self._worker is None else self._worker.worker_id
-        call = self._stub.WatchGenerations(
-            pb.WatchGenerationsRequest(worker_id=worker_id, after_generation_id=after),
-            metadata=self._metadata,
-            timeout=timeout or self.config.rpc_timeout_s,
-        )
+        try:
+            call = self._stub.WatchGenerations(
+                pb.WatchGenerationsRequest(worker_id=worker_id, after_generation_id=after),
+                metadata=self._metadata,
+                timeout=timeout or self.config.rpc_timeout_s,
+            )
+        except ValueError as exc:  # a closed channel
+            raise CoordinatorError(f"WatchGenerations: {exc}") from None
         try:
             msg = next(call)
         except StopIteration:
@@ -325,35 +368,30 @@ class CoordinatorClient:
         if self._worker is None:
             return
         request = pb.LeaveRequest(worker_id=self._worker.worker_id, reason=reason)
-        self._unary("Leave", request, retry_for=self.config.rpc_timeout_s)
+        self._unary("Leave", request, wait_s=self.config.rpc_timeout_s)
 
     def status(self) -> StatusReport:
-        response = self._unary(
-            "Status", pb.StatusRequest(), retry_for=self.config.connect_timeout_s
-        )
+        response = self._unary("Status", pb.StatusRequest(), wait_s=self.config.connect_timeout_s)
         return status_from_proto(response)
 
     def _unary(
-        self,
-        method: str,
-        request: object,
-        *,
-        retry_for: float = 0.0,
-        timeout: float | None = None,
+        self, method: str, request: object, *, wait_s: float = 0.0, timeout: float | None = None
     ) -> Any:
-        deadline = time.monotonic() + retry_for
-        delay = self.config.backoff_initial_s
-        while True:
-            try:
-                return getattr(self._stub, method)(
-                    request, metadata=self._metadata, timeout=timeout or self.config.rpc_timeout_s
-                )
-            except grpc.RpcError as exc:
-                retry = exc.code() in _UNREACHABLE and time.monotonic() + delay < deadline
-                if not retry or self._closed.is_set():
-                    raise self._translate(exc, method, retry_for) from None
-            self._closed.wait(delay)
-            delay = min(2 * delay, self.config.backoff_max_s)
+        """Call ``method`` once; gRPC retries it (see [Note: client retries]). ``wait_s``:
+        wait that long for an unreachable coordinator; 0: fail at once, in ``timeout``."""
+        if self._closed.is_set():
+            raise CoordinatorError("client closed")
+        try:
+            return getattr(self._stub, method)(
+                request,
+                metadata=self._metadata,
+                timeout=wait_s or timeout or self.config.rpc_timeout_s,
+                wait_for_ready=wait_s > 0,
+            )
+        except grpc.RpcError as exc:
+            raise self._translate(exc, method, wait_s) from None
+        except ValueError as exc:  # the channel was closed under the call
+            raise CoordinatorError(f"{method}: {exc}") from None
 
     def _translate(self, exc: grpc.RpcError, method: str, waited: float = 0.0) -> CoordinatorError:
         code, detail = exc.code(), exc.details()
@@ -454,6 +492,8 @@ class CoordinatorClient:
                 delay = 0 if self._catch_up(exc.current) else interval
                 continue
             except LeaseLostError as exc:
+                if self._stop_heartbeats.is_set():
+                    break  # this heartbeat crossed our own Leave: nothing was lost
                 logger.warning("%s; registering again", exc)
                 self._register_again()
                 continue
@@ -464,6 +504,8 @@ class CoordinatorClient:
                 self.connected = False
                 continue
             except CoordinatorError as exc:
+                if self._closed.is_set():
+                    break
                 logger.error("heartbeat failed: %s", exc)
                 self.connected = False
                 continue
@@ -548,9 +590,10 @@ class CoordinatorClient:
             if self._watch_call is not None:
                 self._watch_call.cancel()
             self._cond.notify_all()
+        # Closing the channel ends every call in flight, one waiting for a coordinator too.
+        self._channel.close()
         for thread in self._threads:
             thread.join()
-        self._channel.close()
 
     def __enter__(self) -> CoordinatorClient:
         return self

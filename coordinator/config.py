@@ -12,8 +12,10 @@ environment variable by ``load_token``; it never appears in a repr.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,8 +83,12 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"ServerConfig.{name} {str(path)!r} is not a file")
-        if self.grace_s < 0:
-            raise ValueError(f"ServerConfig.grace_s must be >= 0, got {self.grace_s}")
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ValueError(f"ServerConfig.grace_s must be finite and >= 0, got {self.grace_s}")
+        if self.state_file is not None and not Path(self.state_file).parent.is_dir():
+            raise ValueError(
+                f"ServerConfig.state_file {str(self.state_file)!r}: its directory does not exist"
+            )
         if self.max_request_bytes < 1024:
             raise ValueError(
                 f"ServerConfig.max_request_bytes must be >= 1024, got {self.max_request_bytes}"
@@ -136,6 +142,10 @@ class MembershipConfig:
                 f"MembershipConfig.max_workers ({self.max_workers}) must be >= "
                 f"min_workers ({self.min_workers})"
             )
+        for name in ("join_window_s", "lease_timeout_s", "heartbeat_interval_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"MembershipConfig.{name} must be finite, got {value}")
         if self.join_window_s < 0:
             raise ValueError(
                 f"MembershipConfig.join_window_s must be >= 0, got {self.join_window_s}"
@@ -149,13 +159,15 @@ class MembershipConfig:
                 f"MembershipConfig.heartbeat_interval_s must be in (0, lease_timeout_s / 2 = "
                 f"{self.lease_timeout_s / 2}], got {self.heartbeat_interval_s}"
             )
-        if self.disconnect_grace_s is not None and self.disconnect_grace_s < 0:
+        grace = self.disconnect_grace_s
+        if grace is not None and not (math.isfinite(grace) and grace >= 0):
             raise ValueError(
-                f"MembershipConfig.disconnect_grace_s must be >= 0, got {self.disconnect_grace_s}"
+                f"MembershipConfig.disconnect_grace_s must be finite and >= 0, got {grace}"
             )
-        if self.reattach_grace_s < 0:
+        if not (math.isfinite(self.reattach_grace_s) and self.reattach_grace_s >= 0):
             raise ValueError(
-                f"MembershipConfig.reattach_grace_s must be >= 0, got {self.reattach_grace_s}"
+                "MembershipConfig.reattach_grace_s must be finite and >= 0, "
+                f"got {self.reattach_grace_s}"
             )
         if self.event_history < 1:
             raise ValueError(
@@ -225,6 +237,22 @@ def load_token(
             raise ValueError(f"cannot read token file {str(path)!r}: {exc.strerror}") from exc
         if not token:
             raise ValueError(f"token file {str(path)!r} is empty")
+        _warn_if_shared(path)
         return token
     token = os.environ.get(env, "").strip()
     return token or None
+
+
+def _warn_if_shared(path: Path) -> None:
+    """Warn when users other than the owner may read the token file (as ssh does for a key)."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        logger.warning(
+            "token file %s is readable by others (mode %04o): anyone who can read it can "
+            "join or stop this job; chmod 600 it (a Kubernetes Secret: defaultMode 0400)",
+            path,
+            mode,
+        )

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import signal
@@ -131,8 +132,8 @@ class LaunchSpec:
             object.__setattr__(self, "stage", stage)
         if not 0 <= self.master_port <= 65535:
             raise ValueError(f"LaunchSpec.master_port must be in 0..65535, got {self.master_port}")
-        if self.grace_s < 0:
-            raise ValueError(f"LaunchSpec.grace_s must be >= 0, got {self.grace_s}")
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ValueError(f"LaunchSpec.grace_s must be finite and >= 0, got {self.grace_s}")
         env = dict(self.env)
         bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
         if bad:

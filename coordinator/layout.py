@@ -19,11 +19,11 @@ This module is torch-free: dtypes are strings such as ``"float32"``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+from coordinator.steps import STEP, Steps, finish
 
 __all__ = [
     "Bucket",
@@ -32,11 +32,11 @@ __all__ = [
     "Slot",
     "SlotShard",
     "compute_layout",
-    "inventory_digest",
+    "layout_steps",
 ]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParamSpec:
     """One parameter of the model's inventory, as a worker reports it."""
 
@@ -50,7 +50,7 @@ class ParamSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("ParamSpec.name must be a non-empty string")
-        if any(d < 0 for d in self.shape):
+        if self.shape and min(self.shape) < 0:
             raise ValueError(f"ParamSpec.shape of {self.name!r} has a negative dim: {self.shape}")
         if self.group < 0:
             raise ValueError(f"ParamSpec.group of {self.name!r} must be >= 0, got {self.group}")
@@ -62,7 +62,7 @@ class ParamSpec:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Slot:
     """A parameter's place in a bucket: elements ``[offset, offset + numel)``."""
 
@@ -72,7 +72,7 @@ class Slot:
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SlotShard:
     """The part of one slot that falls in one rank's range.
 
@@ -86,7 +86,7 @@ class SlotShard:
     numel: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Bucket:
     index: int
     group: int
@@ -153,6 +153,8 @@ class Layout:
     _where: dict[str, tuple[int, Slot]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self._where:
+            return  # given (layout_steps builds it as it goes)
         for bucket in self.buckets:
             for slot in bucket.slots:
                 self._where[slot.name] = (bucket.index, slot)
@@ -210,53 +212,87 @@ def compute_layout(
     gather unit and a unit's parameters of one (group, dtype) form one bucket,
     since a unit is gathered as a whole.
     """
+    return finish(
+        layout_steps(inventory, world_size, bucket_numel=bucket_numel, align=align, by_unit=by_unit)
+    )
+
+
+def layout_steps(
+    inventory: Sequence[ParamSpec],
+    world_size: int,
+    *,
+    bucket_numel: int,
+    align: int = 1,
+    by_unit: bool = False,
+) -> Steps[Layout]:
+    """``compute_layout`` in steps (coordinator/steps.py [Note: steps])."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
-    names = [p.name for p in inventory]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
+    names = {p.name for p in inventory}
+    if len(names) != len(inventory):
+        seen: set[str] = set()
+        dup = next(p.name for p in inventory if p.name in seen or seen.add(p.name))
         raise ValueError(f"parameter {dup!r} appears twice in the inventory")
+    yield
 
     cap = math.inf if by_unit else bucket_numel
-    # key -> (slots, filled numel); a closed bucket is (last position, key, slots, numel)
-    open_: dict[tuple[int, int, str], tuple[list[Slot], int]] = {}
-    closed: list[tuple[int, tuple[int, int, str], list[Slot], int]] = []
-    last_pos: dict[tuple[int, int, str], int] = {}
+    # key -> (slots, filled numel, position of its last parameter so far)
+    open_: dict[tuple[int, int, str], tuple[list[Slot], int, int]] = {}
+    # Buckets are numbered by the position of their last parameter, and positions are
+    # distinct: a closed bucket goes to its position's place here (no sort needed).
+    closed: list[tuple[tuple[int, int, str], list[Slot], int] | None] = []
     trainable = [p for p in inventory if p.requires_grad]
     for pos, spec in enumerate(reversed(trainable)):
+        if pos % STEP == 0:
+            yield
+        closed.append(None)
         key = (spec.unit if by_unit else 0, spec.group, spec.dtype)
-        slots, filled = open_.get(key, ([], 0))
-        if slots and filled + spec.numel > cap:
-            closed.append((last_pos[key], key, slots, filled))
+        slots, filled, last = open_.get(key, (None, 0, 0))
+        numel = spec.numel
+        if slots is None or filled + numel > cap:
+            if slots is not None:
+                closed[last] = (key, slots, filled)
             slots, filled = [], 0
-        slots.append(Slot(spec.name, filled, spec.numel, tuple(spec.shape)))
-        open_[key] = (slots, filled + spec.numel)
-        last_pos[key] = pos
-    closed.extend((last_pos[key], key, slots, filled) for key, (slots, filled) in open_.items())
-    closed.sort(key=lambda item: item[0])
+        slots.append(Slot(spec.name, filled, numel, tuple(spec.shape)))
+        open_[key] = (slots, filled + numel, pos)
+    while open_:
+        if len(open_) % STEP == 0:
+            yield
+        key, (slots, filled, last) = open_.popitem()
+        closed[last] = (key, slots, filled)
 
+    # Temporaries are dropped as they are used, so none is freed all at once.
     quantum = world_size * align
-    buckets = tuple(
-        Bucket(
-            index=i,
-            group=key[1],
-            dtype=key[2],
-            unit=key[0],
-            slots=tuple(slots),
-            numel=numel,
-            padded_numel=max(quantum, math.ceil(numel / quantum) * quantum),
-            world_size=world_size,
+    buckets: list[Bucket] = []
+    where: dict[str, tuple[int, Slot]] = {}
+    done = 0
+    for pos in range(len(closed)):
+        item, closed[pos] = closed[pos], None
+        done += 1 if item is None else len(item[1])
+        if done >= STEP:
+            done = 0
+            yield
+        if item is None:
+            continue
+        key, slots, numel = item
+        index = len(buckets)
+        for slot in slots:
+            where[slot.name] = (index, slot)
+        buckets.append(
+            Bucket(
+                index=index,
+                group=key[1],
+                dtype=key[2],
+                unit=key[0],
+                slots=tuple(slots),
+                numel=numel,
+                padded_numel=max(quantum, -(-numel // quantum) * quantum),
+                world_size=world_size,
+            )
         )
-        for i, (_, key, slots, numel) in enumerate(closed)
-    )
-    return Layout(world_size=world_size, buckets=buckets)
-
-
-def inventory_digest(inventory: Sequence[ParamSpec]) -> str:
-    """A stable hash of the inventory (names, shapes, dtypes, trainability, groups)."""
-    rows = [[p.name, list(p.shape), p.dtype, p.requires_grad, p.group] for p in inventory]
-    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+    yield
+    return Layout(world_size=world_size, buckets=tuple(buckets), _where=where)

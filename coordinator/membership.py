@@ -13,6 +13,18 @@ its old rank in ``left_ranks`` if it asked to leave (a zeroplane worker hands
 its shards over first) or else in ``lost_ranks`` (its state is gone).
 Heartbeats are fenced by generation id so that no worker keeps a lease
 without knowing the current membership.
+
+[Note: atomic formation]
+Forming a generation is three steps: ``propose`` decides who is in it and
+where its rendezvous is (cheap, reads the state), ``build_generation``
+computes its layout and reshard schedule from that proposal alone (pure,
+linear in the inventory, so the server runs it in steps, see
+coordinator/steps.py, while other requests go on), and
+``commit`` publishes it only if the proposal still holds (no proposed worker
+went away meanwhile; else the server proposes again). A server that cannot
+encode a built generation calls ``refuse`` instead: nothing changes, the
+reason shows in status, and no generation is proposed again until the
+membership changes.
 """
 
 from __future__ import annotations
@@ -23,10 +35,10 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.config import MembershipConfig
-from coordinator.layout import ParamSpec, compute_layout, inventory_digest
+from coordinator.layout import ParamSpec, layout_steps
 from coordinator.messages import (
     Event,
     Generation,
@@ -35,19 +47,25 @@ from coordinator.messages import (
     WorkerInfo,
     WorkerReport,
     WorkerStatus,
+    inventory_digest,
+    metrics_target,
 )
-from coordinator.planner import PlanConfig, choose_stage
+from coordinator.planner import PlanConfig, StageChoice, choose_stage
 from coordinator.ports import free_port
-from coordinator.reshard import ReshardSchedule, reshard_schedule
+from coordinator.reshard import ReshardSchedule, reshard_steps
+from coordinator.steps import Steps, finish
 
 __all__ = [
     "InvalidRequest",
     "InventoryMismatch",
     "Membership",
     "MembershipError",
+    "Proposal",
     "Snapshot",
     "StaleGeneration",
     "UnknownWorker",
+    "build_generation",
+    "build_steps",
     "first_difference",
 ]
 
@@ -92,6 +110,102 @@ class _Worker:
     # open generation streams, and since when none is (see [Note: disconnects])
     streams: int = 0
     unwatched_since: float | None = None
+    # the IP address its last register or heartbeat came from; "" if unknown
+    peer: str = ""
+
+    @property
+    def metrics_url(self) -> str:
+        """The worker's metrics at the address it connects from (see WorkerStatus)."""
+        if not self.peer or not self.info.metrics_endpoint:
+            return ""
+        _, port, path = metrics_target(self.info.metrics_endpoint)
+        host = f"[{self.peer}]" if ":" in self.peer else self.peer
+        return f"http://{host}:{port}{path}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Proposal:
+    """Who is in the next generation, decided on the server's loop (see [Note: atomic
+    formation]); everything ``build_generation`` needs, so it can run anywhere."""
+
+    id: int
+    previous: Generation | None
+    # In rank order, with the info each registered with.
+    workers: tuple[_Worker, ...]
+    infos: tuple[WorkerInfo, ...]
+    admitted: tuple[str, ...]
+    lost: frozenset[str]
+    left: frozenset[str]
+    choice: StageChoice
+    rendezvous_endpoint: str
+    inventory: tuple[ParamSpec, ...]
+    digest: str
+    bucket_numel: int
+    align: int
+    created_unix_s: float
+    epoch: str
+
+
+def build_generation(p: Proposal) -> Generation:
+    """The generation ``p`` proposes: its layout, and the reshard schedule from the previous
+    one. Pure and linear in the inventory (see [Note: atomic formation])."""
+    return finish(build_steps(p))
+
+
+def build_steps(p: Proposal) -> Steps[Generation]:
+    """``build_generation`` in steps (coordinator/steps.py [Note: steps])."""
+    layout = yield from layout_steps(
+        p.inventory,
+        len(p.infos),
+        bucket_numel=p.bucket_numel,
+        align=p.align,
+        by_unit=p.choice.stage == 3,
+    )
+    previous = p.previous
+    reshard = None
+    if previous is not None:
+        moves = yield from reshard_steps(previous.layout, layout)
+        reshard = ReshardSchedule(
+            from_generation_id=previous.id,
+            from_world_size=previous.world_size,
+            from_stage=previous.stage,
+            moves=tuple(moves),
+            lost_ranks=tuple(
+                sorted(
+                    m.rank
+                    for m in previous.members
+                    if m.worker_id in p.lost and m.worker_id not in p.left
+                )
+            ),
+            left_ranks=tuple(sorted(m.rank for m in previous.members if m.worker_id in p.left)),
+        )
+    # a lost member that registered again is a joiner: its state is gone
+    survivors = () if previous is None else previous.members
+    previous_rank = {m.worker_id: m.rank for m in survivors if m.worker_id not in p.lost}
+    members = tuple(
+        Member(
+            worker_id=info.worker_id,
+            rank=rank,
+            host=info.host,
+            previous_rank=previous_rank.get(info.worker_id),
+            device_memory_bytes=info.device_memory_bytes,
+        )
+        for rank, info in enumerate(p.infos)
+    )
+    return Generation(
+        id=p.id,
+        members=members,
+        rendezvous_endpoint=p.rendezvous_endpoint,
+        stage=p.choice.stage,
+        stage_reason=p.choice.reason,
+        layout=layout,
+        bucket_numel=p.bucket_numel,
+        align=p.align,
+        reshard=reshard,
+        inventory_digest=p.digest,
+        created_unix_s=p.created_unix_s,
+        epoch=p.epoch,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +216,24 @@ class Snapshot:
     generation: Generation | None
     members: tuple[WorkerInfo, ...]
     epoch: str
+    # inventory_digest(inventory) and inventory_wire of it, when known
+    inventory_digest: str = ""
+    inventory_wire: bytes = field(default=b"", repr=False, compare=False)
+
+    def inconsistency(self) -> str | None:
+        """What makes this snapshot unusable, in words; None if nothing."""
+        gen = self.generation
+        if gen is None:
+            return None
+        if not self.inventory:
+            return f"generation {gen.id} has no parameter inventory"
+        known = {info.worker_id for info in self.members}
+        for m in gen.members:
+            if m.worker_id not in known:
+                return f"generation {gen.id} lists {m.worker_id!r}, who is not among the members"
+        if len(known) != len(self.members):
+            return "a member is listed twice"
+        return None
 
 
 def first_difference(job: Sequence[ParamSpec], given: Sequence[ParamSpec]) -> str | None:
@@ -145,6 +277,7 @@ class Membership:
         self.epoch = uuid.uuid4().hex[:16]
         self.inventory: tuple[ParamSpec, ...] | None = None
         self.digest = ""
+        self.inventory_wire = b""
         self.trainable_numel = 0
         self.generation: Generation | None = None
         self._workers: dict[str, _Worker] = {}
@@ -156,6 +289,8 @@ class Membership:
         self._lost: dict[str, _Worker] = {}
         self._left: set[str] = set()  # the lost that asked to leave
         self.events: deque[Event] = deque(maxlen=config.event_history)
+        # A refused formation: the state it was refused in, and why (see [Note: atomic formation]).
+        self._refused: tuple[tuple, str] | None = None
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -163,20 +298,35 @@ class Membership:
     def generation_id(self) -> int:
         return 0 if self.generation is None else self.generation.id
 
-    def register(self, info: WorkerInfo, inventory: Sequence[ParamSpec]) -> bool:
-        """Admit ``info`` (or re-attach it); True when it was a re-attach."""
-        self._check_inventory(inventory)
+    def register(
+        self,
+        info: WorkerInfo,
+        inventory: Sequence[ParamSpec],
+        *,
+        digest: str | None = None,
+        wire: bytes = b"",
+        peer: str = "",
+    ) -> bool:
+        """Admit ``info`` (or re-attach it); True when it was a re-attach.
+
+        ``inventory`` may be the job's own tuple (``self.inventory``), which is then not
+        compared again; ``digest`` and ``wire``: its digest and canonical encoding
+        (``messages.inventory_wire``), if the caller has them. ``peer``: the IP address
+        the registration came from.
+        """
+        self._check_inventory(inventory, digest, wire)
         now = self._clock()
         lease = now + self.config.lease_timeout_s
         old = self._workers.get(info.worker_id)
         if old is not None and old.info.incarnation == info.incarnation:
             old.info, old.deadline = info, lease
             old.free_ports = info.free_ports or old.free_ports
+            old.peer = peer or old.peer
             self._event("reattached", info.worker_id)
             return True
         if old is not None:
             self._drop(info.worker_id, "replaced", "registered again as a new process")
-        self._workers[info.worker_id] = _Worker(info, now, lease, info.free_ports)
+        self._workers[info.worker_id] = _Worker(info, now, lease, info.free_ports, peer=peer)
         self._joiners[info.worker_id] = None
         self._event("registered", info.worker_id, f"host {info.host}")
         return False
@@ -187,8 +337,10 @@ class Membership:
         generation_id: int,
         report: WorkerReport | None = None,
         free_ports: tuple[int, ...] = (),
+        peer: str = "",
     ) -> float:
-        """Renew the lease; returns the seconds it now has left."""
+        """Renew the lease; returns the seconds it now has left. ``peer``: the IP address
+        the heartbeat came from."""
         worker = self._workers.get(worker_id)
         if worker is None:
             raise UnknownWorker(f"no lease for worker {worker_id!r}: register again")
@@ -203,6 +355,8 @@ class Membership:
                 del self._last_reports[next(iter(self._last_reports))]
         if free_ports:
             worker.free_ports = free_ports
+        if peer:
+            worker.peer = peer
         return self.config.lease_timeout_s
 
     def leave(self, worker_id: str, reason: str = "") -> bool:
@@ -261,9 +415,108 @@ class Membership:
 
     def maybe_form(self) -> Generation | None:
         """Form the next generation if one is due (see MembershipConfig); else None."""
+        proposal = self.propose()
+        if proposal is None:
+            return None
+        generation = build_generation(proposal)
+        committed = self.commit(proposal, generation)
+        assert committed, "nothing changed between propose and commit"
+        return generation
+
+    def propose(self) -> Proposal | None:
+        """The next generation's membership if one is due; else None."""
         if not self._due():
             return None
-        return self._form()
+        assert self.inventory is not None
+        previous = self.generation
+        survivors = (
+            []
+            if previous is None
+            else [m.worker_id for m in previous.members if m.worker_id not in self._lost]
+        )
+        fixed = self._fixed_group()
+        if fixed is not None:
+            # a group the workers' script formed itself: its ranks are theirs
+            admitted = sorted(fixed, key=lambda wid: self._workers[wid].info.fixed_rank or 0)
+        else:
+            _, admitted_count = self._target_size()
+            admitted = [w for w in self._joiners if self._workers[w].info.fixed_rank is None]
+            admitted = admitted[:admitted_count]
+            # Joiners grouped by host, so that ranks on one machine are neighbours.
+            admitted.sort(key=lambda wid: (self._workers[wid].info.host, wid))
+        workers = tuple(self._workers[wid] for wid in survivors + admitted)
+        infos = tuple(w.info for w in workers)
+        memories = [i.device_memory_bytes for i in infos if i.device_memory_bytes > 0]
+        plan, asked = self.plan, self._asked_stage(workers)
+        if asked is not None:
+            plan = dataclasses.replace(plan, stage=asked)
+        choice = choose_stage(
+            self.trainable_numel,
+            world_size=len(workers),
+            device_memory_bytes=min(memories, default=0),
+            config=plan,
+        )
+        if asked is not None:
+            choice = dataclasses.replace(
+                choice,
+                reason=choice.reason.replace("set by configuration", "asked for by the workers"),
+            )
+        if not choice.fits and memories:
+            logger.warning("generation %d: %s", self.generation_id + 1, choice.reason)
+        return Proposal(
+            id=self.generation_id + 1,
+            previous=previous,
+            workers=workers,
+            infos=infos,
+            admitted=tuple(admitted),
+            lost=frozenset(self._lost),
+            left=frozenset(self._left),
+            choice=choice,
+            rendezvous_endpoint=self._rendezvous(workers[0], previous),
+            inventory=self.inventory,
+            digest=self.digest,
+            bucket_numel=self.plan.bucket_numel,
+            align=self.plan.align,
+            created_unix_s=self._wall(),
+            epoch=self.epoch,
+        )
+
+    def commit(self, proposal: Proposal, generation: Generation) -> bool:
+        """Publish ``generation``, built from ``proposal``; False (nothing changes) when
+        the proposal no longer holds: propose again."""
+        if (
+            self.generation is not proposal.previous
+            or set(self._lost) != proposal.lost
+            or any(self._workers.get(w.info.worker_id) is not w for w in proposal.workers)
+        ):
+            return False
+        self.generation = generation
+        for wid in proposal.admitted:
+            del self._joiners[wid]
+        self._lost.clear()
+        self._left.clear()
+        self._refused = None
+        self._event(
+            "generation",
+            detail=f"world size {generation.world_size}, stage {generation.stage}, "
+            f"rendezvous {generation.rendezvous_endpoint}",
+        )
+        return True
+
+    def refuse(self, proposal: Proposal, reason: str) -> None:
+        """``proposal`` cannot be published (its generation does not encode): keep the
+        current generation and propose nothing until the membership changes."""
+        self._refused = (self._formation_state(), reason)
+        detail = f"generation {proposal.id} cannot form: {reason}"
+        self._event("refused", detail=detail, level=logging.ERROR)
+
+    def _formation_state(self) -> tuple:
+        return (self.generation_id, tuple(self._joiners), tuple(self._lost))
+
+    def _refusal(self) -> str | None:
+        if self._refused is None or self._refused[0] != self._formation_state():
+            return None
+        return self._refused[1]
 
     def _fixed_group(self) -> list[str] | None:
         """The joiners of a process group their script formed itself, once all of
@@ -320,6 +573,8 @@ class Membership:
         survivors, admitted = self._target_size()
         if not self._lost and admitted == 0:
             return False
+        if self._refused is not None and self._refusal() is not None:
+            return False
         if survivors + admitted < self.config.min_workers:
             return False
         if self._lost or survivors + admitted >= self.config.max_workers:
@@ -331,6 +586,9 @@ class Membership:
         return self._workers[first].registered_at
 
     def waiting_reason(self) -> str:
+        refused = None if self._refused is None else self._refusal()
+        if refused is not None:
+            return f"generation {self.generation_id + 1} cannot form: {refused}"
         survivors, admitted = self._target_size()
         have, need = survivors + admitted, self.config.min_workers
         if self._lost and have < need:
@@ -344,106 +602,6 @@ class Membership:
             return f"{have} of at least {need} workers registered"
         left = self.config.join_window_s - (self._clock() - self._window_start())
         return f"join window: generation {self.generation_id + 1} forms in {max(left, 0):.1f}s"
-
-    def _form(self) -> Generation:
-        assert self.inventory is not None
-        previous = self.generation
-        survivors = (
-            []
-            if previous is None
-            else [m for m in previous.members if m.worker_id not in self._lost]
-        )
-        fixed = self._fixed_group()
-        if fixed is not None:
-            # a group the workers' script formed itself: its ranks are theirs
-            admitted = sorted(fixed, key=lambda wid: self._workers[wid].info.fixed_rank or 0)
-        else:
-            _, admitted_count = self._target_size()
-            admitted = [w for w in self._joiners if self._workers[w].info.fixed_rank is None]
-            admitted = admitted[:admitted_count]
-            # Joiners grouped by host, so that ranks on one machine are neighbours.
-            admitted.sort(key=lambda wid: (self._workers[wid].info.host, wid))
-        ids = [m.worker_id for m in survivors] + admitted
-        previous_rank = {m.worker_id: m.rank for m in survivors}
-        workers = [self._workers[wid] for wid in ids]
-
-        memories = [w.info.device_memory_bytes for w in workers if w.info.device_memory_bytes > 0]
-        plan, asked = self.plan, self._asked_stage(workers)
-        if asked is not None:
-            plan = dataclasses.replace(plan, stage=asked)
-        choice = choose_stage(
-            self.trainable_numel,
-            world_size=len(ids),
-            device_memory_bytes=min(memories, default=0),
-            config=plan,
-        )
-        if asked is not None:
-            choice = dataclasses.replace(
-                choice,
-                reason=choice.reason.replace("set by configuration", "asked for by the workers"),
-            )
-        if not choice.fits and memories:
-            logger.warning("generation %d: %s", self.generation_id + 1, choice.reason)
-        layout = compute_layout(
-            self.inventory,
-            len(ids),
-            bucket_numel=self.plan.bucket_numel,
-            align=self.plan.align,
-            by_unit=choice.stage == 3,
-        )
-        reshard = None
-        if previous is not None:
-            reshard = ReshardSchedule(
-                from_generation_id=previous.id,
-                from_world_size=previous.world_size,
-                from_stage=previous.stage,
-                moves=tuple(reshard_schedule(previous.layout, layout)),
-                lost_ranks=tuple(
-                    sorted(
-                        m.rank
-                        for m in previous.members
-                        if m.worker_id in self._lost and m.worker_id not in self._left
-                    )
-                ),
-                left_ranks=tuple(
-                    sorted(m.rank for m in previous.members if m.worker_id in self._left)
-                ),
-            )
-        members = tuple(
-            Member(
-                worker_id=w.info.worker_id,
-                rank=rank,
-                host=w.info.host,
-                previous_rank=previous_rank.get(w.info.worker_id),
-                device_memory_bytes=w.info.device_memory_bytes,
-            )
-            for rank, w in enumerate(workers)
-        )
-        generation = Generation(
-            id=self.generation_id + 1,
-            members=members,
-            rendezvous_endpoint=self._rendezvous(workers[0], previous),
-            stage=choice.stage,
-            stage_reason=choice.reason,
-            layout=layout,
-            bucket_numel=self.plan.bucket_numel,
-            align=self.plan.align,
-            reshard=reshard,
-            inventory_digest=self.digest,
-            created_unix_s=self._wall(),
-            epoch=self.epoch,
-        )
-        self.generation = generation
-        for wid in admitted:
-            del self._joiners[wid]
-        self._lost.clear()
-        self._left.clear()
-        self._event(
-            "generation",
-            detail=f"world size {generation.world_size}, stage {generation.stage}, "
-            f"rendezvous {generation.rendezvous_endpoint}",
-        )
-        return generation
 
     def _rendezvous(self, rank0: _Worker, previous: Generation | None) -> str:
         # A fresh port per generation: the old store may still be up while ranks move over.
@@ -483,6 +641,7 @@ class Membership:
                     rank=m.rank,
                     lease_remaining_s=w.deadline - now,
                     report=w.report,
+                    metrics_url=w.metrics_url,
                 )
             )
         for wid in self._joiners:
@@ -494,6 +653,7 @@ class Membership:
                     rank=None,
                     lease_remaining_s=w.deadline - now,
                     report=w.report,
+                    metrics_url=w.metrics_url,
                 )
             )
         reason = self.waiting_reason()
@@ -523,17 +683,27 @@ class Membership:
                 for m in gen.members
             )
         return Snapshot(
-            inventory=self.inventory or (), generation=gen, members=members, epoch=self.epoch
+            inventory=self.inventory or (),
+            generation=gen,
+            members=members,
+            epoch=self.epoch,
+            inventory_digest=self.digest,
+            inventory_wire=self.inventory_wire,
         )
 
     def restore(self, snapshot: Snapshot) -> None:
         """Take over a snapshot after a restart; every member gets a fresh lease to re-attach."""
         if self._workers or self.generation is not None:
             raise RuntimeError("restore() needs a fresh Membership")
+        problem = snapshot.inconsistency()
+        if problem is not None:
+            raise ValueError(f"inconsistent snapshot: {problem}")
         if snapshot.epoch:
             self.epoch = snapshot.epoch
         if snapshot.inventory:
-            self._set_inventory(snapshot.inventory)
+            self._set_inventory(
+                snapshot.inventory, snapshot.inventory_digest or None, snapshot.inventory_wire
+            )
         self.generation = snapshot.generation
         now = self._clock()
         grace = self.config.lease_timeout_s + self.config.reattach_grace_s
@@ -546,25 +716,33 @@ class Membership:
 
     # ---- helpers ----------------------------------------------------------------------
 
-    def _check_inventory(self, inventory: Sequence[ParamSpec]) -> None:
+    def _check_inventory(
+        self, inventory: Sequence[ParamSpec], digest: str | None, wire: bytes
+    ) -> None:
+        if self.inventory is not None and inventory is self.inventory:
+            return
         if not inventory:
             raise InvalidRequest("inventory is empty")
         if self.inventory is None:
-            names = [p.name for p in inventory]
-            if len(set(names)) != len(names):
-                dup = next(n for n in names if names.count(n) > 1)
-                raise InvalidRequest(f"inventory: parameter {dup!r} appears twice")
+            names: set[str] = set()
+            for p in inventory:
+                if p.name in names:
+                    raise InvalidRequest(f"inventory: parameter {p.name!r} appears twice")
+                names.add(p.name)
             if not any(p.requires_grad for p in inventory):
                 raise InvalidRequest("inventory has no trainable parameter")
-            self._set_inventory(tuple(inventory))
+            self._set_inventory(tuple(inventory), digest, wire)
             return
         diff = first_difference(self.inventory, inventory)
         if diff is not None:
             raise InventoryMismatch(f"parameter inventory differs from the job's: {diff}")
 
-    def _set_inventory(self, inventory: tuple[ParamSpec, ...]) -> None:
+    def _set_inventory(
+        self, inventory: tuple[ParamSpec, ...], digest: str | None = None, wire: bytes = b""
+    ) -> None:
         self.inventory = inventory
-        self.digest = inventory_digest(inventory)
+        self.digest = digest or inventory_digest(wire or inventory)
+        self.inventory_wire = wire
         self.trainable_numel = sum(p.numel for p in inventory if p.requires_grad)
 
     def _drop(self, worker_id: str, kind: str, detail: str) -> None:
@@ -577,7 +755,9 @@ class Membership:
                 self._left.add(worker_id)
         self._event(kind, worker_id, detail)
 
-    def _event(self, kind: str, worker_id: str = "", detail: str = "") -> None:
+    def _event(
+        self, kind: str, worker_id: str = "", detail: str = "", *, level: int = logging.INFO
+    ) -> None:
         event = Event(
             unix_s=self._wall(),
             kind=kind,
@@ -586,7 +766,8 @@ class Membership:
             detail=detail,
         )
         self.events.append(event)
-        logger.info(
+        logger.log(
+            level,
             "%s%s (generation %d)%s",
             kind,
             f" {worker_id}" if worker_id else "",

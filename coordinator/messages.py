@@ -7,14 +7,19 @@ the wire validate and raise ``ValueError`` naming the bad field.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from google.protobuf.message import Message
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.config import MembershipConfig
 from coordinator.layout import Bucket, Layout, ParamSpec, Slot
 from coordinator.reshard import Move, ReshardSchedule
+from coordinator.steps import STEP, Steps, finish
 
 __all__ = [
     "GENERATION_METADATA_KEY",
@@ -25,12 +30,23 @@ __all__ = [
     "WorkerInfo",
     "WorkerReport",
     "WorkerStatus",
+    "check_count",
+    "check_worker_id",
     "generation_from_proto",
+    "generation_steps",
     "generation_to_proto",
+    "inventory_digest",
+    "inventory_from_proto",
+    "inventory_steps",
+    "inventory_wire",
+    "inventory_wire_steps",
+    "metrics_target",
     "param_from_proto",
     "param_to_proto",
+    "printable",
     "report_from_proto",
     "report_to_proto",
+    "serialize_steps",
     "status_from_proto",
     "status_to_proto",
     "worker_from_proto",
@@ -42,6 +58,19 @@ GENERATION_METADATA_KEY = "zeroplane-generation"
 MAX_ID_CHARS = 253  # a DNS name, so a pod name always fits
 MAX_PORTS = 8
 MAX_WORLD_SIZE = 1 << 20  # ranks in one process group
+
+# [Note: bounds]
+# Every number that crosses the wire is bounded here, far above any real model or
+# machine and far below where arithmetic on it could overflow a protobuf field
+# (uint64 element offsets, sums of byte counts): what is not refused at the
+# boundary can no longer break a generation, a status or the state file.
+MAX_PARAM_NUMEL = 1 << 48  # elements in one parameter (a 2**48-element tensor: 1 PB in bf16)
+MAX_TOTAL_NUMEL = 1 << 52  # elements in a whole inventory
+MAX_BYTES = 1 << 60  # any byte count a worker reports (1 EiB)
+MAX_COUNT = 1 << 62  # steps and generation ids
+MAX_GROUP = (1 << 16) - 1  # optimizer param groups
+MAX_UNIT = (1 << 31) - 1  # stage-3 gather units
+MAX_DETAIL_CHARS = 512  # the most of any input an error detail or a log line echoes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,12 +101,11 @@ class WorkerInfo:
         _check_id("WorkerInfo.host", self.host)
         if len(self.device_kind) > 64:
             raise ValueError("WorkerInfo.device_kind is longer than 64 characters")
-        if self.device_memory_bytes < 0:
-            raise ValueError(
-                f"WorkerInfo.device_memory_bytes must be >= 0, got {self.device_memory_bytes}"
-            )
-        if len(self.metrics_endpoint) > MAX_ID_CHARS + 6:
+        _check_range("WorkerInfo.device_memory_bytes", self.device_memory_bytes, 0, MAX_BYTES)
+        if len(self.metrics_endpoint) > 2 * MAX_ID_CHARS:
             raise ValueError("WorkerInfo.metrics_endpoint is too long")
+        if self.metrics_endpoint:
+            metrics_target(self.metrics_endpoint)
         _check_ports("WorkerInfo.free_ports", self.free_ports)
         if len(self.incarnation) > 64:
             raise ValueError("WorkerInfo.incarnation is longer than 64 characters")
@@ -122,17 +150,13 @@ class WorkerReport:
         for kind, value in self.model_state_bytes.items():
             if not kind or len(kind) > 64:
                 raise ValueError(f"WorkerReport.model_state_bytes kind {kind!r} is not 1-64 chars")
-            if value < 0:
-                raise ValueError(f"WorkerReport.model_state_bytes[{kind!r}] is negative: {value}")
-        for name in (
-            "device_allocated_bytes",
-            "device_reserved_bytes",
-            "step",
-            "samples",
-            "tokens",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"WorkerReport.{name} must be >= 0, got {getattr(self, name)}")
+            _check_range(f"WorkerReport.model_state_bytes[{kind!r}]", value, 0, MAX_BYTES)
+        for name in ("device_allocated_bytes", "device_reserved_bytes"):
+            _check_range(f"WorkerReport.{name}", getattr(self, name), 0, MAX_BYTES)
+        for name in ("step", "applied_generation_id", "samples", "tokens"):
+            _check_range(f"WorkerReport.{name}", getattr(self, name), 0, MAX_COUNT)
+        if self.loss is not None and not math.isfinite(self.loss):
+            raise ValueError("WorkerReport.loss must be finite")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +224,9 @@ class WorkerStatus:
     rank: int | None
     lease_remaining_s: float
     report: WorkerReport | None
+    # Where the coordinator itself reads this worker's metrics: the endpoint's port and
+    # path at the address the worker connects from, never a name it gave (not on the wire).
+    metrics_url: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,9 +267,57 @@ def _check_id(name: str, value: str) -> None:
     if not value:
         raise ValueError(f"{name} must be non-empty")
     if len(value) > MAX_ID_CHARS:
-        raise ValueError(f"{name} is longer than {MAX_ID_CHARS} characters")
+        raise ValueError(
+            f"{name} {value[:40]!r}... is {len(value)} characters, more than {MAX_ID_CHARS}"
+        )
     if not value.isprintable() or any(c.isspace() for c in value):
         raise ValueError(f"{name} {value!r} has whitespace or unprintable characters")
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def check_count(name: str, value: int) -> int:
+    """``value`` if it is a sane step or generation id (see [Note: bounds])."""
+    _check_range(name, value, 0, MAX_COUNT)
+    return value
+
+
+def check_worker_id(name: str, value: str) -> str:
+    """``value`` if it can be a worker id; the error echoes at most a prefix of it."""
+    _check_id(name, value)
+    return value
+
+
+def printable(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters with control characters escaped, so that
+    it cannot forge a log line or a terminal escape."""
+    cut = text[:limit]
+    if not cut.isprintable():
+        cut = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
+    return cut + ("..." if len(text) > limit else "")
+
+
+def metrics_target(endpoint: str) -> tuple[str, int, str]:
+    """(host, port, path) of a worker's ``metrics_endpoint``: ``HOST:PORT[/PATH]`` or
+    ``http://HOST:PORT[/PATH]``, nothing else (no other scheme, no user, no query)."""
+    name = "WorkerInfo.metrics_endpoint"
+    url = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme != "http" or url.username is not None or url.query or url.fragment:
+        raise ValueError(f"{name} {printable(endpoint, 80)!r} is not http://HOST:PORT/PATH")
+    if not url.hostname or not port:
+        raise ValueError(
+            f"{name} {printable(endpoint, 80)!r} needs a host and a port in [1, 65535]"
+        )
+    if not url.path.isprintable() or " " in url.path:
+        raise ValueError(f"{name} {printable(endpoint, 80)!r} has a path that is not printable")
+    return url.hostname, port, url.path
 
 
 def _check_ports(name: str, ports: Sequence[int]) -> None:
@@ -268,20 +343,93 @@ def param_to_proto(spec: ParamSpec) -> pb.ParamInfo:
 
 
 def param_from_proto(msg: pb.ParamInfo) -> ParamSpec:
-    if len(msg.name) > 1024:
-        raise ValueError(f"parameter name {msg.name[:40]!r}... is longer than 1024 characters")
-    if not msg.dtype or len(msg.dtype) > 32:
-        raise ValueError(f"parameter {msg.name!r} has dtype {msg.dtype!r}: must be 1-32 chars")
-    if len(msg.shape) > 32:
-        raise ValueError(f"parameter {msg.name!r} has {len(msg.shape)} dims, more than 32")
+    """A parameter from the wire, every field bounded (see [Note: bounds])."""
+    name, dtype, shape, group, unit = msg.name, msg.dtype, tuple(msg.shape), msg.group, msg.unit
+    if not name or len(name) > 1024:
+        raise ValueError(f"parameter name {name[:40]!r} must be 1-1024 characters")
+    if not dtype or len(dtype) > 32:
+        raise ValueError(f"parameter {name!r} has dtype {dtype[:40]!r}: must be 1-32 chars")
+    if len(shape) > 32:
+        raise ValueError(f"parameter {name!r} has {len(shape)} dims, more than 32")
+    numel = math.prod(shape)
+    if not 0 < numel <= MAX_PARAM_NUMEL or (shape and min(shape) < 1):
+        if any(dim < 0 for dim in shape):
+            raise ValueError(f"parameter {name!r} has a negative dim in shape {shape}")
+        if 0 in shape:
+            raise ValueError(f"parameter {name!r} has a zero dim in shape {shape}: no elements")
+        raise ValueError(
+            f"parameter {name!r} has shape {shape}: {numel} elements, more than {MAX_PARAM_NUMEL}"
+        )
+    if group > MAX_GROUP:
+        raise ValueError(f"parameter {name!r} has group {group}, more than {MAX_GROUP}")
+    if unit > MAX_UNIT:
+        raise ValueError(f"parameter {name!r} has unit {unit}, more than {MAX_UNIT}")
     return ParamSpec(
-        name=msg.name,
-        shape=tuple(msg.shape),
-        dtype=msg.dtype,
+        name=name,
+        shape=shape,
+        dtype=dtype,
         requires_grad=msg.requires_grad,
-        group=msg.group,
-        unit=msg.unit,
+        group=group,
+        unit=unit,
     )
+
+
+def inventory_wire(msgs: Sequence[pb.ParamInfo]) -> bytes:
+    """The canonical encoding of an inventory (see ``PersistedInventory`` in the proto)."""
+    wire = pb.PersistedInventory()
+    wire.params.MergeFrom(msgs)
+    return wire.SerializeToString(deterministic=True)
+
+
+def inventory_wire_steps(inventory: Sequence[ParamSpec | pb.ParamInfo]) -> Steps[bytes]:
+    """``inventory_wire``, in steps (coordinator/steps.py), of a decoded inventory too."""
+    wire = pb.PersistedInventory()
+    for i in range(0, len(inventory), STEP):
+        part = inventory[i : i + STEP]
+        wire.params.extend(p if isinstance(p, pb.ParamInfo) else param_to_proto(p) for p in part)
+        yield
+    return wire.SerializeToString(deterministic=True)
+
+
+def inventory_digest(inventory: Sequence[ParamSpec] | bytes) -> str:
+    """The digest of an inventory (or of its canonical encoding, ``inventory_wire``):
+    equal inventories, equal digests; a registration's is computed without decoding it."""
+    if not isinstance(inventory, bytes):
+        inventory = finish(inventory_wire_steps(inventory))
+    return hashlib.sha256(inventory).hexdigest()
+
+
+def inventory_from_proto(msgs: Sequence[pb.ParamInfo], *, max_params: int) -> tuple[ParamSpec, ...]:
+    """A whole inventory from the wire: each parameter bounded, names unique, and the
+    element count of all of them bounded (see [Note: bounds]). Linear in its length."""
+    return finish(inventory_steps(msgs, max_params=max_params))
+
+
+def inventory_steps(
+    msgs: Sequence[pb.ParamInfo], *, max_params: int
+) -> Steps[tuple[ParamSpec, ...]]:
+    """``inventory_from_proto`` in steps (coordinator/steps.py [Note: steps])."""
+    if len(msgs) > max_params:
+        raise ValueError(f"inventory has {len(msgs)} parameters, over the limit of {max_params}")
+    specs: list[ParamSpec] = []
+    names: set[str] = set()
+    total = 0
+    for i in range(0, len(msgs), STEP):
+        part = list(map(param_from_proto, msgs[i : i + STEP]))
+        names.update(spec.name for spec in part)
+        specs.extend(part)
+        if len(names) != len(specs):
+            seen: set[str] = set()
+            dup = next(s.name for s in specs if s.name in seen or seen.add(s.name))
+            raise ValueError(f"inventory: parameter {dup!r} appears twice")
+        total += sum(math.prod(spec.shape) for spec in part)
+        if total > MAX_TOTAL_NUMEL:
+            raise ValueError(
+                f"inventory has more than {MAX_TOTAL_NUMEL} elements in all ({total} "
+                f"in its first {len(specs)} parameters)"
+            )
+        yield
+    return tuple(specs)
 
 
 def worker_to_proto(info: WorkerInfo) -> pb.WorkerInfo:
@@ -342,28 +490,36 @@ def report_from_proto(msg: pb.WorkerReport) -> WorkerReport:
     )
 
 
-def _layout_to_proto(layout: Layout, *, bucket_numel: int, align: int, by_unit: bool) -> pb.Layout:
-    return pb.Layout(
-        world_size=layout.world_size,
-        bucket_numel=bucket_numel,
-        align=align,
-        by_unit=by_unit,
-        buckets=[
-            pb.Bucket(
-                index=b.index,
-                group=b.group,
-                dtype=b.dtype,
-                unit=b.unit,
-                numel=b.numel,
-                padded_numel=b.padded_numel,
-                slots=[
-                    pb.Slot(name=s.name, offset=s.offset, numel=s.numel, shape=list(s.shape))
-                    for s in b.slots
-                ],
-            )
-            for b in layout.buckets
-        ],
+def _layout_steps(
+    msg: pb.Layout, layout: Layout, *, bucket_numel: int, align: int, by_unit: bool
+) -> Steps[None]:
+    msg.world_size, msg.bucket_numel, msg.align, msg.by_unit = (
+        layout.world_size,
+        bucket_numel,
+        align,
+        by_unit,
     )
+    # Filled in place: a layout has a slot per parameter, and this is its hot loop.
+    add_bucket = msg.buckets.add
+    done = 0
+    for b in layout.buckets:
+        bucket = add_bucket(
+            index=b.index,
+            group=b.group,
+            dtype=b.dtype,
+            unit=b.unit,
+            numel=b.numel,
+            padded_numel=b.padded_numel,
+        )
+        add_slot = bucket.slots.add
+        for s in b.slots:
+            slot = add_slot()
+            slot.name, slot.offset, slot.numel = s.name, s.offset, s.numel
+            slot.shape.extend(s.shape)
+        done += len(b.slots) + 1
+        if done >= STEP:
+            done = 0
+            yield
 
 
 def _layout_from_proto(msg: pb.Layout) -> Layout:
@@ -391,6 +547,11 @@ def _layout_from_proto(msg: pb.Layout) -> Layout:
 
 
 def generation_to_proto(gen: Generation) -> pb.Generation:
+    return finish(generation_steps(gen))
+
+
+def generation_steps(gen: Generation) -> Steps[pb.Generation]:
+    """``generation_to_proto`` in steps (coordinator/steps.py [Note: steps])."""
     msg = pb.Generation(
         id=gen.id,
         members=[
@@ -407,35 +568,71 @@ def generation_to_proto(gen: Generation) -> pb.Generation:
         rendezvous_endpoint=gen.rendezvous_endpoint,
         stage=gen.stage,
         stage_reason=gen.stage_reason,
-        layout=_layout_to_proto(
-            gen.layout, bucket_numel=gen.bucket_numel, align=gen.align, by_unit=gen.by_unit
-        ),
         inventory_digest=gen.inventory_digest,
         created_unix_s=gen.created_unix_s,
         epoch=gen.epoch,
     )
+    yield from _layout_steps(
+        msg.layout, gen.layout, bucket_numel=gen.bucket_numel, align=gen.align, by_unit=gen.by_unit
+    )
     if gen.reshard is not None:
         r = gen.reshard
-        msg.reshard.CopyFrom(
-            pb.ReshardSchedule(
-                from_generation_id=r.from_generation_id,
-                from_world_size=r.from_world_size,
-                from_stage=r.from_stage,
-                moves=[
-                    pb.Move(
-                        name=m.name,
-                        start=m.start,
-                        stop=m.stop,
-                        old_owner=m.old_owner,
-                        new_owner=m.new_owner,
-                    )
-                    for m in r.moves
-                ],
-                lost_ranks=list(r.lost_ranks),
-                left_ranks=list(r.left_ranks),
-            )
-        )
+        reshard = msg.reshard
+        reshard.from_generation_id = r.from_generation_id
+        reshard.from_world_size = r.from_world_size
+        reshard.from_stage = r.from_stage
+        reshard.lost_ranks.extend(r.lost_ranks)
+        reshard.left_ranks.extend(r.left_ranks)
+        add_move = reshard.moves.add
+        for i, m in enumerate(r.moves):
+            if i % STEP == 0:
+                yield
+            move = add_move()
+            move.name, move.start, move.stop = m.name, m.start, m.stop
+            move.old_owner, move.new_owner = m.old_owner, m.new_owner
     return msg
+
+
+def serialize_steps(msg: pb.Generation) -> Steps[bytes]:
+    """``msg.SerializeToString()`` in steps (coordinator/steps.py): its layout's buckets
+    and its reshard moves go out in pieces, each a ``Generation`` holding a few of them.
+    Parsing concatenated messages merges them (a message field merges, a repeated field
+    appends), so the bytes parse to ``msg``; the pieces just never take long."""
+    head = pb.Generation()
+    for descriptor, value in msg.ListFields():
+        name = descriptor.name
+        if name in ("layout", "reshard"):
+            continue
+        if isinstance(value, Message):
+            getattr(head, name).CopyFrom(value)
+        elif hasattr(value, "extend"):  # a repeated field
+            getattr(head, name).extend(value)
+        else:
+            setattr(head, name, value)
+    layout, reshard = msg.layout, msg.reshard
+    head.layout.world_size, head.layout.bucket_numel = layout.world_size, layout.bucket_numel
+    head.layout.align, head.layout.by_unit = layout.align, layout.by_unit
+    if msg.HasField("reshard"):
+        head.reshard.from_generation_id = reshard.from_generation_id
+        head.reshard.from_world_size = reshard.from_world_size
+        head.reshard.from_stage = reshard.from_stage
+        head.reshard.lost_ranks.extend(reshard.lost_ranks)
+        head.reshard.left_ranks.extend(reshard.left_ranks)
+    pieces = [head.SerializeToString()]
+    buckets, moves = msg.layout.buckets, msg.reshard.moves
+    start = slots = 0
+    for i, bucket in enumerate(buckets):
+        slots += len(bucket.slots) + 1
+        if slots >= STEP or i == len(buckets) - 1:
+            yield
+            piece = pb.Generation(layout=pb.Layout(buckets=buckets[start : i + 1]))
+            pieces.append(piece.SerializeToString())
+            start, slots = i + 1, 0
+    for i in range(0, len(moves), STEP):
+        yield
+        piece = pb.Generation(reshard=pb.ReshardSchedule(moves=moves[i : i + STEP]))
+        pieces.append(piece.SerializeToString())
+    return b"".join(pieces)
 
 
 def generation_from_proto(msg: pb.Generation) -> Generation:

@@ -284,7 +284,14 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             return handler._replace(unary_unary=self._unary(method, handler.unary_unary))
         if handler.unary_stream is not None:
             return handler._replace(unary_stream=self._stream(method, handler.unary_stream))
-        return handler  # no client-streaming methods here
+        # Client-streaming handlers stand in for calls refused before their request is read
+        # (coordinator/server.py [Note: authentication first]): counted, not timed.
+        if handler.stream_unary is not None:
+            behaviour = self._unary(method, handler.stream_unary, timed=False)
+            return handler._replace(stream_unary=behaviour)
+        if handler.stream_stream is not None:
+            return handler._replace(stream_stream=self._stream(method, handler.stream_stream))
+        return handler
 
     def _unary(
         self, method: str, behaviour: Callable[..., Any], *, timed: bool = True

@@ -117,12 +117,37 @@ def parse_sample(text: str, at: float) -> RankSample:
     )
 
 
+# The most of a worker's /metrics read (a worker exports a few hundred series).
+MAX_METRICS_BYTES = 8 << 20
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None  # a 3xx is an error here: the answer must come from the worker
+
+
+# Plain HTTP only, no proxy from the environment, no redirect.
+_OPENER = urllib.request.OpenerDirector()
+for _handler in (
+    urllib.request.HTTPHandler(),
+    urllib.request.HTTPDefaultErrorHandler(),
+    urllib.request.HTTPErrorProcessor(),
+    _NoRedirect(),
+):
+    _OPENER.add_handler(_handler)
+
+
 def scrape(endpoint: str, timeout: float = 2.0) -> RankSample:
-    """Fetch ``http://endpoint/metrics`` once. Raises OSError when unreachable."""
+    """Fetch ``http://endpoint/metrics`` once (``endpoint``: ``host:port[/path]`` or an
+    ``http://`` URL; redirects are not followed). Raises OSError when unreachable."""
     url = endpoint if "://" in endpoint else f"http://{endpoint}"
-    with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=timeout) as response:
-        text = response.read().decode("utf-8", errors="replace")
-    return parse_sample(text, time.monotonic())
+    if not url.startswith("http://"):
+        raise ValueError(f"metrics endpoint {endpoint!r} is not plain http")
+    with _OPENER.open(f"{url.rstrip('/')}/metrics", timeout=timeout) as response:
+        data = response.read(MAX_METRICS_BYTES + 1)
+    if len(data) > MAX_METRICS_BYTES:
+        raise ValueError(f"{endpoint} sent more than {MAX_METRICS_BYTES} bytes of metrics")
+    return parse_sample(data.decode("utf-8", errors="replace"), time.monotonic())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from coordinator.layout import Layout
 from coordinator.ranges import overlap
+from coordinator.steps import STEP, Steps, finish
 
 __all__ = [
     "Move",
@@ -33,6 +34,7 @@ __all__ = [
     "ReshardSchedule",
     "moves_for_rank",
     "reshard_schedule",
+    "reshard_steps",
 ]
 
 
@@ -80,16 +82,24 @@ def reshard_schedule(old: Layout, new: Layout) -> list[Move]:
 
     Both layouts must hold the same trainable parameters with the same sizes.
     """
-    old_names = old.param_names()
-    new_names = new.param_names()
+    return finish(reshard_steps(old, new))
+
+
+def reshard_steps(old: Layout, new: Layout) -> Steps[list[Move]]:
+    """``reshard_schedule`` in steps (coordinator/steps.py [Note: steps])."""
+    old_names = yield from _names_steps(old)
+    new_names = yield from _names_steps(new)
     if set(old_names) != set(new_names):
         only_old = sorted(set(old_names) - set(new_names))
         only_new = sorted(set(new_names) - set(old_names))
         first = (only_old or only_new)[0]
         side = "old" if only_old else "new"
         raise ValueError(f"parameter {first!r} is only in the {side} layout")
+    yield
     moves: list[Move] = []
-    for name in new_names:
+    for i, name in enumerate(new_names):
+        if i % STEP == 0:
+            yield
         a = old.param_owners(name)
         b = new.param_owners(name)
         a_numel = a[-1][2] if a else 0
@@ -100,6 +110,15 @@ def reshard_schedule(old: Layout, new: Layout) -> list[Move]:
             )
         moves.extend(_intersect_runs(name, a, b))
     return moves
+
+
+def _names_steps(layout: Layout) -> Steps[list[str]]:
+    names: list[str] = []
+    for bucket in layout.buckets:
+        names.extend(slot.name for slot in bucket.slots)
+        if len(names) % STEP < len(bucket.slots) + 1:
+            yield
+    return names
 
 
 def _intersect_runs(

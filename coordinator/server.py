@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import logging
 import secrets
 import signal
@@ -32,6 +34,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import metadata
 from typing import Any, Literal
+from urllib.parse import unquote
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -50,25 +53,40 @@ from coordinator.config import (
     PlanConfig,
     ServerConfig,
 )
+from coordinator.layout import ParamSpec
 from coordinator.membership import (
     InvalidRequest,
     InventoryMismatch,
     Membership,
+    Proposal,
     StaleGeneration,
     UnknownWorker,
+    build_steps,
+    first_difference,
 )
 from coordinator.messages import (
     GENERATION_METADATA_KEY,
+    Generation,
     StatusReport,
+    WorkerInfo,
     WorkerReport,
+    check_count,
+    check_worker_id,
+    generation_steps,
     generation_to_proto,
-    param_from_proto,
+    inventory_digest,
+    inventory_steps,
+    inventory_wire_steps,
+    metrics_target,
+    printable,
     report_from_proto,
+    serialize_steps,
     status_to_proto,
     worker_from_proto,
 )
 from coordinator.metrics import CoordinatorMetrics, RpcMetricsInterceptor
-from coordinator.statefile import load_snapshot, save_snapshot
+from coordinator.statefile import StateStore, load_snapshot
+from coordinator.steps import Steps, finish_async
 from coordinator.web import CoordinatorHttp
 
 __all__ = [
@@ -90,10 +108,24 @@ except metadata.PackageNotFoundError:
     VERSION = "0+unknown"
 
 
+class _NoMetadataValues(logging.Filter):
+    """Drops grpc's own report of metadata that is not valid UTF-8: it logs the raw
+    value, which is a bearer token when the header is ``authorization``. Such a
+    call is still answered (its token is wrong), only never logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Invalid encoding on")
+
+
+_GRPC_LOGGER = "grpc._cython.cygrpc"
+
+
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, detail: str, trailing: tuple = ()) -> None:
         super().__init__(detail)
-        self.code, self.detail, self.trailing = code, detail, trailing
+        self.code, self.trailing = code, trailing
+        # an error echoes at most a bounded, escaped prefix of what it was sent
+        self.detail = printable(detail)
 
 
 class _Malformed:
@@ -115,11 +147,72 @@ def _deserializer(cls: type, limit: int) -> Callable[[bytes], Any]:
     return parse
 
 
+def _serializer(cls: type) -> Callable[[Any], bytes]:
+    def serialize(msg: Any) -> bytes:
+        return msg if isinstance(msg, bytes) else cls.SerializeToString(msg)
+
+    return serialize
+
+
 def _valid(what: str, convert: Callable[[Any], Any], msg: Any) -> Any:
     try:
         return convert(msg)
     except ValueError as exc:
         raise InvalidRequest(f"{what}: {exc}") from None
+
+
+def _worker_id(request: Any) -> str:
+    name = f"{type(request).__name__}.worker_id"
+    return _valid(name, lambda v: check_worker_id(name, v), request.worker_id)
+
+
+def _count(request: Any, field: str) -> int:
+    name = f"{type(request).__name__}.{field}"
+    return _valid(name, lambda v: check_count(name, v), getattr(request, field))
+
+
+class _Refuse:
+    """Handlers that answer UNAUTHENTICATED without reading the request.
+
+    They are registered as client-streaming, so grpc hands over an iterator of
+    request messages instead of reading (and decompressing) the one message
+    first; the iterator is never touched. On the wire a unary call and a
+    client stream with one message are the same.
+    """
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+
+    async def unary(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.detail)
+
+    async def stream(self, requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.detail)
+        yield  # an async generator, like the stream it stands in for
+
+
+class _Service(grpc.GenericRpcHandler):
+    """The Coordinator's handlers, behind the token check (see [Note: authentication first])."""
+
+    def __init__(
+        self,
+        handlers: dict[str, grpc.RpcMethodHandler],
+        authorize: Callable[[Any], str | None],
+    ) -> None:
+        self._handlers = {f"/{SERVICE_NAME}/{name}": h for name, h in handlers.items()}
+        self._authorize = authorize
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self._handlers.get(details.method)
+        if handler is None:
+            return None
+        refusal = self._authorize(details.invocation_metadata)
+        if refusal is None:
+            return handler
+        refuse = _Refuse(refusal)
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse.stream)
+        return grpc.stream_unary_rpc_method_handler(refuse.unary)
 
 
 class _Servicer:
@@ -137,11 +230,16 @@ class _Servicer:
         token = config.server.token
         self._token_digest = None if token is None else hashlib.sha256(token.encode()).digest()
         self._changed = asyncio.Condition()
+        self._forming = asyncio.Lock()
         self._stopping = False
         self._ticker: asyncio.Task | None = None
-        self._generation_msg = (
-            None if membership.generation is None else generation_to_proto(membership.generation)
-        )
+        # The newest generation as watchers get it, (id, serialized), set once it is in the
+        # state file: serialized once, however many watch it.
+        self._published: tuple[int, bytes] | None = None
+        if membership.generation is not None:
+            data = generation_to_proto(membership.generation).SerializeToString()
+            self._published = (membership.generation.id, data)
+        self._store = StateStore(config.server.state_file)
         ms = config.membership
         windows = [ms.lease_timeout_s / 10] + ([ms.join_window_s / 5] if ms.join_window_s else [])
         self._tick_s = max(0.01, min(0.1, *windows))
@@ -163,7 +261,7 @@ class _Servicer:
             response_cls = getattr(pb, method.output_type.name)
             kwargs = dict(
                 request_deserializer=_deserializer(request_cls, limit),
-                response_serializer=response_cls.SerializeToString,
+                response_serializer=_serializer(response_cls),
             )
             fn = behaviours[method.name]
             if method.server_streaming:
@@ -174,27 +272,29 @@ class _Servicer:
                 handlers[method.name] = grpc.unary_unary_rpc_method_handler(
                     self._guard(fn), **kwargs
                 )
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+        return _Service(handlers, self._refusal)
 
-    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+    # [Note: authentication first]
+    # The token is checked when grpc looks up a call's handler, from its metadata
+    # alone, before any byte of the request is read: a call without the token gets
+    # a handler that answers UNAUTHENTICATED and never reads the request, so a
+    # tokenless gzip bomb is never decompressed (_Refuse).
+
+    def _refusal(self, metadata: Any) -> str | None:
+        """Why a call with this metadata is not let in; None when it is."""
         if self._token_digest is None:
-            return
-        value = dict(context.invocation_metadata() or ()).get("authorization")
+            return None
+        value = dict(metadata or ()).get("authorization")
         if value is None:
-            raise _Abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing bearer token (metadata 'authorization: Bearer <token>')",
-            )
-        scheme, _, token = str(value).partition(" ")
-        digest = hashlib.sha256(token.strip().encode()).digest()
+            return "missing bearer token (metadata 'authorization: Bearer <token>')"
+        if isinstance(value, bytes):
+            value = value.decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        digest = hashlib.sha256(token.strip().encode("utf-8", "replace")).digest()
         # Compare digests, so neither the token's content nor its length leaks through timing.
         if not (scheme.lower() == "bearer" and hmac.compare_digest(digest, self._token_digest)):
-            raise _Abort(grpc.StatusCode.UNAUTHENTICATED, "wrong bearer token")
-
-    def _admit(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        self._authorize(context)
-        if isinstance(request, _Malformed):
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            return "wrong bearer token"
+        return None
 
     @staticmethod
     def _to_abort(exc: Exception) -> _Abort:
@@ -212,27 +312,33 @@ class _Servicer:
         logger.exception("internal error in the coordinator", exc_info=exc)
         return _Abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
-    def _guard(self, fn: Callable[[Any], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    def _guard(self, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                self._admit(request, context)
-                return await fn(request)
+                if isinstance(request, _Malformed):
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+                return await fn(request, context)
             except Exception as exc:
                 abort = self._to_abort(exc)
             await context.abort(abort.code, abort.detail, abort.trailing)
 
         return handle
 
-    def _guard_stream(
-        self, fn: Callable[[Any], AsyncIterator[Any]]
-    ) -> Callable[..., AsyncIterator[Any]]:
+    def _guard_stream(self, fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                self._admit(request, context)
+                if isinstance(request, _Malformed):
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+                stream = fn(request, context)
+                first = await anext(stream, None)
             except Exception as exc:
                 abort = self._to_abort(exc)
                 await context.abort(abort.code, abort.detail, abort.trailing)
-            async for item in fn(request):
+                return
+            if first is None:
+                return
+            yield first
+            async for item in stream:
                 yield item
 
         return handle
@@ -264,31 +370,40 @@ class _Servicer:
         # leave only needs to know whether a generation is due (O(1)).
         if expire:
             self.metrics.on_expired(len(self.m.expire()))
-        generation = self.m.maybe_form()
-        if generation is None:
-            return
-        self.metrics.on_generation(generation)
-        self._generation_msg = generation_to_proto(generation)
-        path = self.config.server.state_file
-        if path is not None:
-            try:
-                save_snapshot(path, self.m.snapshot())
-            except OSError:
-                logger.exception("cannot write the state file %s", path)
-        async with self._changed:
-            self._changed.notify_all()
+        async with self._forming:
+            # see coordinator/membership.py [Note: atomic formation]
+            while (proposal := self.m.propose()) is not None:
+                try:
+                    generation, data = await finish_async(_build_steps(proposal))
+                except Exception as exc:
+                    logger.debug("building generation %d failed", proposal.id, exc_info=True)
+                    self.m.refuse(proposal, printable(f"{type(exc).__name__}: {exc}"))
+                    return
+                if not self.m.commit(proposal, generation):
+                    continue  # a proposed worker went away meanwhile
+                self.metrics.on_generation(generation)
+                # Durable before anyone hears of it: a restart must never hand out
+                # this id again with other content.
+                snapshot = self.m.snapshot()
+                if snapshot.inventory and not snapshot.inventory_wire:
+                    wire = await finish_async(inventory_wire_steps(snapshot.inventory))
+                    snapshot = dataclasses.replace(snapshot, inventory_wire=wire)
+                await self._store.save(snapshot)
+                self._published = (generation.id, data)
+                async with self._changed:
+                    self._changed.notify_all()
 
     # ---- RPCs -------------------------------------------------------------------------
 
-    async def register(self, request: pb.RegisterRequest) -> pb.RegisterResponse:
+    async def register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterResponse:
         info = _valid("worker", worker_from_proto, request.worker)
-        limit = self.config.server.max_params
-        if len(request.inventory) > limit:
-            raise InvalidRequest(
-                f"inventory has {len(request.inventory)} parameters, over the limit of {limit}"
-            )
-        inventory = [_valid("inventory", param_from_proto, p) for p in request.inventory]
-        reattached = self.m.register(info, inventory)
+        peer = _peer_address(context)
+        if info.metrics_endpoint:
+            _check_metrics_host(info, peer)
+        inventory, digest, wire = await self._inventory_of(request)
+        reattached = self.m.register(info, inventory, digest=digest, wire=wire, peer=peer)
         self.metrics.on_register(reattached)
         await self._reconcile()
         ms = self.config.membership
@@ -301,48 +416,134 @@ class _Servicer:
             epoch=self.m.epoch,
         )
 
-    async def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-        if not request.worker_id:
-            raise InvalidRequest("worker_id must be non-empty")
+    async def _inventory_of(
+        self, request: pb.RegisterRequest
+    ) -> tuple[tuple[ParamSpec, ...], str, bytes]:
+        """The request's inventory, checked against the job's (the job's own tuple when
+        equal); linear, in steps (coordinator/steps.py [Note: steps])."""
+        job, digest = self.m.inventory, self.m.digest
+        limit = self.config.server.max_params
+        return await finish_async(_inventory_steps(request, job, digest, limit))
+
+    async def heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        worker_id = _worker_id(request)
+        generation_id = _count(request, "generation_id")
         if len(request.free_ports) > 8 or any(not 0 < p < 65536 for p in request.free_ports):
             raise InvalidRequest("free_ports: at most 8 ports, each in [1, 65535]")
         report = None
         if request.HasField("report"):
             report = _valid("report", report_from_proto, request.report)
-        remaining = self.m.heartbeat(
-            request.worker_id, request.generation_id, report, tuple(request.free_ports)
-        )
+        ports, peer = tuple(request.free_ports), _peer_address(context)
+        remaining = self.m.heartbeat(worker_id, generation_id, report, ports, peer)
         return pb.HeartbeatResponse(generation_id=self.m.generation_id, lease_remaining_s=remaining)
 
-    async def watch_generations(self, request: pb.WatchGenerationsRequest) -> AsyncIterator:
-        after = request.after_generation_id
+    async def watch_generations(
+        self, request: pb.WatchGenerationsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator:
+        after = _count(request, "after_generation_id")
+        # An anonymous watch (fetch_generation before registering) has no worker id.
+        if request.worker_id:
+            _worker_id(request)
+
+        def due(after: int = after) -> bool:
+            return self._stopping or (self._published is not None and self._published[0] > after)
+
         # ends on cancellation too: a worker's process dying closes its stream
         # (see coordinator/membership.py [Note: disconnects])
         token = self.m.watch_opened(request.worker_id)
         try:
             while True:
                 async with self._changed:
-                    await self._changed.wait_for(
-                        lambda after=after: self._stopping or self.m.generation_id > after
-                    )
+                    await self._changed.wait_for(due)
                 if self._stopping:
                     return
-                msg = self._generation_msg
-                after = msg.id
-                yield msg
+                after, data = self._published
+                yield data
         finally:
             self.m.watch_closed(request.worker_id, token)
 
-    async def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
-        if not request.worker_id:
-            raise InvalidRequest("worker_id must be non-empty")
-        if self.m.leave(request.worker_id, request.reason[:256]):
+    async def leave(
+        self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LeaveResponse:
+        worker_id = _worker_id(request)
+        if self.m.leave(worker_id, printable(request.reason, 256)):
             self.metrics.on_leave()
         await self._reconcile()
         return pb.LeaveResponse()
 
-    async def status(self, request: pb.StatusRequest) -> pb.StatusResponse:
+    async def status(
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusResponse:
         return status_to_proto(self.m.status(VERSION))
+
+
+def _peer_address(context: grpc.aio.ServicerContext) -> str:
+    """The IP address a call came from ("" when it is not an IP connection)."""
+    kind, _, rest = (context.peer() or "").partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(unquote(host))
+    except ValueError:
+        return ""
+    mapped = getattr(address, "ipv4_mapped", None)
+    return str(mapped or address)
+
+
+def _check_metrics_host(info: WorkerInfo, peer: str) -> None:
+    """A worker may only name itself as its metrics host: the address it registers
+    from, or the host it gives the other workers. (Either way the coordinator reads
+    the metrics at the peer's address, see WorkerStatus.metrics_url.)"""
+    host = metrics_target(info.metrics_endpoint)[0]
+    mine = {info.host.lower().strip("[]")} | ({peer} if peer else set())
+    with contextlib.suppress(ValueError):
+        host = str(ipaddress.ip_address(host))
+    if host.lower() not in mine:
+        raise InvalidRequest(
+            f"WorkerInfo.metrics_endpoint: host {printable(host, 80)!r} is neither the "
+            f"address this worker registers from ({peer or 'unknown'}) nor its host "
+            f"{info.host!r}"
+        )
+
+
+def _inventory_steps(
+    request: pb.RegisterRequest,
+    job: tuple[ParamSpec, ...] | None,
+    job_digest: str,
+    limit: int,
+) -> Steps[tuple[tuple[ParamSpec, ...], str, bytes]]:
+    """(inventory, its digest, its canonical encoding) of a registration; the job's own
+    inventory (and no encoding) when it is the job's."""
+    if len(request.inventory) > limit:
+        raise InvalidRequest(
+            f"inventory has {len(request.inventory)} parameters, over the limit of {limit}"
+        )
+    wire = yield from inventory_wire_steps(request.inventory)
+    digest = inventory_digest(wire)
+    if job is not None and digest == job_digest:
+        return job, digest, b""
+    try:
+        specs = yield from inventory_steps(request.inventory, max_params=limit)
+    except ValueError as exc:
+        raise InvalidRequest(f"inventory: {exc}") from None
+    if job is None:
+        return specs, digest, wire
+    if specs != job:
+        diff = first_difference(job, specs)
+        raise InventoryMismatch(f"parameter inventory differs from the job's: {diff}")
+    return job, job_digest, b""
+
+
+def _build_steps(proposal: Proposal) -> Steps[tuple[Generation, bytes]]:
+    """A proposal's generation and its wire form (see coordinator/membership.py
+    [Note: atomic formation])."""
+    generation = yield from build_steps(proposal)
+    msg = yield from generation_steps(generation)
+    data = yield from serialize_steps(msg)
+    return generation, data
 
 
 class CoordinatorServer:
@@ -359,6 +560,9 @@ class CoordinatorServer:
         )
         self._terminated = threading.Event()
         self._started = False
+        grpc_logger = logging.getLogger(_GRPC_LOGGER)
+        if not any(isinstance(f, _NoMetadataValues) for f in grpc_logger.filters):
+            grpc_logger.addFilter(_NoMetadataValues())
         self._thread.start()
         # The collector reads the membership at scrape time, on the loop (see status()).
         self.metrics = CoordinatorMetrics(

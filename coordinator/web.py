@@ -38,7 +38,7 @@ from urllib.parse import urlparse
 
 from prometheus_client.exposition import choose_encoder
 
-from coordinator.messages import StatusReport
+from coordinator.messages import StatusReport, WorkerStatus
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.observe import Sampler
 
@@ -69,20 +69,33 @@ def sd_targets(report: StatusReport, job_name: str) -> list[dict[str, Any]]:
     return groups
 
 
-def api_status(report: StatusReport, job_name: str, sampler: Sampler | None) -> dict[str, Any]:
-    """The JSON behind the status page: the job, its workers and per-rank figures."""
+def api_status(
+    report: StatusReport, job_name: str, sampler: Sampler | None, *, at_peers: bool = False
+) -> dict[str, Any]:
+    """The JSON behind the status page: the job, its workers and per-rank figures.
+
+    ``at_peers``: read each worker's metrics at ``WorkerStatus.metrics_url`` (the
+    address it connects to the coordinator from) and nowhere else: what the
+    coordinator does, so that no registered name makes it reach another host.
+    """
     members = sorted((w for w in report.workers if w.state == "member"), key=lambda w: w.rank or 0)
-    endpoints = [w.info.metrics_endpoint for w in members if w.info.metrics_endpoint]
+
+    def target(w: WorkerStatus) -> str:
+        return w.metrics_url if at_peers else w.info.metrics_endpoint
+
+    endpoints = [target(w) for w in members if target(w)]
     figures = sampler.sample(endpoints) if sampler is not None else {}
     ranks = []
     for w in members:
-        f = figures.get(w.info.metrics_endpoint)
+        f = figures.get(target(w))
         row: dict[str, Any] = {"rank": w.rank, "worker_id": w.info.worker_id}
         if f is not None:
             row.update(f.as_dict())
             row["rank"] = w.rank  # the coordinator's view wins over a stale scrape
         elif not w.info.metrics_endpoint:
             row["error"] = "no metrics endpoint reported"
+        elif not target(w):
+            row["error"] = "metrics endpoint not confirmed yet (no call from this worker since)"
         ranks.append(row)
     return {
         "job": job_name,
@@ -177,7 +190,7 @@ class CoordinatorHttp:
         if route == "/sd":
             body = sd_targets(self.status(), self.job_name)
         elif route == "/api/status":
-            body = api_status(self.status(), self.job_name, self.sampler)
+            body = api_status(self.status(), self.job_name, self.sampler, at_peers=True)
         else:
             return 404, "text/plain; charset=utf-8", b"not found\n"
         return 200, "application/json", json.dumps(body).encode()

@@ -1,22 +1,30 @@
-"""Shared pieces of the coordinator tests: a small inventory, a live server, a polling wait."""
+"""Shared pieces of the coordinator tests: a small inventory, a live server, a polling wait,
+a health probe."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
+from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.client import ClientConfig, CoordinatorClient
 from coordinator.config import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
 from coordinator.layout import ParamSpec
-from coordinator.messages import WorkerInfo
+from coordinator.messages import WorkerInfo, param_to_proto
 from coordinator.server import CoordinatorServer, create_server
 
 T = TypeVar("T")
 
 TOKEN = "test-token-0123456789"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
 
 
 def inventory(hidden: int = 8) -> list[ParamSpec]:
@@ -74,6 +82,19 @@ def client(server_or_port: CoordinatorServer | int, *, token: str | None = TOKEN
     )
 
 
+def raw_stub(port: int) -> tuple[grpc.Channel, pb_grpc.CoordinatorStub]:
+    """A channel and a bare stub: requests as built, no client logic in between."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    return channel, pb_grpc.CoordinatorStub(channel)
+
+
+def register_request(worker_id: str, specs: list[ParamSpec] | None = None) -> pb.RegisterRequest:
+    return pb.RegisterRequest(
+        worker=pb.WorkerInfo(worker_id=worker_id, host="127.0.0.1", free_ports=[40000]),
+        inventory=[param_to_proto(p) for p in specs or inventory()],
+    )
+
+
 def worker(worker_id: str, **kw: object) -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, host="127.0.0.1", **kw)
 
@@ -87,3 +108,46 @@ def wait_until(predicate: Callable[[], T], timeout: float = 10.0, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+class HealthProbe:
+    """Health checks in a loop on a thread of its own; their latencies, and any failure."""
+
+    def __init__(self, port: int, interval_s: float = 0.02) -> None:
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self._stub = health_pb2_grpc.HealthStub(self._channel)
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True, name="health-probe")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            try:
+                response = self._stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                if response.status != health_pb2.HealthCheckResponse.SERVING:
+                    self.failures.append(f"status {response.status}")
+            except grpc.RpcError as exc:
+                self.failures.append(f"{exc.code().name}: {exc.details()}")
+            self.latencies.append(time.perf_counter() - start)
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> HealthProbe:
+        self._stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._channel.close()
+
+    @property
+    def worst(self) -> float:
+        return max(self.latencies, default=0.0)
+
+    def percentile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0

@@ -20,7 +20,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
-from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.cli import main
 from coordinator.client import (
     ClientConfig,
@@ -32,13 +31,16 @@ from coordinator.client import (
 )
 from coordinator.config import CoordinatorConfig
 from coordinator.layout import ParamSpec
-from coordinator.messages import GENERATION_METADATA_KEY, WorkerReport, param_to_proto
+from coordinator.messages import GENERATION_METADATA_KEY, WorkerReport
 from coordinator.server import EmbeddedCoordinator, create_server
 from tests.coordinator_util import (
+    AUTH,
     TOKEN,
     client,
     config,
     inventory,
+    raw_stub,
+    register_request,
     running,
     wait_until,
     worker,
@@ -47,19 +49,6 @@ from tests.coordinator_util import (
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
-AUTH = (("authorization", f"Bearer {TOKEN}"),)
-
-
-def raw_stub(port: int) -> tuple[grpc.Channel, pb_grpc.CoordinatorStub]:
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    return channel, pb_grpc.CoordinatorStub(channel)
-
-
-def register_request(worker_id: str, specs: list[ParamSpec] | None = None) -> pb.RegisterRequest:
-    return pb.RegisterRequest(
-        worker=pb.WorkerInfo(worker_id=worker_id, host="127.0.0.1", free_ports=[40000]),
-        inventory=[param_to_proto(p) for p in specs or inventory()],
-    )
 
 
 def test_registration_forms_generations_and_reshards() -> None:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from coordinator.commands.args import fraction, seconds, wait_seconds
 from coordinator.config import (
     TOKEN_ENV,
     CoordinatorConfig,
@@ -53,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=Path,
         help="persist the current generation here, so a restart keeps the job",
     )
-    net.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="stop grace")
+    net.add_argument("--grace", type=seconds, default=5.0, metavar="SECONDS", help="stop grace")
     net.add_argument(
         "--http-port",
         type=int,
@@ -74,21 +75,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     members.add_argument("--max-workers", type=int, default=4096, metavar="N")
     members.add_argument(
         "--join-window",
-        type=float,
+        type=seconds,
         default=2.0,
         metavar="SECONDS",
         help="batch joins this long before forming a generation (default 2)",
     )
     members.add_argument(
         "--lease-timeout",
-        type=float,
+        type=wait_seconds,
         default=10.0,
         metavar="SECONDS",
         help="drop a worker silent this long (default 10)",
     )
     members.add_argument(
         "--heartbeat-interval",
-        type=float,
+        type=wait_seconds,
         metavar="SECONDS",
         help="how often workers heartbeat (default lease timeout / 5)",
     )
@@ -102,7 +103,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     plan.add_argument("--optimizer-states", type=int, default=2, metavar="K")
-    plan.add_argument("--headroom", type=float, default=0.1, metavar="FRACTION")
+    plan.add_argument("--headroom", type=fraction, default=0.1, metavar="FRACTION")
     plan.add_argument(
         "--bucket-numel",
         default=str(PlanConfig().bucket_numel),
@@ -117,6 +118,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def coordinator(args: argparse.Namespace) -> int:
     from coordinator.server import serve
 
+    if args.state_file is not None and not args.state_file.parent.is_dir():
+        print(
+            f"zeroplane coordinator: --state-file {str(args.state_file)!r}: directory "
+            f"{str(args.state_file.parent)!r} does not exist",
+            file=sys.stderr,
+        )
+        return 2
     try:
         interval = args.heartbeat_interval or args.lease_timeout / 5
         config = CoordinatorConfig(

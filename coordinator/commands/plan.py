@@ -14,6 +14,7 @@ import json
 import sys
 from decimal import ROUND_HALF_UP, Decimal
 
+from coordinator.commands.args import counts, fraction
 from coordinator.layout import ParamSpec
 from coordinator.planner import (
     STAGES,
@@ -51,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "--world-sizes",
-        default="1,2,4,8",
+        type=counts,
+        default=[1, 2, 4, 8],
         metavar="N,N,...",
         help="data-parallel world sizes to plan for (default 1,2,4,8)",
     )
@@ -73,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "--headroom",
-        type=float,
+        type=fraction,
         default=0.1,
         metavar="FRACTION",
         help="fraction of device memory kept free (default 0.1)",
@@ -190,9 +192,7 @@ def _cell(value: float, scale: float) -> str:
 
 def plan(args: argparse.Namespace) -> int:
     try:
-        world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()]
-        if not world_sizes or min(world_sizes) < 1:
-            raise ValueError(f"--world-sizes must be positive integers, got {args.world_sizes!r}")
+        world_sizes = args.world_sizes
         device_memory = parse_bytes(args.device_memory)
         if args.params is not None:
             numel, source, shape = parse_count(args.params), "given", {}

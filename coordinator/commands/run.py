@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from coordinator.commands.args import non_negative, seconds
 from coordinator.config import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
 from coordinator.launch import STAGE_CHOICES, JobResult, LaunchSpec, LocalJob, forward_signals
 from coordinator.messages import StatusReport, WorkerReport
@@ -48,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "--grace",
-        type=float,
+        type=seconds,
         default=5.0,
         metavar="SECONDS",
         help="time workers get to exit after SIGTERM before SIGKILL (default 5)",
@@ -118,7 +119,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "--gpus-per-worker",
-        type=float,
+        type=non_negative,
         default=0.0,
         metavar="G",
         help="with --launcher ray: GPUs in each worker's placement-group bundle (default 0)",

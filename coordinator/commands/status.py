@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from coordinator.client import ClientConfig, CoordinatorClient, CoordinatorError
+from coordinator.commands.args import seconds, wait_seconds
 from coordinator.config import ADDRESS_ENV, TOKEN_ENV, load_token
 from coordinator.messages import StatusReport
 from coordinator.observe import Sampler
@@ -53,11 +54,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--tls", action="store_true", help="connect with TLS")
     parser.add_argument("--tls-ca", metavar="FILE", help="PEM roots to trust (implies --tls)")
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="default 5")
+    parser.add_argument(
+        "--timeout", type=wait_seconds, default=5.0, metavar="SECONDS", help="default 5"
+    )
     parser.add_argument("--events", type=int, default=10, metavar="N", help="recent events shown")
     parser.add_argument(
         "--window",
-        type=float,
+        type=seconds,
         default=1.0,
         metavar="SECONDS",
         help="sample the workers' metrics twice this far apart for bandwidth, step time and "
