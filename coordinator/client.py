@@ -46,7 +46,6 @@ import json
 import logging
 import math
 import os
-import socket
 import threading
 import time
 import uuid
@@ -73,6 +72,7 @@ from coordinator.messages import (
     status_from_proto,
     worker_to_proto,
 )
+from coordinator.ports import free_ports
 
 __all__ = [
     "ClientConfig",
@@ -173,18 +173,6 @@ class Registration:
     heartbeat_interval_s: float
     reattached: bool
     epoch: str
-
-
-def free_ports(count: int = 2, *, exclude: Sequence[int] = ()) -> tuple[int, ...]:
-    """``count`` distinct ports free on this host right now (none in ``exclude``)."""
-    ports: set[int] = set()
-    while len(ports) < count:
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        if port not in exclude:
-            ports.add(port)
-    return tuple(sorted(ports))
 
 
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
