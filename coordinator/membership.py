@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from coordinator.config import MembershipConfig
 from coordinator.layout import ParamSpec, layout_steps
 from coordinator.messages import (
+    FINISHED,
     Event,
     Generation,
     Member,
@@ -288,6 +289,7 @@ class Membership:
         # Members of the current generation that are gone (left, expired, replaced).
         self._lost: dict[str, _Worker] = {}
         self._left: set[str] = set()  # the lost that asked to leave
+        self._finished_by: str | None = None  # the first member whose training ended
         self.events: deque[Event] = deque(maxlen=config.event_history)
         # A refused formation: the state it was refused in, and why (see [Note: atomic formation]).
         self._refused: tuple[tuple, str] | None = None
@@ -360,11 +362,34 @@ class Membership:
         return self.config.lease_timeout_s
 
     def leave(self, worker_id: str, reason: str = "") -> bool:
-        """Drop ``worker_id``; False if it held no lease (leaving twice is fine)."""
+        """Drop ``worker_id``; False if it held no lease (leaving twice is fine).
+
+        A member leaving because its training loop ended (``reason`` FINISHED)
+        finishes the job: no generation forms after it, and workers still waiting
+        for a rank are told to go ([Note: a finishing job])."""
         if worker_id not in self._workers:
             return False
+        member = worker_id not in self._joiners
         self._drop(worker_id, "left", reason)
+        if reason == FINISHED and member and self._finished_by is None:
+            self._finished_by = worker_id
+            self._event("finished", worker_id, "training ended; no new generation will form")
         return True
+
+    # [Note: a finishing job]
+    # Members reach the end of training at the same step and leave one by one.
+    # Without a word from them, each leave looks like a member lost: the
+    # coordinator would re-form the job for the rest, and a worker added at that
+    # moment would be admitted into a generation whose members are exiting, wait
+    # at its rendezvous and fail a job whose result is already written. So a
+    # member whose loop ended says so (leave reason FINISHED); from then on the
+    # coordinator forms nothing, and heartbeats tell standbys and admitted
+    # newcomers that have not formed their group yet that the job is done.
+
+    @property
+    def finished(self) -> bool:
+        """Whether a member left because its training ended (the job is finishing)."""
+        return self._finished_by is not None
 
     # [Note: disconnects]
     # Every worker keeps a generation stream (WatchGenerations) open for as long as
@@ -566,6 +591,8 @@ class Membership:
         return False
 
     def _due(self) -> bool:
+        if self.finished:
+            return False
         if self.generation is None and any(
             self._workers[w].info.fixed_rank is not None for w in self._joiners
         ):
@@ -586,6 +613,8 @@ class Membership:
         return self._workers[first].registered_at
 
     def waiting_reason(self) -> str:
+        if self.finished:
+            return f"the job finished ({self._finished_by} ended training)"
         refused = None if self._refused is None else self._refusal()
         if refused is not None:
             return f"generation {self.generation_id + 1} cannot form: {refused}"

@@ -437,7 +437,11 @@ class _Servicer:
             report = _valid("report", report_from_proto, request.report)
         ports, peer = tuple(request.free_ports), _peer_address(context)
         remaining = self.m.heartbeat(worker_id, generation_id, report, ports, peer)
-        return pb.HeartbeatResponse(generation_id=self.m.generation_id, lease_remaining_s=remaining)
+        return pb.HeartbeatResponse(
+            generation_id=self.m.generation_id,
+            lease_remaining_s=remaining,
+            job_finished=self.m.finished,
+        )
 
     async def watch_generations(
         self, request: pb.WatchGenerationsRequest, context: grpc.aio.ServicerContext

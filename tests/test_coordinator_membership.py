@@ -14,7 +14,7 @@ from coordinator.membership import (
     StaleGeneration,
     UnknownWorker,
 )
-from coordinator.messages import WorkerReport
+from coordinator.messages import FINISHED, WorkerReport
 from coordinator.reshard import moves_for_rank
 from coordinator.statefile import load_snapshot, save_snapshot
 from tests.coordinator_util import inventory, worker
@@ -324,3 +324,23 @@ def test_newcomers_wait_until_a_recovery_generation_is_applied() -> None:
     m.heartbeat("b", second.id, WorkerReport(applied_generation_id=second.id))
     third = m.maybe_form()
     assert third is not None and third.world_size == 3 and not third.reshard.lost_ranks
+
+
+def test_a_member_that_finished_training_ends_the_job() -> None:
+    """After a member leaves with the reason FINISHED, nothing forms: not the
+    generation a standby was waiting for, nor a re-formed one for the rest."""
+    clock = Clock()
+    m = membership(clock, max_workers=2)
+    for wid in ("a", "b", "c"):
+        m.register(worker(wid, free_ports=(3001,)), inventory())
+    first = m.maybe_form()
+    assert first is not None and first.world_size == 2
+    (standby,) = {"a", "b", "c"} - {w.worker_id for w in first.members}
+    assert m.leave(standby, FINISHED) and not m.finished  # a standby finishes nothing
+    m.register(worker(standby, free_ports=(3002,)), inventory())
+    member = first.members[0].worker_id
+    assert m.leave(member, FINISHED) and m.finished
+    clock.now += 10
+    assert m.maybe_form() is None  # a member left and a standby waits: still nothing
+    assert "finished" in m.waiting_reason()
+    assert [e.kind for e in m.events][-2:] == ["left", "finished"]

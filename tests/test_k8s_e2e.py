@@ -131,7 +131,9 @@ def steps(cluster: LocalCluster, token: str) -> tuple[int, int]:
 def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Path) -> None:
     """kubectl scale up and down, and a replaced coordinator pod, in one run that must
     still end with the single-process parameters (SGD: see tests/test_elastic_e2e.py)."""
-    total = 80
+    # long enough that the scale-down below lands mid-training on a loaded machine:
+    # the coordinator's view of a step lags by up to a report interval
+    total = 140
     token = secrets.token_hex(16)
     spec = job(steps=total, stage="2")
     spec = dataclasses.replace(
@@ -169,7 +171,7 @@ def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Pat
 
         # back to 2: the pod of index 2 gets SIGTERM and hands over; stopped before the
         # end, it exits 128+15, never a completed index (an evicted pod is started again)
-        assert steps(cluster, token)[1] < total - 5, "the job is too fast to scale it down"
+        assert steps(cluster, token)[1] < total - 40, "the job is too fast to scale it down"
         assert cluster.scale_job("e2e-worker", 2) == []
         assert "handed over" in third.output(), third.output()[-3000:]
         assert third.exit_code == 128 + signal.SIGTERM

@@ -44,6 +44,7 @@ import enum
 import functools
 import logging
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -55,12 +56,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from coordinator.messages import Generation
+from coordinator.messages import FINISHED, Generation
 from worker import elastic
 from worker.ballot import BoundaryVote
 from worker.collectives import CollectiveError, Collectives
 from worker.config import ZeroConfig
-from worker.control import ControlPlane, LeftBeforeAdmission, coordinator_address
+from worker.control import ControlPlane, JobFinished, LeftBeforeAdmission, coordinator_address
 from worker.engine import (
     OptimizerArg,
     ZeroEngine,
@@ -147,11 +148,14 @@ def _report(control: ControlPlane, engine: ZeroEngine) -> None:
 
 
 def _report_at_exit(control: ControlPlane, engine_ref: weakref.ref[ZeroEngine]) -> None:
-    """At interpreter exit, the coordinator's last view of this rank is its last step."""
+    """At interpreter exit, the coordinator's last view of this rank is its last step;
+    a script that ends without an uncaught exception has finished training."""
     engine = engine_ref()
     if engine is not None and engine.membership is not None:
         _report(control, engine)
         control.final_report()
+        if getattr(sys, "last_value", None) is None:  # set when a traceback was printed
+            control.close(leave=True, reason=FINISHED)
 
 
 def _after_loss(gen: Generation) -> bool:
@@ -292,7 +296,7 @@ class AttachedSession(_FinalReport):
 
     def close(self) -> None:
         self._forget_exit(send=True)
-        self.control.close(leave=True)
+        self.control.close(leave=True, reason=FINISHED)
 
 
 class ElasticSession(_FinalReport):
@@ -343,14 +347,17 @@ class ElasticSession(_FinalReport):
                 stop=lambda: session.leave_requested,
                 stage=config.stage,
             )
-        except LeftBeforeAdmission:
-            logger.info("SIGTERM before this worker was given a rank: left the job")
+            session.control = control
+            control.init_process_group()  # the generation formed may be newer than the first
+        except LeftBeforeAdmission as exc:
+            if isinstance(exc, JobFinished):
+                logger.info("the job finished before this worker joined it: nothing to do")
+            else:
+                logger.info("SIGTERM before this worker was given a rank: left the job")
             if metrics is not None:
                 metrics.close()
             session._to(Phase.LEFT)
             raise SystemExit(0) from None
-        session.control = control
-        control.init_process_group()  # the generation formed may be newer than the first
         gen = control.generation
         config = _planned(config, gen, control.rank)
         # after the job's first generation a new process holds nothing
@@ -462,9 +469,11 @@ class ElasticSession(_FinalReport):
         )
 
     def close(self) -> None:
-        self._forget_exit(send=self.phase is Phase.MEMBER)
+        member = self.phase is Phase.MEMBER
+        self._forget_exit(send=member)
         if self.phase is not Phase.LEFT and self.control is not None:
-            self.control.close(leave=True)
+            # a member closing its engine has ended training ([Note: a finishing job])
+            self.control.close(leave=True, reason=FINISHED if member else "")
         self.phase = Phase.LEFT
 
     # ------------------------------------------------------------ membership changes

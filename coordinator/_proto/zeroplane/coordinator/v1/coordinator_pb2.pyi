@@ -112,12 +112,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation_id", "lease_remaining_s")
+    __slots__ = ("generation_id", "lease_remaining_s", "job_finished")
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
     generation_id: int
     lease_remaining_s: float
-    def __init__(self, generation_id: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ...) -> None: ...
+    job_finished: bool
+    def __init__(self, generation_id: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., job_finished: _Optional[bool] = ...) -> None: ...
 
 class WatchGenerationsRequest(_message.Message):
     __slots__ = ("worker_id", "after_generation_id")
