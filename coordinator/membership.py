@@ -220,6 +220,9 @@ class Snapshot:
     # inventory_digest(inventory) and inventory_wire of it, when known
     inventory_digest: str = ""
     inventory_wire: bytes = field(default=b"", repr=False, compare=False)
+    # members of ``generation`` that left since it formed; the member that ended training
+    left: tuple[str, ...] = ()
+    finished_by: str = ""
 
     def inconsistency(self) -> str | None:
         """What makes this snapshot unusable, in words; None if nothing."""
@@ -234,6 +237,9 @@ class Snapshot:
                 return f"generation {gen.id} lists {m.worker_id!r}, who is not among the members"
         if len(known) != len(self.members):
             return "a member is listed twice"
+        strangers = sorted(set(self.left) - {m.worker_id for m in gen.members})
+        if strangers:
+            return f"generation {gen.id} has no member {strangers[0]!r}, who is listed as left"
         return None
 
 
@@ -718,6 +724,8 @@ class Membership:
             epoch=self.epoch,
             inventory_digest=self.digest,
             inventory_wire=self.inventory_wire,
+            left=tuple(w for w in self._left if gen is not None and gen.rank_of(w) is not None),
+            finished_by=self._finished_by or "",
         )
 
     def restore(self, snapshot: Snapshot) -> None:
@@ -737,10 +745,18 @@ class Membership:
         now = self._clock()
         grace = self.config.lease_timeout_s + self.config.reattach_grace_s
         for info in snapshot.members:
-            self._workers[info.worker_id] = _Worker(info, now, now + grace, info.free_ports)
+            worker = _Worker(info, now, now + grace, info.free_ports)
+            if info.worker_id in snapshot.left:  # gone for good: re-form without them
+                self._lost[info.worker_id] = worker
+                self._left.add(info.worker_id)
+            else:
+                self._workers[info.worker_id] = worker
+        self._finished_by = snapshot.finished_by or None
+        waiting = len(snapshot.members) - len(snapshot.left)
         self._event(
             "restored",
-            detail=f"{len(snapshot.members)} member(s) get {grace:g}s to re-attach",
+            detail=f"{waiting} member(s) get {grace:g}s to re-attach"
+            + (f"; {len(snapshot.left)} had left" if snapshot.left else ""),
         )
 
     # ---- helpers ----------------------------------------------------------------------

@@ -472,8 +472,14 @@ class _Servicer:
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaveResponse:
         worker_id = _worker_id(request)
+        gen = self.m.generation
+        member = gen is not None and gen.rank_of(worker_id) is not None
         if self.m.leave(worker_id, printable(request.reason, 256)):
             self.metrics.on_leave()
+            if member:
+                # durable before the leaver exits: a restart must not take it for lost
+                async with self._forming:
+                    await self._store.save(self.m.snapshot())
         await self._reconcile()
         return pb.LeaveResponse()
 

@@ -344,3 +344,35 @@ def test_a_member_that_finished_training_ends_the_job() -> None:
     assert m.maybe_form() is None  # a member left and a standby waits: still nothing
     assert "finished" in m.waiting_reason()
     assert [e.kind for e in m.events][-2:] == ["left", "finished"]
+
+
+def test_a_leave_before_a_restart_stays_a_leave(tmp_path) -> None:
+    """The coordinator restarts between a member's leave and the next generation: the
+    state file says the member left, so the restarted coordinator re-forms without it
+    at once (a leave, its shards handed over) instead of waiting for it to re-attach
+    and then taking it for lost. A finished job stays finished."""
+    clock = Clock()
+    m = membership(clock, max_workers=3, min_workers=2)
+    for wid in ("a", "b", "c"):
+        m.register(worker(wid, free_ports=(5001,)), inventory())
+    gen = m.maybe_form()
+    assert gen is not None and gen.world_size == 3
+    leaver = gen.members[2].worker_id
+    m.leave(leaver, "SIGTERM")
+    path = tmp_path / "state.json"
+    save_snapshot(path, m.snapshot())  # what the server writes on a member's leave
+
+    restored = membership(clock, max_workers=3, min_workers=2)
+    snapshot = load_snapshot(path)
+    assert snapshot is not None and snapshot.left == (leaver,)
+    restored.restore(snapshot)
+    nxt = restored.maybe_form()  # no lease to wait out: the leaver is gone for good
+    assert nxt is not None and nxt.world_size == 2
+    assert nxt.reshard is not None
+    assert nxt.reshard.left_ranks == (2,) and nxt.reshard.lost_ranks == ()
+
+    restored.leave(nxt.members[0].worker_id, FINISHED)
+    save_snapshot(path, restored.snapshot())
+    again = membership(clock, max_workers=3, min_workers=2)
+    again.restore(load_snapshot(path))
+    assert again.finished and again.maybe_form() is None

@@ -289,6 +289,29 @@ def test_a_leave_and_a_join_in_one_generation(job_factory) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_a_newcomer_lost_in_a_leave_and_join_rolls_nothing_back(job_factory) -> None:
+    """As above, but the newcomer dies as the survivors start passing it its share:
+    the leaver's hand-over already made the survivors whole, so they re-form from
+    that live state, with no replica or checkpoint and no step replayed."""
+    job = job_factory(1, max_workers=3)
+    for name in ("w0", "w1", "w2"):
+        job.spawn(name)
+    job.wait_until("three ranks training", lambda: job.world_size() == 3 and job.step() >= 4)
+    newcomer = job.spawn("w3", script=ROOT / "tests" / "scripts" / "die_while_joining.py")
+    job.wait_until("w3 standing by", lambda: job.state_of("w3") == "standby")
+    assert job.step() < STEPS - 10, "the job is too fast for this test to resize it"
+    job.workers["w2"].send_signal(signal.SIGTERM)
+    assert newcomer.wait(timeout=90) == -signal.SIGKILL, job.log("w3")
+    job.workers.pop("w3")
+    codes = job.finish()
+    assert codes == {"w0": 0, "w1": 0, "w2": 0}, codes
+    assert "handed over" in job.log("w2")
+    logs = job.log("w0") + job.log("w1")
+    assert logs.count("from live state, nothing rolled back") == 2, logs[-3000:]
+    assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
 def test_below_min_workers_the_survivor_waits_for_a_newcomer(job_factory) -> None:
     """min_workers is 2 and one of the two leaves: the survivor holds the whole job
     and waits until a newcomer arrives, then passes it its share and carries on."""

@@ -310,6 +310,9 @@ class ElasticSession(_FinalReport):
         self.replica: elastic.Replica | None = None
         # the generation whose membership this rank's shards belong to
         self.held_generation: int | None = None
+        # between the two exchanges of a leave and a join in one generation: what
+        # this survivor was handed (the whole job, over the survivors) and its id
+        self.handed: tuple[elastic.StateId, elastic.Handover] | None = None
 
     def _to(self, phase: Phase) -> None:
         if phase not in _TRANSITIONS[self.phase]:
@@ -507,7 +510,10 @@ class ElasticSession(_FinalReport):
             self._recover_in_formed(engine, gen)
         if gen.world_size > len(survivor_ids):
             # workers admitted in the same generation: pass them their shards of what
-            # the survivors were just handed (they run the join exchange)
+            # the survivors were just handed (they run the join exchange). Should a
+            # newcomer die meanwhile, that hand-over is whole: recovery starts from it.
+            me = survivors.index(engine.rank)
+            self.handed = ((gen.id, me, len(survivors)), handover)
             handover = elastic.exchange(
                 engine.state,
                 holds_state=True,
@@ -517,7 +523,7 @@ class ElasticSession(_FinalReport):
                 counters=handover.counters,
             )
         engine.adopt(handover, Collectives(None))
-        self.held_generation = gen.id
+        self.held_generation, self.handed = gen.id, None
         logger.info("rank %d left; now rank %d of %d", leaving, engine.rank, engine.world_size)
 
     def _grow_to(self, engine: ZeroEngine, gen: Generation) -> None:
@@ -545,6 +551,8 @@ class ElasticSession(_FinalReport):
 
     def _live(self, engine: ZeroEngine) -> elastic.StateId | None:
         """Whose state this rank's shards are, while whole ([Note: recovery sources])."""
+        if self.handed is not None:
+            return self.handed[0]
         if self.held_generation is None or not engine.state.whole:
             return None
         return (self.held_generation, engine.rank, engine.world_size)
@@ -575,17 +583,22 @@ class ElasticSession(_FinalReport):
         members = list(range(gen.world_size))
         if plan.source == "live":
             sends = live is not None and live[0] == plan.generation
+            handed, self.handed = self.handed, None
+            entries: elastic.Entries | None = None if sends else {}
+            if sends and handed is not None:  # a hand-over this rank had not adopted yet
+                entries = handed[1].entries
             handover = elastic.exchange(
                 engine.state,
                 holds_state=sends,
                 via=None,
                 new_members=members,
-                entries=None if sends else {},
+                entries=entries,
+                counters=None if handed is None else handed[1].counters,
             )
             engine.adopt(handover, comm)
             source = "live state, nothing rolled back"
         elif plan.source == "replica":
-            entries: elastic.Entries = {}
+            entries = {}
             if replica is not None:
                 entries = dict(replica.own)
                 if replica.neighbour_rank in plan.lost:
