@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from coordinator.client import ClientConfig, CoordinatorClient, CoordinatorError
-from coordinator.config import ADDRESS_ENV
+from coordinator.config import ADDRESS_ENV, WORKER_ID_ENV
 from coordinator.messages import Generation, WorkerInfo, WorkerReport
 from worker.compat import abort_default_group
 from worker.inventory import Inventory
@@ -36,7 +36,6 @@ __all__ = ["ControlPlane", "coordinator_address"]
 
 logger = logging.getLogger(__name__)
 
-WORKER_ID_ENV = "ZEROPLANE_WORKER_ID"
 HOST_ENV = "ZEROPLANE_HOST"
 TIMEOUT_ENV = "ZEROPLANE_COLLECTIVE_TIMEOUT_S"
 # how long members holding the job's state wait for the coordinator's next

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from coordinator.commands.args import non_negative, seconds
 from coordinator.config import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-        result = _wait_scaling(job, args)
+        result = _wait_scaling(job, args, lambda: _departed(services))
         # read before the embedded coordinator stops with the job
         status, reports = _final_status(services)
     if not result.ok:
@@ -231,8 +231,32 @@ def _final_status(
     return None, {}
 
 
-def _wait_scaling(job: LocalJob, args: argparse.Namespace) -> JobResult:
-    """Wait for the job, adding (SIGUSR1) or retiring (SIGUSR2) workers on request."""
+def _departed(services: Sequence[object]) -> set[str]:
+    """Workers that left the embedded coordinator (handed over, or dropped) and hold
+    no lease now, whether or not their process has exited yet."""
+    for service in services:
+        server = getattr(service, "server", None)
+        if server is not None:
+            try:
+                status = server.status()
+            except Exception as exc:  # stopping: count processes only
+                logger.debug("no status: %s", exc)
+                return set()
+            gone = {e.worker_id for e in status.events if e.kind in ("left", "expired")}
+            return gone - {w.info.worker_id for w in status.workers}
+    return set()
+
+
+def _wait_scaling(
+    job: LocalJob,
+    args: argparse.Namespace,
+    departed: Callable[[], set[str]] = set,
+) -> JobResult:
+    """Wait for the job, adding (SIGUSR1) or retiring (SIGUSR2) workers on request.
+
+    A retirement counts members, not processes: a worker told to leave, or one
+    that has handed over (``departed``: the coordinator no longer has it) and is
+    still exiting, does not count towards ``--min-nproc``."""
     low = args.nproc if args.min_nproc is None else args.min_nproc
     high = args.nproc if args.max_nproc is None else args.max_nproc
     if low == high:
@@ -257,7 +281,7 @@ def _wait_scaling(job: LocalJob, args: argparse.Namespace) -> JobResult:
                         job.add_worker()
                     else:
                         print(f"zeroplane run: already at {high} workers", file=sys.stderr)
-                elif n > low:
+                elif len(set(map(job.worker_id, job.running)) - departed()) > low:
                     job.retire_worker()
                 else:
                     print(f"zeroplane run: already at {low} workers", file=sys.stderr)
