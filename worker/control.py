@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ _STOP_POLL_S = 0.2
 _WAIT_REPORT_S = 30.0
 # how often a rank meeting the others at a generation's store looks again
 _MEET_POLL_S = 0.1
+_EXCEPTHOOK = sys.excepthook  # as it was before any process group
 
 
 class LeftBeforeAdmission(Exception):
@@ -208,6 +210,9 @@ class ControlPlane:
             if store is None:
                 continue  # superseded: self.generation is the newer one
             try:
+                # torch wraps sys.excepthook at each init to prefix tracebacks with the
+                # rank: one wrapper, with this generation's rank, not one per generation
+                sys.excepthook = _EXCEPTHOOK
                 dist.init_process_group(
                     self.backend,
                     store=dist.PrefixStore(f"zeroplane/{gen.id}", store),
