@@ -2,10 +2,14 @@
 
     zeroplane run --nproc 2 --stage 2 examples/train_gpt.py --steps 50
 
-Each step takes the same global batch at any world size (GlobalBatchSampler),
-so the result does not depend on how many workers ran it. ``--out FILE``
-writes the final fp32 parameters (rank 0); ``--checkpoint DIR`` saves there
-every ``--save-every`` steps and resumes from it if it already holds one.
+The corpus is tokenized (bytes) and packed into sequences once, cached in
+``--data-cache``; a ``StepLoader`` prepares each step's batch ahead in a
+background thread. Each step takes the same global batch at any world size
+(the loader's batches are a function of the global step), so the result does
+not depend on how many workers ran it, or on a change of them mid-run.
+``--out FILE`` writes the final fp32 parameters (rank 0); ``--checkpoint
+DIR`` saves there every ``--save-every`` steps (the loader's position with
+it) and resumes from it if it already holds one.
 """
 
 from __future__ import annotations
@@ -20,8 +24,15 @@ import torch
 
 import worker
 from worker.config import stage_from_env
-from worker.data import GlobalBatchSampler
-from worker.demo import load_corpus
+from worker.data import (
+    GlobalBatchSampler,
+    LoaderConfig,
+    PackedTokens,
+    StepLoader,
+    byte_tokenizer,
+    pack_text_files,
+)
+from worker.demo import corpus_path
 from worker.models import GPT, GPTConfig
 
 MODEL = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
@@ -35,8 +46,22 @@ def build(seed: int = 0, optimizer: str = "adamw") -> tuple[GPT, torch.optim.Opt
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
 
+def default_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("ZEROPLANE_DATA_CACHE") or Path(base) / "zeroplane" / "packed")
+
+
+def packed_corpus(cache_dir: Path) -> PackedTokens:
+    """The corpus as bytes packed into samples of block_size + 1 (sample i starts at
+    byte i * block_size), tokenized once and cached."""
+    return pack_text_files(
+        [corpus_path()], byte_tokenizer(), seq_len=MODEL.block_size, cache_dir=cache_dir
+    )
+
+
 def samples(data: torch.Tensor, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample i is the window of the corpus starting at i * block_size."""
+    """Sample i is the window of the corpus starting at i * block_size (the reference's
+    batches, built without the loader)."""
     t = MODEL.block_size
     rows = torch.stack([data[i * t : i * t + t + 1] for i in indices]).long()
     return rows[:, :-1], rows[:, 1:]
@@ -61,12 +86,12 @@ def main() -> None:
     p.add_argument("--replica-every", type=int, default=0)
     # slows the loop down so tests can change the membership while it runs
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--data-cache", type=Path, default=default_cache())
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
 
-    data = load_corpus()
-    sampler = make_sampler(data, args.global_batch)
+    dataset = packed_corpus(args.data_cache)
     model, opt = build(optimizer=args.optimizer)
     device = torch.device("cpu")
     if torch.cuda.is_available():
@@ -77,6 +102,10 @@ def main() -> None:
         stage=args.stage, compression=args.compression, replica_interval=args.replica_every
     )
     engine = worker.initialize(model, opt, config=config)
+    # the loader's position is saved in checkpoints and checked when one is loaded
+    loader = StepLoader(
+        dataset, LoaderConfig(global_batch=args.global_batch, seed=0), device=device
+    ).attach(engine)
     # A worker that joined a running job got its shards from the members (global_steps
     # > 0); loading the checkpoint alone would be a collective the others are not in.
     if args.checkpoint and (args.checkpoint / "latest").exists() and engine.global_steps == 0:
@@ -94,10 +123,7 @@ def main() -> None:
             break
         # the batch is a function of the step: after a membership change or a
         # rollback the job continues at exactly the samples it would have used
-        batch = sampler.batch_at(engine.global_steps)
-        per_rank = args.global_batch // engine.world_size
-        (mine,) = sampler.micro_batches(batch, engine.rank, engine.world_size, per_rank)
-        x, y = (t.to(device) for t in samples(data, mine))
+        ((x, y),) = loader.current()
         try:
             loss = engine(x, y)
             engine.backward(loss)
@@ -113,6 +139,7 @@ def main() -> None:
     state = engine.full_state_dict()
     if args.out and engine.rank == 0:
         torch.save(state, args.out)
+    loader.close()
     engine.close()
 
 

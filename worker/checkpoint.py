@@ -12,7 +12,10 @@ values and each optimizer state tensor sliced to the same range. Rank 0's
 file also holds what is not sharded: frozen parameters, the persistent
 buffers (those in ``module.state_dict()``; buffers registered with
 ``persistent=False`` are the model's to recompute, as in torch), the
-optimizer's param-group hyperparameters and the caller's ``client_state``.
+optimizer's param-group hyperparameters, the caller's ``client_state`` and
+the ``extras``: the state of objects registered with the engine
+(``engine.register_state``, e.g. a data loader's position), by name.
+Checkpoints written before extras existed have none and load as before.
 
 The manifest lists every file with its size, SHA-256 and the ranges it
 holds, so a loader at any world size reads only the files that overlap the
@@ -55,10 +58,10 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -128,9 +131,15 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(
-    state: ShardState, path: str | os.PathLike, client_state: dict | None = None
+    state: ShardState,
+    path: str | os.PathLike,
+    client_state: dict | None = None,
+    extras: Mapping[str, dict] | None = None,
 ) -> Path:
-    """Write this rank's part of a checkpoint of ``state``; a collective."""
+    """Write this rank's part of a checkpoint of ``state``; a collective.
+
+    ``extras``: named states (plain values and tensors) kept with rank 0's
+    unsharded state; :func:`load_checkpoint` hands each to its object."""
     root = Path(path)
     step_dir = root / f"step-{state.global_steps:08d}"
     tmp = root / f".tmp-step-{state.global_steps:08d}"
@@ -149,6 +158,7 @@ def save_checkpoint(
     payload: dict[str, Any] = {"entries": entries}
     if rank == 0:
         payload["unsharded"] = _export_unsharded(state, client_state)
+        payload["unsharded"]["extras"] = dict(extras or {})
     file = tmp / rank_file(rank)
     _write_durably(file, lambda f: torch.save(payload, f))
     info = {
@@ -225,13 +235,19 @@ def _export_unsharded(state: ShardState, client_state: dict | None) -> dict[str,
 # ---------------------------------------------------------------------------- load
 
 
-def load_checkpoint(state: ShardState, path: str | os.PathLike) -> dict:
+def load_checkpoint(
+    state: ShardState, path: str | os.PathLike, extras: Mapping[str, Stateful] | None = None
+) -> dict:
     """Load a checkpoint saved at any world size and stage; a collective.
 
     All or nothing on every rank ([Note: loading all or nothing]): if any rank
     finds the manifest or a file damaged or unfit, every rank raises the same
     :class:`CheckpointError` naming it and the engine keeps the state it had.
+    Each of ``extras`` whose name the checkpoint holds a state for is checked
+    (``validate_state_dict``, if it has one) with the rest and then loaded;
+    one the checkpoint lacks (an older checkpoint) is left as it is.
     """
+    extras = extras or {}
     error, digest = "", 0
     try:
         step_dir = resolve(path)
@@ -243,6 +259,7 @@ def load_checkpoint(state: ShardState, path: str | os.PathLike) -> dict:
         loaded = _read_files(step_dir, manifest, needed, state.device)
         unsharded = loaded[rank_file(0)]["unsharded"]
         _check_fits(state, step_dir / rank_file(0), unsharded)
+        saved_extras = _check_extras(step_dir / rank_file(0), unsharded, extras)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # a rank that stops here must not leave the others waiting
@@ -262,7 +279,32 @@ def load_checkpoint(state: ShardState, path: str | os.PathLike) -> dict:
     _import_unsharded(state, unsharded)
     state.global_steps = manifest["global_steps"]
     state.scaler.scale = manifest["loss_scale"]
+    for name, saved in saved_extras.items():
+        extras[name].load_state_dict(saved)
     return unsharded["client_state"]
+
+
+class Stateful(Protocol):
+    """What the engine saves as an extra (``validate_state_dict`` is optional)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def _check_extras(path: Path, unsharded: dict, extras: Mapping[str, Stateful]) -> dict[str, dict]:
+    """The saved states of ``extras`` that the checkpoint holds, each checked by its object."""
+    saved = unsharded.get("extras", {})  # absent in checkpoints older than extras
+    found = {name: saved[name] for name in extras if name in saved}
+    for name, value in found.items():
+        validate = getattr(extras[name], "validate_state_dict", None)
+        if validate is None:
+            continue
+        try:
+            validate(value)
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: the saved {name!r} state does not fit: {exc}") from None
+    return found
 
 
 def _check_inventory(state: ShardState, manifest: dict, where: Path) -> None:

@@ -4,7 +4,9 @@ Run under a launcher that sets torchrun's environment (``zeroplane run -m
 worker.demo ...`` or the demo command itself): every rank builds the same small
 byte-level GPT from the same seed, wraps it with ``worker.initialize`` at the
 requested ZeRO stage, and trains on its slice of each global batch drawn from
-the shipped corpus (``worker/data/corpus.txt.gz``).
+the shipped corpus (``worker/data/corpus.txt.gz``), read through
+:class:`worker.data.StepLoader` (each step's batch prepared ahead in a
+background thread).
 
 Each rank reports to the parent through files in ``--out`` (JSON, never pickle):
 
@@ -36,9 +38,19 @@ import torch.distributed as dist
 import worker
 from coordinator.config import ADDRESS_ENV
 from worker.config import stage_from_env
+from worker.data import LoaderConfig, PackedTokens, StepLoader
 from worker.models import GPT, GPTConfig
 
-__all__ = ["DemoConfig", "load_corpus", "main", "sample_batch", "train"]
+__all__ = [
+    "DemoConfig",
+    "DemoWindows",
+    "corpus_path",
+    "load_corpus",
+    "main",
+    "make_loader",
+    "sample_batch",
+    "train",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +103,45 @@ class DemoConfig:
         )
 
 
+def corpus_path() -> Path:
+    """The shipped corpus file (gzip-compressed text)."""
+    return Path(str(resources.files("worker").joinpath(CORPUS)))
+
+
 def load_corpus() -> torch.Tensor:
     """The shipped corpus as a 1-D int64 tensor of bytes."""
     raw = gzip.decompress(resources.files("worker").joinpath(CORPUS).read_bytes())
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+
+
+class DemoWindows:
+    """The demo's global batches: ``batch_size`` windows of the corpus at random
+    starts, drawn with replacement from (seed, step) alone, so a batch is the same
+    for every stage and world size (a :class:`worker.data.BatchPlan`)."""
+
+    def __init__(self, cfg: DemoConfig, num_tokens: int) -> None:
+        self.seed, self.batch_size = cfg.seed, cfg.batch_size
+        self.high = num_tokens - cfg.block_size - 1
+
+    def batch_at(self, step: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return torch.randint(0, self.high, (self.batch_size,), generator=g).tolist()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed}
+
+
+def make_loader(data: torch.Tensor, cfg: DemoConfig, *, num_workers: int = 1) -> StepLoader:
+    """A loader of the demo's batches: window ``i`` is ``data[i : i + block_size]`` and
+    the next bytes as targets."""
+    windows = PackedTokens(data, cfg.block_size, stride=1)
+    config = LoaderConfig(
+        global_batch=cfg.batch_size,
+        seed=cfg.seed,
+        num_workers=num_workers,
+        prefetch=2 if num_workers else 0,
+    )
+    return StepLoader(windows, config, plan=DemoWindows(cfg, data.numel()))
 
 
 def sample_batch(
@@ -103,13 +150,9 @@ def sample_batch(
     """This rank's slice of global batch ``step``: inputs and next-byte targets."""
     # The global batch depends only on (seed, step), so it is the same for every
     # stage and world size; each rank keeps its contiguous share.
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    starts = torch.randint(0, data.numel() - cfg.block_size - 1, (cfg.batch_size,), generator=g)
-    per_rank = cfg.batch_size // world_size
-    mine = starts[rank * per_rank : (rank + 1) * per_rank]
-    offsets = torch.arange(cfg.block_size)
-    idx = mine[:, None] + offsets
-    return data[idx], data[idx + 1]
+    with make_loader(data, cfg, num_workers=0) as loader:
+        ((x, y),) = loader.batches(step, rank, world_size)
+    return x, y
 
 
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -159,8 +202,9 @@ def train(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     progress.unlink(missing_ok=True)
     losses: list[float] = []
     step_times: list[float] = []
+    loader = make_loader(data, cfg)
     for step in range(cfg.steps):
-        x, y = sample_batch(data, cfg, step, rank, world_size)
+        ((x, y),) = loader.batches(step, rank, world_size)
         t0 = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
@@ -181,6 +225,7 @@ def train(cfg: DemoConfig, out: Path) -> dict[str, Any]:
         "step_s": step_times,
     }
     _write_json(out / f"rank{rank}.json", report)
+    loader.close()
     engine.close()
     return report
 

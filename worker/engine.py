@@ -197,6 +197,7 @@ class ZeroEngine:
         self.last_grad_norm: float | None = None
         self.last_checkpoint: Path | None = None
         self._saved_at = -1  # the step of the last checkpoint saved or loaded
+        self._extras: dict[str, checkpoint.Stateful] = {}  # saved with every checkpoint
         self._next_bucket = 0
         self._walk_exact = True
         self.state.build(Collectives(group), from_module=initial_state == "module")
@@ -582,17 +583,25 @@ class ZeroEngine:
         ``state_dict()``) is stored with it and returned by ``load_checkpoint``.
         See worker/checkpoint.py [Note: checkpoint format].
         """
-        saved = checkpoint.save_checkpoint(self.state, path, client_state)
+        extras = {name: obj.state_dict() for name, obj in self._extras.items()}
+        saved = checkpoint.save_checkpoint(self.state, path, client_state, extras)
         self.last_checkpoint = Path(path)
         self._saved_at = self.global_steps
         return saved
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Load a checkpoint saved at any world size and stage; returns its client_state."""
-        state = checkpoint.load_checkpoint(self.state, path)
+        state = checkpoint.load_checkpoint(self.state, path, self._extras)
         self._saved_at = self.global_steps
         self.publish_snapshot()
         return state
+
+    def register_state(self, name: str, obj: checkpoint.Stateful) -> None:
+        """Save ``obj.state_dict()`` in every checkpoint under ``name`` and hand it back to
+        ``obj.load_state_dict`` when one is loaded (e.g. a data loader's position)."""
+        if name in self._extras and self._extras[name] is not obj:
+            raise ValueError(f"engine state {name!r} is already registered")
+        self._extras[name] = obj
 
     def mark_restored(self) -> None:
         """The state was just restored (a rollback): its step is not saved again and

@@ -9,11 +9,38 @@ next sample: rank r of N takes its slice of the same global batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-__all__ = ["GlobalBatchSampler"]
+__all__ = ["BatchPlan", "GlobalBatchSampler", "split_global_batch"]
+
+
+class BatchPlan(Protocol):
+    """What a loader needs of a sampler: the global batch of any step, as a pure function."""
+
+    def batch_at(self, step: int) -> list[int]: ...
+
+    def state_dict(self) -> dict[str, int]: ...
+
+
+def split_global_batch(
+    batch: list[int], rank: int, world_size: int, micro: int | None = None
+) -> list[list[int]]:
+    """Rank ``rank``'s micro-batches of ``batch``: its contiguous share, cut into
+    ``micro``-sized pieces (one piece when ``micro`` is None)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    per_rank, rest = divmod(len(batch), world_size)
+    micro = per_rank if micro is None else micro
+    if rest or micro < 1 or per_rank % micro:
+        raise ValueError(
+            f"global batch {len(batch)} does not split into {world_size} ranks "
+            f"of micro-batches of {micro}"
+        )
+    mine = batch[rank * per_rank : (rank + 1) * per_rank]
+    return [mine[i : i + micro] for i in range(0, per_rank, micro)]
 
 
 @dataclass
@@ -23,6 +50,10 @@ class GlobalBatchSampler:
     seed: int = 0
     epoch: int = 0
     offset: int = 0
+    # the last epoch's order: a loader asks for every step of an epoch in turn
+    _cached: tuple[int, torch.Tensor] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.global_batch > self.num_samples:
@@ -32,8 +63,10 @@ class GlobalBatchSampler:
             )
 
     def _order(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=g)
+        if self._cached is None or self._cached[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._cached = (epoch, torch.randperm(self.num_samples, generator=g))
+        return self._cached[1]
 
     def batch_at(self, step: int) -> list[int]:
         """The global batch of optimizer step ``step``, without moving the sampler.
@@ -42,10 +75,15 @@ class GlobalBatchSampler:
         changes its world size asks for ``batch_at(engine.global_steps)``
         and gets exactly the samples an uninterrupted run would have used.
         """
-        per_epoch = self.num_samples // self.global_batch
-        epoch, k = divmod(step, per_epoch)
+        epoch, k = divmod(step, self.steps_per_epoch)
         order = self._order(epoch)
         return order[k * self.global_batch : (k + 1) * self.global_batch].tolist()
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches in an epoch; the last ``num_samples % global_batch`` samples
+        of each epoch's order are left out (a different few each epoch)."""
+        return self.num_samples // self.global_batch
 
     def next_global_batch(self) -> list[int]:
         """The next global batch's sample indices; an incomplete tail starts the next epoch."""
@@ -60,14 +98,7 @@ class GlobalBatchSampler:
     ) -> list[list[int]]:
         """Rank ``rank``'s micro-batches of ``batch``: ``global_batch / (world_size * micro)``
         of them, which is the gradient accumulation that keeps the global batch constant."""
-        per_rank, rest = divmod(len(batch), world_size)
-        if rest or per_rank % micro:
-            raise ValueError(
-                f"global batch {len(batch)} does not split into {world_size} ranks "
-                f"of micro-batches of {micro}"
-            )
-        mine = batch[rank * per_rank : (rank + 1) * per_rank]
-        return [mine[i : i + micro] for i in range(0, per_rank, micro)]
+        return split_global_batch(batch, rank, world_size, micro)
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch, "offset": self.offset}
