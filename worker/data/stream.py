@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 Key = tuple[int, int, int]
 
 
+def _is_stateful(source: Any) -> bool:
+    return hasattr(source, "state_dict") and hasattr(source, "load_state_dict")
+
+
 class _Read:
     """One global batch as read, and this rank's micro-batches if already prepared."""
 
@@ -52,6 +56,9 @@ class _Read:
 class StreamLoader:
     """Global batches of an iterable ``source`` for any (step, rank, world size).
 
+    ``source``: a function that creates the stream (a new one each time; needed
+    for a stream with ``state_dict``, which resumes without re-reading), or an
+    iterable (resumes by reading from its start and skipping).
     ``transform`` runs on this rank's items (in the reader thread when the
     request was foreseen), ``collate`` makes each micro-batch. The same
     ``batches`` / ``attach`` / ``current`` / ``state_dict`` interface as
@@ -60,7 +67,7 @@ class StreamLoader:
 
     def __init__(
         self,
-        source: Iterable[Any],
+        source: Callable[[], Iterable[Any]] | Iterable[Any],
         config: LoaderConfig,
         *,
         transform: Callable[[Any], Any] | None = None,
@@ -75,9 +82,19 @@ class StreamLoader:
         self.device = torch.device(device) if device is not None else None
         on_cuda = self.device is not None and self.device.type == "cuda"
         self.pin = on_cuda if config.pin_memory is None else config.pin_memory
-        self.stateful = hasattr(source, "state_dict") and hasattr(source, "load_state_dict")
-        # an epoch's start: a stateful source keeps resuming from the last state loaded
-        self._fresh = copy.deepcopy(source.state_dict()) if self.stateful else None
+        # Each (re)start reads a new stream made by the factory: a ``datasets``
+        # iterable resumes every later iterator from the last state loaded into it
+        # (loading its initial state does not reset it), and a deep copy of one
+        # copies a process-wide cache that other threads change.
+        self._factory = source if callable(source) and not hasattr(source, "__iter__") else None
+        if self._factory is None and _is_stateful(source):
+            raise TypeError(
+                f"{type(source).__name__} has a state_dict: pass a function that creates the "
+                "stream (e.g. lambda: load_dataset(..., streaming=True)) so that each resume "
+                "starts from a new one at a recorded position"
+            )
+        self.stateful = self._factory is not None and _is_stateful(self._factory())
+        self._live: Any = None
         self.history = history
         self.stats = LoaderStats()
         self.reread = 0  # items read only to skip them (see [Note: streams])
@@ -154,10 +171,10 @@ class StreamLoader:
     def _restart(self, step: int) -> None:
         """Stop the reader and start it again at ``step`` from the nearest recorded state."""
         self._stop_reader()
-        known = max(s for s in self._states if s <= step) if self._states else 0
+        # a stateful source's recorded (epoch, None) is that epoch's start
+        usable = [s for s in self._states if s <= step and (self.stateful or s == 0)]
+        known = max(usable, default=0)
         epoch, state = self._states.get(known, (0, None))
-        if state is None and known:
-            known, epoch = 0, 0  # nothing to load: from the start
         if known != step:
             logger.warning(
                 "stream position for step %d not recorded: reading from step %d and skipping",
@@ -176,31 +193,40 @@ class StreamLoader:
         self._thread.start()
 
     def _start_epoch(self, epoch: int, state: Any) -> Iterator[Any]:
-        if hasattr(self.source, "set_epoch"):
-            self.source.set_epoch(epoch)
-        state = state if state is not None else self._fresh
+        """An iterator at ``state`` of ``epoch`` (None: the epoch's start)."""
+        if self._factory is None:
+            return iter(self.source)
+        self._live = self._factory()
+        if hasattr(self._live, "set_epoch"):
+            self._live.set_epoch(epoch)
         if state is not None:
-            self.source.load_state_dict(copy.deepcopy(state))
-        return iter(self.source)
+            self._live.load_state_dict(copy.deepcopy(state))
+        return iter(self._live)
 
     def _read(self, step: int, serve_from: int, epoch: int, state: Any, stop: threading.Event):
         gb = self.config.global_batch
         try:
             it = self._start_epoch(epoch, state)
             fresh, in_epoch = state is None, 0  # a fresh epoch must hold a global batch
+            # until its first item, a new iterator's state_dict() is not its position
+            started, loaded = True, state
             while not stop.is_set():
                 with self._cond:
                     while not stop.is_set() and len(self._ready) > self.config.prefetch:
                         self._cond.wait()
                 if stop.is_set():
                     return
-                src = copy.deepcopy(self.source.state_dict()) if self.stateful else None
-                at_start = (epoch, src)
+                if not self.stateful:
+                    at_start = (epoch, None)
+                elif started:
+                    at_start = (epoch, copy.deepcopy(loaded))
+                else:
+                    at_start = (epoch, copy.deepcopy(self._live.state_dict()))
                 items: list[Any] = []
                 while len(items) < gb:
                     try:
                         items.append(next(it))
-                        in_epoch += 1
+                        in_epoch, started = in_epoch + 1, False
                     except StopIteration:
                         if fresh and in_epoch < gb:
                             raise ValueError(
@@ -208,7 +234,7 @@ class StreamLoader:
                                 f"than global_batch={gb}"
                             ) from None
                         epoch, items, fresh, in_epoch = epoch + 1, [], True, 0
-                        it = self._start_epoch(epoch, None)
+                        it, started, loaded = self._start_epoch(epoch, None), True, None
                 if step < serve_from:
                     self.reread += len(items)
                     step += 1
@@ -282,7 +308,7 @@ class StreamLoader:
         self._stop_reader()
         self._ready.clear()
         step = int(state["step"])
-        if state.get("stream") is not None:
+        if self.stateful and state.get("epoch") is not None:
             self._states = {0: (0, None), step: (int(state["epoch"]), state["stream"])}
         self.position = step
 
