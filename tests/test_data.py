@@ -275,3 +275,30 @@ def test_pack_has_no_padding_and_a_cache_hit_does_not_tokenize(tmp_path: Path) -
     other = Tokenizer(encode_batch=tok.encode_batch, identity="other", vocab_size=256, eos_id=0)
     assert not pack_documents(texts, other, seq_len=seq, cache_dir=tmp_path / "cache").cache_hit
     assert len(calls) >= 3
+
+
+def test_hf_tokenizer_packs_and_names_its_vocabulary(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from worker.data import hf_tokenizer
+
+    def word_level(vocab: dict[str, int]) -> Tokenizer:
+        rust = RustTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        rust.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok = PreTrainedTokenizerFast(tokenizer_object=rust, eos_token="<eos>", unk_token="[UNK]")
+        return hf_tokenizer(tok)
+
+    words = {"[UNK]": 0, "<eos>": 1, "the": 2, "cat": 3, "sat": 4}
+    tok = word_level(words)
+    docs = ["the cat sat the cat", "sat sat the"]
+    packed = pack_documents(docs, tok, seq_len=3, cache_dir=tmp_path)
+    stream = [2, 3, 4, 2, 3, 1, 4, 4, 2]  # the words' ids, <eos> between the documents
+    assert [packed[i][0].tolist() for i in range(len(packed))] == [stream[0:3], stream[3:6]]
+    assert packed[1][1].tolist() == stream[4:7]
+    # another vocabulary is another tokenizer, so another cache entry
+    other = word_level({**words, "dog": 5})
+    assert other.identity != tok.identity
+    assert not pack_documents(docs, other, seq_len=3, cache_dir=tmp_path).cache_hit

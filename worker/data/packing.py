@@ -234,7 +234,6 @@ def _pack(
             f"{describe[:3]} tokenize to {len(tokens)} tokens, fewer than one sample "
             f"of seq_len + 1 = {seq_len + 1}"
         )
-    cache.mkdir(parents=True, exist_ok=True)
     meta = {
         "format": PACK_FORMAT,
         "documents": describe,
@@ -245,14 +244,19 @@ def _pack(
         "tokens": len(tokens),
         "dtype": str(tokens.dtype),
     }
-    for suffix, write in (
-        (".json", lambda f: f.write(json.dumps(meta, indent=1).encode())),
-        (".npy", lambda f: np.save(f, tokens)),
-    ):
-        fd, tmp = tempfile.mkstemp(dir=cache, prefix=f".{key}", suffix=suffix)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, cache / f"{key}{suffix}")  # .npy last: it marks the entry complete
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        for suffix, write in (
+            (".json", lambda f: f.write(json.dumps(meta, indent=1).encode())),
+            (".npy", lambda f: np.save(f, tokens)),
+        ):
+            fd, tmp = tempfile.mkstemp(dir=cache, prefix=f".{key}", suffix=suffix)
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+            os.replace(tmp, cache / f"{key}{suffix}")  # .npy last: it marks the entry complete
+    except OSError as exc:  # a read-only or full disk costs the cache, not the job
+        logger.warning("packed tokens not cached in %s: %s", cache, exc)
+        return PackedTokens(tokens, seq_len, cache_hit=False, path=None)
     logger.info("packed %d tokens into %s", len(tokens), file)
     return PackedTokens(np.load(file, mmap_mode="r"), seq_len, cache_hit=False, path=file)
 
