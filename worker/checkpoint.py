@@ -419,6 +419,9 @@ def _check_unsharded(path: Path, manifest: dict, unsharded: Any) -> None:
     for key, kind in kinds.items():
         if not isinstance(unsharded.get(key), kind) or isinstance(unsharded.get(key), bool):
             raise CheckpointError(f"{path}: unsharded {key!r} is {_describe(unsharded.get(key))}")
+    extras = unsharded.get("extras", {})  # absent in checkpoints older than extras
+    if not isinstance(extras, dict) or not all(isinstance(k, str) for k in extras):
+        raise CheckpointError(f"{path}: unsharded 'extras' is not a table of named states")
     if unsharded["micro_steps"] < 0 or unsharded["skipped_steps"] < 0:
         raise CheckpointError(f"{path}: a negative step counter")
     if not all(isinstance(g, dict) and "params" not in g for g in unsharded["param_groups"]):
