@@ -115,6 +115,9 @@ def test_bad_configs_name_the_field() -> None:
         loader.batches(0, 0, 5)
     with pytest.raises(TypeError, match="map-style"):
         StepLoader(iter(range(3)), LoaderConfig(global_batch=2))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"pin_memory=True needs CUDA"):
+            StepLoader(Items(N), LoaderConfig(global_batch=GLOBAL, pin_memory=True))
 
 
 # -- checkpoints --------------------------------------------------------------------

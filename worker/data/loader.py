@@ -130,6 +130,15 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory()
 
 
+def resolve_pin(config: LoaderConfig, device: torch.device | None) -> bool:
+    """Whether to pin prepared batches: by default when they go to a CUDA device."""
+    if config.pin_memory is None:
+        return device is not None and device.type == "cuda"
+    if config.pin_memory and not torch.cuda.is_available():
+        raise ValueError("LoaderConfig.pin_memory=True needs CUDA, which is not available")
+    return config.pin_memory
+
+
 def prepare(
     dataset: Any, collate: Callable[[list[Any]], Any], micro: Sequence[Sequence[int]], pin: bool
 ) -> list[Any]:
@@ -190,8 +199,7 @@ class StepLoader:
         self.plan = plan or GlobalBatchSampler(self.num_samples, config.global_batch, config.seed)
         self.collate = collate
         self.device = torch.device(device) if device is not None else None
-        on_cuda = self.device is not None and self.device.type == "cuda"
-        self.pin = on_cuda if config.pin_memory is None else config.pin_memory
+        self.pin = resolve_pin(config, self.device)
         self.stats = LoaderStats()
         self.position = 0  # the step after the last one asked for
         self._pending: dict[Key, Future] = {}

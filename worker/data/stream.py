@@ -30,7 +30,14 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from worker.data.loader import STATE_FORMAT, LoaderConfig, LoaderStats, map_tensors, prepare
+from worker.data.loader import (
+    STATE_FORMAT,
+    LoaderConfig,
+    LoaderStats,
+    map_tensors,
+    prepare,
+    resolve_pin,
+)
 from worker.data.sampler import split_global_batch
 
 __all__ = ["StreamLoader"]
@@ -80,8 +87,7 @@ class StreamLoader:
         self.transform = transform
         self.collate = collate
         self.device = torch.device(device) if device is not None else None
-        on_cuda = self.device is not None and self.device.type == "cuda"
-        self.pin = on_cuda if config.pin_memory is None else config.pin_memory
+        self.pin = resolve_pin(config, self.device)
         # Each (re)start reads a new stream made by the factory: a ``datasets``
         # iterable resumes every later iterator from the last state loaded into it
         # (loading its initial state does not reset it), and a deep copy of one
