@@ -1,6 +1,6 @@
 """Data loading: how long a training step waits for its batch, one run, side by side.
 
-    python bench/data_loading.py                    # ~1-2 min on 2 cores
+    python bench/data_loading.py                    # ~4 min on 2 cores (2 rounds)
     python bench/data_loading.py --io-ms 4 --cpu-ms 1 --steps 60
 
 A dataset whose items cost ``--io-ms`` of latency (a sleep: storage or network)
@@ -24,6 +24,7 @@ position does not carry over to the new world size).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
@@ -137,14 +138,26 @@ def run(args: argparse.Namespace) -> None:
         "zp-process": lambda: zp(args.workers, args.prefetch, "process"),
         "torch": torch_loader,
     }
-    for name, fn in systems.items():
-        step_s, wait_s = fn()
-        rows.append((name, statistics.median(step_s), sum(wait_s) / sum(step_s)))
+    # rounds: every loader once per round, so a burst of load from other processes
+    # on a shared machine lands on all of them; the table takes medians over rounds
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
+    load = [os.getloadavg()[0]]
+    for _ in range(args.rounds):
+        for name, fn in systems.items():
+            step_s, wait_s = fn()
+            results[name].append((statistics.median(step_s), sum(wait_s) / sum(step_s)))
+        load.append(os.getloadavg()[0])
+    for name, runs in results.items():
+        rows.append(
+            (name, statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+        )
     data_ms = args.batch * (args.io_ms + args.cpu_ms)
     print(
         f"\n{args.batch} items/step, each {args.io_ms} ms I/O + {args.cpu_ms} ms Python "
         f"preprocessing ({data_ms:.0f} ms of data per step read serially); "
-        f"{args.workers} workers, {args.prefetch} steps ahead; {args.steps} timed steps\n"
+        f"{args.workers} workers, {args.prefetch} steps ahead; {args.steps} timed steps, "
+        f"median of {args.rounds} round(s); load average {min(load):.1f}-{max(load):.1f} "
+        f"on {os.cpu_count()} cores\n"
     )
     base = rows[0][1]
     print(f"{'loader':<12} {'step ms':>8} {'waiting':>8} {'vs sync':>8}")
@@ -176,6 +189,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--prefetch", type=int, default=4)
     p.add_argument("--resume-at", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=2)
     run(p.parse_args())
 
 
