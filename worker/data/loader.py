@@ -63,7 +63,9 @@ class LoaderConfig:
     prefetch: steps prepared ahead of the one being trained (0: none).
     num_workers: background workers preparing steps; 0 prepares each step in
         the caller's thread when it is asked for (synchronous).
-    workers: ``"thread"`` or ``"process"`` (see [Note: step-addressed loading]).
+    workers: ``"thread"`` or ``"process"`` (see [Note: step-addressed loading]);
+        processes are spawned, so the training script needs its
+        ``if __name__ == "__main__":`` guard, as with torch's DataLoader.
     pin_memory: pin prepared batches; None: when the device is CUDA.
     """
 
