@@ -77,6 +77,7 @@ def main() -> None:
         stage=args.stage, compression=args.compression, replica_interval=args.replica_every
     )
     engine = worker.initialize(model, opt, config=config)
+    engine.progress(total=args.steps)  # zeroplane run shows step / total and an ETA
     # A worker that joined a running job got its shards from the members (global_steps
     # > 0); loading the checkpoint alone would be a collective the others are not in.
     if args.checkpoint and (args.checkpoint / "latest").exists() and engine.global_steps == 0:
