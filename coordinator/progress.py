@@ -204,9 +204,10 @@ class ProgressDisplay:
         self._interval_s = interval_s
         self._clock = clock
         self._console = console
-        if interactive is None:
-            target = console.file if console is not None else (stream or sys.stderr)
-            interactive = bool(getattr(target, "isatty", lambda: False)())
+        if interactive is None and console is not None:
+            interactive = console.is_terminal
+        elif interactive is None:
+            interactive = bool(getattr(stream or sys.stderr, "isatty", lambda: False)())
         self.interactive = interactive
         self._progress: Any = None
         self._tasks: dict[str, Any] = {}
