@@ -51,6 +51,8 @@ class ProgressSample:
     world_size: int = 0
     generation: int = 0
     stage: int | None = None
+    # what a step is: "step" (an optimizer step), "trial" (zeroplane tune's runs)
+    unit: str = "step"
 
     @property
     def done(self) -> bool:
@@ -58,7 +60,8 @@ class ProgressSample:
 
     def text(self) -> str:
         """The line's figures, e.g. ``step 40/100  loss 2.3456  1,234 tok/s ...``."""
-        parts = [f"step {self.step}/{self.total}" if self.total else f"step {self.step}"]
+        unit = self.unit
+        parts = [f"{unit} {self.step}/{self.total}" if self.total else f"{unit} {self.step}"]
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4f}")
         if self.tokens_per_s is not None:
@@ -66,7 +69,10 @@ class ProgressSample:
         elif self.samples_per_s is not None:
             parts.append(f"{self.samples_per_s:,.1f} samples/s")
         if self.step_s is not None:
-            parts.append(f"{self.step_s * 1e3:,.1f} ms/step")
+            if self.unit == "step":
+                parts.append(f"{self.step_s * 1e3:,.1f} ms/step")
+            else:
+                parts.append(f"{self.step_s:,.2f} s/{unit}")
         if self.total:
             eta = "?" if self.eta_s is None else format_duration(self.eta_s)
             parts.append(f"ETA {eta}")
