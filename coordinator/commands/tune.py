@@ -120,7 +120,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--strategy", choices=("coordinate", "grid"), default="coordinate")
     parser.add_argument("--warmup", type=int, default=1, help="steps before timing (default 1)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per trial (default 3)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per trial (default 5)")
     parser.add_argument("--out", type=Path, default=Path("tuned"), help="where the JSONs go")
     parser.add_argument("--progress", choices=("auto", "live", "plain"), default="auto")
     parser.set_defaults(func=tune_command)
@@ -131,13 +131,14 @@ def profile_model(
     measure, space: TuneSpace, *, world_size: int, dtype: str, device_memory: int | None
 ) -> tuple[ModelProfile, list[tuple[Candidate, Measurement]]]:
     """The first runs: the model's size and what backward keeps per sample, with and
-    without checkpointing (at the smallest micro-batch of the lowest stage)."""
+    without checkpointing (at the smallest micro-batch of the highest stage: the
+    configuration most likely to fit, before anything is known)."""
     runs: list[tuple[Candidate, Measurement]] = []
     per_sample: dict[bool, float] = {}
     numel, memory = 0, device_memory
     for ac in space.activation_checkpointing:
         c = Candidate(
-            stage=space.stages[0],
+            stage=space.stages[-1],
             micro_batch=space.micro_batches[0],
             grad_accum=space.grad_accum[0],
             activation_checkpointing=ac,
@@ -201,6 +202,7 @@ def run_tune(
         display.update(
             ProgressSample(
                 label="tune",
+                unit="trial",
                 step=runs,
                 total=max_trials,
                 step_s=per,
@@ -296,7 +298,7 @@ def tune_command(args: argparse.Namespace) -> int:
     interactive = {"live": True, "plain": False}.get(args.progress)
     with (
         TrialPool(args.nproc, settings) as pool,
-        ProgressDisplay(interactive=interactive, interval_s=0.0) as display,
+        ProgressDisplay(interactive=interactive, interval_s=30.0) as display,
     ):
         try:
             result, _ = run_tune(
