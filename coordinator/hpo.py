@@ -199,7 +199,8 @@ def _show(value: Any) -> str:
 def _read(status: Any) -> tuple[int, float | None, str | None]:
     """The job's newest step, the mean loss over the ranks at it, and the newest
     checkpoint directory any rank reported."""
-    reports = [w.report for w in status.members if w.report is not None]
+    # every worker the coordinator knows, those that just finished and left included
+    reports = [w.report for w in status.workers if w.report is not None]
     if not reports:
         return 0, None, None
     step = max(r.step for r in reports)

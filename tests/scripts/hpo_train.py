@@ -3,7 +3,8 @@
 Its hyperparameters come from ``worker.hpo.trial()``; it saves a zeroplane
 checkpoint every ``--save-every`` steps and resumes from the one Tune gives a
 trial it starts again. ``crash_lr``: the trial whose ``lr`` equals it exits
-with code 3 at step ``--crash-at`` the first time it runs (not when resumed).
+with code 3 at step ``--crash-at`` the first time it runs (not when resumed);
+``mark_dir``: where rank 0 leaves a file saying at which step it resumed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def main() -> None:
     if trial.resume_from:
         engine.load_checkpoint(trial.resume_from)
         print(f"resumed at step {engine.global_steps}", flush=True)
+        if engine.rank == 0 and trial.params.get("mark_dir"):
+            mark = f"resumed-lr{trial.params['lr']}-at-{engine.global_steps}"
+            open(os.path.join(trial.params["mark_dir"], mark), "w").close()
     crash = trial.params.get("crash_lr") == trial.params["lr"] and not trial.resume_from
     per = 64 // engine.world_size
     mine = slice(engine.rank * per, (engine.rank + 1) * per)
@@ -49,6 +53,7 @@ def main() -> None:
             if engine.global_steps >= args.steps:
                 break
             if crash and engine.global_steps == args.crash_at and engine.rank == 0:
+                time.sleep(2.0)  # long enough for the trial to report the last checkpoint
                 os._exit(3)
             loss = nn.functional.mse_loss(engine(x[mine]), y[mine])
             engine.backward(loss)
