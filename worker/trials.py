@@ -21,9 +21,10 @@ memory is the engine's model state plus what the last measured forward kept
 for backward (and, on CUDA, the allocator's peak).
 
 The model: ``--gpt LAYERS,HIDDEN,HEADS,SEQ`` (worker.models.GPT on random
-bytes), or ``--model MODULE:FUNCTION`` returning an ``nn.Module`` with
-``--batch MODULE:FUNCTION`` taking ``(micro_batch, step, rank)`` and
-returning the arguments of the module's forward, which returns the loss.
+bytes), or ``--model MODULE:FUNCTION`` (or ``FILE.py:FUNCTION``) returning an
+``nn.Module`` with ``--batch`` naming a function that takes ``(micro_batch,
+step, rank)`` and returns the arguments of the module's forward, which
+returns the loss.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import argparse
 import datetime
 import gc
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -84,10 +86,19 @@ def gpt_spec(layers: int, hidden: int, heads: int, seq: int) -> ModelSpec:
 
 
 def _load(ref: str, what: str) -> Callable[..., Any]:
-    module, sep, name = ref.partition(":")
+    """``package.module:function`` or ``path/to/file.py:function``."""
+    module, sep, name = ref.rpartition(":")
     if not sep or not module or not name:
-        raise ValueError(f"--{what} must be MODULE:FUNCTION, got {ref!r}")
-    fn = getattr(importlib.import_module(module), name, None)
+        raise ValueError(f"--{what} must be MODULE:FUNCTION or FILE.py:FUNCTION, got {ref!r}")
+    if module.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(Path(module).stem, module)
+        if spec is None or spec.loader is None or not Path(module).is_file():
+            raise ValueError(f"--{what} {ref!r}: no such file {module!r}")
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+    else:
+        loaded = importlib.import_module(module)
+    fn = getattr(loaded, name, None)
     if not callable(fn):
         raise ValueError(f"--{what} {ref!r}: {module} has no callable {name!r}")
     return fn
