@@ -248,6 +248,10 @@ class ZeroConfig:
         DeepSpeed's own default is null (``gradient_accumulation_steps``,
         ``zero_optimization.overlap_comm``): there it means unset.
 
+        A top-level ``"zeroplane"`` dict (what :meth:`to_deepspeed` writes for fields
+        DeepSpeed has no key for, such as ``compression``; DeepSpeed does not read
+        it) sets those ZeroConfig fields by name; a name that is not a field raises.
+
         A top-level ``activation_checkpointing`` dict sets
         ``activation_checkpointing="units"``; its keys that tune DeepSpeed's
         own implementation are logged as ignored, and ``cpu_checkpointing:
