@@ -15,14 +15,19 @@ configuration, so the search is built to measure few:
    first measured runs.
 2. **Coordinate descent from a memory-model start.** The start is the lowest
    stage that fits without checkpointing (the least communication) at the
-   largest micro-batch that fits there. Each pass tries every value of one
-   dimension with the others fixed and moves to the best when it is faster
-   by more than the noise margin. Stage and activation checkpointing are the
-   memory levers: a value of theirs that frees memory is also tried at the
-   largest micro-batch it lets fit (the memory model's ordering), so the
-   search does not stall at a micro-batch chosen under another lever. Passes
-   repeat until one moves nothing (or the budget is spent); every
-   measurement is kept, and the answer is the fastest configuration measured.
+   largest micro-batch that fits there. A pass visits each dimension with
+   the others fixed. Ordered ones (micro-batch, accumulation, bucket size)
+   step to the next value up, or else down, while that is faster: throughput
+   changes smoothly along them, so the far values need no run. Categorical
+   ones (stage, activation checkpointing, compression) try every value. These
+   are also the memory levers: a value that frees memory is tried at the
+   largest micro-batch it lets fit too (the memory model's ordering), and a
+   value that does not fit is repaired, by the largest micro-batch that fits
+   or the lowest higher stage that does, rather than dropped; so the search
+   does not stall at a micro-batch chosen under another lever. A move needs
+   to beat the incumbent by the noise margin (3%). Passes repeat until one
+   moves nothing or the budget is spent; every measurement is kept, and the
+   answer is the fastest configuration measured.
 
 The measurement is a function (:data:`Measure`): ``zeroplane tune`` passes
 short runs on a pool of worker processes (worker/trials.py); tests pass
@@ -636,9 +641,9 @@ def tune(
     if seeded:
         inner = search._measure
         search._measure = lambda c: seeded.pop(c) if c in seeded else inner(c)
-        for c in list(seeded):
-            if space.allows(c, world_size) and c in set(space.grid(world_size)):
-                search.score(c)
+        in_space = set(space.grid(world_size))
+        for c in [c for c in seeded if c in in_space]:
+            search.score(c)
     if strategy == "grid":
         _grid(search, space, world_size)
     else:

@@ -12,7 +12,7 @@
 
 ``zeroplane hpo`` is this from the command line. How it fits together:
 
-* **A trial is a zeroplane job.** Tune runs :func:`trial` for each point of
+* **A trial is a zeroplane job.** Tune runs :func:`run_trial` for each point of
   the space; it starts the script on ``nproc`` Ray actors through the Ray
   launcher (:class:`~coordinator.launch_ray.RayJob`: a placement group, the
   job's own coordinator in the trial's process), with the point in
@@ -60,8 +60,8 @@ __all__ = [
     "HpoSpec",
     "TrialOutcome",
     "parse_space",
+    "run_trial",
     "search",
-    "trial",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ class HpoSpec:
     max_concurrent: trials at once. stage: every trial's ZeRO stage (None: the
         script's). address: a Ray cluster (None: a local one of ``num_cpus``).
     max_failures: how often Tune starts a failed trial again (from its checkpoint).
+    report_interval_s: the workers' heartbeat interval in a trial (their lease is 5x
+        that), so how often the loss and step reach Tune.
     storage_path / name: where Tune keeps results and checkpoints.
     checkpoint_root: where trials' zeroplane checkpoints are written.
     """
@@ -104,7 +106,7 @@ class HpoSpec:
     address: str | None = None
     num_cpus: int | None = None
     max_failures: int = 0
-    report_interval_s: float = 0.5
+    report_interval_s: float = 1.0
     storage_path: str | None = None
     name: str = "zeroplane-hpo"
     checkpoint_root: str | None = None
@@ -236,7 +238,7 @@ def _stage_checkpoint(saved: str | None, root: Path, last: str | None) -> Path |
     return staged
 
 
-def trial(config: dict[str, Any], spec: HpoSpec) -> None:
+def run_trial(config: dict[str, Any], spec: HpoSpec) -> None:
     """Tune's trainable: one trial as a zeroplane job on Ray actors (see the module notes)."""
     from ray import tune
 
@@ -319,7 +321,7 @@ def search(spec: HpoSpec) -> HpoResult:
         started_ray = True
     storage = spec.storage_path or tempfile.mkdtemp(prefix="zeroplane-hpo-")
     try:
-        trainable = tune.with_parameters(trial, spec=spec)
+        trainable = tune.with_parameters(run_trial, spec=spec)
         # the trial's actor only drives the job: its workers hold the CPUs (their own
         # placement group, made by the Ray launcher)
         trainable = tune.with_resources(trainable, {"cpu": _DRIVER_CPU})

@@ -53,7 +53,7 @@ def main() -> None:
             if engine.global_steps >= args.steps:
                 break
             if crash and engine.global_steps == args.crash_at and engine.rank == 0:
-                time.sleep(2.0)  # long enough for the trial to report the last checkpoint
+                time.sleep(3.0)  # long enough for the trial to report the last checkpoint
                 os._exit(3)
             loss = nn.functional.mse_loss(engine(x[mine]), y[mine])
             engine.backward(loss)
