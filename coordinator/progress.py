@@ -233,12 +233,17 @@ class ProgressDisplay:
     def _start_live(self) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn
+        from rich.table import Column
 
         console = self._console or Console(file=self._stream or sys.stderr, force_terminal=True)
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(bar_width=24),
-            TextColumn("{task.fields[figures]}"),
+            TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True, min_width=8)),
+            BarColumn(bar_width=20, table_column=Column(min_width=20)),
+            # on a narrow terminal the figures are cut short, never the job's name
+            TextColumn(
+                "{task.fields[figures]}",
+                table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1),
+            ),
             console=console,
             transient=False,
             redirect_stdout=True,
