@@ -1,7 +1,6 @@
 """A model and its batches for ``zeroplane tune``: which ZeRO configuration trains it fastest?
 
-    zeroplane tune --nproc 2 --model examples/tune_model.py:build \\
-        --batch examples/tune_model.py:batch --tokens-per-sample 64 \\
+    zeroplane tune --nproc 2 --script examples/tune_model.py --tokens-per-sample 64 \\
         --micro-batches 1,2,4,8,16 --compression none,bf16 --device-memory 16GB \\
         --max-trials 20 --out tuned/
 

@@ -281,3 +281,47 @@ def test_zeroplane_tune_end_to_end(tmp_path):
     ds = json.loads((out / "deepspeed.json").read_text())
     assert ZeroConfig.from_deepspeed(ds) == config
     assert ds["train_micro_batch_size_per_gpu"] == best["micro_batch"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["tune"], "give the model as --gpt, --script, or --model with --batch"),
+        (["tune", "--model", "m:f"], "--model needs --batch"),
+        (["tune", "--script", "x.py", "--model", "m:f"], "--script or --model/--batch"),
+        (["tune", "--gpt", "1,8,2,8", "--stages", "5"], "TuneSpace.stages"),
+        (["tune", "--gpt", "1,8,2,8", "--micro-batches", "3", "--global-batch", "4"], "4"),
+    ],
+)
+def test_tune_cli_refuses_bad_input(argv, message, capsys):
+    from coordinator.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tune_cli_refuses_an_unknown_compression():
+    from coordinator.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["tune", "--gpt", "1,8,2,8", "--compression", "zip"])
+
+
+def test_trial_workers_load_a_scripts_functions(tmp_path):
+    pytest.importorskip("torch")
+    from worker import trials
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "def build():\n    return torch.nn.Linear(3, 1)\n"
+        "def batch(micro_batch, step, rank):\n    return (torch.ones(micro_batch, 3),)\n"
+        "if __name__ == '__main__':\n    raise SystemExit('training must not run')\n"
+    )
+    spec, directory = trials._parse(
+        ["--dir", str(tmp_path), "--model", f"{script}:build", "--batch", f"{script}:batch"]
+    )
+    assert directory == tmp_path
+    assert spec.build().in_features == 3 and spec.batch(2, 0, 0)[0].shape == (2, 3)
+    with pytest.raises(ValueError, match="no callable 'nope'"):
+        trials._parse(["--dir", str(tmp_path), "--model", f"{script}:nope", "--batch", "x:y"])

@@ -73,6 +73,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     model = parser.add_argument_group("the model (one of)")
     model.add_argument("--gpt", metavar="LAYERS,HIDDEN,HEADS,SEQ", help="the built-in GPT")
     model.add_argument(
+        "--script",
+        metavar="FILE.py",
+        help="a training script that defines build() (the module) and batch(micro_batch, "
+        "step, rank) (the forward's arguments; the forward returns the loss); it is "
+        "imported, so its training must sit under `if __name__ == '__main__':`",
+    )
+    model.add_argument(
         "--model", metavar="MODULE:FUNCTION", help="a function returning the nn.Module"
     )
     model.add_argument(
@@ -255,8 +262,16 @@ def write_outputs(result: TuneResult, out: Path, *, base: dict, world_size: int)
 
 
 def tune_command(args: argparse.Namespace) -> int:
+    if args.script:
+        if args.model or args.batch:
+            print("zeroplane tune: --script or --model/--batch, not both", file=sys.stderr)
+            return 2
+        args.model, args.batch = f"{args.script}:build", f"{args.script}:batch"
     if bool(args.gpt) == bool(args.model):
-        print("zeroplane tune: give the model as --gpt, or --model with --batch", file=sys.stderr)
+        print(
+            "zeroplane tune: give the model as --gpt, --script, or --model with --batch",
+            file=sys.stderr,
+        )
         return 2
     if args.model and not args.batch:
         print("zeroplane tune: --model needs --batch", file=sys.stderr)
