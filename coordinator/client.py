@@ -246,6 +246,8 @@ class CoordinatorClient:
         self._generation: Generation | None = None
         self._report: WorkerReport | None = None
         self.connected = False
+        # set by a heartbeat once a member has ended training (Membership.finished)
+        self.job_finished = False
 
     # ---- properties -------------------------------------------------------------------
 
@@ -323,7 +325,10 @@ class CoordinatorClient:
         timeout = self.config.rpc_timeout_s
         if self._registration is not None:
             timeout = min(timeout, self._registration.lease_timeout_s / 3)
-        return self._unary("Heartbeat", request, timeout=timeout).lease_remaining_s
+        response = self._unary("Heartbeat", request, timeout=timeout)
+        if response.job_finished:
+            self.job_finished = True
+        return response.lease_remaining_s
 
     def fetch_generation(self, *, after: int = 0, timeout: float | None = None) -> Generation:
         """The first generation newer than ``after`` (waiting for it up to ``timeout``)."""

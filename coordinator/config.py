@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 ADDRESS_ENV = "ZEROPLANE_COORDINATOR"
 TOKEN_ENV = "ZEROPLANE_TOKEN"
 TOKEN_FILE_ENV = "ZEROPLANE_TOKEN_FILE"
+# The worker's name at the coordinator (default: HOST-LOCAL_RANK, or HOST-PID).
+WORKER_ID_ENV = "ZEROPLANE_WORKER_ID"
 # Where workers serve /metrics: a port (0: a free one) and the address to bind.
 METRICS_PORT_ENV = "ZEROPLANE_METRICS_PORT"
 METRICS_HOST_ENV = "ZEROPLANE_METRICS_HOST"

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import yaml
 
-from coordinator.config import ADDRESS_ENV, METRICS_PORT_ENV, TOKEN_ENV
+from coordinator.config import ADDRESS_ENV, METRICS_PORT_ENV, TOKEN_ENV, WORKER_ID_ENV
 
 __all__ = [
     "COMPRESSION_ENV",
@@ -50,7 +50,6 @@ __all__ = [
 
 # What the manifests set in every worker (coordinator/k8s.py).
 HOST_ENV = "ZEROPLANE_HOST"
-WORKER_ID_ENV = "ZEROPLANE_WORKER_ID"
 COMPRESSION_ENV = "ZEROPLANE_COMPRESSION"
 
 STAGES = ("auto", "0", "1", "2", "3")

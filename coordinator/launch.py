@@ -35,6 +35,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import IO, Protocol
 
+from coordinator.config import WORKER_ID_ENV
 from coordinator.ports import free_port
 
 __all__ = [
@@ -373,6 +375,13 @@ class LocalJob:
             i for i, p in enumerate(self._procs) if p.poll() is None and i not in self._retiring
         ]
 
+    def worker_id(self, index: int) -> str:
+        """Worker ``index``'s name at the coordinator: ``$ZEROPLANE_WORKER_ID`` when
+        the job's environment sets it (one worker per pod), else HOST-INDEX."""
+        return self.spec.env.get(WORKER_ID_ENV) or os.environ.get(
+            WORKER_ID_ENV, f"{socket.gethostname()}-{index}"
+        )
+
     def add_worker(self) -> int:
         """Start one more worker (an elastic scale-up); returns its index.
 
@@ -463,6 +472,7 @@ class LocalJob:
         )
         if spec.stage is not None:
             env["ZEROPLANE_STAGE"] = spec.stage
+        env[WORKER_ID_ENV] = self.worker_id(rank)
         return env
 
     def _spawn(self, rank: int, env: dict[str, str]) -> None:

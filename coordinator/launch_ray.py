@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 from coordinator.config import (
     ADDRESS_ENV,
+    WORKER_ID_ENV,
     CoordinatorConfig,
     MembershipConfig,
     PlanConfig,
@@ -57,7 +58,6 @@ __all__ = ["RayJob", "RayJobResult", "RaySpec"]
 
 logger = logging.getLogger(__name__)
 
-WORKER_ID_ENV = "ZEROPLANE_WORKER_ID"
 HOST_ENV = "ZEROPLANE_HOST"
 
 

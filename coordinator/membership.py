@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from coordinator.config import MembershipConfig
 from coordinator.layout import ParamSpec, layout_steps
 from coordinator.messages import (
+    FINISHED,
     Event,
     Generation,
     Member,
@@ -219,6 +220,9 @@ class Snapshot:
     # inventory_digest(inventory) and inventory_wire of it, when known
     inventory_digest: str = ""
     inventory_wire: bytes = field(default=b"", repr=False, compare=False)
+    # members of ``generation`` that left since it formed; the member that ended training
+    left: tuple[str, ...] = ()
+    finished_by: str = ""
 
     def inconsistency(self) -> str | None:
         """What makes this snapshot unusable, in words; None if nothing."""
@@ -233,6 +237,9 @@ class Snapshot:
                 return f"generation {gen.id} lists {m.worker_id!r}, who is not among the members"
         if len(known) != len(self.members):
             return "a member is listed twice"
+        strangers = sorted(set(self.left) - {m.worker_id for m in gen.members})
+        if strangers:
+            return f"generation {gen.id} has no member {strangers[0]!r}, who is listed as left"
         return None
 
 
@@ -288,6 +295,7 @@ class Membership:
         # Members of the current generation that are gone (left, expired, replaced).
         self._lost: dict[str, _Worker] = {}
         self._left: set[str] = set()  # the lost that asked to leave
+        self._finished_by: str | None = None  # the first member whose training ended
         self.events: deque[Event] = deque(maxlen=config.event_history)
         # A refused formation: the state it was refused in, and why (see [Note: atomic formation]).
         self._refused: tuple[tuple, str] | None = None
@@ -360,11 +368,34 @@ class Membership:
         return self.config.lease_timeout_s
 
     def leave(self, worker_id: str, reason: str = "") -> bool:
-        """Drop ``worker_id``; False if it held no lease (leaving twice is fine)."""
+        """Drop ``worker_id``; False if it held no lease (leaving twice is fine).
+
+        A member leaving because its training loop ended (``reason`` FINISHED)
+        finishes the job: no generation forms after it, and workers still waiting
+        for a rank are told to go ([Note: a finishing job])."""
         if worker_id not in self._workers:
             return False
+        member = worker_id not in self._joiners
         self._drop(worker_id, "left", reason)
+        if reason == FINISHED and member and self._finished_by is None:
+            self._finished_by = worker_id
+            self._event("finished", worker_id, "training ended; no new generation will form")
         return True
+
+    # [Note: a finishing job]
+    # Members reach the end of training at the same step and leave one by one.
+    # Without a word from them, each leave looks like a member lost: the
+    # coordinator would re-form the job for the rest, and a worker added at that
+    # moment would be admitted into a generation whose members are exiting, wait
+    # at its rendezvous and fail a job whose result is already written. So a
+    # member whose loop ended says so (leave reason FINISHED); from then on the
+    # coordinator forms nothing, and heartbeats tell standbys and admitted
+    # newcomers that have not formed their group yet that the job is done.
+
+    @property
+    def finished(self) -> bool:
+        """Whether a member left because its training ended (the job is finishing)."""
+        return self._finished_by is not None
 
     # [Note: disconnects]
     # Every worker keeps a generation stream (WatchGenerations) open for as long as
@@ -566,6 +597,8 @@ class Membership:
         return False
 
     def _due(self) -> bool:
+        if self.finished:
+            return False
         if self.generation is None and any(
             self._workers[w].info.fixed_rank is not None for w in self._joiners
         ):
@@ -586,6 +619,8 @@ class Membership:
         return self._workers[first].registered_at
 
     def waiting_reason(self) -> str:
+        if self.finished:
+            return f"the job finished ({self._finished_by} ended training)"
         refused = None if self._refused is None else self._refusal()
         if refused is not None:
             return f"generation {self.generation_id + 1} cannot form: {refused}"
@@ -689,6 +724,8 @@ class Membership:
             epoch=self.epoch,
             inventory_digest=self.digest,
             inventory_wire=self.inventory_wire,
+            left=tuple(w for w in self._left if gen is not None and gen.rank_of(w) is not None),
+            finished_by=self._finished_by or "",
         )
 
     def restore(self, snapshot: Snapshot) -> None:
@@ -708,10 +745,18 @@ class Membership:
         now = self._clock()
         grace = self.config.lease_timeout_s + self.config.reattach_grace_s
         for info in snapshot.members:
-            self._workers[info.worker_id] = _Worker(info, now, now + grace, info.free_ports)
+            worker = _Worker(info, now, now + grace, info.free_ports)
+            if info.worker_id in snapshot.left:  # gone for good: re-form without them
+                self._lost[info.worker_id] = worker
+                self._left.add(info.worker_id)
+            else:
+                self._workers[info.worker_id] = worker
+        self._finished_by = snapshot.finished_by or None
+        waiting = len(snapshot.members) - len(snapshot.left)
         self._event(
             "restored",
-            detail=f"{len(snapshot.members)} member(s) get {grace:g}s to re-attach",
+            detail=f"{waiting} member(s) get {grace:g}s to re-attach"
+            + (f"; {len(snapshot.left)} had left" if snapshot.left else ""),
         )
 
     # ---- helpers ----------------------------------------------------------------------

@@ -22,6 +22,7 @@ from coordinator.reshard import Move, ReshardSchedule
 from coordinator.steps import STEP, Steps, finish
 
 __all__ = [
+    "FINISHED",
     "GENERATION_METADATA_KEY",
     "Event",
     "Generation",
@@ -55,6 +56,8 @@ __all__ = [
 
 # Trailing metadata of a FAILED_PRECONDITION for a stale generation: the current id.
 GENERATION_METADATA_KEY = "zeroplane-generation"
+# The leave reason of a member whose training loop ended: the job is finishing.
+FINISHED = "finished"
 MAX_ID_CHARS = 253  # a DNS name, so a pod name always fits
 MAX_PORTS = 8
 MAX_WORLD_SIZE = 1 << 20  # ranks in one process group

@@ -437,7 +437,11 @@ class _Servicer:
             report = _valid("report", report_from_proto, request.report)
         ports, peer = tuple(request.free_ports), _peer_address(context)
         remaining = self.m.heartbeat(worker_id, generation_id, report, ports, peer)
-        return pb.HeartbeatResponse(generation_id=self.m.generation_id, lease_remaining_s=remaining)
+        return pb.HeartbeatResponse(
+            generation_id=self.m.generation_id,
+            lease_remaining_s=remaining,
+            job_finished=self.m.finished,
+        )
 
     async def watch_generations(
         self, request: pb.WatchGenerationsRequest, context: grpc.aio.ServicerContext
@@ -468,8 +472,14 @@ class _Servicer:
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaveResponse:
         worker_id = _worker_id(request)
+        gen = self.m.generation
+        member = gen is not None and gen.rank_of(worker_id) is not None
         if self.m.leave(worker_id, printable(request.reason, 256)):
             self.metrics.on_leave()
+            if member:
+                # durable before the leaver exits: a restart must not take it for lost
+                async with self._forming:
+                    await self._store.save(self.m.snapshot())
         await self._reconcile()
         return pb.LeaveResponse()
 

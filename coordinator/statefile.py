@@ -1,7 +1,8 @@
 """The coordinator's state file: the current generation and its members, as protobuf JSON.
 
 Written atomically (write aside, fsync, rename, fsync the directory) each time
-a generation forms, so a crash leaves either the old file or the new one. A
+a generation forms and each time a member leaves, so a crash leaves either the
+old file or the new one. A
 file that exists but cannot be read is an error naming the file, not a fresh
 start: starting over would hand out generation ids the running workers
 already hold.
@@ -75,6 +76,8 @@ def save_snapshot(path: str | os.PathLike[str], snapshot: Snapshot) -> None:
         members=[worker_to_proto(w) for w in snapshot.members],
         epoch=snapshot.epoch,
         inventory_digest=digest,
+        left=snapshot.left,
+        finished_by=snapshot.finished_by,
     )
     if snapshot.generation is not None:
         msg.generation.CopyFrom(generation_to_proto(_without_derived(snapshot.generation)))
@@ -123,6 +126,8 @@ def load_snapshot(path: str | os.PathLike[str]) -> Snapshot | None:
             epoch=msg.epoch,
             inventory_digest=digest,
             inventory_wire=wire,
+            left=tuple(msg.left),
+            finished_by=msg.finished_by,
         )
         problem = snapshot.inconsistency()
         if problem is not None:

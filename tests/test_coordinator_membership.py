@@ -14,7 +14,7 @@ from coordinator.membership import (
     StaleGeneration,
     UnknownWorker,
 )
-from coordinator.messages import WorkerReport
+from coordinator.messages import FINISHED, WorkerReport
 from coordinator.reshard import moves_for_rank
 from coordinator.statefile import load_snapshot, save_snapshot
 from tests.coordinator_util import inventory, worker
@@ -324,3 +324,55 @@ def test_newcomers_wait_until_a_recovery_generation_is_applied() -> None:
     m.heartbeat("b", second.id, WorkerReport(applied_generation_id=second.id))
     third = m.maybe_form()
     assert third is not None and third.world_size == 3 and not third.reshard.lost_ranks
+
+
+def test_a_member_that_finished_training_ends_the_job() -> None:
+    """After a member leaves with the reason FINISHED, nothing forms: not the
+    generation a standby was waiting for, nor a re-formed one for the rest."""
+    clock = Clock()
+    m = membership(clock, max_workers=2)
+    for wid in ("a", "b", "c"):
+        m.register(worker(wid, free_ports=(3001,)), inventory())
+    first = m.maybe_form()
+    assert first is not None and first.world_size == 2
+    (standby,) = {"a", "b", "c"} - {w.worker_id for w in first.members}
+    assert m.leave(standby, FINISHED) and not m.finished  # a standby finishes nothing
+    m.register(worker(standby, free_ports=(3002,)), inventory())
+    member = first.members[0].worker_id
+    assert m.leave(member, FINISHED) and m.finished
+    clock.now += 10
+    assert m.maybe_form() is None  # a member left and a standby waits: still nothing
+    assert "finished" in m.waiting_reason()
+    assert [e.kind for e in m.events][-2:] == ["left", "finished"]
+
+
+def test_a_leave_before_a_restart_stays_a_leave(tmp_path) -> None:
+    """The coordinator restarts between a member's leave and the next generation: the
+    state file says the member left, so the restarted coordinator re-forms without it
+    at once (a leave, its shards handed over) instead of waiting for it to re-attach
+    and then taking it for lost. A finished job stays finished."""
+    clock = Clock()
+    m = membership(clock, max_workers=3, min_workers=2)
+    for wid in ("a", "b", "c"):
+        m.register(worker(wid, free_ports=(5001,)), inventory())
+    gen = m.maybe_form()
+    assert gen is not None and gen.world_size == 3
+    leaver = gen.members[2].worker_id
+    m.leave(leaver, "SIGTERM")
+    path = tmp_path / "state.json"
+    save_snapshot(path, m.snapshot())  # what the server writes on a member's leave
+
+    restored = membership(clock, max_workers=3, min_workers=2)
+    snapshot = load_snapshot(path)
+    assert snapshot is not None and snapshot.left == (leaver,)
+    restored.restore(snapshot)
+    nxt = restored.maybe_form()  # no lease to wait out: the leaver is gone for good
+    assert nxt is not None and nxt.world_size == 2
+    assert nxt.reshard is not None
+    assert nxt.reshard.left_ranks == (2,) and nxt.reshard.lost_ranks == ()
+
+    restored.leave(nxt.members[0].worker_id, FINISHED)
+    save_snapshot(path, restored.snapshot())
+    again = membership(clock, max_workers=3, min_workers=2)
+    again.restore(load_snapshot(path))
+    assert again.finished and again.maybe_form() is None

@@ -231,6 +231,38 @@ def test_sigterm_while_standing_by_leaves_without_joining(job_factory) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_a_finishing_job_admits_nobody(job_factory, tmp_path, monkeypatch) -> None:
+    """Workers added while the members are past their last step (saving, say): one
+    admitted into a generation the members will never form, one standing by. When
+    the members end, both are told the job is done and exit 0; nothing re-forms."""
+    release = tmp_path / "release"
+    monkeypatch.setenv("LINGER_UNTIL", str(release))
+    job = job_factory(2, max_workers=3)
+    lingering = ROOT / "tests" / "scripts" / "linger_after_training.py"
+    for name in ("w0", "w1"):
+        job.spawn(name, "--step-sleep", "0", script=lingering)
+    job.wait_until(
+        "both members past their last step",
+        lambda: all("lingering" in job.log(n) for n in ("w0", "w1")),
+        timeout=120,
+    )
+    job.spawn("w2")
+    job.wait_until("w2 admitted", lambda: job.state_of("w2") == "member")
+    job.spawn("w3")
+    job.wait_until("w3 standing by", lambda: job.state_of("w3") == "standby")
+    formed = job.server.status().generation_id
+    release.touch()
+    codes = job.finish()
+    assert codes == {"w0": 0, "w1": 0, "w2": 0, "w3": 0}, codes
+    for name in ("w2", "w3"):
+        assert "the job finished before this worker joined" in job.log(name), job.log(name)
+    status = job.server.status()
+    assert status.generation_id == formed, "a generation formed after the job finished"
+    assert "finished" in [e.kind for e in status.events]
+    assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
 def test_a_leave_and_a_join_in_one_generation(job_factory) -> None:
     """The job is full and a worker stands by when a member is told to stop: the next
     generation both drops the leaver and admits the standby. The leaver hands its
@@ -253,6 +285,29 @@ def test_a_leave_and_a_join_in_one_generation(job_factory) -> None:
     assert "recovered" not in logs and logs.count(f"rank {leaver} left; now rank") == 2, logs[
         -3000:
     ]
+    assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
+def test_a_newcomer_lost_in_a_leave_and_join_rolls_nothing_back(job_factory) -> None:
+    """As above, but the newcomer dies as the survivors start passing it its share:
+    the leaver's hand-over already made the survivors whole, so they re-form from
+    that live state, with no replica or checkpoint and no step replayed."""
+    job = job_factory(1, max_workers=3)
+    for name in ("w0", "w1", "w2"):
+        job.spawn(name)
+    job.wait_until("three ranks training", lambda: job.world_size() == 3 and job.step() >= 4)
+    newcomer = job.spawn("w3", script=ROOT / "tests" / "scripts" / "die_while_joining.py")
+    job.wait_until("w3 standing by", lambda: job.state_of("w3") == "standby")
+    assert job.step() < STEPS - 10, "the job is too fast for this test to resize it"
+    job.workers["w2"].send_signal(signal.SIGTERM)
+    assert newcomer.wait(timeout=90) == -signal.SIGKILL, job.log("w3")
+    job.workers.pop("w3")
+    codes = job.finish()
+    assert codes == {"w0": 0, "w1": 0, "w2": 0}, codes
+    assert "handed over" in job.log("w2")
+    logs = job.log("w0") + job.log("w1")
+    assert logs.count("from live state, nothing rolled back") == 2, logs[-3000:]
     assert_matches_reference(job.tmp / "final.pt")
 
 

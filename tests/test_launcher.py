@@ -438,3 +438,44 @@ def test_launcher_and_commands_do_not_import_torch():
         timeout=20,
     )
     assert proc.returncode == 0, proc.stderr or "torch was imported"
+
+
+class ScalingJob:
+    """What ``_wait_scaling`` uses of a LocalJob: three running workers, one of which
+    has already handed over (the coordinator no longer has it) but not yet exited."""
+
+    def __init__(self) -> None:
+        self.running = [0, 1, 2]
+        self.retired: list[int] = []
+        self.polls = 0
+
+    def worker_id(self, index: int) -> str:
+        return f"w{index}"
+
+    def retire_worker(self) -> int:
+        self.retired.append(self.running.pop())
+        return self.retired[-1]
+
+    def add_worker(self) -> int:
+        raise AssertionError("not asked to add")
+
+    def poll(self) -> object:
+        self.polls += 1
+        if self.polls == 1:
+            os.kill(os.getpid(), signal.SIGUSR2)  # `kill -USR2 <launcher>` right now
+        return "done" if self.polls > 3 else None
+
+
+@pytest.mark.parametrize(("departed", "retired"), [(set(), [2]), ({"w1"}, [])])
+def test_a_retirement_counts_members_not_processes(departed, retired, capsys):
+    """--min-nproc 2 with three processes: a retire request goes ahead, unless one of
+    the three has handed over already (still exiting): then the job is at 2 members."""
+    from argparse import Namespace
+
+    from coordinator.commands.run import _wait_scaling
+
+    job = ScalingJob()
+    args = Namespace(nproc=3, min_nproc=2, max_nproc=4)
+    assert _wait_scaling(job, args, lambda: departed) == "done"
+    assert job.retired == retired
+    assert ("already at 2 workers" in capsys.readouterr().err) == (not retired)

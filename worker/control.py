@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from coordinator.client import ClientConfig, CoordinatorClient, CoordinatorError
-from coordinator.config import ADDRESS_ENV
+from coordinator.config import ADDRESS_ENV, WORKER_ID_ENV
 from coordinator.messages import Generation, WorkerInfo, WorkerReport
 from worker.compat import abort_default_group
 from worker.inventory import Inventory
@@ -36,7 +37,6 @@ __all__ = ["ControlPlane", "coordinator_address"]
 
 logger = logging.getLogger(__name__)
 
-WORKER_ID_ENV = "ZEROPLANE_WORKER_ID"
 HOST_ENV = "ZEROPLANE_HOST"
 TIMEOUT_ENV = "ZEROPLANE_COLLECTIVE_TIMEOUT_S"
 # how long members holding the job's state wait for the coordinator's next
@@ -84,10 +84,17 @@ _STOP_POLL_S = 0.2
 _WAIT_REPORT_S = 30.0
 # how often a rank meeting the others at a generation's store looks again
 _MEET_POLL_S = 0.1
+_EXCEPTHOOK = sys.excepthook  # as it was before any process group
 
 
 class LeftBeforeAdmission(Exception):
     """The worker was told to stop while it waited for a rank, and left."""
+
+
+class JobFinished(LeftBeforeAdmission):
+    """The job's members ended training before this worker formed a group with
+    them ([Note: a finishing job] in coordinator/membership.py): it left, and has
+    nothing to do."""
 
 
 @dataclass
@@ -154,6 +161,9 @@ class ControlPlane:
                 break
             except TimeoutError:
                 pass
+            if client.job_finished:
+                client.close(leave=True, reason="the job finished before it was admitted")
+                raise JobFinished(info.worker_id)
             if stop():
                 client.close(leave=True, reason="stopped before being admitted")
                 raise LeftBeforeAdmission(info.worker_id)
@@ -200,6 +210,9 @@ class ControlPlane:
             if store is None:
                 continue  # superseded: self.generation is the newer one
             try:
+                # torch wraps sys.excepthook at each init to prefix tracebacks with the
+                # rank: one wrapper, with this generation's rank, not one per generation
+                sys.excepthook = _EXCEPTHOOK
                 dist.init_process_group(
                     self.backend,
                     store=dist.PrefixStore(f"zeroplane/{gen.id}", store),
@@ -238,7 +251,7 @@ class ControlPlane:
         counted = False
         while True:
             try:
-                if store is None:
+                if store is None and (rank == 0 or _listening(host, int(port))):
                     store = dist.TCPStore(
                         host,
                         int(port),
@@ -247,15 +260,19 @@ class ControlPlane:
                         timeout=timedelta(seconds=_MEET_POLL_S * 10),
                         wait_for_workers=False,
                     )
-                if not counted:
-                    store.add(key, 1)
-                    counted = True
-                if store.add(key, 0) >= gen.world_size:
-                    store.set_timeout(self.timeout)
-                    return store
+                if store is not None:
+                    if not counted:
+                        store.add(key, 1)
+                        counted = True
+                    if store.add(key, 0) >= gen.world_size:
+                        store.set_timeout(self.timeout)
+                        return store
             except (RuntimeError, dist.DistError) as exc:  # no store (yet), or it went away
                 logger.debug("generation %d: meeting at its store: %s", gen.id, exc)
                 store, counted = (None, False) if rank != 0 else (store, counted)
+            if self.client.job_finished:
+                self.client.close(leave=True, reason="the job finished before it formed a group")
+                raise JobFinished(self.client.worker_id)
             newer = self._newest_for_me(gen)
             if newer is not None:
                 logger.info("generation %d superseded by %d before it formed", gen.id, newer.id)
@@ -359,5 +376,16 @@ class ControlPlane:
         except (CoordinatorError, ValueError, RuntimeError) as exc:  # ValueError: closed
             logger.debug("final report not sent: %s", exc)
 
-    def close(self, *, leave: bool = True) -> None:
-        self.client.close(leave=leave)
+    def close(self, *, leave: bool = True, reason: str = "") -> None:
+        self.client.close(leave=leave, reason=reason)
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether something accepts connections at ``host:port``. A quiet probe before
+    connecting a TCPStore client: torch logs every refused attempt with a C++ stack
+    trace, and rank 0 may start its store a moment after the others look for it."""
+    try:
+        with socket.create_connection((host, port), timeout=_MEET_POLL_S * 10):
+            return True
+    except OSError:
+        return False

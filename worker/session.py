@@ -44,6 +44,7 @@ import enum
 import functools
 import logging
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -55,12 +56,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from coordinator.messages import Generation
+from coordinator.messages import FINISHED, Generation
 from worker import elastic
 from worker.ballot import BoundaryVote
 from worker.collectives import CollectiveError, Collectives
 from worker.config import ZeroConfig
-from worker.control import ControlPlane, LeftBeforeAdmission, coordinator_address
+from worker.control import ControlPlane, JobFinished, LeftBeforeAdmission, coordinator_address
 from worker.engine import (
     OptimizerArg,
     ZeroEngine,
@@ -148,11 +149,14 @@ def _report(control: ControlPlane, engine: ZeroEngine) -> None:
 
 
 def _report_at_exit(control: ControlPlane, engine_ref: weakref.ref[ZeroEngine]) -> None:
-    """At interpreter exit, the coordinator's last view of this rank is its last step."""
+    """At interpreter exit, the coordinator's last view of this rank is its last step;
+    a script that ends without an uncaught exception has finished training."""
     engine = engine_ref()
     if engine is not None and engine.membership is not None:
         _report(control, engine)
         control.final_report()
+        if getattr(sys, "last_value", None) is None:  # set when a traceback was printed
+            control.close(leave=True, reason=FINISHED)
 
 
 def _after_loss(gen: Generation) -> bool:
@@ -293,7 +297,7 @@ class AttachedSession(_FinalReport):
 
     def close(self) -> None:
         self._forget_exit(send=True)
-        self.control.close(leave=True)
+        self.control.close(leave=True, reason=FINISHED)
 
 
 class ElasticSession(_FinalReport):
@@ -307,6 +311,9 @@ class ElasticSession(_FinalReport):
         self.replica: elastic.Replica | None = None
         # the generation whose membership this rank's shards belong to
         self.held_generation: int | None = None
+        # between the two exchanges of a leave and a join in one generation: what
+        # this survivor was handed (the whole job, over the survivors) and its id
+        self.handed: tuple[elastic.StateId, elastic.Handover] | None = None
 
     def _to(self, phase: Phase) -> None:
         if phase not in _TRANSITIONS[self.phase]:
@@ -344,14 +351,17 @@ class ElasticSession(_FinalReport):
                 stop=lambda: session.leave_requested,
                 stage=config.stage,
             )
-        except LeftBeforeAdmission:
-            logger.info("SIGTERM before this worker was given a rank: left the job")
+            session.control = control
+            control.init_process_group()  # the generation formed may be newer than the first
+        except LeftBeforeAdmission as exc:
+            if isinstance(exc, JobFinished):
+                logger.info("the job finished before this worker joined it: nothing to do")
+            else:
+                logger.info("SIGTERM before this worker was given a rank: left the job")
             if metrics is not None:
                 metrics.close()
             session._to(Phase.LEFT)
             raise SystemExit(0) from None
-        session.control = control
-        control.init_process_group()  # the generation formed may be newer than the first
         gen = control.generation
         config = _planned(config, gen, control.rank)
         # after the job's first generation a new process holds nothing
@@ -463,9 +473,11 @@ class ElasticSession(_FinalReport):
         )
 
     def close(self) -> None:
-        self._forget_exit(send=self.phase is Phase.MEMBER)
+        member = self.phase is Phase.MEMBER
+        self._forget_exit(send=member)
         if self.phase is not Phase.LEFT and self.control is not None:
-            self.control.close(leave=True)
+            # a member closing its engine has ended training ([Note: a finishing job])
+            self.control.close(leave=True, reason=FINISHED if member else "")
         self.phase = Phase.LEFT
 
     # ------------------------------------------------------------ membership changes
@@ -499,7 +511,10 @@ class ElasticSession(_FinalReport):
             self._recover_in_formed(engine, gen)
         if gen.world_size > len(survivor_ids):
             # workers admitted in the same generation: pass them their shards of what
-            # the survivors were just handed (they run the join exchange)
+            # the survivors were just handed (they run the join exchange). Should a
+            # newcomer die meanwhile, that hand-over is whole: recovery starts from it.
+            me = survivors.index(engine.rank)
+            self.handed = ((gen.id, me, len(survivors)), handover)
             handover = elastic.exchange(
                 engine.state,
                 holds_state=True,
@@ -509,7 +524,7 @@ class ElasticSession(_FinalReport):
                 counters=handover.counters,
             )
         engine.adopt(handover, Collectives(None))
-        self.held_generation = gen.id
+        self.held_generation, self.handed = gen.id, None
         logger.info("rank %d left; now rank %d of %d", leaving, engine.rank, engine.world_size)
 
     def _grow_to(self, engine: ZeroEngine, gen: Generation) -> None:
@@ -537,6 +552,8 @@ class ElasticSession(_FinalReport):
 
     def _live(self, engine: ZeroEngine) -> elastic.StateId | None:
         """Whose state this rank's shards are, while whole ([Note: recovery sources])."""
+        if self.handed is not None:
+            return self.handed[0]
         if self.held_generation is None or not engine.state.whole:
             return None
         return (self.held_generation, engine.rank, engine.world_size)
@@ -567,17 +584,22 @@ class ElasticSession(_FinalReport):
         members = list(range(gen.world_size))
         if plan.source == "live":
             sends = live is not None and live[0] == plan.generation
+            handed, self.handed = self.handed, None
+            entries: elastic.Entries | None = None if sends else {}
+            if sends and handed is not None:  # a hand-over this rank had not adopted yet
+                entries = handed[1].entries
             handover = elastic.exchange(
                 engine.state,
                 holds_state=sends,
                 via=None,
                 new_members=members,
-                entries=None if sends else {},
+                entries=entries,
+                counters=None if handed is None else handed[1].counters,
             )
             engine.adopt(handover, comm)
             source = "live state, nothing rolled back"
         elif plan.source == "replica":
-            entries: elastic.Entries = {}
+            entries = {}
             if replica is not None:
                 entries = dict(replica.own)
                 if replica.neighbour_rank in plan.lost:

@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
                     flush=True,
                 )
         with _progress(args) as display, _follow(display, lambda: _live_status(services)) as tick:
-            result = _wait_scaling(job, args, tick)
+            result = _wait_scaling(job, args, lambda: _departed(services), tick=tick)
         # read before the embedded coordinator stops with the job
         status, reports = _final_status(services)
     if not result.ok:
@@ -285,9 +285,35 @@ def _final_status(
     return None, {}
 
 
-def _wait_scaling(job: LocalJob, args: argparse.Namespace, tick: Callable[[], None]) -> JobResult:
+def _departed(services: Sequence[object]) -> set[str]:
+    """Workers that left the embedded coordinator (handed over, or dropped) and hold
+    no lease now, whether or not their process has exited yet."""
+    for service in services:
+        server = getattr(service, "server", None)
+        if server is not None:
+            try:
+                status = server.status()
+            except Exception as exc:  # stopping: count processes only
+                logger.debug("no status: %s", exc)
+                return set()
+            gone = {e.worker_id for e in status.events if e.kind in ("left", "expired")}
+            return gone - {w.info.worker_id for w in status.workers}
+    return set()
+
+
+def _wait_scaling(
+    job: LocalJob,
+    args: argparse.Namespace,
+    departed: Callable[[], set[str]] = set,
+    *,
+    tick: Callable[[], None] = lambda: None,
+) -> JobResult:
     """Wait for the job, adding (SIGUSR1) or retiring (SIGUSR2) workers on request,
-    and ``tick`` the progress display as it goes."""
+    and ``tick`` the progress display as it goes.
+
+    A retirement counts members, not processes: a worker told to leave, or one
+    that has handed over (``departed``: the coordinator no longer has it) and is
+    still exiting, does not count towards ``--min-nproc``."""
     low = args.nproc if args.min_nproc is None else args.min_nproc
     high = args.nproc if args.max_nproc is None else args.max_nproc
     if low == high:
@@ -315,7 +341,7 @@ def _wait_scaling(job: LocalJob, args: argparse.Namespace, tick: Callable[[], No
                         job.add_worker()
                     else:
                         print(f"zeroplane run: already at {high} workers", file=sys.stderr)
-                elif n > low:
+                elif len(set(map(job.worker_id, job.running)) - departed()) > low:
                     job.retire_worker()
                 else:
                     print(f"zeroplane run: already at {low} workers", file=sys.stderr)

@@ -114,12 +114,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation_id", "lease_remaining_s")
+    __slots__ = ("generation_id", "lease_remaining_s", "job_finished")
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
     generation_id: int
     lease_remaining_s: float
-    def __init__(self, generation_id: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ...) -> None: ...
+    job_finished: bool
+    def __init__(self, generation_id: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., job_finished: _Optional[bool] = ...) -> None: ...
 
 class WatchGenerationsRequest(_message.Message):
     __slots__ = ("worker_id", "after_generation_id")
@@ -334,20 +336,24 @@ class StatusResponse(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., waiting_reason: _Optional[str] = ..., generation_id: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., rendezvous_endpoint: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., settings: _Optional[_Union[MembershipSettings, _Mapping]] = ..., trainable_numel: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., server_version: _Optional[str] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class PersistedState(_message.Message):
-    __slots__ = ("format_version", "inventory", "generation", "members", "epoch", "inventory_digest")
+    __slots__ = ("format_version", "inventory", "generation", "members", "epoch", "inventory_digest", "left", "finished_by")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_BY_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     inventory: _containers.RepeatedCompositeFieldContainer[ParamInfo]
     generation: Generation
     members: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     epoch: str
     inventory_digest: str
-    def __init__(self, format_version: _Optional[int] = ..., inventory: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ..., members: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., epoch: _Optional[str] = ..., inventory_digest: _Optional[str] = ...) -> None: ...
+    left: _containers.RepeatedScalarFieldContainer[str]
+    finished_by: str
+    def __init__(self, format_version: _Optional[int] = ..., inventory: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ..., members: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., epoch: _Optional[str] = ..., inventory_digest: _Optional[str] = ..., left: _Optional[_Iterable[str]] = ..., finished_by: _Optional[str] = ...) -> None: ...
 
 class PersistedInventory(_message.Message):
     __slots__ = ("params",)
