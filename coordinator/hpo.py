@@ -47,7 +47,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -198,11 +198,11 @@ def _show(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def _read(status: Any) -> tuple[int, float | None, str | None]:
-    """The job's newest step, the mean loss over the ranks at it, and the newest
-    checkpoint directory any rank reported."""
-    # every worker the coordinator knows, those that just finished and left included
-    reports = [w.report for w in status.workers if w.report is not None]
+def _read(reports: Iterable[Any]) -> tuple[int, float | None, str | None]:
+    """From every worker's last report (those that finished and left included): the
+    job's newest step, the mean loss over the ranks at it, and the newest checkpoint
+    directory any rank reported."""
+    reports = list(reports)
     if not reports:
         return 0, None, None
     step = max(r.step for r in reports)
@@ -279,7 +279,7 @@ def run_trial(config: dict[str, Any], spec: HpoSpec) -> None:
                 done = True
             except TimeoutError:
                 done = False
-            step, loss, saved = _read(job.status())
+            step, loss, saved = _read(job.last_reports().values())
             if step > last_step and loss is not None:
                 staged = _stage_checkpoint(saved, root, last_checkpoint)
                 # "step" is ASHA's clock: it only moves forward (a resumed trial

@@ -388,7 +388,7 @@ def _run_on_ray(args: argparse.Namespace, command: tuple[str, ...]) -> int:
         for s in (signal.SIGUSR1, signal.SIGUSR2)
     }
     try:
-        read = lambda: (job.status(), None)  # noqa: E731 - the members' reports are in it
+        read = lambda: (job.status(), job.last_reports())  # noqa: E731
         with job, _progress(args) as display, _follow(display, read) as tick:
             while True:
                 try:
