@@ -271,6 +271,19 @@ def run_trial(config: dict[str, Any], spec: HpoSpec) -> None:
             grace_s=5.0,
         )
     )
+    try:
+        result = _follow_job(job, root, spec)
+    finally:
+        if spec.checkpoint_root is None:  # a temporary place: Tune holds the copies
+            shutil.rmtree(root, ignore_errors=True)
+    if not result.ok:
+        raise RuntimeError(f"the trial's zeroplane job failed: {result.message}")
+
+
+def _follow_job(job: Any, root: Path, spec: HpoSpec) -> Any:
+    """Run the trial's job to its end, reporting its loss and checkpoints to Tune."""
+    from ray import tune
+
     last_step, last_checkpoint = 0, None
     with job:
         while True:
@@ -293,9 +306,7 @@ def run_trial(config: dict[str, Any], spec: HpoSpec) -> None:
                     shutil.rmtree(staged, ignore_errors=True)  # Tune has its copy now
                 last_step = step
             if done:
-                break
-    if not result.ok:
-        raise RuntimeError(f"the trial's zeroplane job failed: {result.message}")
+                return result
 
 
 def search(spec: HpoSpec) -> HpoResult:
