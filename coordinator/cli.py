@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
-COMMANDS = ("demo", "run", "plan", "status", "coordinator", "submit", "checkpoint")
+COMMANDS = ("demo", "run", "plan", "tune", "hpo", "status", "coordinator", "submit", "checkpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -374,6 +374,10 @@ class RayJob:
         """The coordinator's view of the job (in process, no RPC)."""
         return self._coordinator.server.status()
 
+    def last_reports(self) -> dict[str, Any]:
+        """Every worker's last report, those that left included (in process, no RPC)."""
+        return self._coordinator.server.last_reports()
+
     # ---- monitoring ---------------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> RayJobResult:

@@ -144,6 +144,8 @@ class WorkerReport:
     tokens: int = 0
     # The directory of the last checkpoint this rank saved ("" if none).
     checkpoint: str = ""
+    # The optimizer steps the script means to train for (engine.progress(total=)).
+    total_steps: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.checkpoint) > 4096:
@@ -160,6 +162,8 @@ class WorkerReport:
             _check_range(f"WorkerReport.{name}", getattr(self, name), 0, MAX_COUNT)
         if self.loss is not None and not math.isfinite(self.loss):
             raise ValueError("WorkerReport.loss must be finite")
+        if self.total_steps is not None:
+            _check_range("WorkerReport.total_steps", self.total_steps, 1, MAX_COUNT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -476,6 +480,7 @@ def report_to_proto(report: WorkerReport) -> pb.WorkerReport:
         samples=report.samples,
         tokens=report.tokens,
         checkpoint=report.checkpoint,
+        total_steps=report.total_steps,
     )
 
 
@@ -490,6 +495,7 @@ def report_from_proto(msg: pb.WorkerReport) -> WorkerReport:
         samples=msg.samples,
         tokens=msg.tokens,
         checkpoint=msg.checkpoint,
+        total_steps=msg.total_steps if msg.HasField("total_steps") else None,
     )
 
 

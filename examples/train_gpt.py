@@ -106,6 +106,7 @@ def main() -> None:
     loader = StepLoader(
         dataset, LoaderConfig(global_batch=args.global_batch, seed=0), device=device
     ).attach(engine)
+    engine.progress(total=args.steps)  # zeroplane run shows step / total and an ETA
     # A worker that joined a running job got its shards from the members (global_steps
     # > 0); loading the checkpoint alone would be a collective the others are not in.
     if args.checkpoint and (args.checkpoint / "latest").exists() and engine.global_steps == 0:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +16,6 @@ from coordinator.commands import demo as demo_cmd
 from coordinator.commands.demo import (
     DemoError,
     DemoOptions,
-    ProgressDisplay,
     StageResult,
     render_table,
     run_demo,
@@ -68,45 +65,6 @@ def test_parse_stages():
     assert demo_cmd._parse_stages("3,0") == (3, 0)
     with pytest.raises(Exception, match="stages"):
         demo_cmd._parse_stages("1,5")
-
-
-def test_progress_reader_reports_steps_every_rank_finished(tmp_path):
-    reader = demo_cmd._ProgressReader(tmp_path, 2)
-    assert reader.poll() == []
-    rec = {"step": 1, "loss": 4.0, "step_s": 0.1}
-    (tmp_path / "rank0.progress.jsonl").write_text(json.dumps(rec) + "\n")
-    assert reader.poll() == []  # rank 1 has not reported step 1
-    with (tmp_path / "rank1.progress.jsonl").open("w") as f:
-        f.write(json.dumps(rec | {"loss": 2.0, "step_s": 0.3}) + "\n")
-        f.write('{"step": 2, "lo')  # a line still being written
-    assert reader.poll() == [(1, 3.0, 0.3)]
-    with (tmp_path / "rank1.progress.jsonl").open("a") as f:
-        f.write('ss": 1.0, "step_s": 0.2}\n')
-    with (tmp_path / "rank0.progress.jsonl").open("a") as f:
-        f.write(json.dumps({"step": 2, "loss": 3.0, "step_s": 0.1}) + "\n")
-    assert reader.poll() == [(2, 2.0, 0.2)]
-
-
-def test_progress_display_plain_and_terminal():
-    plain = io.StringIO()
-    display = ProgressDisplay(plain, interactive=False)
-    for step in range(1, 9):
-        display.update(1, step, 8, 3.0, 0.05)
-    lines = plain.getvalue().splitlines()
-    assert [line.split("step")[1].split()[0] for line in lines] == [
-        "1/8",
-        "2/8",
-        "4/8",
-        "6/8",
-        "8/8",
-    ]
-    assert "loss  3.000" in lines[-1] and "50.0 ms/step" in lines[-1]
-
-    tty = io.StringIO()
-    display = ProgressDisplay(tty, interactive=True)
-    display.update(2, 1, 2, 3.0, 0.05)
-    display.update(2, 2, 2, 2.5, 0.05)
-    assert tty.getvalue().count("\r") == 2 and "\n" not in tty.getvalue()
 
 
 def _result(stage: int, numel: int = 2**20, n: int = 2) -> StageResult:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from coordinator.dsjson import to_deepspeed
+
 __all__ = ["Precision", "ZeroConfig"]
 
 logger = logging.getLogger(__name__)
@@ -246,6 +248,10 @@ class ZeroConfig:
         DeepSpeed's own default is null (``gradient_accumulation_steps``,
         ``zero_optimization.overlap_comm``): there it means unset.
 
+        A top-level ``"zeroplane"`` dict (what :meth:`to_deepspeed` writes for fields
+        DeepSpeed has no key for, such as ``compression``; DeepSpeed does not read
+        it) sets those ZeroConfig fields by name; a name that is not a field raises.
+
         A top-level ``activation_checkpointing`` dict sets
         ``activation_checkpointing="units"``; its keys that tune DeepSpeed's
         own implementation are logged as ignored, and ``cpu_checkpointing:
@@ -269,6 +275,25 @@ class ZeroConfig:
             if source is None or error.field in overrides:
                 raise
             raise ValueError(f"{error} (read from DeepSpeed key {source!r})") from None
+
+    def as_dict(self, *, changed_only: bool = False) -> dict[str, Any]:
+        """The fields by name (``ZeroConfig(**d)`` rebuilds it): JSON-ready unless
+        ``activation_checkpointing`` is a callable. ``changed_only``: only fields that
+        differ from the defaults."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if changed_only:
+            values = {k: v for k, v in values.items() if v != _DEFAULTS[k]}
+        return values
+
+    def to_deepspeed(
+        self, *, micro_batch: int | None = None, world_size: int | None = None
+    ) -> dict[str, Any]:
+        """This config as a DeepSpeed JSON config; ``from_deepspeed`` reads it back to
+        an equal ZeroConfig. Fields DeepSpeed has no key for (compression, ...) go in
+        a ``"zeroplane"`` section that DeepSpeed does not read (coordinator/dsjson.py).
+        ``micro_batch`` (and ``world_size``) add DeepSpeed's batch-size keys."""
+        fields_ = {"stage": self.stage, "dtype": self.dtype} | self.as_dict(changed_only=True)
+        return to_deepspeed(fields_, micro_batch=micro_batch, world_size=world_size)
 
     def replace(self, **changes: Any) -> ZeroConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -489,6 +514,8 @@ class _DeepSpeedReader:
                     self.set(key, key, _raw_number(key, value))
             elif key == "activation_checkpointing":
                 self.activation_section(value)
+            elif key == "zeroplane":
+                self.zeroplane_section(value)
             elif key in _DS_IGNORED_TOP:
                 self.ignored.append(key)
             else:
@@ -609,6 +636,17 @@ class _DeepSpeedReader:
             else:
                 self.unsupported.append(key)
 
+    def zeroplane_section(self, section: Any) -> None:
+        """ZeroConfig fields DeepSpeed has no key for, as ``to_deepspeed`` writes them."""
+        if not isinstance(section, Mapping):
+            raise ValueError(f"DeepSpeed config 'zeroplane' must be a dict, got {section!r}")
+        names = {f.name for f in fields(ZeroConfig)}
+        for sub, value in section.items():
+            if sub not in names:
+                self.unsupported.append(f"zeroplane.{sub}")
+            elif sub not in self.overrides:
+                self.set(sub, f"zeroplane.{sub}", value)
+
     def activation_section(self, section: Any) -> None:
         if not isinstance(section, Mapping):
             raise ValueError(
@@ -624,6 +662,9 @@ class _DeepSpeedReader:
                 self.ignored.append(key)
             else:
                 self.unsupported.append(key)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(ZeroConfig)}
 
 
 def _precision_choice(

@@ -350,6 +350,7 @@ class ControlPlane:
         samples: int = 0,
         tokens: int = 0,
         checkpoint: str = "",
+        total_steps: int | None = None,
     ) -> None:
         self._reported_at = time.monotonic()
         self.client.set_report(
@@ -363,6 +364,7 @@ class ControlPlane:
                 samples=samples,
                 tokens=tokens,
                 checkpoint=checkpoint,
+                total_steps=total_steps,
             )
         )
 

@@ -8,13 +8,12 @@ the shipped corpus (``worker/data/corpus.txt.gz``), read through
 :class:`worker.data.StepLoader` (each step's batch prepared ahead in a
 background thread).
 
-Each rank reports to the parent through files in ``--out`` (JSON, never pickle):
-
-* ``rank{R}.progress.jsonl``: one line per step, ``{"step", "loss", "step_s"}``;
-* ``rank{R}.json``: written once at the end (atomically), with the model's
-  trainable element count, ``engine.memory_report()``, the collectives of the
-  training steps (``engine.comm_report()`` less the setup's) and every step's
-  loss and time.
+Its progress reaches the parent as any job's does: through the coordinator
+(``engine.progress(total=steps)``, ``engine.step(samples=, tokens=)``). Each rank
+also writes ``rank{R}.json`` in ``--out`` once at the end (atomically, JSON, never
+pickle), with the model's trainable element count, ``engine.memory_report()``,
+the collectives of the training steps (``engine.comm_report()`` less the
+setup's) and every step's loss and time.
 """
 
 from __future__ import annotations
@@ -155,11 +154,6 @@ def sample_batch(
     return x, y
 
 
-def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def _write_json(path: Path, record: dict[str, Any]) -> None:
     # Write then rename, so the parent never reads half a file.
     tmp = path.with_suffix(".tmp")
@@ -197,9 +191,8 @@ def train(cfg: DemoConfig, out: Path) -> dict[str, Any]:
             f"world size ({world_size})"
         )
 
+    engine.progress(total=cfg.steps)  # the launcher's progress line: step / total, ETA
     setup_comm = engine.comm_report()  # the initial broadcast is not part of a step
-    progress = out / f"rank{rank}.progress.jsonl"
-    progress.unlink(missing_ok=True)
     losses: list[float] = []
     step_times: list[float] = []
     loader = make_loader(data, cfg)
@@ -208,11 +201,10 @@ def train(cfg: DemoConfig, out: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
-        engine.step()
+        engine.step(samples=x.shape[0], tokens=x.numel())
         dt = time.perf_counter() - t0
         losses.append(float(loss.detach()))
         step_times.append(dt)
-        _append_jsonl(progress, {"step": step + 1, "loss": losses[-1], "step_s": dt})
 
     report = {
         "rank": rank,

@@ -279,6 +279,14 @@ class ZeroEngine:
         """
         return self.stats.mean_loss()
 
+    def progress(self, *, total: int) -> None:
+        """Say how many optimizer steps this job means to train for: the launcher's
+        progress display (``zeroplane run``) shows step / total and an ETA. Sent to
+        the coordinator with this rank's reports; no effect without one."""
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise ValueError(f"engine.progress(total=...) must be an integer >= 1, got {total!r}")
+        self.stats.total_steps = total
+
     @property
     def micro_steps(self) -> int:
         return self.state.micro_steps

@@ -144,6 +144,7 @@ def _report(control: ControlPlane, engine: ZeroEngine) -> None:
         samples=engine.stats.samples,
         tokens=engine.stats.tokens,
         checkpoint="" if engine.last_checkpoint is None else str(engine.last_checkpoint.resolve()),
+        total_steps=engine.stats.total_steps,
     )
 
 

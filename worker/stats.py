@@ -67,6 +67,9 @@ class StepStats:
     changes: dict[str, int] = field(default_factory=dict)
     pause_seconds: dict[str, float] = field(default_factory=dict)
     _window_start: float | None = None
+    # The optimizer steps the script means to train for (``engine.progress(total=)``),
+    # for the launcher's progress display; None: unknown.
+    total_steps: int | None = None
 
     def record_pause(self, kind: str, seconds: float) -> None:
         self.changes[kind] = self.changes.get(kind, 0) + 1

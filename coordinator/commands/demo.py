@@ -2,13 +2,15 @@
 
 For each stage in turn it launches ``--nproc`` local workers of
 ``python -m worker.demo`` through :class:`~coordinator.launch.LocalJob`, shows
-their progress (step, loss, step time), and ends with a table that puts the
+their progress with the display ``zeroplane run`` uses (coordinator/progress.py:
+step / total, loss, tokens/s, step time, ETA, read from the workers' reports to
+the stage's embedded coordinator), and ends with a table that puts the
 model-state bytes each rank measured (``engine.memory_report()``) beside the
 planner's prediction (:func:`coordinator.memory.model_state_bytes`) and the
 stage-0 baseline. Every stage uses the same seed, so the losses are comparable.
 
-Workers report through JSON files in a temporary directory; this module never
-imports torch.
+Workers leave their final reports as JSON files in a temporary directory; this
+module never imports torch.
 """
 
 from __future__ import annotations
@@ -24,23 +26,22 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 from coordinator.launch import JobResult, LaunchSpec, LocalJob, forward_signals, prefix_lines
 from coordinator.memory import model_state_bytes
+from coordinator.progress import ProgressDisplay, ProgressSample, ProgressTracker
 
 __all__ = [
     "DemoError",
     "DemoOptions",
-    "ProgressDisplay",
     "StageResult",
     "add_parser",
     "render_table",
     "run_demo",
 ]
 
-# (stage, step, steps, mean loss over ranks, slowest rank's step seconds)
-ProgressHandler = Callable[[int, int, int, float, float], None]
+ProgressHandler = Callable[[ProgressSample], None]
 
 MIB = 1024 * 1024
 
@@ -133,41 +134,6 @@ class DemoError(RuntimeError):
         self.interrupted = interrupted
 
 
-class _ProgressReader:
-    """Follows every rank's progress file; reports a step once all ranks have done it."""
-
-    def __init__(self, out: Path, world_size: int) -> None:
-        self._paths = [out / f"rank{r}.progress.jsonl" for r in range(world_size)]
-        self._offsets = [0] * world_size
-        self._pending: list[str] = [""] * world_size
-        self._steps: list[dict[int, tuple[float, float]]] = [{} for _ in range(world_size)]
-        self._reported = 0
-
-    def poll(self) -> list[tuple[int, float, float]]:
-        for r, path in enumerate(self._paths):
-            try:
-                with path.open() as f:
-                    f.seek(self._offsets[r])
-                    chunk = f.read()
-                    self._offsets[r] = f.tell()
-            except FileNotFoundError:
-                continue
-            text = self._pending[r] + chunk
-            *lines, self._pending[r] = text.split("\n")  # keep a partial last line
-            for line in lines:
-                if line.strip():
-                    rec = json.loads(line)
-                    self._steps[r][int(rec["step"])] = (float(rec["loss"]), float(rec["step_s"]))
-        new: list[tuple[int, float, float]] = []
-        while all(self._reported + 1 in s for s in self._steps):
-            step = self._reported + 1
-            per_rank = [s[step] for s in self._steps]
-            loss = statistics.fmean(x[0] for x in per_rank)
-            new.append((step, loss, max(x[1] for x in per_rank)))
-            self._reported = step
-        return new
-
-
 def _worker_command(options: DemoOptions, stage: int, out: Path) -> tuple[str, ...]:
     return (
         sys.executable,
@@ -236,22 +202,34 @@ def _run_stage(
         stage=str(stage),
         grace_s=options.grace_s,
     )
-    reader = _ProgressReader(out, options.nproc)
     t0 = time.monotonic()
     # imported here: the gRPC server is only needed when this process hosts it
     from coordinator.server import EmbeddedCoordinator
 
     coordinator = EmbeddedCoordinator.for_local_job(options.nproc, stage)
     job = LocalJob(spec, on_line=on_line, services=(coordinator,))
+    tracker = ProgressTracker(f"stage {stage}")
+
+    def show() -> None:
+        # the coordinator's view now, or its last one once the stage is over
+        view = coordinator.final
+        if view is None and coordinator.server is not None:
+            view = (coordinator.server.status(), coordinator.server.last_reports())
+        if on_progress is not None and view is not None:
+            on_progress(tracker.observe(*view)[0])
+
     result: JobResult | None = None
+    shown = 0.0
     with forward_signals(job), job:
         while result is None:
             result = job.poll()
-            for step, loss, step_s in reader.poll():
-                if on_progress is not None:
-                    on_progress(stage, step, options.steps, loss, step_s)
+            if result is None and time.monotonic() - shown >= 0.5:
+                shown = time.monotonic()
+                show()
             if result is None:
                 time.sleep(0.1)
+    if result.ok:
+        show()
     if not result.ok:
         raise DemoError(
             f"stage {stage}: {result.message}",
@@ -295,39 +273,6 @@ def run_demo(
 
 
 # -- rendering -----------------------------------------------------------------
-
-
-class ProgressDisplay:
-    """Per-stage progress: one line rewritten in place on a terminal, a few lines otherwise."""
-
-    def __init__(self, stream: IO[str], *, interactive: bool | None = None) -> None:
-        self._stream = stream
-        self._tty = stream.isatty() if interactive is None else interactive
-        self._width = 0
-
-    def update(self, stage: int, step: int, steps: int, loss: float, step_s: float) -> None:
-        filled = round(20 * step / steps)
-        line = (
-            f"stage {stage}  [{'#' * filled}{'.' * (20 - filled)}]  step {step:>{len(str(steps))}}"
-            f"/{steps}  loss {loss:6.3f}  {step_s * 1e3:7.1f} ms/step"
-        )
-        if self._tty:
-            pad = " " * max(0, self._width - len(line))
-            self._stream.write(f"\r{line}{pad}")
-            self._width = len(line)
-        elif step == 1 or step == steps or step % max(1, steps // 4) == 0:
-            self._stream.write(line + "\n")
-        self._stream.flush()
-
-    def stage_done(self, result: StageResult) -> None:
-        if self._tty:
-            self._stream.write("\n")
-            self._width = 0
-        self._stream.write(
-            f"stage {result.stage}  done in {result.wall_s:.1f}s, final loss "
-            f"{result.final_loss:.3f}\n"
-        )
-        self._stream.flush()
 
 
 def _mib(n: float) -> str:
@@ -462,21 +407,29 @@ def demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"zeroplane demo: {exc}", file=sys.stderr)
         return 2
-    display = ProgressDisplay(sys.stdout)
     print(
         f"zeroplane demo: {options.nproc} worker(s), stages "
-        f"{','.join(map(str, options.stages))}, {options.steps} steps each, {options.dtype}"
+        f"{','.join(map(str, options.stages))}, {options.steps} steps each, {options.dtype}",
+        flush=True,
     )
     t0 = time.monotonic()
-    try:
-        results = run_demo(
-            options,
-            on_progress=display.update,
-            on_line=prefix_lines() if getattr(args, "verbose", False) else None,
-            on_stage_done=display.stage_done,
+
+    def stage_done(result: StageResult) -> None:
+        display.finish(
+            f"stage {result.stage}",
+            f"stage {result.stage}  done in {result.wall_s:.1f}s, final loss "
+            f"{result.final_loss:.3f}",
         )
+
+    try:
+        with ProgressDisplay(sys.stdout) as display:
+            results = run_demo(
+                options,
+                on_progress=display.update,
+                on_line=prefix_lines() if getattr(args, "verbose", False) else None,
+                on_stage_done=stage_done,
+            )
     except DemoError as exc:
-        print(file=sys.stdout)
         if exc.output and not exc.interrupted:
             print("last worker output:", file=sys.stderr)
             print("\n".join(exc.output), file=sys.stderr)

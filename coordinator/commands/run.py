@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -10,12 +11,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from coordinator.commands.args import non_negative, seconds
 from coordinator.config import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
 from coordinator.launch import STAGE_CHOICES, JobResult, LaunchSpec, LocalJob, forward_signals
 from coordinator.messages import StatusReport, WorkerReport
+from coordinator.progress import ProgressDisplay, ProgressTracker, follow
 from coordinator.summary import JobSummary
 
 __all__ = ["add_parser", "run"]
@@ -125,6 +127,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="with --launcher ray: GPUs in each worker's placement-group bundle (default 0)",
     )
     parser.add_argument(
+        "--progress",
+        choices=("auto", "live", "plain", "off"),
+        default="auto",
+        help="the job's progress line (step/total, loss, tokens/s, step time, ETA, world "
+        "size, generation): live on a terminal, a plain line every --progress-interval "
+        "seconds otherwise (auto, the default), or off",
+    )
+    parser.add_argument(
+        "--progress-interval",
+        type=seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between plain progress lines (default 10)",
+    )
+    parser.add_argument(
         "--hold",
         action="store_true",
         help="once every worker has exited 0, stay up until SIGTERM (a Kubernetes "
@@ -194,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-        result = _wait_scaling(job, args, lambda: _departed(services))
+        with _progress(args) as display, _follow(display, lambda: _live_status(services)) as tick:
+            result = _wait_scaling(job, args, lambda: _departed(services), tick=tick)
         # read before the embedded coordinator stops with the job
         status, reports = _final_status(services)
     if not result.ok:
@@ -211,6 +229,42 @@ def run(args: argparse.Namespace) -> int:
     if result.ok and args.hold:
         _hold()
     return result.returncode
+
+
+def _progress(args: argparse.Namespace) -> ProgressDisplay | contextlib.nullcontext[None]:
+    if args.progress == "off":
+        return contextlib.nullcontext()
+    interactive = {"live": True, "plain": False}.get(args.progress)
+    return ProgressDisplay(interactive=interactive, interval_s=args.progress_interval)
+
+
+@contextlib.contextmanager
+def _follow(
+    display: ProgressDisplay | None,
+    read: Callable[[], tuple[StatusReport | None, dict[str, WorkerReport] | None]],
+) -> Iterator[Callable[[], None]]:
+    """A tick for the wait loop that shows the job's progress (a no-op without a display)."""
+    if display is None:
+        yield lambda: None
+        return
+    # membership events reach the terminal as the coordinator's log lines already
+    events = not logging.getLogger("coordinator.membership").isEnabledFor(logging.INFO)
+    with follow(display, ProgressTracker("job"), read, events=events) as tick:
+        yield tick
+
+
+def _live_status(
+    services: Sequence[object],
+) -> tuple[StatusReport | None, dict[str, WorkerReport] | None]:
+    """The embedded coordinator's view now (in process, no RPC); nothing otherwise."""
+    for service in services:
+        final = getattr(service, "final", None)  # the job is over: its last view
+        if final is not None:
+            return final
+        server = getattr(service, "server", None)
+        if server is not None:
+            return server.status(), server.last_reports()
+    return None, None
 
 
 def _final_status(
@@ -251,8 +305,11 @@ def _wait_scaling(
     job: LocalJob,
     args: argparse.Namespace,
     departed: Callable[[], set[str]] = set,
+    *,
+    tick: Callable[[], None] = lambda: None,
 ) -> JobResult:
-    """Wait for the job, adding (SIGUSR1) or retiring (SIGUSR2) workers on request.
+    """Wait for the job, adding (SIGUSR1) or retiring (SIGUSR2) workers on request,
+    and ``tick`` the progress display as it goes.
 
     A retirement counts members, not processes: a worker told to leave, or one
     that has handed over (``departed``: the coordinator no longer has it) and is
@@ -260,7 +317,10 @@ def _wait_scaling(
     low = args.nproc if args.min_nproc is None else args.min_nproc
     high = args.nproc if args.max_nproc is None else args.max_nproc
     if low == high:
-        return job.wait()
+        while (result := job.poll()) is None:
+            tick()
+            time.sleep(0.05)
+        return result
     requests: list[int] = []
     previous = {
         sig: signal.signal(sig, lambda signum, _: requests.append(signum))
@@ -285,6 +345,7 @@ def _wait_scaling(
                     job.retire_worker()
                 else:
                     print(f"zeroplane run: already at {low} workers", file=sys.stderr)
+            tick()
             time.sleep(0.1)
     finally:
         for sig, handler in previous.items():
@@ -327,13 +388,15 @@ def _run_on_ray(args: argparse.Namespace, command: tuple[str, ...]) -> int:
         for s in (signal.SIGUSR1, signal.SIGUSR2)
     }
     try:
-        with job:
+        read = lambda: (job.status(), job.last_reports())  # noqa: E731
+        with job, _progress(args) as display, _follow(display, read) as tick:
             while True:
                 try:
                     result = job.wait(timeout=0.1)
                     break
                 except TimeoutError:
                     pass
+                tick()
                 while requests:
                     step = 1 if requests.pop(0) == signal.SIGUSR1 else -1
                     try:

@@ -71,7 +71,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., generation_id: _Optional[int] = ..., reattached: _Optional[bool] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("model_state_bytes", "device_allocated_bytes", "device_reserved_bytes", "step", "applied_generation_id", "loss", "samples", "tokens", "checkpoint")
+    __slots__ = ("model_state_bytes", "device_allocated_bytes", "device_reserved_bytes", "step", "applied_generation_id", "loss", "samples", "tokens", "checkpoint", "total_steps")
     class ModelStateBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class WorkerReport(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     model_state_bytes: _containers.ScalarMap[str, int]
     device_allocated_bytes: int
     device_reserved_bytes: int
@@ -97,7 +98,8 @@ class WorkerReport(_message.Message):
     samples: int
     tokens: int
     checkpoint: str
-    def __init__(self, model_state_bytes: _Optional[_Mapping[str, int]] = ..., device_allocated_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ..., step: _Optional[int] = ..., applied_generation_id: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., checkpoint: _Optional[str] = ...) -> None: ...
+    total_steps: int
+    def __init__(self, model_state_bytes: _Optional[_Mapping[str, int]] = ..., device_allocated_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ..., step: _Optional[int] = ..., applied_generation_id: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., checkpoint: _Optional[str] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "generation_id", "report", "free_ports")

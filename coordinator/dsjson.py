@@ -1,0 +1,88 @@
+"""ZeroConfig fields as a DeepSpeed JSON config: the inverse of ``ZeroConfig.from_deepspeed``.
+
+One mapping, used by ``ZeroConfig.to_deepspeed()`` (worker/config.py) and by
+``zeroplane tune``, which writes its best configuration as both JSONs and is
+torch-free (so the mapping lives here, on the coordinator's side).
+
+Fields with a DeepSpeed key go under it (``zero_optimization.stage``,
+``reduce_bucket_size``, ``overlap_comm``, ``stage3_prefetch_bucket_size``,
+``bf16``/``fp16`` with the loss-scale settings, ``gradient_accumulation_steps``,
+``gradient_clipping``, ``activation_checkpointing``). Fields DeepSpeed has
+no key for (``compression``, ``reduce_dtype``, ``replica_interval``, ...) go
+under a top-level ``"zeroplane"`` section, which DeepSpeed does not read and
+``from_deepspeed`` reads back, so a round trip gives the same ZeroConfig.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["DS_PREFETCH_BUCKET", "to_deepspeed"]
+
+# what stage3_prefetch=1 is written as: DeepSpeed's own default (elements)
+DS_PREFETCH_BUCKET = 50_000_000
+
+_FP16_KEYS = (
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "min_loss_scale",
+)
+
+
+def to_deepspeed(
+    zero: Mapping[str, Any],
+    *,
+    micro_batch: int | None = None,
+    world_size: int | None = None,
+) -> dict[str, Any]:
+    """A DeepSpeed config for the ZeroConfig fields in ``zero`` (those not given are
+    ZeroConfig's defaults). ``micro_batch`` (and ``world_size``) add
+    ``train_micro_batch_size_per_gpu`` (and ``train_batch_size``)."""
+    rest = dict(zero)
+    ds: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    if micro_batch is not None:
+        ds["train_micro_batch_size_per_gpu"] = micro_batch
+        if world_size is not None:
+            accum = rest.get("gradient_accumulation_steps", 1)
+            ds["train_batch_size"] = micro_batch * accum * world_size
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):
+        if key in rest:
+            ds[key] = rest.pop(key)
+    zo: dict[str, Any] = {"stage": rest.pop("stage", 0)}
+    if "bucket_numel" in rest:
+        zo["reduce_bucket_size"] = rest.pop("bucket_numel")
+    if "overlap_comm" in rest:
+        zo["overlap_comm"] = rest.pop("overlap_comm")
+    if "stage3_prefetch" in rest:
+        prefetch = rest.pop("stage3_prefetch")
+        if prefetch in (0, 1):
+            zo["stage3_prefetch_bucket_size"] = DS_PREFETCH_BUCKET if prefetch else 0
+        else:  # DeepSpeed counts elements, not units: only on/off maps
+            extra["stage3_prefetch"] = prefetch
+    ds["zero_optimization"] = zo
+    dtype = rest.pop("dtype", "fp32")
+    ds["bf16"] = {"enabled": dtype == "bf16"}
+    ds["fp16"] = {"enabled": dtype == "fp16"}
+    for key in _FP16_KEYS:
+        if key in rest:
+            value = rest.pop(key)
+            # from_deepspeed reads the fp16 section's settings only when it is enabled
+            (ds["fp16"] if dtype == "fp16" else extra)[key] = value
+    policy = rest.pop("activation_checkpointing", "none")
+    if policy == "units":
+        ds["activation_checkpointing"] = {}
+    elif isinstance(policy, int) and not isinstance(policy, bool):
+        extra["activation_checkpointing"] = policy
+    elif policy != "none":
+        raise ValueError(
+            "ZeroConfig.activation_checkpointing is a callable policy, which no JSON "
+            "can hold: give 'units' or an integer to write a DeepSpeed config"
+        )
+    extra.update(rest)
+    if extra:
+        ds["zeroplane"] = extra
+    return ds
