@@ -84,6 +84,17 @@ class ZeroConfig:
             under torch's non-reentrant ``checkpoint``. An int ``k >= 1``:
             every k-th of those units (1 = all of them). A callable
             ``policy(module) -> bool``: each module for which it is True.
+        offload_optimizer: ``"cpu"`` keeps this rank's fp32 master partition and
+            optimizer state in host memory and runs the optimizer there
+            (ZeRO-Offload; stages 1-3). Reduced gradient shards are copied to
+            the host as each bucket finishes, the updated partition comes back
+            in the compute dtype (see worker/offload.py). ``"none"``: off.
+        offload_params: ``"cpu"`` keeps this rank's stage-3 parameter shards in
+            host memory; each gather unit's shard is copied to the device for
+            its all-gather, the next unit's prefetched (stage 3 only).
+        pin_memory: page-lock the host buffers offload copies through (CUDA
+            only; makes the copies asynchronous). Ignored without offload or
+            without a GPU.
     """
 
     stage: Literal[0, 1, 2, 3] = 0
@@ -109,6 +120,9 @@ class ZeroConfig:
     replica_interval: int = 0
     # torch-free annotation: the callable takes an nn.Module
     activation_checkpointing: Literal["none", "units"] | int | Callable[[Any], bool] = "none"
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    offload_params: Literal["none", "cpu"] = "none"
+    pin_memory: bool = True
 
     def __post_init__(self) -> None:
         # Types are checked before values: a bool is not a number, a float is not
@@ -154,7 +168,7 @@ class ZeroConfig:
                 raise bad(name, "a finite number >= 0")
         if not _is_finite_number(self.min_loss_scale) or not self.min_loss_scale > 0:
             raise bad("min_loss_scale", "a finite number > 0")
-        for name in ("overlap_comm", "error_feedback"):
+        for name in ("overlap_comm", "error_feedback", "pin_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
         if not one_of(self.compression, ("none", "bf16", "fp16", "int8", "onebit")):
@@ -163,6 +177,20 @@ class ZeroConfig:
             raise bad("stage3_gather_compression", "none or int8")
         if self.stage3_gather_compression != "none" and self.stage != 3:
             raise bad("stage3_gather_compression", "'none' unless stage is 3")
+        for name in ("offload_optimizer", "offload_params"):
+            value = getattr(self, name)
+            if value == "nvme":
+                raise _FieldError(
+                    f"ZeroConfig.{name}='nvme' is not supported: zeroplane offloads to host "
+                    "memory only ('cpu'); NVMe offload (ZeRO-Infinity) is not implemented",
+                    name,
+                )
+            if not one_of(value, ("none", "cpu")):
+                raise bad(name, "'none' or 'cpu'")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise bad("offload_optimizer", "'none' at stage 0 (offload needs stage 1, 2 or 3)")
+        if self.offload_params != "none" and self.stage != 3:
+            raise bad("offload_params", "'none' unless stage is 3 (only stage 3 shards parameters)")
         if self.metrics_port is not None and (
             not _is_int(self.metrics_port) or not 0 <= self.metrics_port <= 65535
         ):

@@ -517,6 +517,21 @@ class ZeroEngine:
         report["activations"] = self.saved_activations.last
         return report
 
+    def memory_by_location(self) -> dict[str, dict[str, int]]:
+        """:meth:`memory_report`'s model-state bytes split by where they live,
+        ``{"device": {kind: bytes}, "host": {kind: bytes}}`` (host: what
+        ``offload_optimizer`` / ``offload_params`` put in host memory, see
+        worker/offload.py); each side has a ``total``."""
+        split: dict[str, dict[str, int]] = dict(self.state.memory_by_location())
+        replica = 0 if self.membership is None else self.membership.replica_bytes()
+        # replicas are copies of the master partition and optimizer state: they
+        # live where those do
+        where = self.state.placement.master_location
+        for location, kinds in split.items():
+            kinds["replica"] = replica if location == where else 0
+            kinds["total"] = sum(kinds.values())
+        return split
+
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Collective calls and logical bytes by op since start (see worker.collectives)."""
         return self.comm.report()
