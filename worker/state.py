@@ -207,7 +207,9 @@ class ShardState:
                         param_start=piece.param_start,
                     )
                 )
-        self.optimizer = ShardOptimizer(self.user_optimizer, pieces)
+        self.optimizer = ShardOptimizer(
+            self.user_optimizer, pieces, on_host=self.placement.optimizer_on_host
+        )
         self.params.attach(self.buckets, comm, self.inventory.unit_modules)
         self._publish_chunks = self._chunks()
         self.whole = from_module
