@@ -6,6 +6,7 @@ DeepSpeed keys that turn it on."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 import worker
+from coordinator.memory import offload_transfer_bytes, offloaded_state_bytes
+from coordinator.planner import PCIE_BYTES_PER_S, PlanConfig, choose_stage
 from tests.reference import (
     OPTIMIZERS,
     Schedule,
@@ -390,3 +393,114 @@ def test_from_deepspeed_logs_ignored_offload_tuning(caplog) -> None:
             zero(stage=2, offload_optimizer={"device": "cpu", "ratio": 0.3, "fast_init": False})
         )
     assert "offload_optimizer.ratio" in caplog.text
+
+
+# ---------------------------------------------------------------- the planner
+
+PSI = 7_500_000_000
+
+
+def test_offloaded_state_bytes_follow_the_formulas() -> None:
+    n, psi = 4, PSI
+    shard = psi / n
+    device, host = offloaded_state_bytes(
+        psi, stage=2, world_size=n, dtype="bf16", optimizer_states=2, offload="optimizer"
+    )
+    # device: bf16 parameters whole, bf16 gradient shard; master and Adam state on the host
+    assert device.as_dict() == {
+        "params": 2 * psi,
+        "grads": 2 * shard,
+        "master": 0,
+        "optimizer": 0,
+        "total": 2 * psi + 2 * shard,
+    }
+    assert (host.params, host.grads, host.master, host.optimizer) == (
+        0,
+        4 * shard,
+        4 * shard,
+        8 * shard,
+    )
+    device, host = offloaded_state_bytes(
+        psi, stage=3, world_size=n, dtype="fp32", optimizer_states=1, offload="params"
+    )
+    # fp32 with parameters offloaded: the master is a tensor of its own on the device
+    assert (device.params, device.grads, device.master, device.optimizer) == (
+        0,
+        4 * shard,
+        4 * shard,
+        4 * shard,
+    )
+    assert host.as_dict()["total"] == host.params == 4 * shard
+    assert offload_transfer_bytes(psi, stage=3, world_size=n, offload="optimizer+params") == (
+        8 * shard + 2 * 2 * shard
+    )
+    with pytest.raises(ValueError, match="parameter offload needs stage 3"):
+        offloaded_state_bytes(psi, stage=2, world_size=n, offload="params")
+
+
+def engine_bytes_against_formula() -> dict[str, float]:
+    config = ZeroConfig(stage=2, dtype="bf16", bucket_numel=97, offload_optimizer="cpu")
+    schedule = Schedule(steps=1, world_size=dist.get_world_size())
+    engine = _train(config, "adamw", schedule)
+    padded = sum(b.spec.padded_numel for b in engine.buckets)
+    device, host = offloaded_state_bytes(
+        padded, stage=2, world_size=engine.world_size, dtype="bf16", offload="optimizer"
+    )
+    split = engine.memory_by_location()
+    assert split["host"]["master"] == host.master
+    assert split["host"]["grads"] == host.grads
+    assert split["device"]["grads"] == device.grads
+    assert split["device"]["master"] == split["device"]["optimizer"] == device.master == 0
+    # Adam's two fp32 states per element, plus its step count per parameter piece
+    steps = 4 * len(engine.optimizer.pieces)
+    assert split["host"]["optimizer"] == host.optimizer + steps
+    engine.close()
+    return split["host"]
+
+
+@pytest.mark.timeout(60)
+def test_engine_memory_by_location_matches_the_planner_formula(pools) -> None:
+    pools(2).run(engine_bytes_against_formula)
+
+
+def test_planner_proposes_the_offload_that_fits() -> None:
+    n = 2
+    shard = PSI / n
+    # 16 GB less 10% headroom: no stage fits (stage 3 needs 60 GB), nor does optimizer
+    # offload at stages 1-3 (stage 3 keeps 2Ψ/N parameters and 2Ψ/N gradients on the
+    # device: 15 GB); optimizer and parameter offload leaves the gradient shard: 7.5 GB
+    choice = choose_stage(PSI, world_size=n, device_memory_bytes=16 * 10**9)
+    assert (choice.stage, choice.offload, choice.fits) == (3, "optimizer+params", True)
+    e = choice.offload_estimate
+    assert e is not None and e.total == 2 * shard
+    assert e.host_total == (2 + 4 + 4 + 8) * shard
+    assert choice.offload_seconds == pytest.approx((8 + 4) * shard / PCIE_BYTES_PER_S)
+    assert "offload_params='cpu'" in choice.reason and "host memory" in choice.reason
+    # at 40 GB optimizer offload at stage 1 fits (2Ψ parameters + 2Ψ gradients = 30 GB)
+    choice = choose_stage(PSI, world_size=n, device_memory_bytes=40 * 10**9)
+    assert (choice.stage, choice.offload) == (1, "optimizer")
+    # one rank: stage 0 does not fit; offload does
+    one = choose_stage(PSI, world_size=1, device_memory_bytes=40 * 10**9)
+    assert (one.stage, one.offload, one.fits) == (1, "optimizer", True)
+    # too little host memory for any offload: nothing fits, as before
+    short = PlanConfig(host_memory_bytes=50 * 10**9)
+    choice = choose_stage(PSI, world_size=n, device_memory_bytes=16 * 10**9, config=short)
+    assert (choice.stage, choice.offload, choice.fits) == (3, "none", False)
+    # and a stage that fits needs no offload
+    fits = choose_stage(PSI, world_size=n, device_memory_bytes=80 * 10**9)
+    assert (fits.stage, fits.offload) == (2, "none")
+
+
+def test_cli_plan_shows_the_offload(capsys) -> None:
+    from coordinator.cli import main
+
+    argv = ["plan", "--params", "7.5e9", "--world-sizes", "2,8", "--device-memory", "16GB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "3+oop" in out and "N=2: stage 3:" in out and "offload_params='cpu'" in out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plans"][0]
+    assert plan["offload"] == "optimizer+params"
+    assert plan["offload_bytes_per_rank"]["host"] == 18 * PSI / 2
+    assert main([*argv, "--no-offload"]) == 0
+    assert "+oo" not in capsys.readouterr().out
