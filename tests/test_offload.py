@@ -228,6 +228,33 @@ def test_placement_puts_offloaded_buffers_on_the_host_and_fetches_to_the_device(
     assert not Placement.from_config(cfg, torch.device("cpu")).pin_memory
 
 
+def metrics_by_location() -> dict[str, float]:
+    from coordinator.observe import figures, parse_sample
+    from worker.metrics import metrics_text
+
+    config = ZeroConfig(stage=3, bucket_numel=97, stage3_min_unit_numel=1, offload_optimizer="cpu")
+    schedule = Schedule(steps=2, world_size=dist.get_world_size(), extra_on_all_ranks=True)
+    engine = _train(config, "adamw", schedule)
+    text = metrics_text(engine)
+    host = engine.memory_by_location()["host"]
+    sample = parse_sample(text, at=0.0)
+    # every kind exported, zero where nothing is offloaded
+    assert sample.model_state_host == {
+        k: float(v) for k, v in host.items() if k not in ("total", "replica")
+    } | {"replica": 0.0}
+    assert sample.model_state_host["optimizer"] > 0 and sample.model_state_host["params"] == 0
+    # the status page's figure: the host part of the model state
+    shown = figures("w", [sample])
+    assert shown.host_total == host["master"] + host["optimizer"] + host["grads"]
+    engine.close()
+    return dict(sample.model_state_host)
+
+
+@pytest.mark.timeout(60)
+def test_metrics_and_status_page_show_the_host_part(pools) -> None:
+    pools(2).run(metrics_by_location)
+
+
 # ---------------------------------------------------------------- checkpoints and resharding
 
 STEPS, SAVE_AT = 8, 4

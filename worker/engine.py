@@ -218,7 +218,7 @@ class ZeroEngine:
         # None unless config.metrics_port or $ZEROPLANE_METRICS_PORT asks for it
         self.board = SnapshotBoard() if metrics is None else metrics.board
         self.metrics = metrics if metrics is not None else start_metrics(config, self.board)
-        self._memory_cache: tuple[int, float, dict[str, int]] | None = None
+        self._memory_cache: tuple[int, float, dict[str, int], dict[str, int]] | None = None
         self.publish_snapshot()
 
     # ------------------------------------------------------------ what the state holds
@@ -544,7 +544,8 @@ class ZeroEngine:
         now = time.monotonic()
         cache = self._memory_cache
         if cache is None or cache[0] != st.builds or now - cache[1] > 0.25:
-            cache = self._memory_cache = (st.builds, now, self.memory_report())
+            host = self.memory_by_location()["host"]
+            cache = self._memory_cache = (st.builds, now, self.memory_report(), host)
         return Snapshot(
             rank=st.rank,
             stage=st.stage.number,
@@ -558,6 +559,7 @@ class ZeroEngine:
             master_numel=sum(b.master.numel() for b in st.buckets),
             frozen_bytes=st.frozen_bytes(),
             memory=dict(cache[2]),
+            memory_host=dict(cache[3]),
             collectives={
                 op: (s.calls, s.bytes, s.wire_bytes, s.seconds)
                 for op, s in list(st.comm.stats.items())
