@@ -42,7 +42,7 @@ from worker.compression import make_codec
 from worker.config import ZeroConfig
 from worker.flat import BucketState, FlatBucket, GatherUnit
 from worker.inventory import Inventory
-from worker.offload import Location, OffloadedGrads, Placement
+from worker.offload import HOST, Location, OffloadedGrads, Placement
 from worker.optim import Piece, ShardOptimizer
 from worker.precision import MixedPrecision
 from worker.stages import (
@@ -158,6 +158,12 @@ class ShardState:
     @property
     def world_size(self) -> int:
         return self.comm.world_size
+
+    @property
+    def master_device(self) -> torch.device:
+        """Where the master partition and optimizer state live: the device, or the
+        host with optimizer offload. Loads and transfers land there."""
+        return HOST if self.placement.optimizer_on_host else self.device
 
     @property
     def units(self) -> list[GatherUnit]:
