@@ -76,7 +76,7 @@ def parity(stage: int) -> list[float]:
     return diffs
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_parity_with_torch_reference(pools, stage: int, world: int) -> None:
@@ -84,7 +84,7 @@ def test_parity_with_torch_reference(pools, stage: int, world: int) -> None:
     assert len({tuple(d) for d in diffs}) == 1, f"ranks disagree: {diffs}"
 
 
-def same_as_without_offload(stage: int, dtype: str) -> dict[str, Any]:
+def same_as_without_offload(stage: int, dtype: str, compression: str = "none") -> dict[str, Any]:
     """The same training with and without offload: identical bits, identical skips.
 
     Offload runs the host optimizer fused where the user chose no implementation
@@ -102,6 +102,7 @@ def same_as_without_offload(stage: int, dtype: str) -> dict[str, Any]:
             stage3_min_unit_numel=1,
             offload_optimizer=offload,
             offload_params=offload if stage == 3 else "none",
+            compression=compression,
         )
         model = seeded_model()
         opt = torch.optim.AdamW(param_groups(model), lr=1e-2, betas=(0.9, 0.95), fused=True)
@@ -132,7 +133,7 @@ def same_as_without_offload(stage: int, dtype: str) -> dict[str, Any]:
     return {"stepped": on["stepped"], "scale": on["scale"]}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_mixed_precision_and_skipped_steps_as_without_offload(pools, stage, dtype) -> None:
@@ -141,6 +142,12 @@ def test_mixed_precision_and_skipped_steps_as_without_offload(pools, stage, dtyp
         for r in results:
             assert r["stepped"] == [True, True, False, True, True, True]
             assert r["scale"] == 128.0  # 2**8 halved once by the overflow
+
+
+@pytest.mark.timeout(180)
+def test_compressed_gradients_as_without_offload(pools) -> None:
+    # the offloaded reducer wraps the compressed one (worker/state.py)
+    pools(2).run(same_as_without_offload, 2, "fp32", "int8")
 
 
 # ---------------------------------------------------------------- where things live
@@ -202,7 +209,7 @@ def locations(stage: int, off_opt: str, off_params: str) -> dict[str, dict[str, 
     return split
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("stage", "off_opt", "off_params"),
     [(1, "cpu", "none"), (2, "cpu", "none"), (3, "cpu", "cpu"), (3, "none", "cpu")],
@@ -250,7 +257,7 @@ def metrics_by_location() -> dict[str, float]:
     return dict(sample.model_state_host)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_metrics_and_status_page_show_the_host_part(pools) -> None:
     pools(2).run(metrics_by_location)
 
@@ -293,7 +300,7 @@ def save_and_resume(path: str) -> float:
     return max(diffs)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_checkpoint_round_trip_with_offload_on_and_off(pools, tmp_path) -> None:
     pools(2).run(save_and_resume, str(tmp_path / "ckpt"))
 
@@ -342,7 +349,7 @@ def resize_with_offload() -> float:
     return diff
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_live_reshard_moves_offloaded_state(pools) -> None:
     pools(3).run(resize_with_offload)
 
@@ -485,7 +492,7 @@ def engine_bytes_against_formula() -> dict[str, float]:
     return split["host"]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_engine_memory_by_location_matches_the_planner_formula(pools) -> None:
     pools(2).run(engine_bytes_against_formula)
 
