@@ -468,11 +468,8 @@ class Membership:
                 config=plan,
             )
             if advice.offload != "none":
-                choice = dataclasses.replace(
-                    choice,
-                    reason=f"{choice.reason}; with offload: stage {advice.stage}, "
-                    + advice.reason.split("; ", 1)[-1],
-                )
+                proposal = advice.reason.split("; ", 1)[-1]
+                choice = dataclasses.replace(choice, reason=f"{choice.reason}; {proposal}")
         if asked is not None:
             choice = dataclasses.replace(
                 choice,

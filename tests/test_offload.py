@@ -538,3 +538,28 @@ def test_cli_plan_shows_the_offload(capsys) -> None:
     assert plan["offload_bytes_per_rank"]["host"] == 18 * PSI / 2
     assert main([*argv, "--no-offload"]) == 0
     assert "+oo" not in capsys.readouterr().out
+
+
+def test_stage_auto_names_the_offload_but_plans_without_it() -> None:
+    from coordinator.config import MembershipConfig
+    from coordinator.membership import Membership
+    from tests.coordinator_util import inventory, worker
+
+    m = Membership(
+        MembershipConfig(min_workers=2, max_workers=2, join_window_s=0.0),
+        PlanConfig(stage=None, bucket_numel=100, align=2),
+        clock=lambda: 1000.0,
+        wall_clock=lambda: 1000.0,
+    )
+    # 384 trainable elements (bf16, Adam): stage 3 keeps 16 * 384 / 2 = 3072 bytes per
+    # rank, more than 90% of 600; optimizer offload at stage 3 still keeps the bf16
+    # parameter and gradient shards (768); offloading the parameters too leaves 384
+    for wid in "ab":
+        m.register(worker(wid, device_memory_bytes=600), inventory())
+    gen = m.maybe_form()
+    assert gen is not None
+    # the workers do not offload unless their ZeroConfig says so: the stage stays
+    # the one that comes closest without it, and the reason names the offload
+    assert gen.stage == 3
+    assert "no stage fits" in gen.stage_reason
+    assert "offload_optimizer='cpu', offload_params='cpu'" in gen.stage_reason
