@@ -14,6 +14,21 @@ and a stage is skipped if ``--budget-s`` is already spent. Prints a table and wr
 
 ``--dry-run`` runs the same code on CPU (gloo, world size 1) with a tiny model, to
 check the script without a GPU; its MFU column means nothing.
+
+``--offload`` runs the offload section instead (worker/offload.py):
+
+1. step time of optimizer offload against none, stage 2, on the ≈1B model
+   (``--offload-stage``), with ``max_memory_allocated`` beside the planner's
+   device bytes (``coordinator.memory.offloaded_state_bytes``);
+2. a model that does not fit at stage 3 without offload: the card is capped to
+   ``--offload-cap-gib`` (``torch.cuda.set_per_process_memory_fraction``), a
+   ≈2.6B GPT (16 bytes per parameter: 42 GB) is tried at stage 3 without
+   offload (expected: out of memory), then with optimizer and parameter
+   offload as ``choose_stage`` proposes for that card, reporting
+   ``max_memory_allocated`` against the planner's figure.
+
+DeepSpeed's ZeRO-Offload is not run here (it is rarely installed on the GPU
+machine); bench/offload_cpu.py compares the two on CPU.
 """
 
 from __future__ import annotations
@@ -38,7 +53,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from coordinator.memory import model_state_bytes  # noqa: E402
+from coordinator.memory import model_state_bytes, offloaded_state_bytes  # noqa: E402
+from coordinator.planner import PlanConfig, choose_stage  # noqa: E402
 from coordinator.ports import free_port  # noqa: E402
 from worker.models import GPT, GPTConfig  # noqa: E402
 
@@ -47,6 +63,9 @@ H200_BF16_DENSE_PEAK = 989e12  # FLOP/s, dense (no sparsity), from NVIDIA's H200
 # 18 blocks of d=2048, GPT-2's padded vocabulary, 1024 context: 1.01B parameters (tied).
 FULL_CFG = GPTConfig(vocab_size=50304, block_size=1024, n_layer=18, n_head=16, n_embd=2048)
 TINY_CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
+# 32 blocks of d=2560: 2.65B parameters, 42 GB of model state at 16 bytes each
+BIG_CFG = GPTConfig(vocab_size=50304, block_size=1024, n_layer=32, n_head=20, n_embd=2560)
+TINY_BIG_CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=96)
 
 
 @dataclass
@@ -211,6 +230,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument(
+        "--offload",
+        action="store_true",
+        help="run the offload section (see the module notes) instead of the stage table",
+    )
+    p.add_argument("--offload-stage", type=int, default=2, choices=(1, 2, 3))
+    p.add_argument(
+        "--offload-cap-gib",
+        type=float,
+        default=24.0,
+        help="device memory the offload fit check may use (GiB)",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=300.0,
@@ -240,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")))
     init_kw = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, rank=0, world_size=1, **init_kw)
+
+    if args.offload:
+        try:
+            return run_offload(args, device)
+        finally:
+            dist.destroy_process_group()
 
     start = time.perf_counter()
     results: list[StageResult] = []
@@ -291,6 +328,151 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(report, indent=2))
         print(f"wrote {path}")
     return 0 if all(r.status == "ok" for r in results) else 1
+
+
+# ---------------------------------------------------------------------------- offload
+
+
+@dataclass
+class OffloadResult:
+    name: str
+    stage: int
+    offload: str  # "none", "optimizer", "optimizer+params"
+    status: str = "ok"
+    params: int = 0
+    median_step_s: float | None = None
+    max_allocated_bytes: int | None = None
+    predicted_device_bytes: float | None = None
+    predicted_host_bytes: float | None = None
+    reported_device_bytes: int | None = None
+    reported_host_bytes: int | None = None
+    loss: float | None = None
+
+
+def run_offload_case(
+    name: str,
+    stage: int,
+    offload: str,
+    cfg: GPTConfig,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> OffloadResult:
+    import worker
+
+    res = OffloadResult(name, stage, offload)
+    torch.manual_seed(0)
+    with device:
+        model = GPT(cfg)
+    res.params = numel = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    config = worker.ZeroConfig(
+        stage=stage,
+        dtype="bf16",
+        offload_optimizer="cpu" if "optimizer" in offload else "none",
+        offload_params="cpu" if "params" in offload else "none",
+        activation_checkpointing="units",
+    )
+    engine = worker.initialize(model, opt, config=config)
+    g = torch.Generator(device=device).manual_seed(1)
+    idx = torch.randint(
+        0, cfg.vocab_size, (args.micro_batch, args.seq + 1), device=device, generator=g
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    loss = torch.zeros(())
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        loss = engine(idx[:, :-1], idx[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        _sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    res.median_step_s = statistics.median(times)
+    res.loss = loss.float().item()
+    dev, host = offloaded_state_bytes(numel, stage=stage, world_size=1, offload=offload)
+    res.predicted_device_bytes, res.predicted_host_bytes = dev.total, host.total
+    split = engine.memory_by_location()
+    res.reported_device_bytes = split["device"]["total"]
+    res.reported_host_bytes = split["host"]["total"]
+    if device.type == "cuda":
+        res.max_allocated_bytes = torch.cuda.max_memory_allocated(device)
+    engine.close()
+    return res
+
+
+def run_offload(args: argparse.Namespace, device: torch.device) -> int:
+    """The offload section (module notes): speed at ``--offload-stage``, then fit."""
+    speed_cfg = TINY_CFG if args.dry_run else FULL_CFG
+    big_cfg = TINY_BIG_CFG if args.dry_run else BIG_CFG
+    args.seq = min(args.seq, speed_cfg.block_size)
+    cases: list[tuple[str, int, str, GPTConfig]] = [
+        ("speed", args.offload_stage, "none", speed_cfg),
+        ("speed", args.offload_stage, "optimizer", speed_cfg),
+    ]
+    cap = int(args.offload_cap_gib * 2**30)
+    choice = None
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        with torch.device("meta"):
+            big = sum(p.numel() for p in GPT(big_cfg).parameters())
+        choice = choose_stage(
+            big, world_size=1, device_memory_bytes=cap, config=PlanConfig(precision="bf16")
+        )
+        print(f"planner for {big / 1e9:.2f}B params on {args.offload_cap_gib} GiB: {choice.reason}")
+    offload = (
+        choice.offload if choice is not None and choice.offload != "none" else "optimizer+params"
+    )
+    cases += [("fit", 3, "none", big_cfg), ("fit", 3, offload, big_cfg)]
+    results = []
+    for name, stage, off, cfg in cases:
+        try:
+            results.append(run_offload_case(name, stage, off, cfg, device, args))
+        except Exception as e:  # out of memory is the expected result of the first fit case
+            results.append(
+                OffloadResult(
+                    name, stage, off, status=f"failed: {type(e).__name__}: {str(e)[:120]}"
+                )
+            )
+        finally:
+            _cleanup(device)
+        print(f"{name} stage {stage} offload {off}: {results[-1].status}", flush=True)
+    gib = 2**30
+    print(
+        f"\n{'case':>6} {'stage':>5} {'offload':>17} {'params':>8} {'step ms':>9} "
+        f"{'max alloc':>10} {'plan dev':>9} {'engine dev':>10} {'plan host':>10} "
+        f"{'engine host':>11}   (GiB)"
+    )
+    base = results[0].median_step_s
+    for r in results:
+        if r.status != "ok":
+            print(f"{r.name:>6} {r.stage:>5} {r.offload:>17} {r.status}")
+            continue
+        alloc = r.max_allocated_bytes / gib if r.max_allocated_bytes else float("nan")
+        print(
+            f"{r.name:>6} {r.stage:>5} {r.offload:>17} {r.params / 1e9:>7.2f}B "
+            f"{1e3 * r.median_step_s:>9.1f} {alloc:>10.2f} {r.predicted_device_bytes / gib:>9.2f} "
+            f"{r.reported_device_bytes / gib:>10.2f} {r.predicted_host_bytes / gib:>10.2f} "
+            f"{r.reported_host_bytes / gib:>11.2f}"
+        )
+    if base and results[1].median_step_s:
+        print(f"optimizer offload step time: {results[1].median_step_s / base:.2f}x no offload")
+    out = os.environ.get("OUT")
+    if out:
+        path = Path(out) / "gpu_check_offload.json"
+        report = {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "dry_run": args.dry_run,
+            "cap_bytes": cap,
+            "plan": None if choice is None else choice.reason,
+            "results": [asdict(r) for r in results],
+        }
+        path.write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+    fit_ok = results[-1].status == "ok"
+    return 0 if fit_ok and all(r.status == "ok" for r in results[:2]) else 1
 
 
 if __name__ == "__main__":

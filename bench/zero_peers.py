@@ -7,7 +7,13 @@ same model and the same batches:
 * ``ddp``    torch DistributedDataParallel (``gradient_as_bucket_view=True``),
 * ``fsdp2``  ``fully_shard`` on each block and the root, on a CPU device mesh,
 * ``ds0-3``  DeepSpeed ZeRO stages 0-3 (fp32, torch AdamW passed in),
-* ``zp0-3``  zeroplane stages 0-3 (``worker.initialize``).
+* ``zp0-3``  zeroplane stages 0-3 (``worker.initialize``),
+* ``zp1o-zp3o`` / ``ds1o-ds3o``  the same stages with the optimizer offloaded to
+  host memory (ZeRO-Offload; not in the default list, name them in
+  ``--systems``): zeroplane with ``offload_optimizer="cpu"`` (torch's fused CPU
+  AdamW), DeepSpeed with ``offload_optimizer: {device: cpu}`` and its own
+  ``DeepSpeedCPUAdam`` (it compiles ``cpu_adam`` on first use, ~45 s). On a CPU
+  run the "host" is the same memory: this measures the offload path's own cost.
 
 Every system uses fp32 torch AdamW with the same hyperparameters. By default
 (``--schedule interleaved``) all systems are built at once and stepped in turn,
@@ -67,7 +73,12 @@ MICRO_BATCH = 8
 SEQ_LEN = 64
 KINDS = ("params", "grads", "master", "optimizer")
 ALL_SYSTEMS = ("ddp", "fsdp2", "zp0", "zp1", "zp2", "zp3", "ds0", "ds1", "ds2", "ds3")
-STAGE_OF = {"ddp": 0, "fsdp2": 3} | {f"{p}{s}": s for p in ("zp", "ds") for s in range(4)}
+OFFLOAD_SYSTEMS = tuple(f"{p}{s}o" for p in ("zp", "ds") for s in (1, 2, 3))
+STAGE_OF = (
+    {"ddp": 0, "fsdp2": 3}
+    | {f"{p}{s}": s for p in ("zp", "ds") for s in range(4)}
+    | {name: int(name[2]) for name in OFFLOAD_SYSTEMS}
+)
 
 Tensor = torch.Tensor
 
@@ -282,14 +293,26 @@ def build_fsdp2(model: nn.Module, spec: ModelSpec, ctx: RankContext) -> Harness:
     return _torch_harness(model)
 
 
-def build_deepspeed(model: nn.Module, stage: int, ctx: RankContext) -> Harness:
+def build_deepspeed(
+    model: nn.Module, stage: int, ctx: RankContext, offload: bool = False
+) -> Harness:
     import deepspeed
 
+    zero: dict[str, Any] = {"stage": stage}
+    optimizer: torch.optim.Optimizer = _adamw(model.parameters())
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        # ZeRO-Offload as DeepSpeed runs it: its vectorized CPU Adam, AdamW mode
+        optimizer = DeepSpeedCPUAdam(
+            model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, adamw_mode=True
+        )
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
         "train_batch_size": MICRO_BATCH * ctx.world,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         # A torch optimizer passed in: no fused_adam to compile, same update as the others.
         "zero_allow_untested_optimizer": True,
         # DeepSpeed 0.19 clips at 1.0 unless told otherwise; nobody else clips here.
@@ -297,9 +320,7 @@ def build_deepspeed(model: nn.Module, stage: int, ctx: RankContext) -> Harness:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=_adamw(model.parameters()), config=config
-    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     torch.set_num_threads(1)  # in case DeepSpeed's CPU accelerator changed it
 
     def forward_backward(x: Tensor, y: Tensor) -> Tensor:
@@ -315,11 +336,16 @@ def build_deepspeed(model: nn.Module, stage: int, ctx: RankContext) -> Harness:
     )
 
 
-def build_zeroplane(model: nn.Module, stage: int, ctx: RankContext) -> Harness:
+def build_zeroplane(
+    model: nn.Module, stage: int, ctx: RankContext, offload: bool = False
+) -> Harness:
     import worker
 
     opt = _adamw(model.parameters())
-    engine = worker.initialize(model, opt, config=worker.ZeroConfig(stage=stage, dtype="fp32"))
+    config = worker.ZeroConfig(
+        stage=stage, dtype="fp32", offload_optimizer="cpu" if offload else "none"
+    )
+    engine = worker.initialize(model, opt, config=config)
 
     def forward_backward(x: Tensor, y: Tensor) -> Tensor:
         loss = engine(x, y)
@@ -338,11 +364,13 @@ def make_harness(system: str, model: nn.Module, spec: ModelSpec, ctx: RankContex
         return build_ddp(model, spec, ctx)
     if system == "fsdp2":
         return build_fsdp2(model, spec, ctx)
+    offload = system in OFFLOAD_SYSTEMS
     if system.startswith("ds"):
-        return build_deepspeed(model, STAGE_OF[system], ctx)
+        return build_deepspeed(model, STAGE_OF[system], ctx, offload)
     if system.startswith("zp"):
-        return build_zeroplane(model, STAGE_OF[system], ctx)
-    raise ValueError(f"unknown system {system!r}; choose from {', '.join(ALL_SYSTEMS)}")
+        return build_zeroplane(model, STAGE_OF[system], ctx, offload)
+    known = ", ".join(ALL_SYSTEMS + OFFLOAD_SYSTEMS)
+    raise ValueError(f"unknown system {system!r}; choose from {known}")
 
 
 # --------------------------------------------------------------------------- the run
@@ -570,6 +598,11 @@ def time_ratio(
     return statistics.median(xs) / statistics.median(ys)
 
 
+def _ds_peer(r: Result) -> str:
+    """The DeepSpeed system a row is compared with: same stage, same offload."""
+    return "ds" + r.system[2:] if r.system.startswith(("zp", "ds")) else f"ds{r.stage}"
+
+
 def _target(r: Result, by: dict[str, Result], paired: bool) -> str:
     """zeroplane's goals: stages 0-2 <= 1.05x DDP, stage 3 <= FSDP2, each < DeepSpeed's stage."""
     if not r.system.startswith("zp"):
@@ -577,7 +610,7 @@ def _target(r: Result, by: dict[str, Result], paired: bool) -> str:
     checks = []
     vs_ddp = time_ratio(r, by.get("ddp"), paired)
     vs_fsdp = time_ratio(r, by.get("fsdp2"), paired)
-    vs_ds = time_ratio(r, by.get(f"ds{r.stage}"), paired)
+    vs_ds = time_ratio(r, by.get(_ds_peer(r)), paired)
     if r.stage < 3 and vs_ddp is not None:
         checks.append(vs_ddp <= 1.05)
     if r.stage == 3 and vs_fsdp is not None:
@@ -618,7 +651,7 @@ def format_table(results: list[Result], args: argparse.Namespace) -> str:
         n = sum(p.numel() for p in MODELS[model_name].build().parameters())
         for r in by.values():
             b = _state_total(r)
-            ds = by.get(f"ds{r.stage}") if r.system != "fsdp2" else None
+            ds = by.get(_ds_peer(r)) if r.system != "fsdp2" else None
             vs_fsdp = fmt_ratio(time_ratio(r, by.get("fsdp2"), paired)) if r.stage == 3 else ""
             formula = model_state_bytes(n, stage=r.stage, world_size=args.world, dtype="fp32")
             lines.append(
@@ -674,7 +707,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=list(ALL_SYSTEMS),
         metavar="SYSTEM",
-        help=f"any of: {' '.join(ALL_SYSTEMS)}",
+        help=f"any of: {' '.join(ALL_SYSTEMS + OFFLOAD_SYSTEMS)} (the last six offload "
+        "the optimizer; not run unless named)",
     )
     p.add_argument(
         "--schedule",
@@ -691,9 +725,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--table-from", metavar="JSON", help="print the table of an earlier --json run and exit"
     )
     args = p.parse_args(argv)
-    unknown = sorted(set(args.systems) - set(ALL_SYSTEMS))
+    unknown = sorted(set(args.systems) - set(ALL_SYSTEMS) - set(OFFLOAD_SYSTEMS))
     if unknown:
-        p.error(f"unknown systems {unknown}; choose from {' '.join(ALL_SYSTEMS)}")
+        p.error(f"unknown systems {unknown}; choose from {' '.join(ALL_SYSTEMS + OFFLOAD_SYSTEMS)}")
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or args.world < 1:
         p.error("--steps and --rounds must be >= 1, --warmup >= 0, --world >= 1")
     args.models = ["gpt", "mlp"] if args.model == "both" else [args.model]

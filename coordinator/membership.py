@@ -481,12 +481,26 @@ class Membership:
         plan, asked = self.plan, self._asked_stage(workers)
         if asked is not None:
             plan = dataclasses.replace(plan, stage=asked)
+        # The generation's stage must be one the workers can run as they are
+        # configured; offload is their ZeroConfig's, so it is planned without and,
+        # where only offload fits, proposed in the reason (planner.py [Note:
+        # planning offload]).
         choice = choose_stage(
             self.trainable_numel,
             world_size=len(workers),
             device_memory_bytes=min(memories, default=0),
-            config=plan,
+            config=dataclasses.replace(plan, offload=False),
         )
+        if not choice.fits and memories and plan.offload and plan.stage is None:
+            advice = choose_stage(
+                self.trainable_numel,
+                world_size=len(workers),
+                device_memory_bytes=min(memories),
+                config=plan,
+            )
+            if advice.offload != "none":
+                proposal = advice.reason.split("; ", 1)[-1]
+                choice = dataclasses.replace(choice, reason=f"{choice.reason}; {proposal}")
         if asked is not None:
             choice = dataclasses.replace(
                 choice,

@@ -11,6 +11,25 @@ optimizer that keeps ``k`` fp32 tensors per element (Adam: k = 2):
 
 With bf16 and Adam that is 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N for stages
 0–3, the paper's Table 1.
+
+[Note: offloaded state bytes]
+With offload (worker/offload.py) part of that moves to host memory
+(:func:`offloaded_state_bytes`):
+
+* ``optimizer`` offload (stages 1–3): the fp32 master partition (4·Ψ/N, a
+  tensor of its own even in fp32), the optimizer state (4·k·Ψ/N) and a reused
+  fp32 host copy of the gradient partition (4·Ψ/N) live on the host; the
+  device keeps the compute parameters and the gradients the stage keeps.
+* ``params`` offload (stage 3): the parameter shards (p·Ψ/N) live on the
+  host; the device holds only the gather units in flight (not counted here,
+  like activations). Without optimizer offload the master partition is then
+  apart from the shard on the device (4·Ψ/N, also in fp32).
+
+Per step each rank moves over PCIe (:func:`offload_transfer_bytes`): with
+optimizer offload its gradient partition to the host and the updated
+partition back, both as fp32 (4·Ψ/N each way: torch casts on the GPU side of
+an asynchronous copy between dtypes); with parameter offload every shard to
+the device twice (forward and backward gathers, 2·p·Ψ/N).
 """
 
 from __future__ import annotations
@@ -18,10 +37,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["DTYPE_BYTES", "ModelStateBytes", "model_state_bytes"]
+__all__ = [
+    "DTYPE_BYTES",
+    "OFFLOADS",
+    "ModelStateBytes",
+    "Offload",
+    "model_state_bytes",
+    "offload_transfer_bytes",
+    "offloaded_state_bytes",
+]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# what is offloaded to host memory: ZeroConfig.offload_optimizer / offload_params
+Offload = Literal["none", "optimizer", "params", "optimizer+params"]
+OFFLOADS: tuple[Offload, ...] = ("none", "optimizer", "params", "optimizer+params")
 
 
 @dataclass(frozen=True)
@@ -70,3 +101,70 @@ def model_state_bytes(
         master=0 if dtype == "fp32" else 4 * (shard if stage >= 1 else numel),
         optimizer=4 * optimizer_states * (shard if stage >= 1 else numel),
     )
+
+
+def _check_offload(offload: str, stage: int) -> tuple[bool, bool]:
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
+    optimizer, params = "optimizer" in offload, "params" in offload
+    if optimizer and stage < 1:
+        raise ValueError("optimizer offload needs stage 1, 2 or 3")
+    if params and stage != 3:
+        raise ValueError("parameter offload needs stage 3")
+    return optimizer, params
+
+
+def offloaded_state_bytes(
+    numel: int,
+    *,
+    stage: int,
+    world_size: int,
+    dtype: Precision = "bf16",
+    optimizer_states: int = 2,
+    offload: Offload = "none",
+) -> tuple[ModelStateBytes, ModelStateBytes]:
+    """(device, host) bytes of model state one rank holds with ``offload``
+    ([Note: offloaded state bytes]); with ``"none"`` the host part is zero."""
+    device = model_state_bytes(
+        numel,
+        stage=stage,
+        world_size=world_size,
+        dtype=dtype,
+        optimizer_states=optimizer_states,
+    )
+    optimizer, params = _check_offload(offload, stage)
+    shard = numel / world_size
+    p = DTYPE_BYTES[dtype]
+    host = ModelStateBytes(
+        params=p * shard if params else 0,
+        grads=4 * shard if optimizer else 0,
+        master=4 * shard if optimizer else 0,
+        optimizer=4 * optimizer_states * shard if optimizer else 0,
+    )
+    master = device.master
+    if optimizer:
+        master = 0
+    elif params:
+        master = 4 * shard  # apart from the (host) shard, even in fp32
+    device = ModelStateBytes(
+        params=0 if params else device.params,
+        grads=device.grads,
+        master=master,
+        optimizer=0 if optimizer else device.optimizer,
+    )
+    return device, host
+
+
+def offload_transfer_bytes(
+    numel: int,
+    *,
+    stage: int,
+    world_size: int,
+    dtype: Precision = "bf16",
+    offload: Offload = "none",
+) -> float:
+    """Bytes one rank moves between device and host per optimizer step
+    ([Note: offloaded state bytes])."""
+    optimizer, params = _check_offload(offload, stage)
+    shard = numel / world_size
+    return 8 * shard * optimizer + 2 * DTYPE_BYTES[dtype] * shard * params

@@ -54,6 +54,8 @@ class RankSample:
     world_size: int | None = None
     model_state: dict[str, float] = field(default_factory=dict)
     baseline: dict[str, float] = field(default_factory=dict)
+    # the part of model_state offload keeps in host memory, by kind
+    model_state_host: dict[str, float] = field(default_factory=dict)
     collective_bytes: dict[str, float] = field(default_factory=dict)
     collective_seconds: dict[str, float] = field(default_factory=dict)
     compression_raw: float = 0.0
@@ -73,6 +75,7 @@ def parse_sample(text: str, at: float) -> RankSample:
     by: dict[str, dict[str, float]] = {
         "model_state": {},
         "baseline": {},
+        "model_state_host": {},
         "collective_bytes": {},
         "collective_seconds": {},
     }
@@ -84,6 +87,8 @@ def parse_sample(text: str, at: float) -> RankSample:
                 by["model_state"][labels["kind"]] = value
             elif name == "zeroplane_model_state_baseline_bytes":
                 by["baseline"][labels["kind"]] = value
+            elif name == "zeroplane_model_state_host_bytes":
+                by["model_state_host"][labels["kind"]] = value
             elif name == "zeroplane_collective_bytes_total":
                 by["collective_bytes"][labels["op"]] = value
             elif name == "zeroplane_collective_seconds_total":
@@ -160,6 +165,8 @@ class RankFigures:
     world_size: int | None = None
     model_state: dict[str, float] = field(default_factory=dict)
     baseline: dict[str, float] = field(default_factory=dict)
+    # the part of model_state offload keeps in host memory, by kind
+    model_state_host: dict[str, float] = field(default_factory=dict)
     # Bytes per second of collective time, by op; None where the op moved nothing.
     bandwidth: dict[str, float | None] = field(default_factory=dict)
     compression_ratio: float | None = None
@@ -178,6 +185,11 @@ class RankFigures:
         return sum(v for k, v in self.model_state.items() if k in self.baseline)
 
     @property
+    def host_total(self) -> float:
+        """Model-state bytes offload keeps in host memory (part of ``state_total``)."""
+        return sum(v for k, v in self.model_state_host.items() if k in self.baseline)
+
+    @property
     def baseline_total(self) -> float:
         return sum(self.baseline.values())
 
@@ -194,6 +206,8 @@ class RankFigures:
             "world_size": self.world_size,
             "model_state": self.model_state,
             "baseline": self.baseline,
+            "model_state_host": self.model_state_host,
+            "host_total": self.host_total,
             "state_total": self.state_total,
             "baseline_total": self.baseline_total,
             "kept": self.kept,
@@ -247,6 +261,7 @@ def figures(endpoint: str, samples: Iterable[RankSample]) -> RankFigures:
         world_size=last.world_size,
         model_state=dict(last.model_state),
         baseline=dict(last.baseline),
+        model_state_host=dict(last.model_state_host),
         bandwidth=bandwidth,
         compression_ratio=_ratio(raw, wire) if wire > 0 else 1.0,
         step_seconds=_ratio(last.step_sum - first.step_sum, steps),

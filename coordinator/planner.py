@@ -28,6 +28,21 @@ The choice is the lowest stage that fits the smallest worker: a lower stage
 moves fewer bytes (stage 3 gathers parameters every step). With one rank no
 stage saves anything and each costs time, so the planner picks stage 0 and
 says why.
+
+[Note: planning offload]
+When no stage fits the device, with activation checkpointing or without, the
+planner proposes offload (worker/offload.py), in this order: optimizer
+offload at stage 1, 2, then 3, then optimizer and parameter offload at stage
+3; the first whose device bytes fit (coordinator/memory.py [Note: offloaded
+state bytes]) and, where the host memory is known
+(``PlanConfig.host_memory_bytes``), whose host bytes fit it too. It states
+the host memory needed and the step-time cost of the copies: the bytes each
+rank moves over PCIe per step over ``PlanConfig.pcie_bytes_per_s``
+(:data:`PCIE_BYTES_PER_S`, 25 GB/s: what a PCIe 4.0 x16 link sustains; 5.0
+links and NVLink-C2C hosts are faster). The host optimizer step comes on
+top (torch's fused CPU AdamW stepped about 175M elements/s on one core here).
+Activation bytes of the units in flight at stage 3 are not counted. The
+proposal is advice: the workers offload as their ZeroConfig says.
 """
 
 from __future__ import annotations
@@ -38,9 +53,17 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from coordinator.memory import DTYPE_BYTES, ModelStateBytes, model_state_bytes
+from coordinator.memory import (
+    DTYPE_BYTES,
+    ModelStateBytes,
+    Offload,
+    offload_transfer_bytes,
+    offloaded_state_bytes,
+)
 
 __all__ = [
+    "OFFLOAD_LADDER",
+    "PCIE_BYTES_PER_S",
     "STAGES",
     "ActivationShape",
     "MemoryEstimate",
@@ -49,6 +72,7 @@ __all__ = [
     "choose_stage",
     "estimate_memory",
     "format_bytes",
+    "format_seconds",
     "parse_bytes",
     "parse_count",
 ]
@@ -57,6 +81,15 @@ logger = logging.getLogger(__name__)
 
 STAGES = (0, 1, 2, 3)
 Precision = Literal["fp32", "bf16", "fp16"]
+
+# [Note: planning offload]
+PCIE_BYTES_PER_S = 25e9
+OFFLOAD_LADDER: tuple[tuple[int, Offload], ...] = (
+    (1, "optimizer"),
+    (2, "optimizer"),
+    (3, "optimizer"),
+    (3, "optimizer+params"),
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +152,11 @@ class PlanConfig:
     # Layout: real elements per bucket, and the element alignment of each shard.
     bucket_numel: int = 1 << 24
     align: int = 1
+    # Whether the planner may propose offload when no stage fits ([Note: planning offload]).
+    offload: bool = True
+    # Host memory per rank (0: unknown, not checked) and the device-host link's speed.
+    host_memory_bytes: int = 0
+    pcie_bytes_per_s: float = PCIE_BYTES_PER_S
 
     def __post_init__(self) -> None:
         if self.stage is not None and self.stage not in STAGES:
@@ -143,6 +181,17 @@ class PlanConfig:
             raise ValueError(f"PlanConfig.bucket_numel must be >= 1, got {self.bucket_numel}")
         if self.align < 1:
             raise ValueError(f"PlanConfig.align must be >= 1, got {self.align}")
+        if self.host_memory_bytes < 0:
+            raise ValueError(
+                f"PlanConfig.host_memory_bytes must be >= 0, got {self.host_memory_bytes}"
+            )
+        if not self.pcie_bytes_per_s > 0:
+            raise ValueError(
+                f"PlanConfig.pcie_bytes_per_s must be > 0, got {self.pcie_bytes_per_s}"
+            )
+
+
+_NOTHING = ModelStateBytes(0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -151,12 +200,23 @@ class MemoryEstimate:
 
     stage: int
     world_size: int
+    # on the device
     model_states: ModelStateBytes
     activation_bytes: float
+    # what offload puts in host memory (all zero without offload)
+    offload: Offload = "none"
+    host_states: ModelStateBytes = _NOTHING
+    # bytes moved between device and host per step (offload)
+    transfer_bytes: float = 0.0
 
     @property
     def total(self) -> float:
+        """Device bytes: model states there plus activations."""
         return self.model_states.total + self.activation_bytes
+
+    @property
+    def host_total(self) -> float:
+        return self.host_states.total
 
 
 @dataclass(frozen=True)
@@ -170,6 +230,11 @@ class StageChoice:
     fits: bool
     # Whether the plan checkpoints activations (only what makes a model fit does).
     checkpointing: bool = False
+    # The offload that makes the model fit, its estimate (device and host bytes),
+    # and the seconds per step its copies take at PlanConfig.pcie_bytes_per_s.
+    offload: Offload = "none"
+    offload_estimate: MemoryEstimate | None = None
+    offload_seconds: float = 0.0
 
 
 def estimate_memory(
@@ -179,20 +244,78 @@ def estimate_memory(
     world_size: int,
     config: PlanConfig = PlanConfig(),
     checkpointing: bool = False,
+    offload: Offload = "none",
 ) -> MemoryEstimate:
     """Model states by the ZeRO formulas plus the activations (stated, or estimated
-    from ``config.activations`` with or without ``checkpointing``)."""
-    states = model_state_bytes(
+    from ``config.activations`` with or without ``checkpointing``), split between
+    device and host by ``offload``."""
+    device, host = offloaded_state_bytes(
         numel,
         stage=stage,
         world_size=world_size,
         dtype=config.precision,
         optimizer_states=config.optimizer_states,
+        offload=offload,
     )
     activations = float(config.activation_bytes)
     if config.activations is not None:
         activations = config.activations.bytes(config.precision, checkpointing=checkpointing)
-    return MemoryEstimate(stage, world_size, states, activations)
+    moved = offload_transfer_bytes(
+        numel, stage=stage, world_size=world_size, dtype=config.precision, offload=offload
+    )
+    return MemoryEstimate(stage, world_size, device, activations, offload, host, moved)
+
+
+_OFFLOAD_CONFIG = {
+    "optimizer": "offload_optimizer='cpu'",
+    "optimizer+params": "offload_optimizer='cpu', offload_params='cpu'",
+}
+
+
+def _offload_choice(
+    numel: int,
+    world_size: int,
+    config: PlanConfig,
+    usable: float,
+    estimates: tuple[MemoryEstimate, ...],
+    checkpointing: bool,
+    short_of: str,
+) -> StageChoice | None:
+    """The first offload of :data:`OFFLOAD_LADDER` that fits ([Note: planning offload])."""
+    host_usable = config.host_memory_bytes * (1 - config.headroom)
+    for stage, offload in OFFLOAD_LADDER:
+        e = estimate_memory(
+            numel,
+            stage=stage,
+            world_size=world_size,
+            config=config,
+            checkpointing=checkpointing,
+            offload=offload,
+        )
+        if e.total > usable or (config.host_memory_bytes and e.host_total > host_usable):
+            continue
+        seconds = e.transfer_bytes / config.pcie_bytes_per_s
+        reason = (
+            f"{short_of}; stage {stage} with {offload} offload"
+            f"{' and activation checkpointing' if checkpointing else ''} fits: "
+            f"{format_bytes(e.total)} per rank on the device, {format_bytes(e.host_total)} "
+            f"in host memory; its copies move {format_bytes(e.transfer_bytes)} per rank "
+            f"per step, about {format_seconds(seconds)} at "
+            f"{config.pcie_bytes_per_s / 1e9:.3g} GB/s PCIe, plus the host optimizer step "
+            f"(ZeroConfig(stage={stage}, {_OFFLOAD_CONFIG[offload]}))"
+        )
+        return StageChoice(
+            stage,
+            reason,
+            estimates,
+            usable,
+            True,
+            checkpointing=checkpointing,
+            offload=offload,
+            offload_estimate=e,
+            offload_seconds=seconds,
+        )
+    return None
 
 
 def choose_stage(
@@ -253,6 +376,19 @@ def choose_stage(
                         f"{format_bytes(saved[0].total)} of {have}"
                     )
                     return StageChoice(0, reason, saved, usable, True, checkpointing=True)
+            if config.offload:
+                for ckpt in (False, True) if config.activations is not None else (False,):
+                    offloaded = _offload_choice(
+                        numel,
+                        1,
+                        config,
+                        usable,
+                        estimates,
+                        ckpt,
+                        f"one rank: stage 0 needs {need(0)}, more than {have}",
+                    )
+                    if offloaded is not None:
+                        return offloaded
             reason += f" (needs {need(0)}, more than {have})"
         return StageChoice(0, reason, estimates, usable, fits(0))
     if device_memory_bytes == 0:
@@ -284,6 +420,19 @@ def choose_stage(
                     f"({format_bytes(estimates[3].activation_bytes)} of it activations)"
                 )
                 return StageChoice(stage, reason, saved, usable, True, checkpointing=True)
+    if config.offload:
+        for ckpt in (False, True) if config.activations is not None else (False,):
+            offloaded = _offload_choice(
+                numel,
+                world_size,
+                config,
+                usable,
+                estimates,
+                ckpt,
+                f"no stage fits the device: even stage 3 needs {need(3)}, more than {have}",
+            )
+            if offloaded is not None:
+                return offloaded
     reason = (
         f"no stage fits: even stage 3 needs {need(3)}, more than {have}; "
         "stage 3 comes closest (add ranks, offload, or checkpoint activations)"
@@ -326,6 +475,10 @@ def parse_count(text: str) -> int:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"not a parameter count: {text!r}")
     return round(value)
+
+
+def format_seconds(t: float) -> str:
+    return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
 
 
 def format_bytes(n: float) -> str:

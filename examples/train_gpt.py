@@ -79,6 +79,8 @@ def main() -> None:
     # the Kubernetes manifests pass the job spec's compression this way
     p.add_argument("--compression", default=os.environ.get("ZEROPLANE_COMPRESSION", "none"))
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    # ZeRO-Offload: the optimizer in host memory (stages 1-3), or also the parameters (3)
+    p.add_argument("--offload", choices=("none", "optimizer", "all"), default="none")
     p.add_argument("--out", type=Path)
     p.add_argument("--checkpoint", type=Path)
     p.add_argument("--save-every", type=int, default=10)
@@ -99,7 +101,11 @@ def main() -> None:
         torch.cuda.set_device(device)
     model.to(device)  # in place: the optimizer keeps the same parameters
     config = worker.ZeroConfig(
-        stage=args.stage, compression=args.compression, replica_interval=args.replica_every
+        stage=args.stage,
+        compression=args.compression,
+        replica_interval=args.replica_every,
+        offload_optimizer="none" if args.offload == "none" else "cpu",
+        offload_params="cpu" if args.offload == "all" else "none",
     )
     engine = worker.initialize(model, opt, config=config)
     # the loader's position is saved in checkpoints and checked when one is loaded

@@ -78,7 +78,7 @@ def test_from_deepspeed_bf16() -> None:
 @pytest.mark.parametrize(
     ("ds", "named"),
     [
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "nvme"),
         ({"zero_optimization": {"stage": 2, "made_up": 1}}, "zero_optimization.made_up"),
         ({"not_a_deepspeed_key": 1}, "not_a_deepspeed_key"),
         ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master"),

@@ -92,10 +92,21 @@ FILES: dict[str, tuple[dict[str, Any], ZeroConfig | set[str]]] = {
             min_loss_scale=1.0,
         ),
     ),
-    # HF's zero3 template as HF ships it: CPU offload of both
+    # HF's zero3 template as HF ships it: CPU offload of both, pinned
     "hf_zero3_offload.json": (
         {**HF_RESOLVE, "bf16": True, "hidden_size": 1024},
-        named("zero_optimization.offload_optimizer", "zero_optimization.offload_param"),
+        ZeroConfig(
+            stage=3,
+            dtype="bf16",
+            gradient_accumulation_steps=4,
+            gradient_clipping=1.0,
+            bucket_numel=1024 * 1024,
+            overlap_comm=True,
+            stage3_prefetch=1,
+            offload_optimizer="cpu",
+            offload_params="cpu",
+            pin_memory=True,
+        ),
     ),
     "activation_checkpointing.json": (
         {},

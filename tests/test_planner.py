@@ -62,8 +62,9 @@ def test_lowest_stage_that_fits_the_smallest_worker() -> None:
     # 40 GB -> 36 usable: stage 1 needs 52.5, stage 2 41.25, stage 3 30.
     choice = choose_stage(PSI, world_size=4, device_memory_bytes=40 * 10**9)
     assert choice.stage == 3 and "lowest that fits" in choice.reason
-    # Nothing fits: stage 3, saying so.
-    choice = choose_stage(PSI, world_size=2, device_memory_bytes=16 * 10**9)
+    # Nothing fits (offload not allowed; tests/test_offload.py has it): stage 3, saying so.
+    no_offload = PlanConfig(offload=False)
+    choice = choose_stage(PSI, world_size=2, device_memory_bytes=16 * 10**9, config=no_offload)
     assert choice.stage == 3 and not choice.fits and "no stage fits" in choice.reason
     small = choose_stage(1000, world_size=8, device_memory_bytes=10**9)
     assert small.stage == 0 and small.fits
@@ -89,7 +90,8 @@ def test_parsers() -> None:
 
 
 def test_cli_plan_prints_all_stages_and_the_recommendation(capsys) -> None:
-    argv = ["plan", "--params", "7.5e9", "--world-sizes", "1,4,16,64,1024"]
+    # without offload (tests/test_offload.py plans with it)
+    argv = ["plan", "--params", "7.5e9", "--world-sizes", "1,4,16,64,1024", "--no-offload"]
     assert main([*argv, "--device-memory", "80GB"]) == 0
     out = capsys.readouterr().out
     rows = {

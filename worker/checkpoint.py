@@ -256,7 +256,8 @@ def load_checkpoint(
         _check_inventory(state, manifest, step_dir / "manifest.json")
         index = index_ranges(manifest)
         needed = sorted({rank_file(0)} | index.sources(state.owned()))
-        loaded = _read_files(step_dir, manifest, needed, state.device)
+        # straight to where the state lives (host memory with offload)
+        loaded = _read_files(step_dir, manifest, needed, state.master_device)
         unsharded = loaded[rank_file(0)]["unsharded"]
         _check_fits(state, step_dir / rank_file(0), unsharded)
         saved_extras = _check_extras(step_dir / rank_file(0), unsharded, extras)

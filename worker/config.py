@@ -86,6 +86,17 @@ class ZeroConfig:
             under torch's non-reentrant ``checkpoint``. An int ``k >= 1``:
             every k-th of those units (1 = all of them). A callable
             ``policy(module) -> bool``: each module for which it is True.
+        offload_optimizer: ``"cpu"`` keeps this rank's fp32 master partition and
+            optimizer state in host memory and runs the optimizer there
+            (ZeRO-Offload; stages 1-3). Reduced gradient shards are copied to
+            the host as each bucket finishes, the updated partition comes back
+            in the compute dtype (see worker/offload.py). ``"none"``: off.
+        offload_params: ``"cpu"`` keeps this rank's stage-3 parameter shards in
+            host memory; each gather unit's shard is copied to the device for
+            its all-gather, the next unit's prefetched (stage 3 only).
+        pin_memory: page-lock the host buffers offload copies through (CUDA
+            only; makes the copies asynchronous). Ignored without offload or
+            without a GPU.
     """
 
     stage: Literal[0, 1, 2, 3] = 0
@@ -111,6 +122,9 @@ class ZeroConfig:
     replica_interval: int = 0
     # torch-free annotation: the callable takes an nn.Module
     activation_checkpointing: Literal["none", "units"] | int | Callable[[Any], bool] = "none"
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    offload_params: Literal["none", "cpu"] = "none"
+    pin_memory: bool = True
 
     def __post_init__(self) -> None:
         # Types are checked before values: a bool is not a number, a float is not
@@ -156,7 +170,7 @@ class ZeroConfig:
                 raise bad(name, "a finite number >= 0")
         if not _is_finite_number(self.min_loss_scale) or not self.min_loss_scale > 0:
             raise bad("min_loss_scale", "a finite number > 0")
-        for name in ("overlap_comm", "error_feedback"):
+        for name in ("overlap_comm", "error_feedback", "pin_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
         if not one_of(self.compression, ("none", "bf16", "fp16", "int8", "onebit")):
@@ -165,6 +179,20 @@ class ZeroConfig:
             raise bad("stage3_gather_compression", "none or int8")
         if self.stage3_gather_compression != "none" and self.stage != 3:
             raise bad("stage3_gather_compression", "'none' unless stage is 3")
+        for name in ("offload_optimizer", "offload_params"):
+            value = getattr(self, name)
+            if value == "nvme":
+                raise _FieldError(
+                    f"ZeroConfig.{name}='nvme' is not supported: zeroplane offloads to host "
+                    "memory only ('cpu'); NVMe offload (ZeRO-Infinity) is not implemented",
+                    name,
+                )
+            if not one_of(value, ("none", "cpu")):
+                raise bad(name, "'none' or 'cpu'")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise bad("offload_optimizer", "'none' at stage 0 (offload needs stage 1, 2 or 3)")
+        if self.offload_params != "none" and self.stage != 3:
+            raise bad("offload_params", "'none' unless stage is 3 (only stage 3 shards parameters)")
         if self.metrics_port is not None and (
             not _is_int(self.metrics_port) or not 0 <= self.metrics_port <= 65535
         ):
@@ -201,8 +229,17 @@ class ZeroConfig:
         """Read the ZeRO-related keys of a DeepSpeed JSON config.
 
         Keys that would change what training computes and that zeroplane does
-        not implement (CPU/NVMe offload, for example) raise ``ValueError``
-        naming them. Known DeepSpeed keys that belong to other parts of a
+        not implement (NVMe offload, for example) raise ``ValueError``
+        naming them.
+
+        ``zero_optimization.offload_optimizer`` and ``offload_param`` with
+        ``device: "cpu"`` set ``offload_optimizer="cpu"`` /
+        ``offload_params="cpu"`` (and the legacy ``cpu_offload: true`` the
+        former); ``"none"`` or null leaves them off; ``"nvme"`` is refused.
+        ``pin_memory`` (DeepSpeed's default: false) sets ``pin_memory``, true
+        if either offloading section says so. As in DeepSpeed, ``offload_param``
+        is ignored (with a warning) unless the stage is 3. Their NVMe and buffer-tuning
+        keys are logged as ignored. Known DeepSpeed keys that belong to other parts of a
         training script (optimizer, scheduler, batch sizes, logging) are
         logged as ignored, ``"auto"`` or not. Unknown keys raise.
 
@@ -268,6 +305,18 @@ class ZeroConfig:
         reader = _DeepSpeedReader(overrides, hidden_size=hidden_size, fp16=fp16, bf16=bf16)
         kw = reader.read(ds)
         kw.update(overrides)
+        if (
+            kw.get("offload_params", "none") != "none"
+            and kw.get("stage", 0) != 3
+            and "offload_params" not in overrides
+        ):
+            # DeepSpeed reads offload_param only at stage 3 and ignores it elsewhere
+            logger.warning(
+                "DeepSpeed key 'zero_optimization.offload_param' ignored: parameters are "
+                "offloaded at stage 3 only, this config runs stage %s",
+                kw.get("stage", 0),
+            )
+            del kw["offload_params"]
         try:
             return cls(**kw)
         except _FieldError as error:
@@ -341,6 +390,26 @@ _DS_ZERO_IGNORED = frozenset(
         "memory_efficient_linear",
         "load_from_fp32_weights",
         "elastic_checkpoint",
+    }
+)
+
+# offload_optimizer / offload_param keys -> the ZeroConfig field each section sets
+_DS_OFFLOAD_FIELDS = {"offload_optimizer": "offload_optimizer", "offload_param": "offload_params"}
+
+# offload keys that tune DeepSpeed's own buffers (NVMe paths, AIO pipelining,
+# buffer counts, the fraction of the optimizer stepped on the CPU): where the
+# bytes are is zeroplane's, what is computed is the same.
+_DS_OFFLOAD_IGNORED = frozenset(
+    {
+        "nvme_path",
+        "buffer_count",
+        "buffer_size",
+        "max_in_cpu",
+        "fast_init",
+        "pipeline",
+        "pipeline_read",
+        "pipeline_write",
+        "ratio",
     }
 )
 
@@ -495,6 +564,8 @@ class _DeepSpeedReader:
         self.unsupported: list[str] = []
         self.ignored: list[str] = []
         self.unresolved: list[str] = []
+        # pin_memory of each section that offloads (one ZeroConfig.pin_memory for both)
+        self.offload_pins: list[bool] = []
 
     def read(self, ds: Mapping[str, Any]) -> dict[str, Any]:
         for key, value in ds.items():
@@ -524,6 +595,13 @@ class _DeepSpeedReader:
             raise ValueError(
                 "DeepSpeed config keys zeroplane does not support: " + ", ".join(self.unsupported)
             )
+        if self.offload_pins and "pin_memory" not in self.overrides:
+            if len(set(self.offload_pins)) > 1:
+                logger.warning(
+                    "DeepSpeed offload sections disagree on pin_memory; pinning host "
+                    "buffers for both (zeroplane has one pin_memory switch)"
+                )
+            self.set("pin_memory", "zero_optimization.offload_*.pin_memory", any(self.offload_pins))
         if self.unresolved:
             raise ValueError("; ".join(self.unresolved))
         if self.ignored:
@@ -582,10 +660,15 @@ class _DeepSpeedReader:
                         raise _ds_error(key, "an integer >= 0", value)
                     # DeepSpeed counts elements; zeroplane prefetches whole units.
                     self.set("stage3_prefetch", key, 1 if numel > 0 else 0)
-            elif sub in ("offload_optimizer", "offload_param", "cpu_offload"):
-                device = value.get("device", "none") if isinstance(value, Mapping) else value
-                if device not in ("none", None, False):
-                    self.unsupported.append(key)
+            elif sub in ("offload_optimizer", "offload_param"):
+                # Optional in DeepSpeed: null means no offload, as absent does
+                if value is not None:
+                    self.offload_section(key, value, _DS_OFFLOAD_FIELDS[sub])
+            elif sub == "cpu_offload":
+                # DeepSpeed's legacy spelling of offload_optimizer.device = "cpu"
+                if _ds_bool(key, value):
+                    self.set("offload_optimizer", key, "cpu")
+                    self.offload_pins.append(False)
             elif sub in ("reduce_scatter", "allgather_partitions") and not _is_auto(value):
                 # "auto" is dropped by DeepSpeed, leaving its default true
                 if _ds_bool(key, value):
@@ -596,6 +679,42 @@ class _DeepSpeedReader:
                 self.ignored.append(key)
             else:
                 self.unsupported.append(key)
+
+    def offload_section(self, key: str, section: Any, field: str) -> None:
+        """``offload_optimizer`` / ``offload_param``: device ``cpu`` or ``none``
+        (``nvme`` is refused), ``pin_memory``; NVMe and buffer tuning keys are
+        ignored (they tune DeepSpeed's own buffers, not what is computed)."""
+        if not isinstance(section, Mapping):
+            raise ValueError(f"DeepSpeed {key!r} must be a dict, got {section!r}")
+        device_key = f"{key}.device"
+        device = self.resolve(device_key, section.get("device", "none"), field)
+        if device is _SKIP:
+            return
+        if device is None:
+            device = "none"  # Optional in DeepSpeed, meaning its default
+        if not isinstance(device, str) or device.lower() not in ("none", "cpu", "nvme"):
+            raise _ds_error(device_key, '"cpu" or "none" ("nvme" is not supported)', device)
+        device = device.lower()
+        if device == "nvme":
+            raise ValueError(
+                f'DeepSpeed key {device_key!r} is "nvme": zeroplane offloads to host memory '
+                'only; set it to "cpu" (or "none"). NVMe offload (ZeRO-Infinity) is not '
+                "implemented"
+            )
+        self.set(field, device_key, device)
+        pin = False  # DeepSpeed's default
+        for sub, value in section.items():
+            sub_key = f"{key}.{sub}"
+            if sub == "device":
+                continue
+            if sub == "pin_memory":
+                pin = _ds_bool(sub_key, value)
+            elif sub in _DS_OFFLOAD_IGNORED:
+                self.ignored.append(sub_key)
+            else:
+                self.unsupported.append(sub_key)
+        if device == "cpu":
+            self.offload_pins.append(pin)
 
     def precision_section(self, section_key: str, section: Any) -> None:
         if not isinstance(section, Mapping):

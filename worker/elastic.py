@@ -173,9 +173,9 @@ def exchange(
     incoming: Entries = {}
     for buf in _exchange(via_comm, sends):
         for key, entry in unpack_entries(buf.cpu()).items():
-            entry["master"] = entry["master"].to(state.device)
+            entry["master"] = entry["master"].to(state.master_device)
             entry["state"] = {
-                k: v.to(state.device) if isinstance(v, torch.Tensor) else v
+                k: v.to(state.master_device) if isinstance(v, torch.Tensor) else v
                 for k, v in entry["state"].items()
             }
             incoming[key] = entry

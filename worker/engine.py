@@ -219,7 +219,7 @@ class ZeroEngine:
         # None unless config.metrics_port or $ZEROPLANE_METRICS_PORT asks for it
         self.board = SnapshotBoard() if metrics is None else metrics.board
         self.metrics = metrics if metrics is not None else start_metrics(config, self.board)
-        self._memory_cache: tuple[int, float, dict[str, int]] | None = None
+        self._memory_cache: tuple[int, float, dict[str, int], dict[str, int]] | None = None
         self.publish_snapshot()
 
     # ------------------------------------------------------------ what the state holds
@@ -526,6 +526,21 @@ class ZeroEngine:
         report["activations"] = self.saved_activations.last
         return report
 
+    def memory_by_location(self) -> dict[str, dict[str, int]]:
+        """:meth:`memory_report`'s model-state bytes split by where they live,
+        ``{"device": {kind: bytes}, "host": {kind: bytes}}`` (host: what
+        ``offload_optimizer`` / ``offload_params`` put in host memory, see
+        worker/offload.py); each side has a ``total``."""
+        split: dict[str, dict[str, int]] = dict(self.state.memory_by_location())
+        replica = 0 if self.membership is None else self.membership.replica_bytes()
+        # replicas are copies of the master partition and optimizer state: they
+        # live where those do
+        where = self.state.placement.master_location
+        for location, kinds in split.items():
+            kinds["replica"] = replica if location == where else 0
+            kinds["total"] = sum(kinds.values())
+        return split
+
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Collective calls and logical bytes by op since start (see worker.collectives)."""
         return self.comm.report()
@@ -538,7 +553,8 @@ class ZeroEngine:
         now = time.monotonic()
         cache = self._memory_cache
         if cache is None or cache[0] != st.builds or now - cache[1] > 0.25:
-            cache = self._memory_cache = (st.builds, now, self.memory_report())
+            host = self.memory_by_location()["host"]
+            cache = self._memory_cache = (st.builds, now, self.memory_report(), host)
         return Snapshot(
             rank=st.rank,
             stage=st.stage.number,
@@ -552,6 +568,7 @@ class ZeroEngine:
             master_numel=sum(b.master.numel() for b in st.buckets),
             frozen_bytes=st.frozen_bytes(),
             memory=dict(cache[2]),
+            memory_host=dict(cache[3]),
             collectives={
                 op: (s.calls, s.bytes, s.wire_bytes, s.seconds)
                 for op, s in list(st.comm.stats.items())

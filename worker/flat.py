@@ -22,6 +22,7 @@ values in backward, with nothing re-registered on the module.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -100,7 +101,11 @@ class UnitState(enum.Enum):
 
 @dataclass(eq=False)
 class GatherUnit:
-    """A stage-3 gather unit: one module's parameters, gathered and freed together."""
+    """A stage-3 gather unit: one module's parameters, gathered and freed together.
+
+    ``fetch`` gives a bucket's shard on the device to send from (a copy of an
+    offloaded shard, worker/offload.py [Note: parameter offload]); such copies
+    are kept in ``inbound`` until the gather is waited on."""
 
     index: int
     module: nn.Module
@@ -109,6 +114,8 @@ class GatherUnit:
     state: UnitState = UnitState.SHARDED
     handles: list[Handle | PendingAllGather] = field(default_factory=list)
     wire: list[WireBuffers] = field(default_factory=list)
+    fetch: Callable[[torch.Tensor], torch.Tensor] | None = None
+    inbound: list[torch.Tensor] = field(default_factory=list)
 
     def gather(self, comm: Collectives) -> None:
         """Start gathering (asynchronously) if sharded."""
@@ -119,11 +126,15 @@ class GatherUnit:
         for i, b in enumerate(self.buckets):
             b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
             mark_gathered(b.params)
+            assert b.shard is not None
+            src = b.shard if self.fetch is None else self.fetch(b.shard)
+            if src is not b.shard:
+                self.inbound.append(src)
             if self.codec is None:
-                self.handles.append(comm.all_gather(b.full, b.shard, async_op=True))
+                self.handles.append(comm.all_gather(b.full, src, async_op=True))
             else:
                 self.handles.append(
-                    start_all_gather(comm, self.codec, b.shard, b.full, buffers=self.wire[i])
+                    start_all_gather(comm, self.codec, src, b.full, buffers=self.wire[i])
                 )
         self.state = UnitState.GATHERING
 
@@ -132,6 +143,7 @@ class GatherUnit:
             for h in self.handles:
                 h.finish() if isinstance(h, PendingAllGather) else h.wait()
             self.handles.clear()
+            self.inbound.clear()
             self.state = UnitState.GATHERED
 
     def reshard(self) -> None:

@@ -84,6 +84,7 @@ METRIC_NAMES = (
     "zeroplane_trainable_parameters",
     "zeroplane_model_state_bytes",
     "zeroplane_model_state_baseline_bytes",
+    "zeroplane_model_state_host_bytes",
     "zeroplane_activation_saved_bytes",
     "zeroplane_device_memory_allocated_bytes",
     "zeroplane_device_memory_reserved_bytes",
@@ -148,6 +149,8 @@ class Snapshot:
     # the last micro-batch loss, detached: read at scrape time, so a CUDA loss
     # costs the training loop no synchronization
     loss: torch.Tensor | None = None
+    # the part of ``memory`` that offload keeps in host memory, by kind
+    memory_host: dict[str, int] = field(default_factory=dict)
 
 
 class SnapshotBoard:
@@ -323,6 +326,16 @@ class EngineCollector(Collector):
             if kind not in ("total", "activations"):
                 state.add_metric((*values, kind), value)
         yield state
+        host = GaugeMetricFamily(
+            "zeroplane_model_state_host_bytes",
+            "The part of zeroplane_model_state_bytes kept in host memory by offload "
+            "(offload_optimizer / offload_params), by kind; the rest is on the device.",
+            labels=(*labels, "kind"),
+        )
+        for kind in e.memory:
+            if kind not in ("total", "activations"):
+                host.add_metric((*values, kind), e.memory_host.get(kind, 0))
+        yield host
         yield gauge(
             "zeroplane_activation_saved_bytes",
             "Bytes autograd kept for backward in the last measured forward (activations; "

@@ -9,6 +9,15 @@ exactly: a parameter that got no gradient anywhere this step has its view's
 ``grad`` set to ``None`` and is skipped, its state untouched, and Adam's step
 count stays per parameter. Only elementwise optimizers are correct on pieces
 of parameters; others are refused.
+
+[Note: fused optimizer on the host]
+With offload the optimizer steps host tensors (worker/offload.py). torch picks
+its slow per-tensor loop for CPU tensors unless told otherwise; its fused CPU
+Adam/AdamW kernel is about 6.5x faster than even foreach (AdamW over 10M
+elements on one core here: 57 ms fused, 371 ms foreach). So where the user's
+Adam or AdamW left ``fused`` and ``foreach`` unset, the host optimizer runs
+fused; an explicit choice is kept. (torch's fused SGD is not used: it fails
+when a parameter gets its first gradient after others have momentum.)
 """
 
 from __future__ import annotations
@@ -44,6 +53,24 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 
+# classes whose fused CPU kernel keeps torch.optim's per-parameter semantics when a
+# parameter gets its first gradient after others (torch's fused SGD does not: it
+# fails on a momentum buffer list that is partly empty)
+_FUSED_ON_HOST: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def fused_default(template: torch.optim.Optimizer) -> dict:
+    """``{"fused": True}`` where ``template``'s class has a fused implementation and its
+    user chose none ([Note: fused optimizer on the host]); otherwise nothing."""
+    if type(template) not in _FUSED_ON_HOST:
+        return {}
+    defaults = template.defaults
+    unset = defaults.get("fused") is None and not defaults.get("foreach")
+    if unset and not defaults.get("differentiable") and not defaults.get("capturable"):
+        return {"fused": True}
+    return {}
+
+
 def rebuild_optimizer(template: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
     """A new optimizer of ``template``'s class and defaults over ``groups``."""
     cls = type(template)
@@ -59,7 +86,9 @@ def rebuild_optimizer(template: torch.optim.Optimizer, groups: list[dict]) -> to
     # Every group carries all of its hyperparameters; the constructor only needs
     # the defaults it accepts (torch adds internal ones it does not).
     accepted = inspect.signature(cls.__init__).parameters
-    return cls(groups, **{k: v for k, v in template.defaults.items() if k in accepted})
+    impl = {k: groups[0][k] for k in ("fused", "foreach") if groups and k in groups[0]}
+    defaults = {**template.defaults, **impl}
+    return cls(groups, **{k: v for k, v in defaults.items() if k in accepted})
 
 
 def _hyperparams(group: dict) -> dict:
@@ -84,17 +113,22 @@ class ShardOptimizer:
     ``pieces_by_group[g]`` lists the pieces whose parameter is in the user's
     param group ``g``. Hyperparameters are read from the user's optimizer
     before every step, so an LR scheduler attached to it keeps working.
+    ``on_host``: the pieces are host tensors (offload); the optimizer runs
+    fused where the user did not choose ([Note: fused optimizer on the host]).
     """
 
     def __init__(
         self,
         user: torch.optim.Optimizer,
         pieces_by_group: list[list[Piece]],
+        *,
+        on_host: bool = False,
     ) -> None:
         self.user = user
         self.pieces = [p for group in pieces_by_group for p in group]
+        self.impl = fused_default(user) if on_host else {}
         groups = [
-            {"params": [p.view for p in pieces], **_hyperparams(ug)}
+            {"params": [p.view for p in pieces], **_hyperparams(ug), **self.impl}
             for pieces, ug in zip(pieces_by_group, user.param_groups, strict=True)
         ]
         self.inner = rebuild_optimizer(user, groups)
@@ -110,7 +144,7 @@ class ShardOptimizer:
         """
         for ug, ig in zip(self.user.param_groups, self.inner.param_groups, strict=True):
             for key, value in ug.items():
-                if key != "params":
+                if key != "params" and key not in self.impl:
                     ig[key] = value
         for piece, grad in zip(self.pieces, grads, strict=True):
             if buckets is None or piece.bucket in buckets:

@@ -180,6 +180,9 @@ def _planned(config: ZeroConfig, gen: Generation, rank: int) -> ZeroConfig:
         changes["stage"] = gen.stage
         if gen.stage != 3:
             changes["stage3_gather_compression"] = "none"
+            changes["offload_params"] = "none"
+        if gen.stage == 0:
+            changes["offload_optimizer"] = "none"
     return config.replace(**changes)
 
 

@@ -33,7 +33,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ __all__ = [
     "ReduceScatterPersistent",
     "ReduceScatterStaging",
     "ReplicatedParams",
+    "ShardHome",
     "ShardedParams",
     "Stage",
     "StagingPool",
@@ -381,17 +382,22 @@ class Compressed(GradReducer):
 
 
 class ParamStorage:
-    """Where a bucket's compute parameters live between steps."""
+    """Where a bucket's compute parameters live between steps.
+
+    ``master_apart``: the fp32 master partition is a tensor of its own (mixed
+    precision, or offloaded: worker/offload.py), not a view of the compute
+    parameters, so publishing copies it over (cast, and moved to the device).
+    """
 
     sharded: ClassVar[bool]
 
-    def __init__(self, dtype: torch.dtype, mixed_precision: bool) -> None:
-        self.dtype, self.mixed_precision = dtype, mixed_precision
+    def __init__(self, dtype: torch.dtype, master_apart: bool) -> None:
+        self.dtype, self.master_apart = dtype, master_apart
 
     def place(self, b: FlatBucket) -> None:
         """Set up ``b``'s compute parameters once its master values are in."""
         b.param_views()
-        if not self.mixed_precision:
+        if not self.master_apart:
             b.master = b.full[b.lo : b.hi]
 
     def attach(self, buckets: list[FlatBucket], comm: Collectives, units: dict) -> None:
@@ -413,10 +419,15 @@ class ParamStorage:
         with torch.no_grad():
             if b.lo == 0 and b.hi == b.spec.padded_numel:
                 # the optimizer holds the whole bucket (stage 0): no collective
-                if self.mixed_precision:
+                if self.master_apart:
                     b.full.copy_(b.master)
                 return None
-            src = b.master.to(self.dtype) if self.mixed_precision else b.full[b.lo : b.hi]
+            if self.master_apart:
+                # from an offloaded (pinned) master this is an asynchronous copy,
+                # ordered before the all-gather that reads it
+                src = b.master.to(device=b.full.device, dtype=self.dtype, non_blocking=True)
+            else:
+                src = b.full[b.lo : b.hi]
             return comm.all_gather(b.full, src, async_op=True)
 
     def nbytes(self, b: FlatBucket) -> int:
@@ -444,6 +455,28 @@ class ReplicatedParams(ParamStorage):
     """Stages 0–2: every rank holds the full compute parameters."""
 
     sharded = False
+
+
+class ShardHome(Protocol):
+    """Where stage-3 parameter shards live (worker/offload.py ``Placement``)."""
+
+    def new_shard(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A shard holding ``master``'s values in ``dtype``."""
+        ...
+
+    def fetch(self, shard: torch.Tensor) -> torch.Tensor:
+        """``shard`` on the device, for the gather to send from."""
+        ...
+
+
+class _OnDevice:
+    """Shards on the compute device, beside the master partition."""
+
+    def new_shard(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return master.to(dtype)
+
+    def fetch(self, shard: torch.Tensor) -> torch.Tensor:
+        return shard
 
 
 class ShardedParams(ParamStorage):
@@ -476,13 +509,15 @@ class ShardedParams(ParamStorage):
     def __init__(
         self,
         dtype: torch.dtype,
-        mixed_precision: bool,
+        master_apart: bool,
         *,
         prefetch: int,
         gather_codec: Codec | None,
+        home: ShardHome | None = None,
     ) -> None:
-        super().__init__(dtype, mixed_precision)
+        super().__init__(dtype, master_apart)
         self.prefetch, self.gather_codec = prefetch, gather_codec
+        self.home: ShardHome = home or _OnDevice()
         self.units: list[GatherUnit] = []
         self._unit_by_index: dict[int, GatherUnit] = {}
         self._unit_of_param: dict[nn.Parameter, GatherUnit] = {}
@@ -499,8 +534,8 @@ class ShardedParams(ParamStorage):
     def place(self, b: FlatBucket) -> None:
         b.param_views()
         name_params(b.params, (s.name for s in b.spec.slots))
-        b.shard = b.master.to(self.dtype)
-        if not self.mixed_precision:
+        b.shard = self.home.new_shard(b.master, self.dtype)
+        if not self.master_apart:
             b.master = b.shard
         b.full.untyped_storage().resize_(0)
         mark_sharded(b.params)
@@ -515,7 +550,9 @@ class ShardedParams(ParamStorage):
             if index not in by_unit and index != 0:
                 continue
             # the root is always a unit, if only to host the units it reads
-            unit = GatherUnit(index, module, by_unit.get(index, []), self.gather_codec)
+            unit = GatherUnit(
+                index, module, by_unit.get(index, []), self.gather_codec, fetch=self.home.fetch
+            )
             self.units.append(unit)
             self._hooks += [
                 module.register_forward_pre_hook(self._pre_forward_hook(unit)),
@@ -592,9 +629,9 @@ class ShardedParams(ParamStorage):
         )
 
     def start_publish(self, b: FlatBucket, comm: Collectives) -> Handle | None:
-        if self.mixed_precision:
+        if self.master_apart:
             with torch.no_grad():
-                b.shard.copy_(b.master)
+                b.shard.copy_(b.master, non_blocking=True)
         return None
 
     def nbytes(self, b: FlatBucket) -> int:

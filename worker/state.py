@@ -12,7 +12,13 @@ engine (worker/engine.py) drives it through a step; checkpoints
 * :meth:`export_ranges` / :meth:`import_ranges`: state addressed by
   (parameter name, element range), see coordinator/ranges.py
   [Note: element ranges];
-* :meth:`counters` / :meth:`restore_counters`, :meth:`memory_report`.
+* :meth:`counters` / :meth:`restore_counters`, :meth:`memory_report` and
+  :meth:`memory_by_location`.
+
+Where each buffer is allocated, device or host, is the ``placement``'s
+(worker/offload.py): with offload the master partition and optimizer state,
+or the stage-3 parameter shards, live in host memory; state is addressed by
+name and element range wherever it lives.
 
 ``whole`` says whether the state is complete at a step boundary (not half
 stepped, not half rebuilt): only then is it a source for recovery after a
@@ -36,6 +42,7 @@ from worker.compression import make_codec
 from worker.config import ZeroConfig
 from worker.flat import BucketState, FlatBucket, GatherUnit
 from worker.inventory import Inventory
+from worker.offload import HOST, Location, OffloadedGrads, Placement
 from worker.optim import Piece, ShardOptimizer
 from worker.precision import MixedPrecision
 from worker.stages import (
@@ -90,6 +97,7 @@ class ShardState:
         self.module, self.user_optimizer, self.inventory = module, user_optimizer, inventory
         self.config, self.dtype, self.device, self.align = config, dtype, device, align
         self.stage: Stage = STAGES[config.stage]
+        self.placement = Placement.from_config(config, device)
         self.index = {name: i for i, name in enumerate(inventory.trainable)}
         self.scaler = MixedPrecision.loss_scaler(config)
         self.global_steps = self.micro_steps = self.skipped_steps = 0
@@ -112,28 +120,34 @@ class ShardState:
         else:
             reducer = cls(reduce_dtype, self.pool, lambda b: self.reducer.finish(b))  # type: ignore[call-arg]
         codec = make_codec(self.config.compression, self.config.compression_block)
-        if codec is None:
-            return reducer
-        warmup = self.config.compression_warmup_steps
-        return Compressed(
-            reducer,
-            codec,
-            error_feedback=self.config.error_feedback,
-            active=lambda: self.global_steps >= warmup,
-        )
+        if codec is not None:
+            warmup = self.config.compression_warmup_steps
+            reducer = Compressed(
+                reducer,
+                codec,
+                error_feedback=self.config.error_feedback,
+                active=lambda: self.global_steps >= warmup,
+            )
+        if self.placement.optimizer_on_host:
+            accum = self.config.gradient_accumulation_steps
+            reducer = OffloadedGrads(
+                reducer, self.placement, lambda: (self.micro_steps + 1) % accum == 0
+            )
+        return reducer
 
     def _make_storage(self) -> ParamStorage:
-        mixed = self.config.mixed_precision
+        apart = self.placement.master_apart(self.config.mixed_precision)
         if self.stage.params is ShardedParams:
             return ShardedParams(
                 self.dtype,
-                mixed,
+                apart,
                 prefetch=self.config.stage3_prefetch,
                 gather_codec=make_codec(
                     self.config.stage3_gather_compression, self.config.compression_block
                 ),
+                home=self.placement,
             )
-        return self.stage.params(self.dtype, mixed)
+        return self.stage.params(self.dtype, apart)
 
     # ------------------------------------------------------------ world
 
@@ -144,6 +158,12 @@ class ShardState:
     @property
     def world_size(self) -> int:
         return self.comm.world_size
+
+    @property
+    def master_device(self) -> torch.device:
+        """Where the master partition and optimizer state live: the device, or the
+        host with optimizer offload. Loads and transfers land there."""
+        return HOST if self.placement.optimizer_on_host else self.device
 
     @property
     def units(self) -> list[GatherUnit]:
@@ -193,7 +213,9 @@ class ShardState:
                         param_start=piece.param_start,
                     )
                 )
-        self.optimizer = ShardOptimizer(self.user_optimizer, pieces)
+        self.optimizer = ShardOptimizer(
+            self.user_optimizer, pieces, on_host=self.placement.optimizer_on_host
+        )
         self.params.attach(self.buckets, comm, self.inventory.unit_modules)
         self._publish_chunks = self._chunks()
         self.whole = from_module
@@ -205,6 +227,8 @@ class ShardState:
         self.params.detach()
         self.buckets, self.bucket_of = [], {}
         self.pool.reset(0)
+        if isinstance(self.reducer, OffloadedGrads):
+            self.reducer.release()
         self.optimizer = ShardOptimizer(
             self.user_optimizer, [[] for _ in self.user_optimizer.param_groups]
         )
@@ -232,7 +256,7 @@ class ShardState:
         )
         pieces = spec.pieces(lo, hi)
         # fp32 master values come from the original parameters, before any cast.
-        master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        master = self.placement.new_master(hi - lo)
         full = torch.zeros(spec.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for piece in pieces if from_module else ():
@@ -377,7 +401,9 @@ class ShardState:
         new_state: dict[torch.Tensor, dict] = {}
         new_master: list[tuple[torch.Tensor, torch.Tensor]] = []
         for want, piece in zip(self.owned(), self.optimizer.pieces, strict=True):
-            values = torch.empty(want.numel, dtype=torch.float32, device=self.device)
+            # the state goes where this rank's master partition lives (device or host)
+            home = piece.view.device
+            values = torch.empty(want.numel, dtype=torch.float32, device=home)
             state: dict[str, Any] = {}
             covered = 0
             for have, a, b, _source in index.overlapping(want):
@@ -390,7 +416,7 @@ class ShardState:
                 for k, v in entry["state"].items():
                     if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == have.numel:
                         if k not in state:
-                            state[k] = torch.zeros(want.numel, dtype=v.dtype, device=self.device)
+                            state[k] = torch.zeros(want.numel, dtype=v.dtype, device=home)
                         state[k][dst] = v[src]
                     else:
                         state.setdefault(k, v.clone() if isinstance(v, torch.Tensor) else v)
@@ -433,30 +459,56 @@ class ShardState:
     def _gather_master(self, b: FlatBucket) -> torch.Tensor:
         if not self.stage.optimizer_sharded:
             return b.master.detach()
-        if not self.stage.params.sharded and not self.config.mixed_precision:
+        if not self.stage.params.sharded and not self.master_apart:
             return b.full.detach()
         full = torch.empty(b.spec.padded_numel, dtype=b.master.dtype, device=self.device)
-        self.comm.all_gather(full, b.master.detach())
+        self.comm.all_gather(full, b.master.detach().to(self.device))
         return full
+
+    @property
+    def master_apart(self) -> bool:
+        return self.placement.master_apart(self.config.mixed_precision)
 
     def frozen_bytes(self) -> int:
         return sum(_nbytes(p) for p in self.inventory.params.values() if p not in self.bucket_of)
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of model state this rank holds, by kind (padding included)."""
-        report = {
-            "params": sum(self.params.nbytes(b) for b in self.buckets) + self.frozen_bytes(),
+        """Bytes of model state this rank holds, by kind (padding included), wherever
+        they live (:meth:`memory_by_location` splits them)."""
+        split = self.memory_by_location()
+        return {k: split["device"][k] + split["host"][k] for k in split["device"]}
+
+    def memory_by_location(self) -> dict[Location, dict[str, int]]:
+        """:meth:`memory_report`'s bytes by where they live: ``device`` (the compute
+        device; on a CPU-only run that is host memory too) and ``host`` (what
+        offload put in host memory). Same kinds in both; they add up to the report."""
+        place = self.placement
+        shards = sum(self.params.nbytes(b) for b in self.buckets)
+        master = sum(_nbytes(b.master) for b in self.buckets) if self.master_apart else 0
+        optimizer = self.optimizer.state_bytes()
+        host_grads = (
+            sum(self.reducer.host_nbytes(b) for b in self.buckets)
+            if isinstance(self.reducer, OffloadedGrads)
+            else 0
+        )
+        shards_host = self.params.sharded and place.shard_location == "host"
+        master_host = place.master_location == "host"
+        device = {
+            "params": (0 if shards_host else shards) + self.frozen_bytes(),
             "grads": sum(self.reducer.nbytes(b) for b in self.buckets),
-            "master": sum(_nbytes(b.master) for b in self.buckets)
-            if self.config.mixed_precision
-            else 0,
-            "optimizer": self.optimizer.state_bytes(),
+            "master": 0 if master_host else master,
+            "optimizer": 0 if master_host else optimizer,
             "buffers": sum(_nbytes(t) for t in self.module.buffers()),
             "compression": sum(
                 _nbytes(b.residual) + _nbytes(b.server_residual) for b in self.buckets
             ),
         }
-        return report
+        host = dict.fromkeys(device, 0)
+        host["params"] = shards if shards_host else 0
+        host["grads"] = host_grads
+        host["master"] = master if master_host else 0
+        host["optimizer"] = optimizer if master_host else 0
+        return {"device": device, "host": host}
 
 
 def _slice_state(value: Any, lo: int, hi: int, view: torch.Tensor) -> Any:

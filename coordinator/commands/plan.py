@@ -17,6 +17,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from coordinator.commands.args import counts, fraction
 from coordinator.layout import ParamSpec
 from coordinator.planner import (
+    PCIE_BYTES_PER_S,
     STAGES,
     ActivationShape,
     PlanConfig,
@@ -99,6 +100,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     shape.add_argument("--layers", type=int, metavar="N", help="transformer layers")
     shape.add_argument("--hidden", type=int, metavar="H", help="hidden size")
     shape.add_argument("--heads", type=int, metavar="A", help="attention heads (default H/64)")
+    offload = parser.add_argument_group(
+        "offload",
+        "when no stage fits the device, propose CPU offload of the optimizer (and at stage 3 "
+        "the parameters), with the host memory it needs and the time its copies take",
+    )
+    offload.add_argument("--no-offload", action="store_true", help="never propose offload")
+    offload.add_argument(
+        "--host-memory",
+        default="0",
+        metavar="BYTES",
+        help="host memory per rank, to check an offload against (default 0: unknown)",
+    )
+    offload.add_argument(
+        "--pcie-bandwidth",
+        default=f"{PCIE_BYTES_PER_S:.0f}",
+        metavar="BYTES",
+        help="device-host bytes per second (default 25GB: PCIe 4.0 x16)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=plan)
     return parser
@@ -179,6 +198,9 @@ def _load_model(spec: str) -> tuple[int, str, dict[str, int]]:
     return numel, note, _shape_of(model)
 
 
+_OFFLOAD_MARK = {"none": "", "optimizer": "+oo", "params": "+op", "optimizer+params": "+oop"}
+
+
 def _fixed(value: float, places: int) -> str:
     # Half up, as the ZeRO paper prints its table (41.25 -> 41.3).
     quantum = Decimal(1).scaleb(-places)
@@ -204,6 +226,9 @@ def plan(args: argparse.Namespace) -> int:
             headroom=args.headroom,
             activation_bytes=parse_bytes(args.activations),
             activations=_activations(args, shape),
+            offload=not args.no_offload,
+            host_memory_bytes=parse_bytes(args.host_memory),
+            pcie_bytes_per_s=float(parse_bytes(args.pcie_bandwidth)),
         )
     except ValueError as exc:
         print(f"zeroplane plan: {exc}", file=sys.stderr)
@@ -227,6 +252,15 @@ def plan(args: argparse.Namespace) -> int:
                     "world_size": n,
                     "recommended_stage": c.stage,
                     "activation_checkpointing": c.checkpointing,
+                    "offload": c.offload,
+                    "offload_bytes_per_rank": None
+                    if c.offload_estimate is None
+                    else {
+                        "device": c.offload_estimate.total,
+                        "host": c.offload_estimate.host_total,
+                        "transfer_per_step": c.offload_estimate.transfer_bytes,
+                    },
+                    "offload_seconds_per_step": c.offload_seconds,
                     "fits": c.fits,
                     "reason": c.reason,
                     "bytes_per_rank": {
@@ -277,7 +311,8 @@ def plan(args: argparse.Namespace) -> int:
         [
             str(n),
             *(_cell(e.total, scale) for e in c.estimates),
-            f"{c.stage}{'+ac' if c.checkpointing else ''}{'' if c.fits else '*'}",
+            f"{c.stage}{'+ac' if c.checkpointing else ''}{_OFFLOAD_MARK[c.offload]}"
+            f"{'' if c.fits else '*'}",
         ]
         for n, c in zip(world_sizes, choices, strict=True)
     ]
@@ -288,6 +323,8 @@ def plan(args: argparse.Namespace) -> int:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
     if any(not c.fits for c in choices):
         print("* does not fit in the usable device memory")
+    if any(c.offload != "none" for c in choices):
+        print("+oo: optimizer offloaded to host memory; +oop: optimizer and parameters")
     print()
     for n, c in zip(world_sizes, choices, strict=True):
         print(f"N={n}: stage {c.stage}: {c.reason}")

@@ -226,6 +226,30 @@ def panels() -> list[dict[str, Any]]:
             ],
             "decbytes",
         ),
+        bargauge(
+            "Model state by location (device / host offload), per rank",
+            "Where each rank's model state lives: on the device, or in host memory where "
+            "offload_optimizer (fp32 master, optimizer state, host gradient copy) or "
+            "offload_params (stage-3 parameter shards) put it. Zero in host memory without "
+            "offload.",
+            [
+                (
+                    f"sum by ({BY_RANK}) ({state}) - sum by ({BY_RANK}) "
+                    f'(zeroplane_model_state_host_bytes{{{SEL}, kind!="compression"}})',
+                    "rank {{rank}} · device",
+                ),
+                (
+                    f"sum by ({BY_RANK}) "
+                    f'(zeroplane_model_state_host_bytes{{{SEL}, kind!="compression"}})',
+                    "rank {{rank}} · host",
+                ),
+                (
+                    f"zeroplane_model_state_host_bytes{{{SEL}}} > 0",
+                    "rank {{rank}} · host {{kind}}",
+                ),
+            ],
+            "decbytes",
+        ),
         timeseries(
             "Memory saved against stage 0, per rank",
             "1 - held / stage-0 baseline. Stage 2 on N ranks with Adam in fp32 saves "
