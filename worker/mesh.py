@@ -75,9 +75,7 @@ class ParallelConfig:
             )
 
     def shape(self, world_size: int) -> MeshShape:
-        return MeshShape.for_world(
-            world_size, tp=self.tensor_parallel, pp=self.pipeline_parallel
-        )
+        return MeshShape.for_world(world_size, tp=self.tensor_parallel, pp=self.pipeline_parallel)
 
 
 def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
@@ -269,9 +267,12 @@ def parallelize(
 
 
 def _check_heads(model: nn.Module, tp: int) -> None:
-    cfg = getattr(model, "cfg", None)
-    heads = getattr(cfg, "n_head", None)
-    if isinstance(heads, int) and heads % tp:
-        raise ValueError(
-            f"the model's {heads} attention heads cannot be split over tensor_parallel={tp}"
-        )
+    """Attention heads must split evenly over tp (worker.models GPT, HF configs)."""
+    configs = [getattr(model, "cfg", None), getattr(model, "config", None)]
+    for cfg in configs:
+        for key in ("n_head", "num_attention_heads", "num_key_value_heads"):
+            heads = getattr(cfg, key, None)
+            if isinstance(heads, int) and heads % tp:
+                raise ValueError(
+                    f"the model's {key}={heads} cannot be split over tensor_parallel={tp}"
+                )

@@ -107,8 +107,9 @@ def llama_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """A Hugging Face Llama-style decoder (``model.layers.*.self_attn.{q,k,v,o}_proj``,
     ``mlp.{gate,up,down}_proj``): q/k/v and gate/up column-wise, o and down
     row-wise; the embedding row-wise and the head column-wise with replicated
-    outputs, as torch's TP examples do. The attention's head counts must be
-    divided by tp (:func:`localize_llama_heads`)."""
+    outputs, as torch's TP examples do (when they are not tied). The head counts
+    must divide by tp; HF's attention reshapes with ``-1`` heads, so it runs on
+    the local heads as it is."""
     plan: dict[str, ParallelStyle] = {
         "model.layers.*.self_attn.q_proj": ColwiseParallel(),
         "model.layers.*.self_attn.k_proj": ColwiseParallel(),
@@ -118,9 +119,16 @@ def llama_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         "model.layers.*.mlp.up_proj": ColwiseParallel(),
         "model.layers.*.mlp.down_proj": RowwiseParallel(),
     }
-    if getattr(model, "lm_head", None) is not None and not _tied(model):
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    if not _tied(model):
+        if _has(model, "model.embed_tokens"):
+            plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+        if _has(model, "lm_head"):
+            plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     return plan
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    return name in dict(model.named_modules())
 
 
 def _tied(model: nn.Module) -> bool:
@@ -234,9 +242,7 @@ class TensorParallel:
             for name, placements in views:
                 module.__dict__.pop(name, None)
                 local = getattr(module, name)
-                module.__dict__[name] = DTensor.from_local(
-                    local, mesh, placements, run_check=False
-                )
+                module.__dict__[name] = DTensor.from_local(local, mesh, placements, run_check=False)
 
         return hook
 
