@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MeshCoords", "MeshShape", "MeshChangeRefused", "check_resize"]
+__all__ = ["MeshChangeRefused", "MeshCoords", "MeshShape", "check_resize"]
 
 
 class MeshChangeRefused(ValueError):
