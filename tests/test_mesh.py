@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import worker
 from coordinator.mesh import MeshChangeRefused, MeshCoords, MeshShape, check_resize
@@ -79,38 +80,79 @@ def reference(model_kind: str, dp: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def train_tp(model_kind: str, stage: int, tp: int) -> float:
+def _train(engine, model_kind: str, dp: int, d: int, steps: range) -> None:
+    for step in steps:
+        idx, tgt = _batch(step, MICRO * dp)
+        rows = slice(MICRO * d, MICRO * (d + 1))
+        engine.backward(_loss(model_kind, _call(model_kind, engine, idx[rows], tgt[rows])))
+        engine.step()
+
+
+def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert got.keys() == want.keys()
+    worst = max(want, key=lambda n: (got[n] - want[n]).abs().max().item())
+    diff = (got[worst] - want[worst]).abs().max().item()
+    assert diff < 1e-5, f"{worst} differs from the torch reference by {diff:.3g}"
+    return diff
+
+
+def _mesh_engine(model_kind: str, stage: int, tp: int):
     from worker.mesh import parallelize
     from worker.tp import gpt_plan, llama_plan
 
     model = _gpt() if model_kind == "gpt" else _llama()
     plan = gpt_plan if model_kind == "gpt" else llama_plan
-    engine = parallelize(
+    return parallelize(
         model,
         _opt(model),
         config=worker.ZeroConfig(stage=stage, bucket_numel=300, stage3_min_unit_numel=1),
         parallel=ParallelConfig(tensor_parallel=tp),
         plan=plan,
     )
+
+
+def train_tp(model_kind: str, stage: int, tp: int) -> float:
+    engine = _mesh_engine(model_kind, stage, tp)
     dp, d = engine.shape.dp, engine.coords.dp
     assert engine.engine.world_size == dp, "ZeRO must run over the dp group only"
     # a planned parameter is this rank's local shard: ZeRO's layout sees local shapes
     local = {s.name: s.shape for s in engine.engine.inventory.specs}
     for name, tp_slice in engine.tp.slices.items():
         assert local[name] == tp_slice.local_shape, name
-    for step in range(STEPS):
-        idx, tgt = _batch(step, MICRO * dp)
-        rows = slice(MICRO * d, MICRO * (d + 1))
-        engine.backward(_loss(model_kind, _call(model_kind, engine, idx[rows], tgt[rows])))
-        engine.step()
-    got = engine.full_state_dict()
-    want = reference(model_kind, dp)
-    assert got.keys() == want.keys()
-    worst = max(want, key=lambda n: (got[n] - want[n]).abs().max().item())
-    diff = (got[worst] - want[worst]).abs().max().item()
-    assert diff < 1e-5, f"{worst} differs from the torch reference by {diff:.3g}"
+    _train(engine, model_kind, dp, d, range(STEPS))
+    diff = _compare(engine.full_state_dict(), reference(model_kind, dp))
     engine.close()
     return diff
+
+
+def save_at(path: str, stage: int, tp: int, steps: int) -> None:
+    engine = _mesh_engine("gpt", stage, tp)
+    _train(engine, "gpt", engine.shape.dp, engine.coords.dp, range(steps))
+    engine.save_checkpoint(path)
+    engine.close()
+
+
+def resume_at(path: str, stage: int, tp: int, global_dp: int, first: int) -> float:
+    """Load ``path`` at this mesh and train on to STEPS with the same global batch
+    (``global_dp`` rows of MICRO each, split over this mesh's dp)."""
+    if tp == 1:
+        model = _gpt()
+        engine = worker.initialize(
+            model, _opt(model), config=worker.ZeroConfig(stage=stage, bucket_numel=300)
+        )
+        dp, d = dist.get_world_size(), dist.get_rank()
+    else:
+        engine = _mesh_engine("gpt", stage, tp)
+        dp, d = engine.shape.dp, engine.coords.dp
+    engine.load_checkpoint(path)
+    assert engine.global_steps == first
+    rows = MICRO * global_dp // dp
+    for step in range(first, STEPS):
+        idx, tgt = _batch(step, MICRO * global_dp)
+        sl = slice(rows * d, rows * (d + 1))
+        engine.backward(engine(idx[sl], tgt[sl]))
+        engine.step()
+    return _compare(engine.full_state_dict(), reference("gpt", global_dp))
 
 
 @pytest.mark.timeout(120)
@@ -129,6 +171,15 @@ def test_tp2_dp2_llama_stage2_matches_reference(pools) -> None:
 @pytest.mark.timeout(120)
 def test_tp2_alone_gpt_matches_reference(pools) -> None:
     pools(2).run(train_tp, "gpt", 0, 2)
+
+
+@pytest.mark.timeout(150)
+def test_tp_checkpoint_loads_at_dp4_and_at_tp2_dp1(pools, tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    pools(4).run(save_at, path, 1, 2, 3)
+    # the same global batch (2 data-parallel rows of MICRO) at every mesh
+    pools(4).run(resume_at, path, 3, 1, 2, 3)
+    pools(2).run(resume_at, path, 2, 2, 2, 3)
 
 
 # ----------------------------------------------------------------- pure pieces

@@ -19,8 +19,10 @@ The mesh's rank order is coordinator/mesh.py's [Note: mesh rank order].
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -32,7 +34,9 @@ from coordinator.mesh import MeshCoords, MeshShape
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
+from worker import tp_checkpoint
 from worker.tp import TensorParallel, apply_tp, gpt_plan
+from worker.tp_checkpoint import FullView
 
 __all__ = ["MeshEngine", "ParallelConfig", "build_mesh", "parallelize", "rebuild_optimizer"]
 
@@ -220,6 +224,21 @@ class MeshEngine:
                     full[fo : fo + n] = piece[lo : lo + n]
             out[name] = full.view(tp_slice.full_shape)
         return out
+
+    def _full_view(self) -> FullView:
+        slices = self.tp.slices if self.tp is not None else {}
+        return FullView(self.engine.state, slices, Collectives(None), self.coords.tp)
+
+    def save_checkpoint(self, path: str | os.PathLike, *, client_state: dict | None = None) -> Path:
+        """A checkpoint addressed by full parameter ([Note: tensor-parallel checkpoints]):
+        it loads at any tp, dp and stage, with or without this mesh. All ranks call it."""
+        return tp_checkpoint.save_checkpoint(self._full_view(), path, client_state)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Load a checkpoint of this model saved at any tp, dp and stage; all ranks."""
+        state = tp_checkpoint.load_checkpoint(self._full_view(), path)
+        self.engine.publish_snapshot()
+        return state
 
     def close(self) -> None:
         if self.tp is not None:
