@@ -31,10 +31,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from coordinator.mesh import MeshCoords, MeshShape
+from worker import tp_checkpoint
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
-from worker import tp_checkpoint
 from worker.tp import TensorParallel, apply_tp, gpt_plan
 from worker.tp_checkpoint import FullView
 
