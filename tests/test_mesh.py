@@ -247,3 +247,42 @@ def test_parallel_config_validation() -> None:
         ParallelConfig(pipeline_schedule="zb")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="microbatches"):
         ParallelConfig(pipeline_parallel=4, microbatches=2)
+
+
+# ----------------------------------------------------------------- pipeline
+
+
+def train_pp(stage: int, schedule: str) -> float:
+    from worker.pipeline import pipeline
+
+    model = _gpt(tie=False)
+    engine = pipeline(
+        model,
+        _opt(model),
+        config=worker.ZeroConfig(stage=stage, bucket_numel=300),
+        parallel=ParallelConfig(pipeline_parallel=2, microbatches=4, pipeline_schedule=schedule),
+    )
+    dp, d = engine.shape.dp, engine.coords.dp
+    rows = 4  # per dp rank: 4 micro-batches of one sequence
+    model_ref = _gpt(tie=False)
+    opt_ref = _opt(model_ref)
+    for step in range(STEPS):
+        idx, tgt = _batch(step, rows * dp)
+        sl = slice(rows * d, rows * (d + 1))
+        loss = engine.train_step(idx[sl], tgt[sl])
+        ref_loss = model_ref(idx, tgt)
+        ref_loss.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        assert (loss is None) == (engine.coords.pp == 0)
+    got = engine.state_dict()
+    want = {n: p.detach() for n, p in model_ref.named_parameters() if n in got}
+    # this stage holds its share of the layers, under the model's names
+    assert len(got) < len(list(model_ref.parameters()))
+    return _compare(got, want)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("stage", "schedule"), [(1, "gpipe"), (0, "1f1b")])
+def test_pp2_dp2_gpt_matches_reference(pools, stage: int, schedule: str) -> None:
+    pools(4).run(train_pp, stage, schedule)
