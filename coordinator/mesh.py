@@ -13,9 +13,26 @@ hold one replica of the model) is the ranks with the same ``dp_i``.
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["MeshChangeRefused", "MeshCoords", "MeshShape", "check_resize"]
+from coordinator.memory import DTYPE_BYTES, ModelStateBytes, model_parallel_numel, model_state_bytes
+from coordinator.planner import PlanConfig, format_bytes
+
+__all__ = [
+    "TP_PATTERNS",
+    "MeshCandidate",
+    "MeshChangeRefused",
+    "MeshChoice",
+    "MeshCoords",
+    "MeshShape",
+    "check_resize",
+    "choose_mesh",
+    "tp_sharded_numel",
+    "words_moved",
+]
 
 
 class MeshChangeRefused(ValueError):
@@ -110,3 +127,192 @@ def check_resize(shape: MeshShape, new_world_size: int) -> MeshShape:
             "would break one"
         )
     return MeshShape(pp=shape.pp, dp=new_world_size // shape.group_size, tp=shape.tp)
+
+
+# --------------------------------------------------------------------------- planning
+
+# Module-name patterns (``*`` per name atom) whose parameters worker/tp.py's plans
+# shard: worker.models GPT's and Hugging Face Llama-style blocks'.
+TP_PATTERNS: tuple[str, ...] = (
+    "blocks.*.attn", "blocks.*.proj", "blocks.*.fc", "blocks.*.fc_out",
+    "model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.k_proj",
+    "model.layers.*.self_attn.v_proj", "model.layers.*.self_attn.o_proj",
+    "model.layers.*.mlp.gate_proj", "model.layers.*.mlp.up_proj",
+    "model.layers.*.mlp.down_proj",
+)  # fmt: skip
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    atoms = (re.escape(a).replace(r"\*", "[^.]*") for a in pattern.split("."))
+    return re.compile(r"\.".join(atoms))
+
+
+def tp_sharded_numel(
+    params: Iterable[tuple[str, int]], patterns: Iterable[str] = TP_PATTERNS
+) -> int:
+    """Elements of the ``(parameter name, numel)`` pairs that a tensor-parallel plan
+    over ``patterns`` (module names) shards."""
+    compiled = [_glob(p) for p in patterns]
+    total = 0
+    for name, numel in params:
+        module = name.rpartition(".")[0]
+        if any(c.fullmatch(module) for c in compiled):
+            total += numel
+    return total
+
+
+def words_moved(
+    numel_rank: float,
+    *,
+    stage: int,
+    shape: MeshShape,
+    tokens_hidden: float = 0.0,
+    layers: int = 0,
+    microbatches: int = 1,
+) -> dict[str, float]:
+    """Elements one rank sends per optimizer step, by dimension (ring collectives).
+
+    * dp (ZeRO over ``numel_rank`` elements): ``2*Ψ*(dp-1)/dp`` at stages 0-2
+      (reduce-scatter + all-gather, or an all-reduce), ``3*Ψ*(dp-1)/dp`` at stage 3
+      (parameters gathered for forward and again for backward);
+    * tp: four all-reduces of the activations per layer and micro-batch (two in
+      forward after the row-wise layers, two in backward before the column-wise
+      ones), each ``2*(t-1)/t`` of ``b*s*h`` (``tokens_hidden``), over the
+      ``layers/pp`` layers this rank runs;
+    * pp: each micro-batch's activation sent forward and its gradient back,
+      ``b*s*h`` each, at every stage boundary (a middle stage sends both).
+    """
+    dp, tp, pp = shape.dp, shape.tp, shape.pp
+    zero = (3 if stage == 3 else 2) * numel_rank * (dp - 1) / dp
+    layers_here = math.ceil(layers / pp) if layers else 0
+    tensor = 4 * layers_here * microbatches * tokens_hidden * 2 * (tp - 1) / tp
+    pipe = 2 * microbatches * tokens_hidden if pp > 1 else 0.0
+    return {"dp": zero, "tp": tensor, "pp": pipe, "total": zero + tensor + pipe}
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    """One mesh and ZeRO stage, with the memory one rank holds there."""
+
+    shape: MeshShape
+    stage: int
+    numel_rank: float
+    model_states: ModelStateBytes
+    activation_bytes: float
+
+    @property
+    def total(self) -> float:
+        return self.model_states.total + self.activation_bytes
+
+    def describe(self) -> str:
+        s = self.shape
+        return f"pp={s.pp} x dp={s.dp} x tp={s.tp}, stage {self.stage}"
+
+
+@dataclass(frozen=True)
+class MeshChoice:
+    world_size: int
+    chosen: MeshCandidate
+    fits: bool
+    reason: str
+    candidates: tuple[MeshCandidate, ...]
+
+
+def mesh_candidates(
+    numel: int,
+    *,
+    sharded_numel: int,
+    world_size: int,
+    config: PlanConfig | None = None,
+    microbatches: int = 4,
+    schedule: str = "1f1b",
+    max_tp: int = 8,
+    heads: int | None = None,
+    layers: int | None = None,
+) -> list[MeshCandidate]:
+    """Every mesh of ``world_size`` ranks and ZeRO stage that worker/mesh.py runs:
+    tp a power of two up to ``max_tp`` dividing the heads, or pp up to the layer
+    count (not both), ZeRO over the rest; stages 0-3, 0-1 with a pipeline."""
+    config = config or PlanConfig()
+    out = []
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= max_tp and world_size % t == 0]
+    tps = [t for t in tps if heads is None or heads % t == 0]
+    pps = [p for p in range(2, world_size + 1) if world_size % p == 0]
+    pps = [p for p in pps if layers is None or p <= layers]
+    meshes = [(t, 1) for t in tps] + [(1, p) for p in pps]
+    for tp, pp in meshes:
+        shape = MeshShape.for_world(world_size, tp=tp, pp=pp)
+        numel_rank = model_parallel_numel(numel, sharded_numel=sharded_numel, tp=tp, pp=pp)
+        act = float(config.activation_bytes)
+        if config.activations is not None:
+            if pp > 1:
+                act = config.activations.pipeline_bytes(
+                    config.precision, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule
+                )
+            else:
+                act = config.activations.layers * config.activations.mesh_layer_bytes(
+                    config.precision, tp
+                )
+        for stage in (0, 1) if pp > 1 else (0, 1, 2, 3):
+            states = model_state_bytes(
+                math.ceil(numel_rank),
+                stage=stage,
+                world_size=shape.dp,
+                dtype=config.precision,
+                optimizer_states=config.optimizer_states,
+            )
+            out.append(MeshCandidate(shape, stage, numel_rank, states, act))
+    return out
+
+
+def choose_mesh(
+    numel: int,
+    *,
+    sharded_numel: int,
+    world_size: int,
+    device_memory_bytes: int,
+    config: PlanConfig | None = None,
+    microbatches: int = 4,
+    schedule: str = "1f1b",
+    max_tp: int = 8,
+    heads: int | None = None,
+    layers: int | None = None,
+) -> MeshChoice:
+    """The mesh and stage to run: the smallest model-parallel group (tp*pp), then the
+    lowest ZeRO stage, that fits the device memory less headroom. ZeRO over dp moves
+    only gradients and parameters once per step; tensor parallelism moves activations
+    every layer and a pipeline leaves bubbles, so they come in only when ZeRO alone
+    does not fit (as torchtitan composes FSDP first, TP and PP for scale)."""
+    config = config or PlanConfig()
+    if config.precision not in DTYPE_BYTES:
+        raise ValueError(f"precision must be one of {sorted(DTYPE_BYTES)}")
+    candidates = mesh_candidates(
+        numel,
+        sharded_numel=sharded_numel,
+        world_size=world_size,
+        config=config,
+        microbatches=microbatches,
+        schedule=schedule,
+        max_tp=max_tp,
+        heads=heads,
+        layers=layers,
+    )
+    usable = device_memory_bytes * (1 - config.headroom)
+    order = sorted(candidates, key=lambda c: (c.shape.group_size, c.stage, c.shape.pp))
+    fitting = [c for c in order if device_memory_bytes > 0 and c.total <= usable]
+    if fitting:
+        best = fitting[0]
+        reason = (
+            f"{best.describe()}: {format_bytes(best.total)} per rank "
+            f"of {format_bytes(usable)} usable"
+        )
+        if best.shape.group_size > 1:
+            dp_only = min((c for c in candidates if c.shape.group_size == 1), key=lambda c: c.total)
+            reason += (
+                f"; ZeRO alone needs at least {format_bytes(dp_only.total)} ({dp_only.describe()})"
+            )
+        return MeshChoice(world_size, best, True, reason, tuple(candidates))
+    best = min(candidates, key=lambda c: c.total)
+    why = "device memory unknown" if device_memory_bytes == 0 else "nothing fits"
+    reason = f"{why}: {best.describe()} needs the least, {format_bytes(best.total)} per rank"
+    return MeshChoice(world_size, best, False, reason, tuple(candidates))
