@@ -22,6 +22,8 @@ from coordinator.memory import DTYPE_BYTES, ModelStateBytes, model_parallel_nume
 from coordinator.planner import PlanConfig, format_bytes
 
 __all__ = [
+    "PP_ENV",
+    "TP_ENV",
     "TP_PATTERNS",
     "MeshCandidate",
     "MeshChangeRefused",
@@ -33,6 +35,13 @@ __all__ = [
     "tp_sharded_numel",
     "words_moved",
 ]
+
+
+# What launchers set in every worker (`zeroplane run --tp/--pp`, the job spec);
+# worker/mesh.py ParallelConfig.from_env reads them, and each rank takes its
+# coordinates from its RANK by [Note: mesh rank order].
+TP_ENV = "ZEROPLANE_TP"
+PP_ENV = "ZEROPLANE_PP"
 
 
 class MeshChangeRefused(ValueError):
@@ -132,14 +141,22 @@ def check_resize(shape: MeshShape, new_world_size: int) -> MeshShape:
 # --------------------------------------------------------------------------- planning
 
 # Module-name patterns (``*`` per name atom) whose parameters worker/tp.py's plans
-# shard: worker.models GPT's and Hugging Face Llama-style blocks'.
-TP_PATTERNS: tuple[str, ...] = (
-    "blocks.*.attn", "blocks.*.proj", "blocks.*.fc", "blocks.*.fc_out",
-    "model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.k_proj",
-    "model.layers.*.self_attn.v_proj", "model.layers.*.self_attn.o_proj",
-    "model.layers.*.mlp.gate_proj", "model.layers.*.mlp.up_proj",
-    "model.layers.*.mlp.down_proj",
-)  # fmt: skip
+# shard, column-wise or row-wise, by model family: worker.models GPT's, and Hugging
+# Face Llama-style ones (whose embedding and head are sharded too unless tied).
+# A row-wise layer's bias is replicated: it is added once, after the all-reduce.
+TP_PATTERNS: dict[str, tuple[tuple[str, str], ...]] = {
+    "gpt": (
+        ("blocks.*.attn", "col"), ("blocks.*.proj", "row"),
+        ("blocks.*.fc", "col"), ("blocks.*.fc_out", "row"),
+    ),
+    "llama": (
+        ("model.layers.*.self_attn.q_proj", "col"), ("model.layers.*.self_attn.k_proj", "col"),
+        ("model.layers.*.self_attn.v_proj", "col"), ("model.layers.*.self_attn.o_proj", "row"),
+        ("model.layers.*.mlp.gate_proj", "col"), ("model.layers.*.mlp.up_proj", "col"),
+        ("model.layers.*.mlp.down_proj", "row"), ("model.embed_tokens", "row"),
+        ("lm_head", "col"),
+    ),
+}  # fmt: skip
 
 
 def _glob(pattern: str) -> re.Pattern[str]:
@@ -148,16 +165,27 @@ def _glob(pattern: str) -> re.Pattern[str]:
 
 
 def tp_sharded_numel(
-    params: Iterable[tuple[str, int]], patterns: Iterable[str] = TP_PATTERNS
+    params: Iterable[tuple[str, int]], patterns: Iterable[tuple[str, str]] | None = None
 ) -> int:
-    """Elements of the ``(parameter name, numel)`` pairs that a tensor-parallel plan
-    over ``patterns`` (module names) shards."""
-    compiled = [_glob(p) for p in patterns]
+    """Elements of the unique ``(parameter name, numel)`` pairs that a tensor-parallel
+    plan of ``(module pattern, "col" | "row")`` shards; by default the plan in
+    :data:`TP_PATTERNS` of the family the names belong to (a tied embedding and head
+    of a Llama-style model stay replicated, as worker/tp.py's plan leaves them)."""
+    pairs = list(params)
+    names = {n for n, _ in pairs}
+    if patterns is None:
+        llama = any(n.startswith("model.layers.") for n in names)
+        patterns = TP_PATTERNS["llama" if llama else "gpt"]
+        if llama and "lm_head.weight" not in names:
+            patterns = tuple(p for p in patterns if p[0] not in ("model.embed_tokens", "lm_head"))
+    compiled = [(_glob(p), kind) for p, kind in patterns]
     total = 0
-    for name, numel in params:
-        module = name.rpartition(".")[0]
-        if any(c.fullmatch(module) for c in compiled):
-            total += numel
+    for name, numel in pairs:
+        module, _, leaf = name.rpartition(".")
+        for pattern, kind in compiled:
+            if pattern.fullmatch(module) and not (kind == "row" and leaf == "bias"):
+                total += numel
+                break
     return total
 
 

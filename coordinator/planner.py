@@ -98,12 +98,13 @@ class ActivationShape:
         schedule: str = "1f1b",
     ) -> float:  # fmt: skip
         """Activations one rank keeps with ``pp`` stages of ``layers/pp`` layers each,
-        ``micro_batch`` being one micro-batch: GPipe keeps every micro-batch's until
-        its backward (``microbatches`` of them); 1F1B at most ``pp`` in flight on the
-        first stage (Narayanan et al. 2021). ``tp`` as :meth:`mesh_layer_bytes`."""
+        its ``micro_batch`` sequences split into ``microbatches`` pipeline
+        micro-batches: GPipe keeps every micro-batch's until its backward; 1F1B at
+        most ``pp`` in flight on the first stage (Narayanan et al. 2021). ``tp`` as
+        :meth:`mesh_layer_bytes`."""
         in_flight = microbatches if schedule == "gpipe" else min(pp, microbatches)
         layers = math.ceil(self.layers / pp)
-        return layers * in_flight * self.mesh_layer_bytes(precision, tp)
+        return layers * in_flight * self.mesh_layer_bytes(precision, tp) / microbatches
 
     def bytes(self, precision: str, *, checkpointing: bool) -> float:
         """Activation bytes per rank, with or without checkpointing every layer."""

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from coordinator.mesh import MeshCoords, MeshShape
+from coordinator.mesh import PP_ENV, TP_ENV, MeshCoords, MeshShape
 from worker import tp_checkpoint
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
@@ -77,6 +77,19 @@ class ParallelConfig:
                 f"ParallelConfig.microbatches ({self.microbatches}) must be >= "
                 f"pipeline_parallel ({self.pipeline_parallel}) to fill the pipeline"
             )
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ParallelConfig:
+        """tp and pp as the launcher set them (``zeroplane run --tp/--pp``, the job
+        spec: ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``); 1 where unset."""
+        values: dict[str, Any] = {}
+        for field_name, env in (("tensor_parallel", TP_ENV), ("pipeline_parallel", PP_ENV)):
+            raw = os.environ.get(env)
+            if raw is not None:
+                if not raw.isdigit():
+                    raise ValueError(f"${env} must be an integer >= 1, got {raw!r}")
+                values[field_name] = int(raw)
+        return cls(**{**values, **overrides})
 
     def shape(self, world_size: int) -> MeshShape:
         return MeshShape.for_world(world_size, tp=self.tensor_parallel, pp=self.pipeline_parallel)

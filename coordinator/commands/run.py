@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from coordinator.commands.args import non_negative, seconds
 from coordinator.config import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
 from coordinator.launch import STAGE_CHOICES, JobResult, LaunchSpec, LocalJob, forward_signals
+from coordinator.mesh import PP_ENV, TP_ENV, MeshChangeRefused, MeshShape, check_resize
 from coordinator.messages import StatusReport, WorkerReport
 from coordinator.summary import JobSummary
 
@@ -46,6 +47,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="ZeRO stage for every worker, over the script's own ZeroConfig(stage=...) "
         "(a worker whose script asks for another says so); auto: the coordinator's "
         "planner picks the lowest that fits. Default: the script's own stage",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor-parallel degree: $ZEROPLANE_TP for worker.mesh.ParallelConfig.from_env "
+        "(default 1); --nproc must be a multiple of T*PP",
+    )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="P",
+        help="pipeline stages: $ZEROPLANE_PP (default 1)",
     )
     parser.add_argument(
         "--grace",
@@ -145,7 +161,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     command = (sys.executable, *(("-m",) if args.module else ()), args.script, *args.script_args)
     try:
-        spec = LaunchSpec(command=command, nproc=args.nproc, stage=args.stage, grace_s=args.grace)
+        spec = LaunchSpec(
+            command=command,
+            nproc=args.nproc,
+            stage=args.stage,
+            grace_s=args.grace,
+            env=_mesh_env(args),
+        )
     except ValueError as exc:
         print(f"zeroplane run: {exc}", file=sys.stderr)
         return 2
@@ -211,6 +233,22 @@ def run(args: argparse.Namespace) -> int:
     if result.ok and args.hold:
         _hold()
     return result.returncode
+
+
+def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
+    """``$ZEROPLANE_TP``/``$ZEROPLANE_PP`` for a mesh job, checked against the worker
+    counts: every count the job may run at must be whole model-parallel groups."""
+    if args.tp == 1 and args.pp == 1:
+        return {}
+    shape = MeshShape.for_world(args.nproc, tp=args.tp, pp=args.pp)
+    for flag in ("min_nproc", "max_nproc"):
+        n = getattr(args, flag)
+        if n is not None:
+            try:
+                check_resize(shape, n)
+            except MeshChangeRefused as exc:
+                raise ValueError(f"--{flag.replace('_', '-')} {n}: {exc}") from None
+    return {TP_ENV: str(args.tp), PP_ENV: str(args.pp)}
 
 
 def _final_status(
