@@ -348,3 +348,101 @@ def test_pp2_dp2_gpt_matches_reference(pools, stage: int, schedule: str) -> None
         seen |= got.keys()
         assert all((loss is None) == (case["pp"] == 0) for loss in case["losses"])
     assert seen == want.keys()
+
+
+# ----------------------------------------------------------------- planner, CLI, job spec
+
+
+def test_planner_prefers_zero_alone_then_the_smallest_group() -> None:
+    from coordinator.mesh import choose_mesh
+    from coordinator.planner import ActivationShape, PlanConfig
+
+    act = ActivationShape(layers=32, hidden=4096, seq=2048, micro_batch=1, heads=32)
+    config = PlanConfig(activations=act)
+    psi, psi_tp = 7_000_000_000, 6_400_000_000
+    roomy = choose_mesh(
+        psi, sharded_numel=psi_tp, world_size=8, device_memory_bytes=80 * 10**9, config=config
+    )
+    assert roomy.fits and roomy.chosen.shape.group_size == 1
+    tight = choose_mesh(
+        psi, sharded_numel=psi_tp, world_size=8, device_memory_bytes=40 * 10**9, config=config
+    )
+    assert tight.fits and tight.chosen.shape.group_size > 1
+    assert "ZeRO alone needs" in tight.reason
+    # every candidate of a smaller group, at every stage, exceeds the usable memory
+    usable = 40e9 * 0.9
+    smaller = [c for c in tight.candidates if c.shape.group_size < tight.chosen.shape.group_size]
+    assert smaller and all(c.total > usable for c in smaller)
+    none = choose_mesh(psi, sharded_numel=psi_tp, world_size=2, device_memory_bytes=10**9)
+    assert not none.fits and "nothing fits" in none.reason
+
+
+def test_activation_formulas_under_tp_and_pp() -> None:
+    from coordinator.planner import ActivationShape
+
+    act = ActivationShape(layers=8, hidden=512, seq=256, micro_batch=8, heads=8)
+    assert act.mesh_layer_bytes("bf16", 1) == pytest.approx(act.layer_bytes("bf16"))
+    s, b, h, a = 256, 8, 512, 8
+    assert act.mesh_layer_bytes("bf16", 4) == pytest.approx(
+        s * b * h * (10 + 24 / 4 + 5 * a * s / (h * 4))
+    )
+    full = act.layers * act.layer_bytes("bf16")
+    gpipe = act.pipeline_bytes("bf16", pp=2, microbatches=4, schedule="gpipe")
+    one_f = act.pipeline_bytes("bf16", pp=2, microbatches=4, schedule="1f1b")
+    assert gpipe == pytest.approx(full / 2)  # half the layers, every micro-batch in flight
+    assert one_f == pytest.approx(full / 4)  # half the layers, 2 of 4 micro-batches
+
+
+def test_plan_cli_prints_the_mesh(capsys) -> None:
+    from coordinator.cli import main
+
+    args = ["plan", "--params", "7B", "--world-sizes", "8", "--device-memory", "40GB"]
+    args += ["--layers", "32", "--hidden", "4096", "--heads", "32", "--seq", "2048"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "mesh (pp x dp x tp)" in out and "N=8: pp=" in out
+    assert main([*args, "--json"]) == 0
+    mesh = __import__("json").loads(capsys.readouterr().out)["meshes"][0]
+    assert mesh["pp"] * mesh["dp"] * mesh["tp"] == 8 and mesh["fits"]
+
+
+def test_run_refuses_a_mesh_the_workers_cannot_fill(capsys) -> None:
+    from coordinator.cli import main
+
+    assert main(["run", "--nproc", "3", "--tp", "2", "train.py"]) == 2
+    assert "not a multiple of tp*pp" in capsys.readouterr().err
+    code = main(["run", "--nproc", "4", "--tp", "2", "--min-nproc", "3", "--max-nproc", "4", "x"])
+    assert code == 2
+    assert "--min-nproc 3" in capsys.readouterr().err
+
+
+def test_job_spec_takes_the_mesh_and_exports_it() -> None:
+    from coordinator.jobspec import JobSpecError, parse_job_spec
+    from coordinator.k8s import render
+
+    base = {
+        "name": "gpt",
+        "image": "zeroplane:0.1.0-cpu",
+        "script": "examples/train_gpt.py",
+        "workers": {"min": 2, "max": 4},
+    }
+    spec = parse_job_spec({**base, "tensor_parallel": 2})
+    env = {
+        e["name"]: e.get("value")
+        for o in render(spec, token="0" * 32)
+        for t in ([o["spec"]["template"]] if o["kind"] == "Job" else [])
+        for c in t["spec"]["containers"]
+        for e in c["env"]
+    }
+    assert env["ZEROPLANE_TP"] == "2" and env["ZEROPLANE_PP"] == "1"
+    with pytest.raises(JobSpecError, match=r"workers\.min"):
+        parse_job_spec({**base, "workers": {"min": 3, "max": 4}, "tensor_parallel": 2})
+
+
+def test_parallel_config_from_env(monkeypatch) -> None:
+    monkeypatch.setenv("ZEROPLANE_TP", "2")
+    monkeypatch.delenv("ZEROPLANE_PP", raising=False)
+    assert ParallelConfig.from_env().tensor_parallel == 2
+    monkeypatch.setenv("ZEROPLANE_PP", "two")
+    with pytest.raises(ValueError, match="ZEROPLANE_PP"):
+        ParallelConfig.from_env()
