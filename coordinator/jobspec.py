@@ -240,6 +240,13 @@ class JobSpec:
                 f"tensor_parallel*pipeline_parallel = {group}",
                 getattr(self.workers, name),
             )
+        _check(
+            group == 1 or self.workers.min == self.workers.max,
+            "workers",
+            "a fixed size (min = max) with tensor_parallel or pipeline_parallel > 1: "
+            "an elastic mesh job is not supported yet",
+            self.workers,
+        )
         _check(isinstance(self.resources, Mapping), "resources", "a mapping", self.resources)
         for key, value in self.resources.items():
             _check(key in ("cpu", "memory"), f"resources.{key}", "one of cpu, memory", key)

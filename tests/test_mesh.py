@@ -129,6 +129,15 @@ def train_tp(model_kind: str, stage: int, tp: int) -> float:
     after = engine.comm_report()
     full = engine.full_state_dict()
     inner = engine.engine
+    # the metrics carry the rank's mesh position: two tp ranks share a dp rank
+    from worker.metrics import EngineCollector
+
+    coords = engine.coords
+    samples = [s for m in EngineCollector(inner.snapshot).collect() for s in m.samples]
+    assert samples and all(
+        s.labels.get("tp") == str(coords.tp) and s.labels.get("dp") == str(coords.dp)
+        for s in samples
+    )
     out = {
         "params": full,
         "report": engine.memory_report(),
@@ -414,6 +423,9 @@ def test_run_refuses_a_mesh_the_workers_cannot_fill(capsys) -> None:
     code = main(["run", "--nproc", "4", "--tp", "2", "--min-nproc", "3", "--max-nproc", "4", "x"])
     assert code == 2
     assert "--min-nproc 3" in capsys.readouterr().err
+    code = main(["run", "--nproc", "4", "--tp", "2", "--min-nproc", "2", "--max-nproc", "4", "x"])
+    assert code == 2
+    assert "elastic mesh job is not supported yet" in capsys.readouterr().err
 
 
 def test_job_spec_takes_the_mesh_and_exports_it() -> None:
@@ -426,7 +438,7 @@ def test_job_spec_takes_the_mesh_and_exports_it() -> None:
         "script": "examples/train_gpt.py",
         "workers": {"min": 2, "max": 4},
     }
-    spec = parse_job_spec({**base, "tensor_parallel": 2})
+    spec = parse_job_spec({**base, "workers": {"min": 4, "max": 4}, "tensor_parallel": 2})
     env = {
         e["name"]: e.get("value")
         for o in render(spec, token="0" * 32)
@@ -437,6 +449,8 @@ def test_job_spec_takes_the_mesh_and_exports_it() -> None:
     assert env["ZEROPLANE_TP"] == "2" and env["ZEROPLANE_PP"] == "1"
     with pytest.raises(JobSpecError, match=r"workers\.min"):
         parse_job_spec({**base, "workers": {"min": 3, "max": 4}, "tensor_parallel": 2})
+    with pytest.raises(JobSpecError, match="elastic mesh job"):
+        parse_job_spec({**base, "tensor_parallel": 2})
 
 
 def test_parallel_config_from_env(monkeypatch) -> None:

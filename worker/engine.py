@@ -219,6 +219,8 @@ class ZeroEngine:
         self.board = SnapshotBoard() if metrics is None else metrics.board
         self.metrics = metrics if metrics is not None else start_metrics(config, self.board)
         self._memory_cache: tuple[int, float, dict[str, int]] | None = None
+        # metric labels of this rank's device-mesh position (set by worker/mesh.py)
+        self.mesh_labels: dict[str, str] = {}
         self.publish_snapshot()
 
     # ------------------------------------------------------------ what the state holds
@@ -555,6 +557,7 @@ class ZeroEngine:
             samples=stats.samples,
             tokens=stats.tokens,
             loss=stats.loss,
+            mesh=dict(self.mesh_labels),
         )
 
     def publish_snapshot(self) -> None:

@@ -289,6 +289,8 @@ def parallelize(
         tp = apply_tp(model, mesh["tp"], chosen)
         optimizer = rebuild_optimizer(optimizer, before, model)
     engine = ZeroEngine(model, optimizer, config=config, group=mesh["dp"].get_group())
+    engine.mesh_labels = coords.labels()
+    engine.publish_snapshot()
     if tp is not None:
         tp.activate()
     logger.info(

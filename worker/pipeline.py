@@ -173,6 +173,8 @@ def pipeline(
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if p in kept]
     engine = ZeroEngine(stage_module, optimizer, config=config, group=mesh["dp"].get_group())
+    engine.mesh_labels = coords.labels()
+    engine.publish_snapshot()
     stage = PipelineStage(stage_module, coords.pp, shape.pp, device, group=mesh["pp"].get_group())
     schedule_cls = ScheduleGPipe if parallel.pipeline_schedule == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, parallel.microbatches, loss_fn=loss_fn)

@@ -248,6 +248,14 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
                 check_resize(shape, n)
             except MeshChangeRefused as exc:
                 raise ValueError(f"--{flag.replace('_', '-')} {n}: {exc}") from None
+    low = args.nproc if args.min_nproc is None else args.min_nproc
+    high = args.nproc if args.max_nproc is None else args.max_nproc
+    if low != high:
+        raise ValueError(
+            "an elastic mesh job is not supported yet: resizing dp by whole model-parallel "
+            f"groups of {shape.group_size} is planned (coordinator/mesh.py check_resize) "
+            "but the workers cannot re-form a mesh live; give --min-nproc = --max-nproc"
+        )
     return {TP_ENV: str(args.tp), PP_ENV: str(args.pp)}
 
 
