@@ -184,9 +184,12 @@ def save_at(path: str, stage: int, tp: int, steps: int) -> None:
     engine.close()
 
 
-def resume_at(path: str, stage: int, tp: int, global_dp: int, first: int) -> float:
-    """Load ``path`` at this mesh and train on to STEPS with the same global batch
-    (``global_dp`` rows of MICRO each, split over this mesh's dp)."""
+def resume_at(
+    path: str, stage: int, tp: int, global_dp: int, first: int, resave: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Load ``path`` at this mesh (and save it again at ``resave``, as this mesh
+    writes it) and train on to STEPS with the same global batch (``global_dp``
+    rows of MICRO each, split over this mesh's dp)."""
     if tp == 1:
         model = _gpt()
         engine = worker.initialize(
@@ -198,6 +201,8 @@ def resume_at(path: str, stage: int, tp: int, global_dp: int, first: int) -> flo
         dp, d = engine.shape.dp, engine.coords.dp
     engine.load_checkpoint(path)
     assert engine.global_steps == first
+    if resave is not None:
+        engine.save_checkpoint(resave)
     rows = MICRO * global_dp // dp
     for step in range(first, STEPS):
         idx, tgt = _batch(step, MICRO * global_dp)
@@ -232,13 +237,16 @@ def test_tp2_alone_gpt_matches_reference(pools) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_tp_checkpoint_loads_at_dp4_and_at_tp2_dp1(pools, tmp_path) -> None:
+def test_tp_checkpoint_loads_at_dp4_and_a_dp_checkpoint_at_tp2_dp1(pools, tmp_path) -> None:
     path = str(tmp_path / "ckpt")
     pools(4).run(save_at, path, 1, 2, 3)
     # the same global batch (2 data-parallel rows of MICRO) at every mesh
-    for got in pools(4).run(resume_at, path, 3, 1, 2, 3):
+    plain = str(tmp_path / "plain")
+    # tp=2 x dp=2 -> plain ZeRO at dp=4, which saves it again as a dp-only checkpoint
+    for got in pools(4).run(resume_at, path, 3, 1, 2, 3, plain):
         _compare(got, reference("gpt", 2))
-    for got in pools(2).run(resume_at, path, 2, 2, 2, 3):
+    # that dp-only checkpoint -> tp=2 x dp=1
+    for got in pools(2).run(resume_at, plain, 2, 2, 2, 3):
         _compare(got, reference("gpt", 2))
 
 
@@ -298,6 +306,16 @@ def test_resize_by_whole_groups_only() -> None:
 def test_refused_combinations_say_why(config, parallel, match) -> None:
     with pytest.raises(ValueError, match=match):
         check_combination(worker.ZeroConfig(**config), ParallelConfig(**parallel))
+
+
+def test_pipeline_refuses_a_tied_head() -> None:
+    from worker.pipeline import GPTStage, layer_bounds
+
+    with pytest.raises(ValueError, match="tie_weights=True"):
+        GPTStage(_gpt(tie=True), 0, 2)
+    assert [layer_bounds(5, s, 2) for s in (0, 1)] == [(0, 3), (3, 5)]
+    with pytest.raises(ValueError, match="cannot fill"):
+        layer_bounds(1, 0, 2)
 
 
 def test_parallel_config_validation() -> None:

@@ -12,7 +12,7 @@ loading assembles each local range this rank owns from the full ranges in the
 checkpoint. A replicated parameter is written by tp rank 0 only. Files are
 one per rank of the whole job (``rank{global}.pt``), so the manifest is an
 ordinary one: a checkpoint saved at tp=2 x dp=2 loads with plain ZeRO at
-dp=4, and at tp=2 x dp=1, and a dp-only checkpoint loads under tp.
+dp=4, and one saved by plain ZeRO loads at tp=2 x dp=1 (tests/test_mesh.py).
 The view reads and writes the state only through ShardState's public methods.
 """
 
