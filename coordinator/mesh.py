@@ -227,6 +227,9 @@ class MeshCandidate:
     numel_rank: float
     model_states: ModelStateBytes
     activation_bytes: float
+    # every layer's activations checkpointed (ZeRO alone only: worker/mesh.py
+    # refuses activation checkpointing with tp or pp)
+    checkpointing: bool = False
 
     @property
     def total(self) -> float:
@@ -234,7 +237,8 @@ class MeshCandidate:
 
     def describe(self) -> str:
         s = self.shape
-        return f"pp={s.pp} x dp={s.dp} x tp={s.tp}, stage {self.stage}"
+        ac = " with activation checkpointing" if self.checkpointing else ""
+        return f"pp={s.pp} x dp={s.dp} x tp={s.tp}, stage {self.stage}{ac}"
 
 
 @dataclass(frozen=True)
@@ -290,6 +294,9 @@ def mesh_candidates(
                 optimizer_states=config.optimizer_states,
             )
             out.append(MeshCandidate(shape, stage, numel_rank, states, act))
+            if tp * pp == 1 and config.activations is not None:
+                saved = config.activations.bytes(config.precision, checkpointing=True)
+                out.append(MeshCandidate(shape, stage, numel_rank, states, saved, True))
     return out
 
 
@@ -306,11 +313,15 @@ def choose_mesh(
     heads: int | None = None,
     layers: int | None = None,
 ) -> MeshChoice:
-    """The mesh and stage to run: the smallest model-parallel group (tp*pp), then the
-    lowest ZeRO stage, that fits the device memory less headroom. ZeRO over dp moves
-    only gradients and parameters once per step; tensor parallelism moves activations
-    every layer and a pipeline leaves bubbles, so they come in only when ZeRO alone
-    does not fit (as torchtitan composes FSDP first, TP and PP for scale)."""
+    """The mesh and stage to run: the first that fits the device memory less headroom
+    of: ZeRO alone, then the smallest model-parallel group (tp*pp), each at its
+    lowest stage; and only if none of those fits, ZeRO alone with every layer's
+    activations checkpointed (worker/mesh.py refuses checkpointing with tp or pp).
+    ZeRO over dp moves gradients and parameters once per step; tensor parallelism
+    moves activations every layer and a pipeline leaves bubbles, so they come in
+    only when ZeRO alone does not fit (as torchtitan composes FSDP first, TP and PP
+    for scale); checkpointing recomputes every forward, about a third more compute
+    every step, so it comes last."""
     config = config or PlanConfig()
     if config.precision not in DTYPE_BYTES:
         raise ValueError(f"precision must be one of {sorted(DTYPE_BYTES)}")
@@ -326,7 +337,9 @@ def choose_mesh(
         layers=layers,
     )
     usable = device_memory_bytes * (1 - config.headroom)
-    order = sorted(candidates, key=lambda c: (c.shape.group_size, c.stage, c.shape.pp))
+    order = sorted(
+        candidates, key=lambda c: (c.checkpointing, c.shape.group_size, c.stage, c.shape.pp)
+    )
     fitting = [c for c in order if device_memory_bytes > 0 and c.total <= usable]
     if fitting:
         best = fitting[0]
@@ -335,10 +348,19 @@ def choose_mesh(
             f"of {format_bytes(usable)} usable"
         )
         if best.shape.group_size > 1:
-            dp_only = min((c for c in candidates if c.shape.group_size == 1), key=lambda c: c.total)
+            dp_only = min(
+                (c for c in candidates if c.shape.group_size == 1 and not c.checkpointing),
+                key=lambda c: c.total,
+            )
             reason += (
                 f"; ZeRO alone needs at least {format_bytes(dp_only.total)} ({dp_only.describe()})"
             )
+            ac = [c for c in fitting if c.checkpointing]
+            if ac:
+                reason += (
+                    f", or fits with activation checkpointing ({ac[0].describe()}: "
+                    f"{format_bytes(ac[0].total)}, recomputing every forward in backward)"
+                )
         return MeshChoice(world_size, best, True, reason, tuple(candidates))
     best = min(candidates, key=lambda c: c.total)
     why = "device memory unknown" if device_memory_bytes == 0 else "nothing fits"

@@ -394,11 +394,21 @@ def test_planner_prefers_zero_alone_then_the_smallest_group() -> None:
     tight = choose_mesh(
         psi, sharded_numel=psi_tp, world_size=8, device_memory_bytes=40 * 10**9, config=config
     )
-    assert tight.fits and tight.chosen.shape.group_size > 1
+    assert tight.fits and tight.chosen.shape.group_size > 1 and not tight.chosen.checkpointing
     assert "ZeRO alone needs" in tight.reason
+    # only ZeRO alone with activation checkpointing fits 18 GB
+    ac = choose_mesh(
+        psi, sharded_numel=psi_tp, world_size=8, device_memory_bytes=18 * 10**9, config=config
+    )
+    assert ac.fits and ac.chosen.shape.group_size == 1 and ac.chosen.checkpointing
+    assert all(c.total > 18e9 * 0.9 for c in ac.candidates if not c.checkpointing)
     # every candidate of a smaller group, at every stage, exceeds the usable memory
     usable = 40e9 * 0.9
-    smaller = [c for c in tight.candidates if c.shape.group_size < tight.chosen.shape.group_size]
+    smaller = [
+        c
+        for c in tight.candidates
+        if c.shape.group_size < tight.chosen.shape.group_size and not c.checkpointing
+    ]
     assert smaller and all(c.total > usable for c in smaller)
     none = choose_mesh(psi, sharded_numel=psi_tp, world_size=2, device_memory_bytes=10**9)
     assert not none.fits and "nothing fits" in none.reason

@@ -349,7 +349,7 @@ def plan(args: argparse.Namespace) -> int:
     )
     for m in meshes:
         star = "" if m.fits else " (does not fit)"
-        print(f"N={m.world_size}: {m.chosen.describe()}{star}: {m.reason}")
+        print(f"N={m.world_size}: {m.reason}{star}")
     return 0
 
 
