@@ -264,14 +264,14 @@ def mesh_candidates(
 ) -> list[MeshCandidate]:
     """Every mesh of ``world_size`` ranks and ZeRO stage that worker/mesh.py runs:
     tp a power of two up to ``max_tp`` dividing the heads, or pp up to the layer
-    count (not both), ZeRO over the rest; stages 0-3, 0-1 with a pipeline."""
+    count, or both, ZeRO over the rest; stages 0-3, 0-1 with a pipeline."""
     config = config or PlanConfig()
     out = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= max_tp and world_size % t == 0]
     tps = [t for t in tps if heads is None or heads % t == 0]
-    pps = [p for p in range(2, world_size + 1) if world_size % p == 0]
+    pps = [p for p in range(1, world_size + 1) if world_size % p == 0]
     pps = [p for p in pps if layers is None or p <= layers]
-    meshes = [(t, 1) for t in tps] + [(1, p) for p in pps]
+    meshes = [(t, p) for p in pps for t in tps if world_size % (t * p) == 0]
     for tp, pp in meshes:
         shape = MeshShape.for_world(world_size, tp=tp, pp=pp)
         numel_rank = model_parallel_numel(numel, sharded_numel=sharded_numel, tp=tp, pp=pp)

@@ -299,7 +299,6 @@ def test_resize_by_whole_groups_only() -> None:
         ({"stage": 2}, {"pipeline_parallel": 2}, "stage 0 or 1"),
         ({"gradient_clipping": 1.0}, {"tensor_parallel": 2}, "gradient_clipping"),
         ({"dtype": "fp16"}, {"tensor_parallel": 2}, "fp16"),
-        ({}, {"tensor_parallel": 2, "pipeline_parallel": 2}, "together"),
         ({"gradient_accumulation_steps": 2}, {"pipeline_parallel": 2}, "microbatches"),
     ],
 )
@@ -350,6 +349,24 @@ def train_pp(stage: int, schedule: str) -> dict:
     return {"params": engine.state_dict(), "pp": engine.coords.pp, "losses": losses}
 
 
+def train_pp_tp() -> dict:
+    """pp=2 x tp=2 (dp=1): each pipeline stage's blocks tensor-parallel."""
+    from worker.pipeline import pipeline
+
+    model = _gpt(tie=False)
+    engine = pipeline(
+        model,
+        _opt(model),
+        config=worker.ZeroConfig(stage=1, bucket_numel=300),
+        parallel=ParallelConfig(tensor_parallel=2, pipeline_parallel=2, microbatches=4),
+    )
+    assert engine.shape.dp == 1
+    for step in range(STEPS):
+        idx, tgt = _batch(step, 4 * 2)
+        engine.train_step(idx, tgt)
+    return {"params": engine.state_dict(), "pp": engine.coords.pp, "losses": []}
+
+
 @functools.cache
 def reference_untied(dp: int) -> dict[str, torch.Tensor]:
     model = _gpt(tie=False)
@@ -374,6 +391,16 @@ def test_pp2_dp2_gpt_matches_reference(pools, stage: int, schedule: str) -> None
         _compare(got, {n: want[n] for n in got})
         seen |= got.keys()
         assert all((loss is None) == (case["pp"] == 0) for loss in case["losses"])
+    assert seen == want.keys()
+
+
+@pytest.mark.timeout(120)
+def test_pp2_tp2_gpt_matches_reference(pools) -> None:
+    want = reference_untied(2)  # the same 8 sequences a step
+    seen: set[str] = set()
+    for case in pools(4).run(train_pp_tp):
+        _compare(case["params"], {n: want[n] for n in case["params"]})
+        seen |= case["params"].keys()
     assert seen == want.keys()
 
 

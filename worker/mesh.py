@@ -35,10 +35,18 @@ from worker import tp_checkpoint
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
-from worker.tp import TensorParallel, apply_tp, gpt_plan
+from worker.tp import TensorParallel, apply_tp, gather_full, gpt_plan
 from worker.tp_checkpoint import FullView
 
-__all__ = ["MeshEngine", "ParallelConfig", "build_mesh", "parallelize", "rebuild_optimizer"]
+__all__ = [
+    "MeshEngine",
+    "ParallelConfig",
+    "build_mesh",
+    "check_combination",
+    "check_heads",
+    "parallelize",
+    "rebuild_optimizer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +106,6 @@ class ParallelConfig:
 def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
     """Refuse, with the reason, what this composition does not do (README, "The mesh")."""
     tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
-    if tp > 1 and pp > 1:
-        raise ValueError(
-            "tensor_parallel > 1 together with pipeline_parallel > 1 is not supported yet: "
-            "use one of them (with ZeRO over dp)"
-        )
     if pp > 1 and config.stage > 1:
         raise ValueError(
             f"pipeline_parallel > 1 runs with ZeRO stage 0 or 1 (as DeepSpeed's pipeline "
@@ -219,24 +222,7 @@ class MeshEngine:
         local = self.engine.full_state_dict()
         if self.tp is None:
             return local
-        out = {}
-        for name, value in local.items():
-            tp_slice = self.tp.slices.get(name)
-            if tp_slice is None or tp_slice.dim is None:
-                out[name] = value
-                continue
-            flat = value.reshape(-1).contiguous()
-            gathered = flat.new_empty(flat.numel() * self.shape.tp)
-            self.tp_comm.all_gather(gathered, flat)
-            full = flat.new_empty(tp_slice.full_numel)
-            for r, piece in enumerate(gathered.view(self.shape.tp, -1)):
-                other = type(tp_slice)(
-                    tp_slice.full_shape, tp_slice.dim, r, tp_slice.size, tp_slice.parts
-                )
-                for lo, fo, n in other.full_runs(0, flat.numel()):
-                    full[fo : fo + n] = piece[lo : lo + n]
-            out[name] = full.view(tp_slice.full_shape)
-        return out
+        return gather_full(local, self.tp.slices, self.tp_comm)
 
     def _full_view(self) -> FullView:
         slices = self.tp.slices if self.tp is not None else {}
@@ -285,7 +271,7 @@ def parallelize(
         before = dict(model.named_parameters(remove_duplicate=False))
         chosen = plan if plan is not None else gpt_plan
         chosen = chosen(model) if callable(chosen) else chosen
-        _check_heads(model, shape.tp)
+        check_heads(model, shape.tp)
         tp = apply_tp(model, mesh["tp"], chosen)
         optimizer = rebuild_optimizer(optimizer, before, model)
     engine = ZeroEngine(model, optimizer, config=config, group=mesh["dp"].get_group())
@@ -300,7 +286,7 @@ def parallelize(
     return MeshEngine(engine, mesh=mesh, shape=shape, coords=coords, tp=tp)
 
 
-def _check_heads(model: nn.Module, tp: int) -> None:
+def check_heads(model: nn.Module, tp: int) -> None:
     """Attention heads must split evenly over tp (worker.models GPT, HF configs)."""
     configs = [getattr(model, "cfg", None), getattr(model, "config", None)]
     for cfg in configs:

@@ -8,7 +8,10 @@ The model is split by layer index (:func:`split_gpt` for worker.models GPT,
 or the caller's ``split(model, stage, stages) -> nn.Module``); each rank holds
 its stage's module, keeping the model's parameter names, and runs torch's
 ``PipelineStage`` with a ``ScheduleGPipe`` or ``Schedule1F1B`` over the pp
-group. ZeRO runs on the stage's parameters over the dp group.
+group. With ``tensor_parallel > 1`` the stage's modules are tensor-parallel
+over the tp group by the model's plan (worker/tp.py), as in
+:func:`worker.mesh.parallelize`. ZeRO runs on the stage's (local) parameters
+over the dp group.
 
 [Note: pipeline gradients into ZeRO]
 The schedule runs the backward of every micro-batch itself and divides the
@@ -35,9 +38,17 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from coordinator.mesh import MeshCoords, MeshShape
+from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
-from worker.mesh import ParallelConfig, build_mesh, check_combination
+from worker.mesh import (
+    ParallelConfig,
+    build_mesh,
+    check_combination,
+    check_heads,
+    rebuild_optimizer,
+)
+from worker.tp import TensorParallel, apply_tp, gather_full, gpt_plan
 
 __all__ = ["GPTStage", "PipelineEngine", "layer_bounds", "pipeline", "split_gpt"]
 
@@ -101,8 +112,11 @@ class PipelineEngine:
         *,
         shape: MeshShape,
         coords: MeshCoords,
+        tp: TensorParallel | None = None,
+        tp_comm: Collectives | None = None,
     ) -> None:
         self.engine, self.schedule, self.shape, self.coords = engine, schedule, shape, coords
+        self.tp, self.tp_comm = tp, tp_comm
         self._trainable = [p for p in dict.fromkeys(engine.module.parameters()) if p.requires_grad]
 
     @property
@@ -140,11 +154,16 @@ class PipelineEngine:
         return self.engine.comm_report()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters by the model's names (fp32, gathered over dp);
-        a collective over the dp group."""
-        return self.engine.full_state_dict()
+        """This stage's full parameters by the model's names (fp32, gathered over dp
+        and tp); a collective over the dp and tp groups."""
+        local = self.engine.full_state_dict()
+        if self.tp is None or self.tp_comm is None:
+            return local
+        return gather_full(local, self.tp.slices, self.tp_comm)
 
     def close(self) -> None:
+        if self.tp is not None:
+            self.tp.deactivate()
         self.engine.close()
 
 
@@ -156,9 +175,12 @@ def pipeline(
     parallel: ParallelConfig,
     split: Split = split_gpt,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
+    plan: dict | Callable[[nn.Module], dict] | None = None,
 ) -> PipelineEngine:
     """``model`` split into ``parallel.pipeline_parallel`` stages by ``split``, this
-    rank's stage run by torch's pipelining schedule, ZeRO ``config`` over dp."""
+    rank's stage run by torch's pipelining schedule, ZeRO ``config`` over dp; with
+    ``parallel.tensor_parallel > 1`` each stage's modules also tensor-parallel by
+    ``plan`` (as :func:`worker.mesh.parallelize`; default the GPT plan)."""
     check_combination(config, parallel)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     shape = parallel.shape(world)
@@ -172,9 +194,20 @@ def pipeline(
             raise ValueError("the optimizer already has state; pass one that has not stepped")
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if p in kept]
+    tp = None
+    if shape.tp > 1:
+        # the stage module keeps the model's names, so the model's plan applies to it
+        before = dict(stage_module.named_parameters(remove_duplicate=False))
+        chosen = plan if plan is not None else gpt_plan
+        chosen = chosen(model) if callable(chosen) else chosen
+        check_heads(model, shape.tp)
+        tp = apply_tp(stage_module, mesh["tp"], chosen)
+        optimizer = rebuild_optimizer(optimizer, before, stage_module)
     engine = ZeroEngine(stage_module, optimizer, config=config, group=mesh["dp"].get_group())
     engine.mesh_labels = coords.labels()
     engine.publish_snapshot()
+    if tp is not None:
+        tp.activate()
     stage = PipelineStage(stage_module, coords.pp, shape.pp, device, group=mesh["pp"].get_group())
     schedule_cls = ScheduleGPipe if parallel.pipeline_schedule == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, parallel.microbatches, loss_fn=loss_fn)
@@ -183,4 +216,5 @@ def pipeline(
         coords.pp, shape.pp, coords.dp, shape.dp, parallel.pipeline_schedule,
         parallel.microbatches,
     )  # fmt: skip
-    return PipelineEngine(engine, schedule, shape=shape, coords=coords)
+    tp_comm = Collectives(mesh["tp"].get_group()) if tp is not None else None
+    return PipelineEngine(engine, schedule, shape=shape, coords=coords, tp=tp, tp_comm=tp_comm)

@@ -56,11 +56,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from worker.collectives import Collectives
+
 __all__ = [
     "FusedColwiseParallel",
     "TPSlice",
     "TensorParallel",
     "apply_tp",
+    "gather_full",
     "gpt_plan",
     "llama_plan",
 ]
@@ -298,3 +301,26 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> TensorParallel:
         if views:
             tp._views[module] = views
     return tp
+
+
+def gather_full(
+    local: dict[str, torch.Tensor], slices: dict[str, TPSlice], comm: Collectives
+) -> dict[str, torch.Tensor]:
+    """Full parameters from every tp rank's local ones (by name); a collective over
+    the tp group ``comm``. Replicated and unplanned parameters pass through."""
+    out = {}
+    for name, value in local.items():
+        tp_slice = slices.get(name)
+        if tp_slice is None or tp_slice.dim is None:
+            out[name] = value
+            continue
+        flat = value.reshape(-1).contiguous()
+        gathered = flat.new_empty(flat.numel() * tp_slice.size)
+        comm.all_gather(gathered, flat)
+        full = flat.new_empty(tp_slice.full_numel)
+        for r, piece in enumerate(gathered.view(tp_slice.size, -1)):
+            other = TPSlice(tp_slice.full_shape, tp_slice.dim, r, tp_slice.size, tp_slice.parts)
+            for lo, fo, n in other.full_runs(0, flat.numel()):
+                full[fo : fo + n] = piece[lo : lo + n]
+        out[name] = full.view(tp_slice.full_shape)
+    return out
