@@ -22,6 +22,8 @@ from worker.mesh import ParallelConfig, check_combination
 from worker.tp import TPSlice
 
 STEPS, MICRO = 5, 2
+# the last step's gradient norm of each clipped reference run
+NORMS: dict[tuple, float] = {}
 
 
 def _opt(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -71,7 +73,7 @@ def _call(model_kind: str, model, idx, tgt):
 
 
 @functools.cache
-def reference(model_kind: str, dp: int) -> dict[str, torch.Tensor]:
+def reference(model_kind: str, dp: int, clip: float = 0.0) -> dict[str, torch.Tensor]:
     """Plain torch, one process, the whole global batch: computed once, in the test
     process (the ranks send their results back; two cores are shared by four)."""
     model = _gpt() if model_kind == "gpt" else _llama()
@@ -79,6 +81,10 @@ def reference(model_kind: str, dp: int) -> dict[str, torch.Tensor]:
     for step in range(STEPS):
         idx, tgt = _batch(step, MICRO * dp)
         _loss(model_kind, _call(model_kind, model, idx, tgt)).backward()
+        if clip:
+            NORMS[model_kind, dp, clip] = float(
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            )
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
@@ -100,7 +106,7 @@ def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
     return diff
 
 
-def _mesh_engine(model_kind: str, stage: int, tp: int):
+def _mesh_engine(model_kind: str, stage: int, tp: int, clip: float = 0.0):
     from worker.mesh import parallelize
     from worker.tp import gpt_plan, llama_plan
 
@@ -109,14 +115,16 @@ def _mesh_engine(model_kind: str, stage: int, tp: int):
     return parallelize(
         model,
         _opt(model),
-        config=worker.ZeroConfig(stage=stage, bucket_numel=300, stage3_min_unit_numel=1),
+        config=worker.ZeroConfig(
+            stage=stage, bucket_numel=300, stage3_min_unit_numel=1, gradient_clipping=clip
+        ),
         parallel=ParallelConfig(tensor_parallel=tp),
         plan=plan,
     )
 
 
-def train_tp(model_kind: str, stage: int, tp: int) -> float:
-    engine = _mesh_engine(model_kind, stage, tp)
+def train_tp(model_kind: str, stage: int, tp: int, clip: float = 0.0) -> dict:
+    engine = _mesh_engine(model_kind, stage, tp, clip)
     dp, d = engine.shape.dp, engine.coords.dp
     assert engine.engine.world_size == dp, "ZeRO must run over the dp group only"
     # a planned parameter is this rank's local shard: ZeRO's layout sees local shapes
@@ -140,6 +148,7 @@ def train_tp(model_kind: str, stage: int, tp: int) -> float:
     )
     out = {
         "params": full,
+        "norm": inner.last_grad_norm,
         "report": engine.memory_report(),
         "local_numel": sum(math.prod(s.shape) for s in inner.inventory.specs if s.requires_grad),
         "padded": inner.layout.padded_numel,
@@ -213,11 +222,16 @@ def resume_at(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [1, 3])
-def test_tp2_dp2_gpt_matches_reference(pools, stage: int) -> None:
-    cases = pools(4).run(train_tp, "gpt", stage, 2)
+@pytest.mark.parametrize(("stage", "clip"), [(1, 0.0), (3, 0.05)])
+def test_tp2_dp2_gpt_matches_reference(pools, stage: int, clip: float) -> None:
+    # clip at 0.05: the reference's norms are larger, so every step clips, and the
+    # norm must be the whole model's (tp-sharded parts summed, replicated once)
+    cases = pools(4).run(train_tp, "gpt", stage, 2, clip)
     for case in cases:
-        _compare(case["params"], reference("gpt", 2))
+        _compare(case["params"], reference("gpt", 2, clip))
+        if clip:
+            want = NORMS["gpt", 2, clip]
+            assert want > clip and case["norm"] == pytest.approx(want, rel=1e-5)
         _check_accounting(case, "gpt", stage, 2, 2)
 
 
@@ -297,7 +311,6 @@ def test_resize_by_whole_groups_only() -> None:
     ("config", "parallel", "match"),
     [
         ({"stage": 2}, {"pipeline_parallel": 2}, "stage 0 or 1"),
-        ({"gradient_clipping": 1.0}, {"tensor_parallel": 2}, "gradient_clipping"),
         ({"dtype": "fp16"}, {"tensor_parallel": 2}, "fp16"),
         ({"gradient_accumulation_steps": 2}, {"pipeline_parallel": 2}, "microbatches"),
     ],
@@ -357,23 +370,27 @@ def train_pp_tp() -> dict:
     engine = pipeline(
         model,
         _opt(model),
-        config=worker.ZeroConfig(stage=1, bucket_numel=300),
+        config=worker.ZeroConfig(stage=1, bucket_numel=300, gradient_clipping=0.05),
         parallel=ParallelConfig(tensor_parallel=2, pipeline_parallel=2, microbatches=4),
     )
     assert engine.shape.dp == 1
     for step in range(STEPS):
         idx, tgt = _batch(step, 4 * 2)
         engine.train_step(idx, tgt)
-    return {"params": engine.state_dict(), "pp": engine.coords.pp, "losses": []}
+    return {"params": engine.state_dict(), "norm": engine.engine.last_grad_norm}
 
 
 @functools.cache
-def reference_untied(dp: int) -> dict[str, torch.Tensor]:
+def reference_untied(dp: int, clip: float = 0.0) -> dict[str, torch.Tensor]:
     model = _gpt(tie=False)
     opt = _opt(model)
     for step in range(STEPS):
         idx, tgt = _batch(step, 4 * dp)
         model(idx, tgt).backward()
+        if clip:
+            NORMS["untied", dp, clip] = float(
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            )
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -396,11 +413,14 @@ def test_pp2_dp2_gpt_matches_reference(pools, stage: int, schedule: str) -> None
 
 @pytest.mark.timeout(120)
 def test_pp2_tp2_gpt_matches_reference(pools) -> None:
-    want = reference_untied(2)  # the same 8 sequences a step
+    # the same 8 sequences a step; clipped by the norm over both stages and tp ranks
+    want = reference_untied(2, 0.05)
     seen: set[str] = set()
     for case in pools(4).run(train_pp_tp):
         _compare(case["params"], {n: want[n] for n in case["params"]})
         seen |= case["params"].keys()
+        norm = NORMS["untied", 2, 0.05]
+        assert norm > 0.05 and case["norm"] == pytest.approx(norm, rel=1e-5)
     assert seen == want.keys()
 
 

@@ -40,10 +40,12 @@ from worker.tp_checkpoint import FullView
 
 __all__ = [
     "MeshEngine",
+    "ModelParallelNorm",
     "ParallelConfig",
     "build_mesh",
     "check_combination",
     "check_heads",
+    "norm_scope",
     "parallelize",
     "rebuild_optimizer",
 ]
@@ -117,11 +119,6 @@ def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
             "with pipeline_parallel > 1 the pipeline's micro-batches are the accumulation: "
             "set ParallelConfig.microbatches, and gradient_accumulation_steps=1"
         )
-    if tp * pp > 1 and config.gradient_clipping:
-        raise ValueError(
-            "gradient_clipping with tensor/pipeline parallelism is not supported yet: the "
-            "global norm would need a sum over the tp/pp ranks too"
-        )
     if tp * pp > 1 and config.dtype == "fp16":
         raise ValueError(
             "fp16 loss scaling with tensor/pipeline parallelism is not supported yet (the "
@@ -172,6 +169,37 @@ def rebuild_optimizer(
     for group in optimizer.param_groups:
         group["params"] = [now[name_of[p]] for p in group["params"]]
     return optimizer
+
+
+@dataclass
+class ModelParallelNorm:
+    """The engine's :class:`~worker.engine.NormScope` on a mesh: a parameter
+    replicated over tp counts 1/tp on each tp rank, and the sum of squares is
+    all-reduced over tp and then pp, so the gradient norm (clipping) is the
+    whole model's."""
+
+    replicated: set[str]
+    tp: int
+    comms: list[Collectives]
+
+    def weight(self, name: str) -> float:
+        return 1.0 / self.tp if name in self.replicated else 1.0
+
+    def reduce(self, sumsq: torch.Tensor) -> None:
+        for comm in self.comms:
+            comm.all_reduce(sumsq, control=True)
+
+
+def norm_scope(
+    engine: ZeroEngine, mesh: DeviceMesh, shape: MeshShape, tp: TensorParallel | None
+) -> ModelParallelNorm | None:
+    """The gradient-norm scope of ``engine`` on ``mesh`` (None without tp or pp)."""
+    if shape.group_size == 1:
+        return None
+    sharded = {n for n, s in (tp.slices.items() if tp else ()) if s.dim is not None}
+    replicated = set(engine.inventory.trainable) - sharded if shape.tp > 1 else set()
+    comms = [Collectives(mesh[dim].get_group()) for dim in ("tp", "pp") if getattr(shape, dim) > 1]
+    return ModelParallelNorm(replicated, shape.tp, comms)
 
 
 class MeshEngine:
@@ -276,6 +304,7 @@ def parallelize(
         optimizer = rebuild_optimizer(optimizer, before, model)
     engine = ZeroEngine(model, optimizer, config=config, group=mesh["dp"].get_group())
     engine.mesh_labels = coords.labels()
+    engine.norm_scope = norm_scope(engine, mesh, shape, tp)
     engine.publish_snapshot()
     if tp is not None:
         tp.activate()

@@ -46,6 +46,7 @@ from worker.mesh import (
     build_mesh,
     check_combination,
     check_heads,
+    norm_scope,
     rebuild_optimizer,
 )
 from worker.tp import TensorParallel, apply_tp, gather_full, gpt_plan
@@ -205,6 +206,7 @@ def pipeline(
         optimizer = rebuild_optimizer(optimizer, before, stage_module)
     engine = ZeroEngine(stage_module, optimizer, config=config, group=mesh["dp"].get_group())
     engine.mesh_labels = coords.labels()
+    engine.norm_scope = norm_scope(engine, mesh, shape, tp)
     engine.publish_snapshot()
     if tp is not None:
         tp.activate()
