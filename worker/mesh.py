@@ -121,8 +121,9 @@ def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
         )
     if tp * pp > 1 and config.dtype == "fp16":
         raise ValueError(
-            "fp16 loss scaling with tensor/pipeline parallelism is not supported yet (the "
-            "overflow vote covers only dp): use dtype='bf16' or 'fp32'"
+            "fp16 loss scaling with tensor/pipeline parallelism is not supported yet (not "
+            "tested; its overflow check would rest on the mesh-wide norm): use dtype='bf16' "
+            "or 'fp32'"
         )
     if tp * pp > 1 and config.activation_checkpointing != "none":
         raise ValueError(
