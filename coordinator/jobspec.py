@@ -10,6 +10,8 @@
     args: ["--steps", "1000"]
     workers: {min: 2, max: 4, replicas: 4} # worker pods; replicas defaults to max
     stage: auto                            # or 0-3
+    tensor_parallel: 1                     # tp and pp: the mesh (coordinator/mesh.py)
+    pipeline_parallel: 1
     device: {kind: cpu, count: 1}          # or cuda; processes (and GPUs) per pod
     resources: {cpu: "2", memory: 8Gi}     # per worker pod
     compression: none                      # or bf16, fp16, int8, onebit
@@ -33,6 +35,7 @@ from typing import Any, Literal
 import yaml
 
 from coordinator.config import ADDRESS_ENV, METRICS_PORT_ENV, TOKEN_ENV, WORKER_ID_ENV
+from coordinator.mesh import PP_ENV, TP_ENV
 
 __all__ = [
     "COMPRESSION_ENV",
@@ -69,6 +72,8 @@ RESERVED_ENV = frozenset(
         WORKER_ID_ENV,
         COMPRESSION_ENV,
         METRICS_PORT_ENV,
+        TP_ENV,
+        PP_ENV,
         "POD_NAME",
         "POD_IP",
         "JOB_COMPLETION_INDEX",
@@ -137,6 +142,9 @@ class JobSpec:
     script / args: each worker process runs ``python SCRIPT ARGS`` in the image's
         working directory.
     stage: ``auto`` (the coordinator's planner picks) or 0-3.
+    tensor_parallel / pipeline_parallel: the mesh's tp and pp, ``$ZEROPLANE_TP`` and
+        ``$ZEROPLANE_PP`` in the workers; every worker count the job may run at
+        (``workers`` times ``device.count`` processes) must be whole groups of tp*pp.
     resources: per worker pod, ``cpu`` and ``memory`` as Kubernetes quantities.
     compression: gradient compression, ``$ZEROPLANE_COMPRESSION`` in the workers.
     grace_period_s: how long a worker pod gets between SIGTERM and SIGKILL to hand
@@ -163,6 +171,8 @@ class JobSpec:
     coordinator_image: str | None = None
     workers: Workers = field(default_factory=Workers)
     stage: str = "auto"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
     device: Device = field(default_factory=Device)
     resources: Mapping[str, str] = field(default_factory=lambda: {"cpu": "1", "memory": "2Gi"})
     compression: str = "none"
@@ -216,6 +226,26 @@ class JobSpec:
         _check(stage in STAGES, "stage", "auto, 0, 1, 2 or 3", self.stage)
         object.__setattr__(self, "stage", stage)
         _check(isinstance(self.device, Device), "device", "a Device", self.device)
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, name, "an integer >= 1", value)
+        group = self.tensor_parallel * self.pipeline_parallel
+        for name in ("min", "max", "replicas"):
+            procs = getattr(self.workers, name) * self.device.count
+            _check(
+                procs % group == 0,
+                f"workers.{name}",
+                f"a worker count whose {procs} processes are whole model-parallel groups of "
+                f"tensor_parallel*pipeline_parallel = {group}",
+                getattr(self.workers, name),
+            )
+        _check(
+            group == 1 or self.workers.min == self.workers.max,
+            "workers",
+            "a fixed size (min = max) with tensor_parallel or pipeline_parallel > 1: "
+            "an elastic mesh job is not supported yet",
+            self.workers,
+        )
         _check(isinstance(self.resources, Mapping), "resources", "a mapping", self.resources)
         for key, value in self.resources.items():
             _check(key in ("cpu", "memory"), f"resources.{key}", "one of cpu, memory", key)

@@ -68,6 +68,7 @@ import yaml
 
 from coordinator.config import ADDRESS_ENV, METRICS_PORT_ENV, TOKEN_ENV
 from coordinator.jobspec import COMPRESSION_ENV, HOST_ENV, WORKER_ID_ENV, JobSpec
+from coordinator.mesh import PP_ENV, TP_ENV
 
 __all__ = [
     "COORDINATOR_PORT",
@@ -370,6 +371,9 @@ def _worker_env(spec: JobSpec) -> list[dict[str, Any]]:
     metrics_port = METRICS_PORT if spec.device.count == 1 else 0
     env.append({"name": METRICS_PORT_ENV, "value": str(metrics_port)})
     env.append({"name": COMPRESSION_ENV, "value": spec.compression})
+    if spec.tensor_parallel * spec.pipeline_parallel > 1:
+        env.append({"name": TP_ENV, "value": str(spec.tensor_parallel)})
+        env.append({"name": PP_ENV, "value": str(spec.pipeline_parallel)})
     env.append({"name": "PYTHONUNBUFFERED", "value": "1"})
     env += [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
     return env

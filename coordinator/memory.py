@@ -168,3 +168,20 @@ def offload_transfer_bytes(
     optimizer, params = _check_offload(offload, stage)
     shard = numel / world_size
     return 8 * shard * optimizer + 2 * DTYPE_BYTES[dtype] * shard * params
+
+
+def model_parallel_numel(numel: int, *, sharded_numel: int, tp: int = 1, pp: int = 1) -> float:
+    """Trainable elements one rank's ZeRO holds under tensor and pipeline parallelism.
+
+    Tensor parallelism splits the ``sharded_numel`` elements of its planned layers
+    over ``tp`` ranks and replicates the rest (norms, embeddings here); a pipeline
+    splits the whole by layer over ``pp`` stages (evenly, to first order: the first
+    and last stages also hold the embeddings and head). ZeRO then applies the
+    formulas above to this count over the dp ranks:
+    ``Ψ_rank = ((Ψ - Ψ_tp) + Ψ_tp / tp) / pp``.
+    """
+    if not 0 <= sharded_numel <= numel:
+        raise ValueError(f"sharded_numel must be in [0, {numel}], got {sharded_numel}")
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
+    return ((numel - sharded_numel) + sharded_numel / tp) / pp

@@ -117,6 +117,28 @@ class ActivationShape:
         a = self.heads or max(1, h // 64)
         return s * b * h * (34 + 5 * a * s / h) * _ACT_SCALE[precision]
 
+    def mesh_layer_bytes(self, precision: str, tp: int) -> float:
+        """One layer's kept activations under tensor parallelism over ``tp`` ranks
+        (no sequence parallelism): the linear layers' inner activations and the
+        attention scores split over tp, the norms' and residuals' ``10*s*b*h`` do
+        not (Korthikanti et al. 2022, eq. 2): ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``."""
+        s, b, h = self.seq, self.micro_batch, self.hidden
+        a = self.heads or max(1, h // 64)
+        return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * _ACT_SCALE[precision]
+
+    def pipeline_bytes(
+        self, precision: str, *, tp: int = 1, pp: int = 1, microbatches: int = 1,
+        schedule: str = "1f1b",
+    ) -> float:  # fmt: skip
+        """Activations one rank keeps with ``pp`` stages of ``layers/pp`` layers each,
+        its ``micro_batch`` sequences split into ``microbatches`` pipeline
+        micro-batches: GPipe keeps every micro-batch's until its backward; 1F1B at
+        most ``pp`` in flight on the first stage (Narayanan et al. 2021). ``tp`` as
+        :meth:`mesh_layer_bytes`."""
+        in_flight = microbatches if schedule == "gpipe" else min(pp, microbatches)
+        layers = math.ceil(self.layers / pp)
+        return layers * in_flight * self.mesh_layer_bytes(precision, tp) / microbatches
+
     def bytes(self, precision: str, *, checkpointing: bool) -> float:
         """Activation bytes per rank, with or without checkpointing every layer."""
         if not checkpointing:

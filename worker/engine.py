@@ -83,6 +83,7 @@ from worker.stats import StepStats
 
 __all__ = [
     "Membership",
+    "NormScope",
     "OptimizerArg",
     "ZeroEngine",
     "build_inventory_for",
@@ -115,6 +116,16 @@ class Membership(Protocol):
     def replica_bytes(self) -> int: ...
 
     def close(self) -> None: ...
+
+
+class NormScope(Protocol):
+    """The global gradient norm beyond the dp group (tensor/pipeline parallelism):
+    each element's square counts ``weight(name)`` times on this rank (1/tp for a
+    parameter replicated over tp), and ``reduce`` sums over the other ranks."""
+
+    def weight(self, name: str) -> float: ...
+
+    def reduce(self, sumsq: torch.Tensor) -> None: ...
 
 
 def _guarded(method):
@@ -220,6 +231,10 @@ class ZeroEngine:
         self.board = SnapshotBoard() if metrics is None else metrics.board
         self.metrics = metrics if metrics is not None else start_metrics(config, self.board)
         self._memory_cache: tuple[int, float, dict[str, int], dict[str, int]] | None = None
+        # metric labels of this rank's device-mesh position, and how the gradient
+        # norm spans the model-parallel ranks (both set by worker/mesh.py)
+        self.mesh_labels: dict[str, str] = {}
+        self.norm_scope: NormScope | None = None
         self.publish_snapshot()
 
     # ------------------------------------------------------------ what the state holds
@@ -479,10 +494,18 @@ class ZeroEngine:
         if not clip and not fp16:
             return True
         sumsq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            sumsq += g.pow(2).sum()
+        scope = self.norm_scope
+        if scope is None:
+            for g in grads:
+                sumsq += g.pow(2).sum()
+        else:
+            for piece in self.state.optimizer.pieces:
+                g = grads[piece.bucket][piece.grad_offset : piece.grad_offset + piece.view.numel()]
+                sumsq += scope.weight(piece.name) * g.pow(2).sum()
         if self.state.stage.optimizer_sharded:
             self.comm.all_reduce(sumsq, control=True)
+        if scope is not None:
+            scope.reduce(sumsq)
         norm = math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else math.inf
         self.last_grad_norm = norm
         overflow = not math.isfinite(norm)
@@ -581,6 +604,7 @@ class ZeroEngine:
             samples=stats.samples,
             tokens=stats.tokens,
             loss=stats.loss,
+            mesh=dict(self.mesh_labels),
         )
 
     def publish_snapshot(self) -> None:

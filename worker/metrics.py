@@ -151,6 +151,9 @@ class Snapshot:
     loss: torch.Tensor | None = None
     # the part of ``memory`` that offload keeps in host memory, by kind
     memory_host: dict[str, int] = field(default_factory=dict)
+    # the rank's device-mesh coordinates as labels (pp, dp, tp; worker/mesh.py),
+    # empty outside a mesh: there ``rank`` alone tells the ranks apart
+    mesh: dict[str, str] = field(default_factory=dict)
 
 
 class SnapshotBoard:
@@ -223,8 +226,8 @@ class EngineCollector(Collector):
 
     def _collect(self, e: Snapshot) -> Iterator[Metric | None]:
         device = e.device
-        labels = ("rank", "stage")
-        values = (str(e.rank), str(e.stage))
+        labels = ("rank", "stage", *sorted(e.mesh))
+        values = (str(e.rank), str(e.stage), *(e.mesh[k] for k in sorted(e.mesh)))
 
         def gauge(name: str, doc: str, value: float | None) -> Metric | None:
             if value is None:

@@ -41,10 +41,15 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.attn(self.ln_1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        qkv = self.attn(self.ln_1(x))
+        # under tensor parallelism this rank holds whole heads: a third of the
+        # fused projection's (local) width each for q, k and v (worker/tp.py)
+        width = qkv.shape[-1] // 3
+        heads = self.n_head * width // c
+        q, k, v = qkv.split(width, dim=2)
+        q, k, v = (z.view(b, t, heads, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, width))
         return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
 
 

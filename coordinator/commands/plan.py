@@ -16,6 +16,7 @@ from decimal import ROUND_HALF_UP, Decimal
 
 from coordinator.commands.args import counts, fraction
 from coordinator.layout import ParamSpec
+from coordinator.mesh import MeshChoice, choose_mesh, tp_sharded_numel
 from coordinator.planner import (
     PCIE_BYTES_PER_S,
     STAGES,
@@ -118,6 +119,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="BYTES",
         help="device-host bytes per second (default 25GB: PCIe 4.0 x16)",
     )
+
+    mesh = parser.add_argument_group(
+        "device mesh",
+        "the recommended (pp, dp, tp) mesh and ZeRO stage per world size "
+        "(coordinator/mesh.py choose_mesh): ZeRO alone first, tensor or pipeline "
+        "parallelism only when it does not fit",
+    )
+    mesh.add_argument(
+        "--microbatches", type=int, default=4, metavar="M",
+        help="pipeline micro-batches per step (default 4)",
+    )  # fmt: skip
+    mesh.add_argument(
+        "--schedule", choices=("gpipe", "1f1b"), default="1f1b",
+        help="pipeline schedule the activations are counted for (default 1f1b)",
+    )  # fmt: skip
+    mesh.add_argument(
+        "--max-tp", type=int, default=8, metavar="T",
+        help="largest tensor-parallel degree to consider (default 8: one node)",
+    )  # fmt: skip
+    mesh.add_argument(
+        "--tp-share", type=fraction, default=None, metavar="FRACTION",
+        help="with --params: the share of parameters tensor parallelism splits "
+        "(default: 12*layers*hidden^2 when --layers/--hidden are given, else 0)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=plan)
     return parser
@@ -179,6 +204,11 @@ def _activations(args: argparse.Namespace, defaults: dict[str, int]) -> Activati
 
 
 def _load_model(spec: str) -> tuple[int, str, dict[str, int]]:
+    numel, note, shape, _ = _load_model_sharded(spec)
+    return numel, note, shape
+
+
+def _load_model_sharded(spec: str) -> tuple[int, str, dict[str, int], int]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model must be MODULE:FACTORY, got {spec!r}")
@@ -195,7 +225,8 @@ def _load_model(spec: str) -> tuple[int, str, dict[str, int]]:
     note = f"{type(model).__name__} from {spec}: {len(inventory)} parameter tensors"
     if frozen:
         note += f", {frozen:,} frozen elements not counted"
-    return numel, note, _shape_of(model)
+    sharded = tp_sharded_numel((p.name, p.numel) for p in inventory if p.requires_grad)
+    return numel, note, _shape_of(model), sharded
 
 
 _OFFLOAD_MARK = {"none": "", "optimizer": "+oo", "params": "+op", "optimizer+params": "+oop"}
@@ -218,8 +249,11 @@ def plan(args: argparse.Namespace) -> int:
         device_memory = parse_bytes(args.device_memory)
         if args.params is not None:
             numel, source, shape = parse_count(args.params), "given", {}
+            sharded = _sharded_share(args, numel)
         else:
-            numel, source, shape = _load_model(args.model)
+            numel, source, shape, sharded = _load_model_sharded(args.model)
+        if args.microbatches < 1 or args.max_tp < 1:
+            raise ValueError("--microbatches and --max-tp must be >= 1")
         config = PlanConfig(
             precision=args.precision,
             optimizer_states=args.optimizer_states,
@@ -236,6 +270,21 @@ def plan(args: argparse.Namespace) -> int:
 
     choices = [
         choose_stage(numel, world_size=n, device_memory_bytes=device_memory, config=config)
+        for n in world_sizes
+    ]
+    meshes = [
+        choose_mesh(
+            numel,
+            sharded_numel=sharded,
+            world_size=n,
+            device_memory_bytes=device_memory,
+            config=config,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            max_tp=args.max_tp,
+            heads=args.heads if args.heads is not None else shape.get("heads"),
+            layers=args.layers if args.layers is not None else shape.get("layers"),
+        )
         for n in world_sizes
     ]
     if args.json:
@@ -274,6 +323,8 @@ def plan(args: argparse.Namespace) -> int:
                 }
                 for n, c in zip(world_sizes, choices, strict=True)
             ],
+            "tp_sharded_params": sharded,
+            "meshes": [_mesh_json(m) for m in meshes],
         }
         print(json.dumps(out, indent=2))
         return 0
@@ -328,4 +379,39 @@ def plan(args: argparse.Namespace) -> int:
     print()
     for n, c in zip(world_sizes, choices, strict=True):
         print(f"N={n}: stage {c.stage}: {c.reason}")
+    print()
+    print(
+        f"mesh (pp x dp x tp) and stage: tensor parallelism splits {sharded:,} of the "
+        f"{numel:,} parameters; pipeline activations for {args.microbatches} micro-batches, "
+        f"{args.schedule}"
+    )
+    for m in meshes:
+        star = "" if m.fits else " (does not fit)"
+        print(f"N={m.world_size}: {m.reason}{star}")
     return 0
+
+
+def _sharded_share(args: argparse.Namespace, numel: int) -> int:
+    if args.tp_share is not None:
+        return round(numel * args.tp_share)
+    if args.layers is not None and args.hidden is not None:
+        return min(numel, 12 * args.layers * args.hidden**2)
+    return 0
+
+
+def _mesh_json(m: MeshChoice) -> dict:
+    c = m.chosen
+    return {
+        "world_size": m.world_size,
+        "pp": c.shape.pp,
+        "dp": c.shape.dp,
+        "tp": c.shape.tp,
+        "stage": c.stage,
+        "fits": m.fits,
+        "reason": m.reason,
+        "bytes_per_rank": {
+            **c.model_states.as_dict(),
+            "activations": c.activation_bytes,
+            "total": c.total,
+        },
+    }

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from coordinator.commands.args import non_negative, seconds
 from coordinator.config import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
 from coordinator.launch import STAGE_CHOICES, JobResult, LaunchSpec, LocalJob, forward_signals
+from coordinator.mesh import PP_ENV, TP_ENV, MeshChangeRefused, MeshShape, check_resize
 from coordinator.messages import StatusReport, WorkerReport
 from coordinator.progress import ProgressDisplay, ProgressTracker, follow
 from coordinator.summary import JobSummary
@@ -48,6 +49,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="ZeRO stage for every worker, over the script's own ZeroConfig(stage=...) "
         "(a worker whose script asks for another says so); auto: the coordinator's "
         "planner picks the lowest that fits. Default: the script's own stage",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor-parallel degree: $ZEROPLANE_TP for worker.mesh.ParallelConfig.from_env "
+        "(default 1); --nproc must be a multiple of T*PP",
+    )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="P",
+        help="pipeline stages: $ZEROPLANE_PP (default 1)",
     )
     parser.add_argument(
         "--grace",
@@ -162,7 +178,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     command = (sys.executable, *(("-m",) if args.module else ()), args.script, *args.script_args)
     try:
-        spec = LaunchSpec(command=command, nproc=args.nproc, stage=args.stage, grace_s=args.grace)
+        spec = LaunchSpec(
+            command=command,
+            nproc=args.nproc,
+            stage=args.stage,
+            grace_s=args.grace,
+            env=_mesh_env(args),
+        )
     except ValueError as exc:
         print(f"zeroplane run: {exc}", file=sys.stderr)
         return 2
@@ -265,6 +287,30 @@ def _live_status(
         if server is not None:
             return server.status(), server.last_reports()
     return None, None
+
+
+def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
+    """``$ZEROPLANE_TP``/``$ZEROPLANE_PP`` for a mesh job, checked against the worker
+    counts: every count the job may run at must be whole model-parallel groups."""
+    if args.tp == 1 and args.pp == 1:
+        return {}
+    shape = MeshShape.for_world(args.nproc, tp=args.tp, pp=args.pp)
+    for flag in ("min_nproc", "max_nproc"):
+        n = getattr(args, flag)
+        if n is not None:
+            try:
+                check_resize(shape, n)
+            except MeshChangeRefused as exc:
+                raise ValueError(f"--{flag.replace('_', '-')} {n}: {exc}") from None
+    low = args.nproc if args.min_nproc is None else args.min_nproc
+    high = args.nproc if args.max_nproc is None else args.max_nproc
+    if low != high:
+        raise ValueError(
+            "an elastic mesh job is not supported yet: resizing dp by whole model-parallel "
+            f"groups of {shape.group_size} is planned (coordinator/mesh.py check_resize) "
+            "but the workers cannot re-form a mesh live; give --min-nproc = --max-nproc"
+        )
+    return {TP_ENV: str(args.tp), PP_ENV: str(args.pp)}
 
 
 def _final_status(

@@ -1,0 +1,328 @@
+"""ZeRO on a device mesh ``(pp, dp, tp)``: tensor and pipeline parallelism from torch.
+
+    engine = worker.mesh.parallelize(model, optimizer, config=ZeroConfig(stage=1),
+                                     parallel=ParallelConfig(tensor_parallel=2))
+
+composes, as torchtitan's ``parallelize`` does, over one ``DeviceMesh``:
+
+* tensor parallelism: torch's ``parallelize_module`` with a plan (worker/tp.py);
+* pipeline parallelism: torch's ``PipelineStage`` and a GPipe or 1F1B schedule
+  over a split by layer index (worker/pipeline.py);
+* ZeRO (worker/engine.py) over the **dp** sub-group only: its layout, buckets
+  and collectives see the local shards of this rank's pipeline stage and
+  tensor-parallel rank, and shard those across the ``dp`` ranks that hold the
+  same ones.
+
+The mesh's rank order is coordinator/mesh.py's [Note: mesh rank order].
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from coordinator.mesh import PP_ENV, TP_ENV, MeshCoords, MeshShape
+from worker import tp_checkpoint
+from worker.collectives import Collectives
+from worker.config import ZeroConfig
+from worker.engine import OptimizerArg, ZeroEngine, module_device
+from worker.tp import TensorParallel, apply_tp, gather_full, gpt_plan
+from worker.tp_checkpoint import FullView
+
+__all__ = [
+    "MeshEngine",
+    "ModelParallelNorm",
+    "ParallelConfig",
+    "build_mesh",
+    "check_combination",
+    "check_heads",
+    "norm_scope",
+    "parallelize",
+    "rebuild_optimizer",
+]
+
+logger = logging.getLogger(__name__)
+
+Schedule = Literal["gpipe", "1f1b"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Model parallelism beside ZeRO (which runs over the data-parallel rest).
+
+    Attributes:
+        tensor_parallel: ranks that split each planned layer (tp); 1 = off.
+        pipeline_parallel: pipeline stages (pp), split by layer index; 1 = off.
+        pipeline_schedule: ``"gpipe"`` (all forwards, then all backwards) or
+            ``"1f1b"`` (one forward, one backward: fewer micro-batches in flight).
+        microbatches: micro-batches per pipeline step (>= pipeline_parallel).
+    """
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: Schedule = "gpipe"
+    microbatches: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.pipeline_schedule not in ("gpipe", "1f1b"):
+            raise ValueError(
+                f"ParallelConfig.pipeline_schedule must be 'gpipe' or '1f1b', "
+                f"got {self.pipeline_schedule!r}"
+            )
+        if self.pipeline_parallel > 1 and self.microbatches < self.pipeline_parallel:
+            raise ValueError(
+                f"ParallelConfig.microbatches ({self.microbatches}) must be >= "
+                f"pipeline_parallel ({self.pipeline_parallel}) to fill the pipeline"
+            )
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ParallelConfig:
+        """tp and pp as the launcher set them (``zeroplane run --tp/--pp``, the job
+        spec: ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``); 1 where unset."""
+        values: dict[str, Any] = {}
+        for field_name, env in (("tensor_parallel", TP_ENV), ("pipeline_parallel", PP_ENV)):
+            raw = os.environ.get(env)
+            if raw is not None:
+                if not raw.isdigit():
+                    raise ValueError(f"${env} must be an integer >= 1, got {raw!r}")
+                values[field_name] = int(raw)
+        return cls(**{**values, **overrides})
+
+    def shape(self, world_size: int) -> MeshShape:
+        return MeshShape.for_world(world_size, tp=self.tensor_parallel, pp=self.pipeline_parallel)
+
+
+def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
+    """Refuse, with the reason, what this composition does not do (README, "The mesh")."""
+    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    if pp > 1 and config.stage > 1:
+        raise ValueError(
+            f"pipeline_parallel > 1 runs with ZeRO stage 0 or 1 (as DeepSpeed's pipeline "
+            f"engine), got stage {config.stage}: stages 2-3 reduce or gather per "
+            "micro-batch, which the pipeline schedule interleaves"
+        )
+    if pp > 1 and config.gradient_accumulation_steps != 1:
+        raise ValueError(
+            "with pipeline_parallel > 1 the pipeline's micro-batches are the accumulation: "
+            "set ParallelConfig.microbatches, and gradient_accumulation_steps=1"
+        )
+    if tp * pp > 1 and config.dtype == "fp16":
+        raise ValueError(
+            "fp16 loss scaling with tensor/pipeline parallelism is not supported yet (not "
+            "tested; its overflow check would rest on the mesh-wide norm): use dtype='bf16' "
+            "or 'fp32'"
+        )
+    if tp * pp > 1 and config.activation_checkpointing != "none":
+        raise ValueError(
+            "activation_checkpointing with tensor/pipeline parallelism is not supported yet"
+        )
+
+
+def build_mesh(shape: MeshShape, device_type: str = "cpu") -> DeviceMesh:
+    """torch's DeviceMesh over the default group, dims named ``pp``, ``dp``, ``tp``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("build_mesh needs torch.distributed initialized (all ranks)")
+    world = dist.get_world_size()
+    if world != shape.world_size:
+        raise ValueError(
+            f"mesh pp={shape.pp} x dp={shape.dp} x tp={shape.tp} needs {shape.world_size} "
+            f"ranks, the process group has {world}"
+        )
+    return init_device_mesh(
+        device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=("pp", "dp", "tp")
+    )
+
+
+def rebuild_optimizer(
+    optimizer: OptimizerArg, before: dict[str, nn.Parameter], model: nn.Module
+) -> torch.optim.Optimizer:
+    """The user's optimizer over ``model``'s current parameters: a factory is
+    called; an optimizer built over the parameters as they were (``before``, by
+    name) gets the new ones in its param groups (it has no state yet)."""
+    now = dict(model.named_parameters(remove_duplicate=False))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        return optimizer([{"params": params}])
+    if optimizer.state:
+        raise ValueError("the optimizer already has state; pass one that has not stepped yet")
+    name_of = {p: n for n, p in before.items()}
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if p not in name_of]
+        if missing:
+            raise ValueError(
+                f"the optimizer holds a tensor of shape {tuple(missing[0].shape)} that is not "
+                "a parameter of the model"
+            )
+    # no state yet: the groups' parameter lists are all that refers to the old ones
+    for group in optimizer.param_groups:
+        group["params"] = [now[name_of[p]] for p in group["params"]]
+    return optimizer
+
+
+@dataclass
+class ModelParallelNorm:
+    """The engine's :class:`~worker.engine.NormScope` on a mesh: a parameter
+    replicated over tp counts 1/tp on each tp rank, and the sum of squares is
+    all-reduced over tp and then pp, so the gradient norm (clipping) is the
+    whole model's."""
+
+    replicated: set[str]
+    tp: int
+    comms: list[Collectives]
+
+    def weight(self, name: str) -> float:
+        return 1.0 / self.tp if name in self.replicated else 1.0
+
+    def reduce(self, sumsq: torch.Tensor) -> None:
+        for comm in self.comms:
+            comm.all_reduce(sumsq, control=True)
+
+
+def norm_scope(
+    engine: ZeroEngine, mesh: DeviceMesh, shape: MeshShape, tp: TensorParallel | None
+) -> ModelParallelNorm | None:
+    """The gradient-norm scope of ``engine`` on ``mesh`` (None without tp or pp)."""
+    if shape.group_size == 1:
+        return None
+    sharded = {n for n, s in (tp.slices.items() if tp else ()) if s.dim is not None}
+    replicated = set(engine.inventory.trainable) - sharded if shape.tp > 1 else set()
+    comms = [Collectives(mesh[dim].get_group()) for dim in ("tp", "pp") if getattr(shape, dim) > 1]
+    return ModelParallelNorm(replicated, shape.tp, comms)
+
+
+class MeshEngine:
+    """A ZeRO engine over the dp group, with this rank's tensor-parallel shards.
+
+    Forward, backward and step are the engine's; :meth:`full_state_dict` gives
+    every FULL parameter by name (gathered over dp and tp).
+    """
+
+    def __init__(
+        self,
+        engine: ZeroEngine,
+        *,
+        mesh: DeviceMesh,
+        shape: MeshShape,
+        coords: MeshCoords,
+        tp: TensorParallel | None,
+    ) -> None:
+        self.engine, self.mesh, self.shape, self.coords, self.tp = engine, mesh, shape, coords, tp
+        self.tp_comm = Collectives(mesh["tp"].get_group()) if shape.tp > 1 else Collectives(None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self, **kwargs: Any) -> bool:
+        return self.engine.step(**kwargs)
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    def memory_report(self) -> dict[str, int]:
+        return self.engine.memory_report()
+
+    def comm_report(self) -> dict[str, dict[str, int]]:
+        """The dp group's ZeRO collectives (tp's activation collectives are torch's)."""
+        return self.engine.comm_report()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every full parameter by name, fp32; a collective over the whole mesh."""
+        local = self.engine.full_state_dict()
+        if self.tp is None:
+            return local
+        return gather_full(local, self.tp.slices, self.tp_comm)
+
+    def _full_view(self) -> FullView:
+        slices = self.tp.slices if self.tp is not None else {}
+        return FullView(self.engine.state, slices, Collectives(None), self.coords.tp)
+
+    def save_checkpoint(self, path: str | os.PathLike, *, client_state: dict | None = None) -> Path:
+        """A checkpoint addressed by full parameter ([Note: tensor-parallel checkpoints]):
+        it loads at any tp, dp and stage, with or without this mesh. All ranks call it."""
+        return tp_checkpoint.save_checkpoint(self._full_view(), path, client_state)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Load a checkpoint of this model saved at any tp, dp and stage; all ranks."""
+        state = tp_checkpoint.load_checkpoint(self._full_view(), path)
+        self.engine.publish_snapshot()
+        return state
+
+    def close(self) -> None:
+        if self.tp is not None:
+            self.tp.deactivate()
+        self.engine.close()
+
+
+def parallelize(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    *,
+    config: ZeroConfig,
+    parallel: ParallelConfig,
+    plan: dict | Callable[[nn.Module], dict] | None = None,
+    mesh: DeviceMesh | None = None,
+) -> MeshEngine:
+    """ZeRO ``config`` over the dp dimension of a ``(pp, dp, tp)`` mesh, with
+    ``model`` tensor-parallel over tp by ``plan`` (a dict of torch ParallelStyles
+    by module-name pattern, or a function of the model returning one; default:
+    :func:`worker.tp.gpt_plan`). ``model`` must be identical on every rank.
+    Pipeline parallelism is :func:`worker.pipeline.pipeline` (a different step)."""
+    if parallel.pipeline_parallel > 1:
+        raise ValueError("pipeline_parallel > 1: use worker.pipeline.pipeline(...)")
+    check_combination(config, parallel)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    shape = parallel.shape(world)
+    mesh = mesh if mesh is not None else build_mesh(shape, module_device(model).type)
+    coords = shape.coords(dist.get_rank() if world > 1 else 0)
+    tp = None
+    if shape.tp > 1:
+        before = dict(model.named_parameters(remove_duplicate=False))
+        chosen = plan if plan is not None else gpt_plan
+        chosen = chosen(model) if callable(chosen) else chosen
+        check_heads(model, shape.tp)
+        tp = apply_tp(model, mesh["tp"], chosen)
+        optimizer = rebuild_optimizer(optimizer, before, model)
+    engine = ZeroEngine(model, optimizer, config=config, group=mesh["dp"].get_group())
+    engine.mesh_labels = coords.labels()
+    engine.norm_scope = norm_scope(engine, mesh, shape, tp)
+    engine.publish_snapshot()
+    if tp is not None:
+        tp.activate()
+    logger.info(
+        "mesh pp=%d dp=%d tp=%d: this rank is pp=%d dp=%d tp=%d",
+        shape.pp, shape.dp, shape.tp, coords.pp, coords.dp, coords.tp,
+    )  # fmt: skip
+    return MeshEngine(engine, mesh=mesh, shape=shape, coords=coords, tp=tp)
+
+
+def check_heads(model: nn.Module, tp: int) -> None:
+    """Attention heads must split evenly over tp (worker.models GPT, HF configs)."""
+    configs = [getattr(model, "cfg", None), getattr(model, "config", None)]
+    for cfg in configs:
+        for key in ("n_head", "num_attention_heads", "num_key_value_heads"):
+            heads = getattr(cfg, key, None)
+            if isinstance(heads, int) and heads % tp:
+                raise ValueError(
+                    f"the model's {key}={heads} cannot be split over tensor_parallel={tp}"
+                )

@@ -1,0 +1,326 @@
+"""Tensor parallelism with torch's own ``parallelize_module``, under ZeRO.
+
+[Note: local parameters, DTensor forward]
+``parallelize_module`` turns a planned module's parameters into DTensors and
+puts DTensor conversions on its inputs and outputs (torch's ColwiseParallel /
+RowwiseParallel). ZeRO's flat buffers, gradient hooks and stage-3 storage
+(worker/flat.py, worker/stages.py) work on plain tensors, so
+:func:`apply_tp` then gives each planned module back a plain ``nn.Parameter``
+holding the local shard, under the same name. While that module runs its
+forward, a pre-hook puts ``DTensor.from_local(local, mesh, placements)`` in
+the module's instance ``__dict__`` (which attribute lookup reads before
+``nn.Module.__getattr__`` consults ``_parameters``) and a post-hook removes
+it: the forward computes with DTensors exactly as torch's plan intends (the
+row-wise all-reduce, the column-wise input gradient's all-reduce in backward),
+and the DTensor's backward hands the plain local parameter a plain local
+gradient. ZeRO then sees an ordinary model whose parameters are the local
+shards: it shards each local tensor across the data-parallel ranks.
+The hooks are activated after the engine's own (:meth:`TensorParallel.activate`),
+so at stage 3 a unit is gathered before its DTensor view is made.
+
+[Note: replicated parameters under TP]
+Parameters no plan entry shards (layer norms, embeddings here, a row-wise
+layer's bias) are replicated across the tp ranks, and so are their gradients:
+their inputs and the gradients flowing into them are replicated (a row-wise
+layer's output is all-reduced in forward, a column-wise layer's input
+gradient in backward), so every tp rank computes the same gradient from the
+same data. They are reduced across dp only, like everything else; the
+parity tests check this against a single-process reference.
+
+[Note: where a local shard sits in its full parameter]
+Checkpoints and ``full_state_dict`` address the FULL parameter.
+:class:`TPSlice` says where a local shard's elements are: sharded along
+``dim`` into ``size`` chunks (``torch.chunk``), chunk ``rank`` held here;
+``parts > 1`` for a fused projection (GPT's ``attn`` holds q, k and v stacked
+along dim 0): each part is chunked separately and the local shard is the
+concatenation of chunk ``rank`` of every part, so a rank holds whole heads of
+q, k and v. Its elements are runs of ``run`` contiguous full elements;
+:meth:`TPSlice.full_runs` maps a local element range to full element ranges.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from worker.collectives import Collectives
+
+__all__ = [
+    "FusedColwiseParallel",
+    "TPSlice",
+    "TensorParallel",
+    "apply_tp",
+    "gather_full",
+    "gpt_plan",
+    "llama_plan",
+]
+
+Plan = Mapping[str, ParallelStyle]
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """Column-wise over a projection that stacks ``parts`` outputs along dim 0
+    (a fused q/k/v): each part is sharded on its own, so every rank holds the
+    same heads of each ([Note: where a local shard sits in its full parameter])."""
+
+    def __init__(self, parts: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if parts < 1:
+            raise ValueError(f"FusedColwiseParallel parts must be >= 1, got {parts}")
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        for pname, param in list(module.named_parameters()):
+            local = TPSlice(tuple(param.shape), 0, rank, size, self.parts).take(param.detach())
+            dist_param = nn.Parameter(
+                DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(pname, dist_param)
+
+
+def gpt_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """worker.models.GPT: Megatron-style blocks (fused q/k/v and the MLP's first
+    layer column-wise, the projections back row-wise); embeddings, norms and the
+    (tied) head replicated."""
+    del model
+    return {
+        "blocks.*.attn": FusedColwiseParallel(3),
+        "blocks.*.proj": RowwiseParallel(),
+        "blocks.*.fc": ColwiseParallel(),
+        "blocks.*.fc_out": RowwiseParallel(),
+    }
+
+
+def llama_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """A Hugging Face Llama-style decoder (``model.layers.*.self_attn.{q,k,v,o}_proj``,
+    ``mlp.{gate,up,down}_proj``): q/k/v and gate/up column-wise, o and down
+    row-wise; the embedding row-wise and the head column-wise with replicated
+    outputs, as torch's TP examples do (when they are not tied). The head counts
+    must divide by tp; HF's attention reshapes with ``-1`` heads, so it runs on
+    the local heads as it is."""
+    plan: dict[str, ParallelStyle] = {
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(),
+    }
+    if not _tied(model):
+        if _has(model, "model.embed_tokens"):
+            plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+        if _has(model, "lm_head"):
+            plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    return name in dict(model.named_modules())
+
+
+def _tied(model: nn.Module) -> bool:
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    return len(names) != len(list(model.parameters()))
+
+
+@dataclass(frozen=True, slots=True)
+class TPSlice:
+    """Where a local shard's elements sit in the full parameter (see the module
+    note); ``dim=None``: replicated, the local tensor is the full one."""
+
+    full_shape: tuple[int, ...]
+    dim: int | None
+    rank: int
+    size: int
+    parts: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dim is None:
+            return
+        extent = self.full_shape[self.dim]
+        if extent % (self.parts * self.size):
+            raise ValueError(
+                f"a dimension of {extent} elements cannot be split into {self.parts} part(s) "
+                f"of {self.size} equal tensor-parallel shards"
+            )
+
+    @property
+    def full_numel(self) -> int:
+        return math.prod(self.full_shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.dim] //= self.size
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local shard of ``full`` (a new contiguous tensor)."""
+        if self.dim is None:
+            return full.clone()
+        parts = full.chunk(self.parts, dim=self.dim)
+        return torch.cat([p.chunk(self.size, dim=self.dim)[self.rank] for p in parts], self.dim)
+
+    def _geometry(self) -> tuple[int, int, int, int]:
+        """(run, outer stride in full, part stride in full, offset of this rank)."""
+        assert self.dim is not None
+        inner = math.prod(self.full_shape[self.dim + 1 :])
+        extent = self.full_shape[self.dim]
+        part_len = extent // self.parts
+        local_len = part_len // self.size
+        return local_len * inner, extent * inner, part_len * inner, self.rank * local_len * inner
+
+    def full_runs(self, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+        """``(local_start, full_start, numel)`` for each run of local elements
+        ``[start, stop)`` that is contiguous in the full parameter, in order."""
+        if self.dim is None:
+            if start < stop:
+                yield start, start, stop - start
+            return
+        run, outer_stride, part_stride, offset = self._geometry()
+        pos = start
+        while pos < stop:
+            j, within = divmod(pos, run)
+            outer, part = divmod(j, self.parts)
+            n = min(run - within, stop - pos)
+            yield pos, outer * outer_stride + part * part_stride + offset + within, n
+            pos += n
+
+
+class TensorParallel:
+    """A model whose planned modules hold local shards ([Note: local parameters,
+    DTensor forward]); :attr:`slices` says where each sits in its full parameter."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.slices: dict[str, TPSlice] = {}
+        # module -> [(parameter name, placements)]
+        self._views: dict[nn.Module, list[tuple[str, tuple]]] = {}
+        self._hooks: list = []
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
+
+    def activate(self) -> None:
+        """Install the DTensor-view hooks (after the engine's: see the module note)."""
+        self.deactivate()
+        for module, views in self._views.items():
+            self._hooks += [
+                module.register_forward_pre_hook(self._pre(views)),
+                module.register_forward_hook(self._post(views), always_call=True),
+            ]
+
+    def deactivate(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _pre(self, views):
+        mesh = self.mesh
+
+        def hook(module: nn.Module, args) -> None:
+            for name, placements in views:
+                module.__dict__.pop(name, None)
+                local = getattr(module, name)
+                module.__dict__[name] = DTensor.from_local(local, mesh, placements, run_check=False)
+
+        return hook
+
+    def _post(self, views):
+        def hook(module: nn.Module, args, output) -> None:
+            for name, _ in views:
+                module.__dict__.pop(name, None)
+
+        return hook
+
+
+def _matches(pattern: str, name: str) -> bool:
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(
+        fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts, strict=True)
+    )
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> TensorParallel:
+    """Parallelize ``model`` over the 1-D ``mesh`` with torch's ``parallelize_module``
+    and ``plan`` (module name patterns, ``*`` per name atom, as torch's), then give
+    each planned module plain local parameters ([Note: local parameters, DTensor
+    forward]). Every plan entry must match a module; call before the optimizer
+    is built over ``model.parameters()`` (or let worker/mesh.py rebuild it)."""
+    if mesh.ndim != 1:
+        raise ValueError(f"apply_tp expects a 1-D tensor-parallel mesh, got {mesh.ndim}-D")
+    tp = TensorParallel(mesh)
+    names = [n for n, _ in model.named_modules()]
+    by_module = dict(model.named_modules())
+    unmatched = [pattern for pattern in plan if not any(_matches(pattern, n) for n in names)]
+    if unmatched:
+        raise ValueError(f"tensor-parallel plan entries match no module of the model: {unmatched}")
+    for name in names:
+        styles = [s for pattern, s in plan.items() if _matches(pattern, name)]
+        if not styles:
+            continue
+        if len(styles) > 1:
+            raise ValueError(f"module {name!r} matches {len(styles)} tensor-parallel plan entries")
+        module = by_module[name]
+        parallelize_module(module, mesh, styles[0])
+        parts = styles[0].parts if isinstance(styles[0], FusedColwiseParallel) else 1
+        views = []
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                continue
+            placement = p.placements[0]
+            dim = placement.dim % p.ndim if isinstance(placement, Shard) else None
+            full = f"{name}.{pname}" if name else pname
+            tp.slices[full] = TPSlice(tuple(p.shape), dim, tp.rank, tp.size, parts)
+            local = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
+            setattr(module, pname, local)
+            views.append((pname, tuple(p.placements)))
+        if views:
+            tp._views[module] = views
+    return tp
+
+
+def gather_full(
+    local: dict[str, torch.Tensor], slices: dict[str, TPSlice], comm: Collectives
+) -> dict[str, torch.Tensor]:
+    """Full parameters from every tp rank's local ones (by name); a collective over
+    the tp group ``comm``. Replicated and unplanned parameters pass through."""
+    out = {}
+    for name, value in local.items():
+        tp_slice = slices.get(name)
+        if tp_slice is None or tp_slice.dim is None:
+            out[name] = value
+            continue
+        flat = value.reshape(-1).contiguous()
+        gathered = flat.new_empty(flat.numel() * tp_slice.size)
+        comm.all_gather(gathered, flat)
+        full = flat.new_empty(tp_slice.full_numel)
+        for r, piece in enumerate(gathered.view(tp_slice.size, -1)):
+            other = TPSlice(tp_slice.full_shape, tp_slice.dim, r, tp_slice.size, tp_slice.parts)
+            for lo, fo, n in other.full_runs(0, flat.numel()):
+                full[fo : fo + n] = piece[lo : lo + n]
+        out[name] = full.view(tp_slice.full_shape)
+    return out
