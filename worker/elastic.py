@@ -120,6 +120,9 @@ class Handover:
 
     entries: Entries
     counters: Counters
+    # no rank of the transfer held state: a job that never formed a group yet
+    # (its first generation was superseded before it formed; see worker/session.py)
+    nobody_held: bool = False
 
 
 def exchange(
@@ -146,9 +149,9 @@ def exchange(
     if counters is None:
         counters = state.counters()
     shared = torch.tensor(
-        [counters.global_steps, counters.loss_scale, counters.skipped_steps]
+        [counters.global_steps, counters.loss_scale, counters.skipped_steps, 1]
         if holds_state
-        else [0] * 3,
+        else [0] * 4,
         dtype=torch.float64,
         device=state.device,
     )
@@ -179,7 +182,8 @@ def exchange(
                 for k, v in entry["state"].items()
             }
             incoming[key] = entry
-    return Handover(incoming, Counters(int(shared[0]), float(shared[1]), int(shared[2])))
+    counters = Counters(int(shared[0]), float(shared[1]), int(shared[2]))
+    return Handover(incoming, counters, nobody_held=shared[3].item() == 0)
 
 
 def adopt(state: ShardState, handover: Handover, comm: Collectives | None) -> None:

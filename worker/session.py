@@ -398,8 +398,15 @@ class ElasticSession(_FinalReport):
                 via=None,
                 new_members=list(range(gen.world_size)),
             )
-            engine.adopt(handover, None)
-            logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
+            if handover.nobody_held:
+                # the generation this worker was admitted to superseded the job's first
+                # before it formed: nobody trained yet, every rank starts from the module
+                engine.state.build(Collectives(None), from_module=True)
+                engine.publish_snapshot()
+                logger.info("the job starts in generation %d as rank %d", gen.id, engine.rank)
+            else:
+                engine.adopt(handover, None)
+                logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
         session.held_generation = gen.id
         session._to(Phase.MEMBER)
         _report(control, engine)
