@@ -1,4 +1,4 @@
-"""One worker process of bench/elastic.py: a ≈20M-parameter GPT trained with zeroplane.
+"""One worker of bench/elastic.py and bench/goodput.py: a ≈20M-parameter GPT on zeroplane.
 
 Two ways to start, chosen by the environment:
 

@@ -433,7 +433,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--lease", type=float, default=3.0, help="coordinator lease timeout, s")
     p.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat interval, s")
-    p.add_argument("--join-window", type=float, default=0.5, help="coordinator join window, s")
+    p.add_argument(
+        "--join-window",
+        type=float,
+        default=3.0,
+        help="coordinator join window, s (as zeroplane run)",
+    )
     p.add_argument("--collective-timeout", type=float, default=15.0)
     p.add_argument("--bucket-numel", type=int, default=PlanConfig().bucket_numel)
     p.add_argument("--seed", type=int, default=0, help="kill points and victims")
