@@ -158,7 +158,12 @@ def main() -> None:
     while engine.global_steps < args.steps:
         due = engine.global_steps % args.save_every == 0 and engine.global_steps != saved
         if args.checkpoint and due:
-            save(engine, args.checkpoint, emit, "periodic")
+            try:
+                save(engine, args.checkpoint, emit, "periodic")
+            except worker.StepAborted:
+                # a peer died during the save; the engine re-formed the job (elastic)
+                emit("aborted", step=engine.global_steps, world=engine.world_size, rank=engine.rank)
+                continue
             saved = engine.global_steps
         if not elastic:
             # every rank must stop at the same boundary: agree on the flag (one tiny all-reduce)
