@@ -86,6 +86,9 @@ replayed   steps done again after a rollback (rank 0's step events)
 step s     median gap between consecutive steps on rank 0 (all sizes)"""
 
 
+# what a run that failed has in place of its measurements
+FAILED: dict[str, Any] = {"wall_s": None, "goodput": None, "replayed": None, "step_s": None}
+
 # ---------------------------------------------------------------------------- plan
 
 
@@ -163,10 +166,11 @@ def table(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "x_no_fail": x,
                 "lost": None if x is None else 1.0 - x,
                 "s_per_kill": None
-                if own is None or not kills
+                if own is None or not kills or r["wall_s"] is None or own["wall_s"] is None
                 else (r["wall_s"] - own["wall_s"]) / kills,
                 "replayed": r["replayed"],
                 "step_s": r["step_s"],
+                "error": r.get("error"),
             }
         )
     by = {(row["system"], row["every"]): row for row in rows}
@@ -196,8 +200,12 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{fmt_cell(r['goodput']):>9}{fmt_cell(r['x_no_fail']):>10}{lost:>8}"
             f"{fmt_cell(r['s_per_kill']):>8}{fmt_cell(r['x_restart']):>7}"
             f"{fmt_cell(r['zp_over_rs_lost']):>7}{fmt_cell(r['zp_over_rs_per_kill']):>7}"
-            f"{r['replayed']:>9}{fmt_cell(r['step_s']):>8}"
+            f"{'-' if r['replayed'] is None else r['replayed']:>9}{fmt_cell(r['step_s']):>8}"
         )
+    for r in rows:
+        if r["error"]:
+            every = "no failures" if r["every"] is None else f"a kill every {r['every']} steps"
+            lines.append(f"FAILED: {r['system']}, {every}: {r['error'].splitlines()[0]}")
     for r in rows:
         if r["kills_differ"]:
             lines.append(
@@ -402,14 +410,18 @@ class Stall:
             raise RuntimeError(f"{system}: no step for {self.timeout:g} s\n{tails()}")
 
 
-def measure(run: ZeroplaneRun | RestartGoodputRun, opts: argparse.Namespace) -> dict[str, Any]:
-    return {
+def measure(
+    run: ZeroplaneRun | RestartGoodputRun, opts: argparse.Namespace, error: str | None = None
+) -> dict[str, Any]:
+    out = {
         "system": run.SYSTEM,
         "every": run.every,
         "kills": run.killer.kills,
         "kill_points": run.killer.points,
-        **summarize(read_events(run.dir), opts.steps),
     }
+    if error is not None:
+        return {**out, **FAILED, "error": error}
+    return {**out, **summarize(read_events(run.dir), opts.steps)}
 
 
 # ---------------------------------------------------------------------------- main
@@ -464,7 +476,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return opts
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     exit_on_sigterm()
     tmp = None
@@ -487,9 +499,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"{run.SYSTEM}, {what} ...", flush=True)
                 try:
                     run.run()
+                    error = None
+                except RuntimeError as exc:
+                    # a job that fails under failures is a result too: report it, go on
+                    error = str(exc)
+                    (run.dir / "error.txt").write_text(error)
+                    print(f"FAILED: {error.splitlines()[0]} (details in the JSON)", flush=True)
                 finally:
                     run.close()
-                results.append(measure(run, opts))
+                results.append(measure(run, opts, error))
         load_after = os.getloadavg()
         rows = table(results)
         print(
@@ -521,7 +539,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         if tmp is not None:
             tmp.cleanup()
+    return 1 if any(r.get("error") for r in results) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

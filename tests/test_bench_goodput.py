@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.goodput import Killer, kill_points, parse_args, read_events, summarize, table
+from bench.goodput import (
+    FAILED,
+    Killer,
+    format_table,
+    kill_points,
+    parse_args,
+    read_events,
+    summarize,
+    table,
+)
 
 
 def step(n: int, done: float, rank: int = 0, world: int = 3) -> dict:
@@ -78,6 +87,18 @@ def test_table_compares_each_run_with_its_own_baseline_and_the_restart() -> None
     # without the other system's runs the comparison columns stay empty
     (alone,) = table([run("zeroplane", 20, 12.0, 1)])
     assert alone["lost"] is None and alone["x_restart"] is None and alone["s_per_kill"] is None
+
+
+def test_a_failed_run_is_reported_not_measured() -> None:
+    ok = {"system": "zeroplane", "every": None, "kills": [], "wall_s": 10.0, "goodput": 9.9}
+    ok |= {"replayed": 0, "step_s": 0.1}
+    failed = {"system": "zeroplane", "every": 50, "kills": [{}], **FAILED}
+    failed["error"] = "zeroplane: rank 0 failed with exit code 1\ntraceback"
+    rows = table([ok, failed])
+    assert rows[1]["lost"] is None and rows[1]["s_per_kill"] is None
+    text = format_table(rows)
+    assert "FAILED: zeroplane, a kill every 50 steps: zeroplane: rank 0 failed" in text
+    assert "traceback" not in text
 
 
 def test_killer_waits_for_the_point_at_full_size_after_the_last_kill() -> None:
