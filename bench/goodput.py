@@ -273,10 +273,13 @@ class ZeroplaneRun:
         )
         self._logs: dict[int, IO[str]] = {}
         self._lock = threading.Lock()
+        self._closed = False
         self.job: LocalJob | None = None
 
     def _line(self, index: int, stream: str, line: str) -> None:
         with self._lock:
+            if self._closed:  # a last line pumped after the job stopped
+                return
             if index not in self._logs:
                 self._logs[index] = (self.dir / f"worker{index}.log").open("w", buffering=1)
             self._logs[index].write(line + "\n")
@@ -352,6 +355,7 @@ class ZeroplaneRun:
         if self.job is not None:
             self.job.stop()
         with self._lock:
+            self._closed = True
             for f in self._logs.values():
                 f.close()
 
