@@ -41,7 +41,7 @@ from worker.models import GPT, GPTConfig  # noqa: E402
 
 # 19.08M parameters (tied embeddings): 6 blocks of 12·512² plus the embeddings
 MODEL = GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=8, n_embd=512)
-# --model: the default above, or a 0.43M one for quick runs of the harnesses
+# --model: the default above, or a 0.44M one for quick runs of the harnesses
 MODELS = {
     "20m": MODEL,
     "small": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128),
