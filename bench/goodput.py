@@ -171,6 +171,7 @@ def table(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "replayed": r["replayed"],
                 "step_s": r["step_s"],
                 "error": r.get("error"),
+                "late_error": r.get("late_error"),
             }
         )
     by = {(row["system"], row["every"]): row for row in rows}
@@ -206,6 +207,10 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         if r["error"]:
             every = "no failures" if r["every"] is None else f"a kill every {r['every']} steps"
             lines.append(f"FAILED: {r['system']}, {every}: {r['error'].splitlines()[0]}")
+        elif r["late_error"]:
+            every = "no failures" if r["every"] is None else f"a kill every {r['every']} steps"
+            first = r["late_error"].splitlines()[0]
+            lines.append(f"note: {r['system']}, {every}, after its last step: {first}")
     for r in rows:
         if r["kills_differ"]:
             lines.append(
@@ -415,17 +420,22 @@ class Stall:
 
 
 def measure(
-    run: ZeroplaneRun | RestartGoodputRun, opts: argparse.Namespace, error: str | None = None
+    run: ZeroplaneRun | RestartGoodputRun,
+    opts: argparse.Namespace,
+    error: str | None = None,
+    *,
+    late: bool = False,
 ) -> dict[str, Any]:
+    """One run's result; ``late``: ``error`` came after the last step was done."""
     out = {
         "system": run.SYSTEM,
         "every": run.every,
         "kills": run.killer.kills,
         "kill_points": run.killer.points,
     }
-    if error is not None:
+    if error is not None and not late:
         return {**out, **FAILED, "error": error}
-    return {**out, **summarize(read_events(run.dir), opts.steps)}
+    return {**out, **summarize(read_events(run.dir), opts.steps), "late_error": error}
 
 
 # ---------------------------------------------------------------------------- main
@@ -501,17 +511,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run = cls(opts, root, every)
                 what = "no failures" if every is None else f"a kill every {every} steps"
                 print(f"{run.SYSTEM}, {what} ...", flush=True)
+                error = None
                 try:
                     run.run()
-                    error = None
                 except RuntimeError as exc:
                     # a job that fails under failures is a result too: report it, go on
                     error = str(exc)
                     (run.dir / "error.txt").write_text(error)
-                    print(f"FAILED: {error.splitlines()[0]} (details in the JSON)", flush=True)
                 finally:
                     run.close()
-                results.append(measure(run, opts, error))
+                # a worker that dies once the last step is done cost no step: measured,
+                # with the error beside it
+                late = error is not None and any(
+                    e["ev"] == "step" and e["step"] == opts.steps for e in read_events(run.dir)
+                )
+                if error is not None:
+                    what = "after the last step" if late else "FAILED"
+                    print(f"{what}: {error.splitlines()[0]} (details in the JSON)", flush=True)
+                results.append(measure(run, opts, error, late=late))
         load_after = os.getloadavg()
         rows = table(results)
         print(
@@ -543,7 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
-    return 1 if any(r.get("error") for r in results) else 0
+    return 1 if any(r.get("error") or r.get("late_error") for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -99,6 +99,13 @@ def test_a_failed_run_is_reported_not_measured() -> None:
     text = format_table(rows)
     assert "FAILED: zeroplane, a kill every 50 steps: zeroplane: rank 0 failed" in text
     assert "traceback" not in text
+    # a worker that died after the last step: measured, and the error noted
+    late = {**ok, "every": 20, "late_error": "restart: workers failed {'l1r0': -6}\nlog"}
+    rows = table([ok, late])
+    assert rows[1]["lost"] == pytest.approx(0.0)
+    assert "note: zeroplane, a kill every 20 steps, after its last step: restart: workers" in (
+        format_table(rows)
+    )
 
 
 def test_killer_waits_for_the_point_at_full_size_after_the_last_kill() -> None:
