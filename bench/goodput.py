@@ -86,6 +86,8 @@ replayed   steps done again after a rollback (rank 0's step events)
 step s     median gap between consecutive steps on rank 0 (all sizes)"""
 
 
+# replacements beyond the planned kills that a zeroplane job may make
+SPARE_RESTARTS = 3
 # what a run that failed has in place of its measurements
 FAILED: dict[str, Any] = {"wall_s": None, "goodput": None, "replayed": None, "step_s": None}
 
@@ -279,6 +281,7 @@ class ZeroplaneRun:
         self._logs: dict[int, IO[str]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self.unplanned_exits = 0
         self.job: LocalJob | None = None
 
     def _line(self, index: int, stream: str, line: str) -> None:
@@ -335,7 +338,9 @@ class ZeroplaneRun:
             spec,
             on_line=self._line,
             services=(coordinator,),
-            restarts=len(self.killer.points),
+            # spare restarts: a worker that dies unplanned (printed, and counted in the
+            # JSON as unplanned_exits) must not make a planned kill fail the job
+            restarts=len(self.killer.points) + SPARE_RESTARTS,
         )
         job.start()
         stalled = Stall(o.timeout)
@@ -348,6 +353,7 @@ class ZeroplaneRun:
                 os.kill(job.pids[index], signal.SIGKILL)
                 self.killer.record(at, f"worker{index}")
             time.sleep(0.05)
+        self.unplanned_exits = sum(c != 0 for c in result.returncodes) - len(self.killer.kills)
         if not result.ok:
             raise RuntimeError(f"zeroplane: {result.message}\n{self.tails()}")
 
@@ -432,6 +438,7 @@ def measure(
         "every": run.every,
         "kills": run.killer.kills,
         "kill_points": run.killer.points,
+        "unplanned_exits": getattr(run, "unplanned_exits", 0),
     }
     if error is not None and not late:
         return {**out, **FAILED, "error": error}
@@ -541,6 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(format_table(rows))
         for r in results:
+            if r["unplanned_exits"]:
+                print(f"  {r['system']} every {r['every']}: {r['unplanned_exits']} unplanned exits")
             if r["kills"]:
                 at = ", ".join(f"{k['step']}" for k in r["kills"])
                 print(f"  {r['system']} every {r['every']}: killed after steps {at}")
