@@ -1,4 +1,4 @@
-"""One worker process of bench/elastic.py: a ≈20M-parameter GPT trained with zeroplane.
+"""One worker of bench/elastic.py and bench/goodput.py: a ≈20M-parameter GPT on zeroplane.
 
 Two ways to start, chosen by the environment:
 
@@ -41,6 +41,11 @@ from worker.models import GPT, GPTConfig  # noqa: E402
 
 # 19.08M parameters (tied embeddings): 6 blocks of 12·512² plus the embeddings
 MODEL = GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=8, n_embd=512)
+# --model: the default above, or a 0.44M one for quick runs of the harnesses
+MODELS = {
+    "20m": MODEL,
+    "small": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128),
+}
 
 
 class Events:
@@ -68,7 +73,10 @@ def save(engine: worker.ZeroEngine, path: Path, emit: Events, why: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--events", type=Path, required=True)
+    p.add_argument(
+        "--events", type=Path, required=True, help="'{pid}' in it becomes this process's id"
+    )
+    p.add_argument("--model", choices=sorted(MODELS), default="20m")
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--steps", type=int, default=100_000)
     p.add_argument("--global-batch", type=int, default=6)
@@ -78,21 +86,30 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="load the checkpoint's latest first")
     p.add_argument("--collective-timeout", type=float, default=15.0)
+    p.add_argument(
+        "--replica-every",
+        type=int,
+        default=0,
+        help="elastic: in-memory replicas every this many steps (ZeroConfig.replica_interval)",
+    )
     args = p.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(created).3f %(levelname)s %(name)s: %(message)s"
     )
     torch.set_num_threads(1)
-    emit = Events(args.events)
+    # several workers of one launcher run the same command: one file each
+    emit = Events(Path(str(args.events).replace("{pid}", str(os.getpid()))))
     emit("imported", pid=os.getpid())
 
     data = load_corpus()
     t = args.seq
     sampler = GlobalBatchSampler((len(data) - 1) // t, args.global_batch, seed=0)
     torch.manual_seed(0)
-    model = GPT(MODEL)
+    model = GPT(MODELS[args.model])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
-    config = worker.ZeroConfig(stage=args.stage, bucket_numel=args.bucket_numel)
+    config = worker.ZeroConfig(
+        stage=args.stage, bucket_numel=args.bucket_numel, replica_interval=args.replica_every
+    )
 
     stop = False
     elastic = bool(os.environ.get("ZEROPLANE_COORDINATOR"))
@@ -141,7 +158,12 @@ def main() -> None:
     while engine.global_steps < args.steps:
         due = engine.global_steps % args.save_every == 0 and engine.global_steps != saved
         if args.checkpoint and due:
-            save(engine, args.checkpoint, emit, "periodic")
+            try:
+                save(engine, args.checkpoint, emit, "periodic")
+            except worker.StepAborted:
+                # a peer died during the save; the engine re-formed the job (elastic)
+                emit("aborted", step=engine.global_steps, world=engine.world_size, rank=engine.rank)
+                continue
             saved = engine.global_steps
         if not elastic:
             # every rank must stop at the same boundary: agree on the flag (one tiny all-reduce)
