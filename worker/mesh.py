@@ -295,25 +295,42 @@ def parallelize(
     shape = parallel.shape(world)
     mesh = mesh if mesh is not None else build_mesh(shape, module_device(model).type)
     coords = shape.coords(dist.get_rank() if world > 1 else 0)
-    tp = None
-    if shape.tp > 1:
-        before = dict(model.named_parameters(remove_duplicate=False))
-        chosen = plan if plan is not None else gpt_plan
-        chosen = chosen(model) if callable(chosen) else chosen
-        check_heads(model, shape.tp)
-        tp = apply_tp(model, mesh["tp"], chosen)
-        optimizer = rebuild_optimizer(optimizer, before, model)
-    engine = ZeroEngine(model, optimizer, config=config, group=mesh["dp"].get_group())
-    engine.mesh_labels = coords.labels()
-    engine.norm_scope = norm_scope(engine, mesh, shape, tp)
-    engine.publish_snapshot()
-    if tp is not None:
-        tp.activate()
+    engine, tp = engine_on_mesh(model, optimizer, model, config, mesh, shape, coords, plan)
     logger.info(
         "mesh pp=%d dp=%d tp=%d: this rank is pp=%d dp=%d tp=%d",
         shape.pp, shape.dp, shape.tp, coords.pp, coords.dp, coords.tp,
     )  # fmt: skip
     return MeshEngine(engine, mesh=mesh, shape=shape, coords=coords, tp=tp)
+
+
+def engine_on_mesh(
+    module: nn.Module,
+    optimizer: OptimizerArg,
+    model: nn.Module,
+    config: ZeroConfig,
+    mesh: DeviceMesh,
+    shape: MeshShape,
+    coords: MeshCoords,
+    plan: Any,
+) -> tuple[ZeroEngine, TensorParallel | None]:
+    """ZeRO over the dp group of ``mesh`` for ``module`` (the model, or its pipeline
+    stage, which keeps the model's parameter names), tensor-parallel over tp by
+    ``plan`` (default :func:`worker.tp.gpt_plan` of the whole ``model``)."""
+    tp = None
+    if shape.tp > 1:
+        before = dict(module.named_parameters(remove_duplicate=False))
+        chosen = plan if plan is not None else gpt_plan
+        chosen = chosen(model) if callable(chosen) else chosen
+        check_heads(model, shape.tp)
+        tp = apply_tp(module, mesh["tp"], chosen)
+        optimizer = rebuild_optimizer(optimizer, before, module)
+    engine = ZeroEngine(module, optimizer, config=config, group=mesh["dp"].get_group())
+    engine.mesh_labels = coords.labels()
+    engine.norm_scope = norm_scope(engine, mesh, shape, tp)
+    engine.publish_snapshot()
+    if tp is not None:
+        tp.activate()
+    return engine, tp
 
 
 def check_heads(model: nn.Module, tp: int) -> None:

@@ -41,15 +41,8 @@ from coordinator.mesh import MeshCoords, MeshShape
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
-from worker.mesh import (
-    ParallelConfig,
-    build_mesh,
-    check_combination,
-    check_heads,
-    norm_scope,
-    rebuild_optimizer,
-)
-from worker.tp import TensorParallel, apply_tp, gather_full, gpt_plan
+from worker.mesh import ParallelConfig, build_mesh, check_combination, engine_on_mesh
+from worker.tp import TensorParallel, gather_full
 
 __all__ = ["GPTStage", "PipelineEngine", "layer_bounds", "pipeline", "split_gpt"]
 
@@ -195,21 +188,8 @@ def pipeline(
             raise ValueError("the optimizer already has state; pass one that has not stepped")
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if p in kept]
-    tp = None
-    if shape.tp > 1:
-        # the stage module keeps the model's names, so the model's plan applies to it
-        before = dict(stage_module.named_parameters(remove_duplicate=False))
-        chosen = plan if plan is not None else gpt_plan
-        chosen = chosen(model) if callable(chosen) else chosen
-        check_heads(model, shape.tp)
-        tp = apply_tp(stage_module, mesh["tp"], chosen)
-        optimizer = rebuild_optimizer(optimizer, before, stage_module)
-    engine = ZeroEngine(stage_module, optimizer, config=config, group=mesh["dp"].get_group())
-    engine.mesh_labels = coords.labels()
-    engine.norm_scope = norm_scope(engine, mesh, shape, tp)
-    engine.publish_snapshot()
-    if tp is not None:
-        tp.activate()
+    # the stage module keeps the model's names, so the model's plan applies to it
+    engine, tp = engine_on_mesh(stage_module, optimizer, model, config, mesh, shape, coords, plan)
     stage = PipelineStage(stage_module, coords.pp, shape.pp, device, group=mesh["pp"].get_group())
     schedule_cls = ScheduleGPipe if parallel.pipeline_schedule == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, parallel.microbatches, loss_fn=loss_fn)

@@ -71,6 +71,10 @@ class FullView:
     )
 
     @property
+    def master_device(self) -> torch.device:
+        return self.state.master_device
+
+    @property
     def rank(self) -> int:
         return self.comm.rank
 

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch
 from torch.utils.data import default_collate
@@ -167,7 +167,31 @@ def _prepare_in_process(micro: list[list[int]]) -> list[Any]:
 Key = tuple[int, int, int]  # (step, rank, world_size)
 
 
-class StepLoader:
+class FollowsEngine:
+    """What both loaders do with an engine: follow its step, rank and world size,
+    and keep their position in its checkpoints."""
+
+    _engine: Any = None
+
+    def batches(self, step: int, rank: int, world_size: int) -> list[Any]:
+        raise NotImplementedError
+
+    def attach(self, engine: Any, name: str = "data") -> Self:
+        """Follow ``engine``: :meth:`current` reads its step, rank and world size, and
+        the loader's position is saved in its checkpoints and checked on load."""
+        engine.register_state(name, self)
+        self._engine = engine
+        return self
+
+    def current(self) -> list[Any]:
+        """This rank's micro-batches of the attached engine's current step."""
+        if self._engine is None:
+            raise RuntimeError(f"{type(self).__name__}.current() needs attach(engine) first")
+        e = self._engine
+        return self.batches(e.global_steps, e.rank, e.world_size)
+
+
+class StepLoader(FollowsEngine):
     """Batches of a map-style dataset for any (step, rank, world size), prepared ahead.
 
     ``dataset`` is anything with ``__len__`` and ``__getitem__(int)`` (a torch
@@ -260,20 +284,6 @@ class StepLoader:
         self.stats.steps += 1
         self.stats.wait_s += time.perf_counter() - t0
         return out
-
-    def attach(self, engine: Any, name: str = "data") -> StepLoader:
-        """Follow ``engine``: :meth:`current` reads its step, rank and world size, and
-        the loader's position is saved in its checkpoints and checked on load."""
-        engine.register_state(name, self)
-        self._engine = engine
-        return self
-
-    def current(self) -> list[Any]:
-        """This rank's micro-batches of the attached engine's current step."""
-        if self._engine is None:
-            raise RuntimeError("StepLoader.current() needs attach(engine) first")
-        e = self._engine
-        return self.batches(e.global_steps, e.rank, e.world_size)
 
     def _submit(self, key: Key) -> Future:
         micro = self.micro_indices(*key)

@@ -32,6 +32,7 @@ from torch.utils.data import default_collate
 
 from worker.data.loader import (
     STATE_FORMAT,
+    FollowsEngine,
     LoaderConfig,
     LoaderStats,
     map_tensors,
@@ -60,7 +61,7 @@ class _Read:
         self.items, self.key, self.prepared = items, key, prepared
 
 
-class StreamLoader:
+class StreamLoader(FollowsEngine):
     """Global batches of an iterable ``source`` for any (step, rank, world size).
 
     ``source``: a function that creates the stream (a new one each time; needed
@@ -153,18 +154,6 @@ class StreamLoader:
         self.stats.steps += 1
         self.stats.wait_s += time.perf_counter() - t0
         return out
-
-    def attach(self, engine: Any, name: str = "data") -> StreamLoader:
-        """As :meth:`StepLoader.attach <worker.data.loader.StepLoader.attach>`."""
-        engine.register_state(name, self)
-        self._engine = engine
-        return self
-
-    def current(self) -> list[Any]:
-        if self._engine is None:
-            raise RuntimeError("StreamLoader.current() needs attach(engine) first")
-        e = self._engine
-        return self.batches(e.global_steps, e.rank, e.world_size)
 
     def _prepare(self, items: list[Any], micro: list[list[int]]) -> list[Any]:
         if self.transform is not None:
