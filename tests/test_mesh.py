@@ -313,6 +313,7 @@ def test_resize_by_whole_groups_only() -> None:
         ({"stage": 2}, {"pipeline_parallel": 2}, "stage 0 or 1"),
         ({"dtype": "fp16"}, {"tensor_parallel": 2}, "fp16"),
         ({"gradient_accumulation_steps": 2}, {"pipeline_parallel": 2}, "microbatches"),
+        ({"stage": 1, "offload_optimizer": "cpu"}, {"tensor_parallel": 2}, "offload"),
     ],
 )
 def test_refused_combinations_say_why(config, parallel, match) -> None:

@@ -129,6 +129,11 @@ def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
         raise ValueError(
             "activation_checkpointing with tensor/pipeline parallelism is not supported yet"
         )
+    if tp * pp > 1 and "cpu" in (config.offload_optimizer, config.offload_params):
+        raise ValueError(
+            "CPU offload with tensor/pipeline parallelism is not supported yet (untested): "
+            "set offload_optimizer and offload_params to 'none'"
+        )
 
 
 def build_mesh(shape: MeshShape, device_type: str = "cpu") -> DeviceMesh:
