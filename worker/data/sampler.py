@@ -63,10 +63,13 @@ class GlobalBatchSampler:
             )
 
     def _order(self, epoch: int) -> torch.Tensor:
-        if self._cached is None or self._cached[0] != epoch:
+        # read once: loader threads ask for other epochs' orders at the same time
+        cached = self._cached
+        if cached is None or cached[0] != epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._cached = (epoch, torch.randperm(self.num_samples, generator=g))
-        return self._cached[1]
+            cached = (epoch, torch.randperm(self.num_samples, generator=g))
+            self._cached = cached
+        return cached[1]
 
     def batch_at(self, step: int) -> list[int]:
         """The global batch of optimizer step ``step``, without moving the sampler.
