@@ -580,15 +580,9 @@ class ElasticSession(_FinalReport):
         live = self._live(engine) if holds_state else None
         mine = elastic.Holding(
             live=live,
-            # the replica's step is part of its identity: a refresh cut short by the
-            # loss leaves ranks holding replicas of different steps, which must not mix
             replica=None
             if replica is None
-            else (
-                replica.generation << 32 | replica.counters.global_steps,
-                replica.rank,
-                replica.world_size,
-            ),
+            else (replica.generation, replica.rank, replica.world_size),
             holds_state=holds_state,
             checkpoint=None if engine.last_checkpoint is None else str(engine.last_checkpoint),
         )
