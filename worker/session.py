@@ -433,7 +433,7 @@ class ElasticSession(_FinalReport):
         if stepped:
             interval = engine.config.replica_interval
             if interval and engine.global_steps % interval == 0:
-                self.replica = elastic.refresh_replica(engine.state, control.generation.id)
+                self._refresh_replica(engine)
             if control.report_due():
                 _report(control, engine)
         start = time.perf_counter()
@@ -446,6 +446,12 @@ class ElasticSession(_FinalReport):
                 control.generation, gen = gen, control.wait_newer()
             self._grow_to(engine, gen)
             engine.stats.record_pause("scale_up", time.perf_counter() - start)
+
+    def _refresh_replica(self, engine: ZeroEngine) -> None:
+        """Every rank of the generation, at the same step boundary (a collective)."""
+        if engine.config.replica_interval:
+            assert self.control is not None
+            self.replica = elastic.refresh_replica(engine.state, self.control.generation.id)
 
     def recover(self, engine: ZeroEngine, exc: CollectiveError) -> NoReturn:
         """A peer is gone: form the coordinator's next generation and restore."""
@@ -535,6 +541,11 @@ class ElasticSession(_FinalReport):
             )
         engine.adopt(handover, Collectives(None))
         self.held_generation, self.handed = gen.id, None
+        if gen.world_size == len(survivor_ids):
+            # the replicas belong to the generation that was: a loss before the next
+            # refresh would find none of this one (newcomers, in their join, could not
+            # take part in a refresh here; they refresh at the next interval)
+            self._refresh_replica(engine)
         logger.info("rank %d left; now rank %d of %d", leaving, engine.rank, engine.world_size)
 
     def _grow_to(self, engine: ZeroEngine, gen: Generation) -> None:
