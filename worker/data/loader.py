@@ -167,6 +167,19 @@ def _prepare_in_process(micro: list[list[int]]) -> list[Any]:
 Key = tuple[int, int, int]  # (step, rank, world_size)
 
 
+def check_state(state: Any, source: str, expected: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the first field of a saved loader ``state`` that is
+    not a ``source`` loader's or differs from ``expected`` (the order would differ)."""
+    if not isinstance(state, dict) or state.get("source") != source:
+        raise ValueError(f"not a {source} loader state: {state!r:.200}")
+    for field, mine in expected.items():
+        if state.get(field) != mine:
+            raise ValueError(
+                f"loader state was saved with {field}={state.get(field)!r}, "
+                f"this loader has {field}={mine!r}: the sample order would differ"
+            )
+
+
 class FollowsEngine:
     """What both loaders do with an engine: follow its step, rank and world size,
     and keep their position in its checkpoints."""
@@ -327,15 +340,8 @@ class StepLoader(FollowsEngine):
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
         """Raise ValueError naming what differs if ``state`` is not this loader's order."""
-        if not isinstance(state, dict) or state.get("source") != "map":
-            raise ValueError(f"not a StepLoader state: {state!r:.200}")
-        for field in ("num_samples", "global_batch", "seed"):
-            mine = self.state_dict()[field]
-            if state.get(field) != mine:
-                raise ValueError(
-                    f"loader state was saved with {field}={state.get(field)!r}, "
-                    f"this loader has {field}={mine!r}: the sample order would differ"
-                )
+        mine = self.state_dict()
+        check_state(state, "map", {f: mine[f] for f in ("num_samples", "global_batch", "seed")})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.validate_state_dict(state)

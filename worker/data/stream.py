@@ -35,6 +35,7 @@ from worker.data.loader import (
     FollowsEngine,
     LoaderConfig,
     LoaderStats,
+    check_state,
     map_tensors,
     prepare,
     resolve_pin,
@@ -290,13 +291,7 @@ class StreamLoader(FollowsEngine):
         }
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("source") != "stream":
-            raise ValueError(f"not a StreamLoader state: {state!r:.200}")
-        if state.get("global_batch") != self.config.global_batch:
-            raise ValueError(
-                f"loader state was saved with global_batch={state.get('global_batch')!r}, "
-                f"this loader has global_batch={self.config.global_batch}"
-            )
+        check_state(state, "stream", {"global_batch": self.config.global_batch})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.validate_state_dict(state)
