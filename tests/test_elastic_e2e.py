@@ -506,6 +506,28 @@ def test_a_crash_is_a_membership_event_in_an_elastic_run(tmp_path: Path) -> None
     assert_matches_reference(run.out)
 
 
+@pytest.mark.timeout(300)
+def test_losing_every_holder_of_a_part_restarts_the_job_from_the_start(tmp_path: Path) -> None:
+    """Two of three workers SIGKILLed at once: with one replica each, the part they
+    held between them is gone and there is no checkpoint. The survivor says so and
+    exits; the launcher's restarts bring fresh workers, which start again from the
+    module (as a torchrun restart would) and end as the uninterrupted reference."""
+    run = LauncherRun(
+        tmp_path, "--nproc", "3", "--min-nproc", "2", "--max-nproc", "3", "--max-restarts", "6",
+        script_flags=("--replica-every", "2"),
+    )  # fmt: skip
+    try:
+        run.wait_for("step 10 loss")
+        for pid in run.workers()[:2]:
+            os.kill(pid, signal.SIGKILL)
+        run.wait_for("neither in-memory replicas nor a checkpoint cover", timeout=120)
+    finally:
+        code = run.wait(timeout=200)
+    assert code == 0, run.text()[-3000:]
+    assert "every holder of the job's state was lost" in run.text()
+    assert_matches_reference(run.out)
+
+
 @pytest.mark.timeout(240)
 def test_a_worker_that_keeps_dying_stops_the_job(tmp_path: Path) -> None:
     """With no restarts left, a crash fails an elastic job with the worker's code."""

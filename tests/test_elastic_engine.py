@@ -94,16 +94,21 @@ def test_pack_roundtrip_is_exact_and_pickle_free() -> None:
 
 
 def test_holding_roundtrips_through_its_row() -> None:
-    h = Holding(live=(7, 2, 3), replica=(6, 1, 3), holds_state=True, checkpoint="/ckpt/é x")
+    h = Holding(
+        live=(7, 2, 3), replicas=((6, 40, 1, 3), (6, 42, 1, 3)), holds_state=True,
+        checkpoint="/ckpt/é x",
+    )  # fmt: skip
     assert Holding.decode(h.encode()) == h
-    empty = Holding(live=None, replica=None, holds_state=False, checkpoint=None)
+    empty = Holding(live=None, replicas=(), holds_state=False, checkpoint=None)
     assert Holding.decode(empty.encode()) == empty
     with pytest.raises(ValueError, match="checkpoint path longer"):
-        Holding(None, None, True, "/" + "x" * 2000).encode()
+        Holding(None, (), True, "/" + "x" * 2000).encode()
 
 
-def held(live=None, replica=None, holds_state=True, checkpoint=None) -> Holding:
-    return Holding(live=live, replica=replica, holds_state=holds_state, checkpoint=checkpoint)
+def held(live=None, replica=None, holds_state=True, checkpoint=None, steps=(0,)) -> Holding:
+    """``replica``: (generation, rank, world size), held as of each of ``steps``."""
+    replicas = () if replica is None else tuple((replica[0], s, *replica[1:]) for s in steps)
+    return Holding(live=live, replicas=replicas, holds_state=holds_state, checkpoint=checkpoint)
 
 
 def test_a_newcomer_lost_while_joining_leaves_the_members_live_state() -> None:
@@ -151,3 +156,29 @@ def test_the_plan_reads_what_is_lost_from_the_holdings() -> None:
     assert (plan.source, plan.generation, plan.lost) == ("replica", 3, frozenset({1}))
     nothing = [held(holds_state=False), held(holds_state=False, checkpoint="/c")]
     assert plan_restore(nothing).source == "checkpoint"
+
+
+def test_a_group_that_holds_nothing_starts_from_the_module() -> None:
+    """Every holder of the job's state was lost (two kills before the replicas were
+    refreshed, the survivors then restarted): fresh processes start again, as a
+    torchrun restart would; a survivor holding a part nothing completes refuses."""
+    fresh = [held(holds_state=False), held(holds_state=False)]
+    assert plan_restore(fresh).source == "module"
+    partial = [held(replica=(3, 2, 3)), held(holds_state=False)]
+    with pytest.raises(RuntimeError, match="restarts from its script's checkpoint"):
+        plan_restore(partial)
+
+
+def test_a_refresh_cut_short_restores_the_newest_step_every_member_holds() -> None:
+    """The loss came during a replica swap at step 10: rank 0 got the new copies,
+    rank 1 did not (it kept step 8's). Restoring each from its newest would mix
+    steps 8 and 10; the plan takes step 8, which both still hold."""
+    torn = [held(replica=(3, 0, 3), steps=(8, 10)), held(replica=(3, 1, 3), steps=(8,))]
+    plan = plan_restore(torn)
+    assert (plan.source, plan.generation, plan.step, plan.lost) == (
+        "replica", 3, 8, frozenset({2}),
+    )  # fmt: skip
+    # the barrier after the swap passed on rank 0 (it dropped step 8): rank 1 then
+    # finished the swap too and holds step 10 beside its unconfirmed step 8
+    confirmed = [held(replica=(3, 0, 3), steps=(10,)), held(replica=(3, 1, 3), steps=(8, 10))]
+    assert plan_restore(confirmed).step == 10

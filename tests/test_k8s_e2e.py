@@ -189,5 +189,8 @@ def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Pat
         assert len(outs) == 1
         got = torch.load(outs[0], weights_only=True)
         want = reference(total, 12, optimizer="sgd")
-        assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+        # after 160 steps the summation order alone (2 or 3 ranks against one
+        # process) moves a parameter by up to 6.5e-5 (measured, uninterrupted runs);
+        # one step lost or repeated moves it by 1.4e-2
+        assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-3
         assert cluster.stop(second) == 0

@@ -227,6 +227,14 @@ class Replica:
     without touching the disk. Two adjacent ranks lost together leave a gap,
     and recovery falls back to the last checkpoint. The cost is twice this
     rank's share of the model state (reported as the ``replica`` kind).
+
+    A refresh is two-phase. The swap is one collective, and a peer lost in the
+    middle of it leaves some survivors with the new copies and some without:
+    restoring each from what it holds would mix two steps, silently. So a rank
+    keeps its previous replica until a barrier after the swap passes (passing
+    it proves every rank finished the swap), and recovery restores the newest
+    step every member holds a replica of (:func:`plan_restore`). For one
+    refresh in ``replica_interval`` steps both copies are held.
     """
 
     generation: int
@@ -239,6 +247,10 @@ class Replica:
     @property
     def neighbour_rank(self) -> int:
         return (self.rank - 1) % self.world_size
+
+    @property
+    def ident(self) -> ReplicaId:
+        return (self.generation, self.counters.global_steps, self.rank, self.world_size)
 
     def nbytes(self) -> int:
         total = 0
@@ -267,6 +279,8 @@ def refresh_replica(state: ShardState, generation: int) -> Replica:
 
 # (generation id, rank, world size): whose state a rank holds
 StateId = tuple[int, int, int]
+# (generation id, step, rank, world size): whose state a replica is, and of when
+ReplicaId = tuple[int, int, int, int]
 
 # room for the checkpoint directory in a Holding row (one int64 per byte)
 _PATH_BYTES = 1024
@@ -286,40 +300,57 @@ class Holding:
        the whole job as of the last step, and nothing is rolled back.
     2. in-memory replicas of the generation the loss happened in, when they
        cover every one of its ranks (see :class:`Replica`);
-    3. the last checkpoint.
+    3. the last checkpoint;
+    4. nothing, when no rank of the group holds any state: every holder of the
+       job's state was lost (all members killed, or the last survivors gave up
+       after a loss nothing covered, below). The group starts again from the
+       module as the script built it, as a restart under torchrun would: a
+       script that loads its checkpoint at start resumes there.
+    A group in which some ranks hold state but nothing covers the rest cannot
+    go on: those ranks raise, and the launcher's restarts bring fresh processes
+    that take path 4.
     Ranks share their holdings (one small all-reduce) and each runs
     :func:`plan_restore` on the same table, so all take the same path.
     """
 
     live: StateId | None
-    replica: StateId | None
+    # the confirmed replica and, while a refresh is unconfirmed, the new one
+    replicas: tuple[ReplicaId, ...]
     holds_state: bool
     checkpoint: str | None
 
-    WIDTH = 8 + _PATH_BYTES
+    _REPLICAS = 2
+    _HEAD = 3 + 4 * _REPLICAS + 2  # live, replicas, holds_state, path length
+    WIDTH = _HEAD + _PATH_BYTES
 
     def encode(self) -> torch.Tensor:
+        if len(self.replicas) > self._REPLICAS:
+            raise ValueError(f"at most {self._REPLICAS} replicas, got {len(self.replicas)}")
         row = torch.full((self.WIDTH,), -1, dtype=torch.int64)
         if self.live is not None:
             row[0:3] = torch.tensor(self.live)
-        if self.replica is not None:
-            row[3:6] = torch.tensor(self.replica)
-        row[6] = int(self.holds_state)
+        for i, ident in enumerate(self.replicas):
+            row[3 + 4 * i : 7 + 4 * i] = torch.tensor(ident)
+        head = self._HEAD
+        row[head - 2] = int(self.holds_state)
         raw = (self.checkpoint or "").encode()
         if len(raw) > _PATH_BYTES:
             raise ValueError(f"checkpoint path longer than {_PATH_BYTES} bytes: {self.checkpoint}")
-        row[7] = len(raw)
-        row[8 : 8 + len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+        row[head - 1] = len(raw)
+        row[head : head + len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
         return row
 
     @classmethod
     def decode(cls, row: torch.Tensor) -> Holding:
         v = row.tolist()
-        path = bytes(v[8 : 8 + v[7]]).decode() if v[7] > 0 else None
+        head = cls._HEAD
+        length = v[head - 1]
+        path = bytes(v[head : head + length]).decode() if length > 0 else None
+        slots = (tuple(v[3 + 4 * i : 7 + 4 * i]) for i in range(cls._REPLICAS))
         return cls(
             live=tuple(v[0:3]) if v[0] >= 0 else None,  # type: ignore[arg-type]
-            replica=tuple(v[3:6]) if v[3] >= 0 else None,  # type: ignore[arg-type]
-            holds_state=bool(v[6]),
+            replicas=tuple(r for r in slots if r[0] >= 0),  # type: ignore[misc]
+            holds_state=bool(v[head - 2]),
             checkpoint=path,
         )
 
@@ -327,12 +358,13 @@ class Holding:
 @dataclass(frozen=True)
 class RestorePlan:
     """``source``: "live" (ranks whose live state is of ``generation`` send it),
-    "replica" (the replicas of ``generation``; ``lost``: its ranks no member is,
-    whose state comes from their right neighbour's copy) or "checkpoint" (load
-    ``checkpoint``)."""
+    "replica" (the replicas of ``generation`` at ``step``; ``lost``: its ranks no
+    member is, whose state comes from their right neighbour's copy), "checkpoint" (load
+    ``checkpoint``) or "module" (nobody holds anything: start from the module)."""
 
     source: str
     generation: int | None = None
+    step: int | None = None
     checkpoint: str | None = None
     lost: frozenset[int] = frozenset()
 
@@ -357,26 +389,28 @@ def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
         if by_generation[gen] == set(range(worlds[gen])):
             return RestorePlan("live", generation=gen)
 
-    replicas = [h.replica for h in holdings if h.replica is not None]
-    if replicas:
-        newest = max(r[0] for r in replicas)
-        world = next(r[2] for r in replicas if r[0] == newest)
-        present = {r[1] for r in replicas if r[0] == newest}
-        # a member without a snapshot of that generation would restore ahead of
-        # (or behind) the others: replicas are all or nothing
+    # newest first; a member without a replica of that (generation, step) would
+    # restore ahead of (or behind) the others: replicas are all or nothing
+    for gen, step in sorted({r[:2] for h in holdings for r in h.replicas}, reverse=True):
         usable = all(
-            h.replica is not None and h.replica[0] == newest for h in holdings if h.holds_state
+            any(r[:2] == (gen, step) for r in h.replicas) for h in holdings if h.holds_state
         )
+        ranks = [r[2:] for h in holdings for r in h.replicas if r[:2] == (gen, step)]
+        world = ranks[0][1]
+        present = {rank for rank, _ in ranks}
         lost = frozenset(set(range(world)) - present)
         # each rank keeps its own state and its left neighbour's
         covered = present | {(r - 1) % world for r in present if (r - 1) % world in lost}
         if usable and covered == set(range(world)):
-            return RestorePlan("replica", generation=newest, lost=lost)
+            return RestorePlan("replica", generation=gen, step=step, lost=lost)
 
     for h in holdings:
         if h.checkpoint is not None:
             return RestorePlan("checkpoint", checkpoint=h.checkpoint)
+    if not any(h.holds_state for h in holdings):
+        return RestorePlan("module")
     raise RuntimeError(
         "a worker was lost and neither in-memory replicas nor a checkpoint cover "
-        "its state; set ZeroConfig.replica_interval or save checkpoints"
+        "its state; set ZeroConfig.replica_interval or save checkpoints (under an "
+        "elastic launcher the job restarts from its script's checkpoint or the start)"
     )

@@ -211,6 +211,8 @@ class ZeroEngine:
         self._extras: dict[str, checkpoint.Stateful] = {}  # saved with every checkpoint
         self._next_bucket = 0
         self._walk_exact = True
+        if initial_state == "peers":
+            self.state.keep_module_values()
         self.state.build(Collectives(group), from_module=initial_state == "module")
         # the hooks live in autograd (C++), where the garbage collector cannot see
         # them: a strong reference to the engine would keep it and all its buffers

@@ -311,7 +311,8 @@ class ElasticSession(_FinalReport):
         self.phase = Phase.JOINING
         self.leave_requested = False
         self.control: ControlPlane | None = None
-        self.replica: elastic.Replica | None = None
+        # the confirmed replica, then (while a refresh is unconfirmed) the new one
+        self.replicas: list[elastic.Replica] = []
         # the generation whose membership this rank's shards belong to
         self.held_generation: int | None = None
         # between the two exchanges of a leave and a join in one generation: what
@@ -401,13 +402,14 @@ class ElasticSession(_FinalReport):
             if handover.nobody_held:
                 # the generation this worker was admitted to superseded the job's first
                 # before it formed: nobody trained yet, every rank starts from the module
-                engine.state.build(Collectives(None), from_module=True)
+                engine.state.build_from_kept_module(Collectives(None))
                 engine.publish_snapshot()
                 logger.info("the job starts in generation %d as rank %d", gen.id, engine.rank)
             else:
                 engine.adopt(handover, None)
                 logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
         session.held_generation = gen.id
+        engine.state.drop_module_values()
         session._to(Phase.MEMBER)
         _report(control, engine)
         return engine
@@ -425,7 +427,7 @@ class ElasticSession(_FinalReport):
         return 0 if self.control is None else self.control.generation.id
 
     def replica_bytes(self) -> int:
-        return 0 if self.replica is None else self.replica.nbytes()
+        return sum(r.nbytes() for r in self.replicas)
 
     def after_step(self, engine: ZeroEngine, agreed: BoundaryVote, stepped: bool) -> None:
         control = self.control
@@ -448,10 +450,15 @@ class ElasticSession(_FinalReport):
             engine.stats.record_pause("scale_up", time.perf_counter() - start)
 
     def _refresh_replica(self, engine: ZeroEngine) -> None:
-        """Every rank of the generation, at the same step boundary (a collective)."""
+        """Every rank of the generation, at the same step boundary (a collective).
+        Two-phase (worker/elastic.py [Note: in-memory replicas]): the previous
+        replica is dropped only once the barrier proves every rank has the new one."""
         if engine.config.replica_interval:
             assert self.control is not None
-            self.replica = elastic.refresh_replica(engine.state, self.control.generation.id)
+            fresh = elastic.refresh_replica(engine.state, self.control.generation.id)
+            self.replicas = [*self.replicas[-1:], fresh]
+            engine.state.comm.barrier()
+            self.replicas = [fresh]
 
     def recover(self, engine: ZeroEngine, exc: CollectiveError) -> NoReturn:
         """A peer is gone: form the coordinator's next generation and restore."""
@@ -587,13 +594,11 @@ class ElasticSession(_FinalReport):
         (``holds_state=False``)."""
         assert self.control is not None
         reached = engine.global_steps
-        replica, self.replica = (self.replica if holds_state else None), None
+        replicas, self.replicas = (self.replicas if holds_state else []), []
         live = self._live(engine) if holds_state else None
         mine = elastic.Holding(
             live=live,
-            replica=None
-            if replica is None
-            else (replica.generation, replica.rank, replica.world_size),
+            replicas=tuple(r.ident for r in replicas),
             holds_state=holds_state,
             checkpoint=None if engine.last_checkpoint is None else str(engine.last_checkpoint),
         )
@@ -621,6 +626,8 @@ class ElasticSession(_FinalReport):
             source = "live state, nothing rolled back"
         elif plan.source == "replica":
             entries = {}
+            chosen = [r for r in replicas if r.ident[:2] == (plan.generation, plan.step)]
+            replica = chosen[0] if chosen else None
             if replica is not None:
                 entries = dict(replica.own)
                 if replica.neighbour_rank in plan.lost:
@@ -635,6 +642,10 @@ class ElasticSession(_FinalReport):
             )
             engine.adopt(handover, comm)
             source = "in-memory replicas"
+        elif plan.source == "module":
+            engine.state.build_from_kept_module(comm)
+            engine.publish_snapshot()
+            source = "nothing: every holder of the job's state was lost, it starts again"
         else:
             checkpoint_dir = Path(plan.checkpoint or "")
             engine.state.build(comm, from_module=False)  # torn until the checkpoint is in

@@ -111,6 +111,9 @@ class ShardState:
         self.optimizer = ShardOptimizer(user_optimizer, [[] for _ in user_optimizer.param_groups])
         self.whole = False
         self.builds = 0  # how many times the buffers were (re)built
+        # a fresh process built for its peers' state keeps the module's own values
+        # until it is a member: if no peer holds anything, the job starts from them
+        self._module_values: dict[str, torch.Tensor] | None = None
         self._publish_chunks: list[set[int]] = []
 
     def _make_reducer(self, reduce_dtype: torch.dtype) -> GradReducer:
@@ -220,6 +223,25 @@ class ShardState:
         self._publish_chunks = self._chunks()
         self.whole = from_module
         self.builds += 1
+
+    def keep_module_values(self) -> None:
+        """Before a build that does not take the module's values (``from_module=False``):
+        hold on to them (no copy: the tensors the parameters pointed at)."""
+        self._module_values = {name: p.detach() for name, p in self.inventory.params.items()}
+
+    def drop_module_values(self) -> None:
+        self._module_values = None
+
+    def build_from_kept_module(self, comm: Collectives) -> None:
+        """Build from the module's values as they were before the first build (the
+        job starts again after every holder of its state was lost)."""
+        if self._module_values is None:
+            raise RuntimeError("this rank did not keep its module's values (it holds state)")
+        with torch.no_grad():
+            for name, p in self.inventory.params.items():
+                p.data = self._module_values[name]
+        self._module_values = None
+        self.build(comm, from_module=True)
 
     def release(self) -> None:
         """Drop this rank's buffers and hooks (before building for another world)."""
