@@ -408,6 +408,7 @@ class ElasticSession(_FinalReport):
             else:
                 engine.adopt(handover, None)
                 logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
+            session._refresh_replica(engine)  # as the members do after the exchange
         session.held_generation = gen.id
         engine.state.drop_module_values()
         session._to(Phase.MEMBER)
@@ -548,11 +549,7 @@ class ElasticSession(_FinalReport):
             )
         engine.adopt(handover, Collectives(None))
         self.held_generation, self.handed = gen.id, None
-        if gen.world_size == len(survivor_ids):
-            # the replicas belong to the generation that was: a loss before the next
-            # refresh would find none of this one (newcomers, in their join, could not
-            # take part in a refresh here; they refresh at the next interval)
-            self._refresh_replica(engine)
+        self._refresh_replica(engine)  # newcomers, at the end of their join, too
         logger.info("rank %d left; now rank %d of %d", leaving, engine.rank, engine.world_size)
 
     def _grow_to(self, engine: ZeroEngine, gen: Generation) -> None:
@@ -574,6 +571,7 @@ class ElasticSession(_FinalReport):
         )
         engine.adopt(handover, Collectives(None))
         self.held_generation = gen.id
+        self._refresh_replica(engine)  # the newcomers, at the end of their join, too
         logger.info("grew to %d ranks at step %d", engine.world_size, engine.global_steps)
 
     # ------------------------------------------------------------ recovery
@@ -654,6 +652,8 @@ class ElasticSession(_FinalReport):
             source = str(checkpoint_dir)
         engine.mark_restored()
         self.held_generation = gen.id
+        # a second loss before the next interval must find this generation's replicas
+        self._refresh_replica(engine)
         _report(self.control, engine)  # the coordinator admits newcomers once all applied it
         logger.warning(
             "recovered as rank %d of %d at step %d (from %s; this rank had reached step %d)",
