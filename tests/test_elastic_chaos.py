@@ -59,5 +59,5 @@ def test_random_membership_events_end_as_the_reference(tmp_path: Path, seed: int
                 done.append(kind)
     finally:
         code = run.wait(timeout=240)
-    assert code == 0, f"seed {seed}, stage {stage}, events {done}:\n{run.text()[-4000:]}"
+    assert code == 0, f"seed {seed}, stage {stage}, events {done}:\n{run.story()}"
     assert_matches_reference(run.out)

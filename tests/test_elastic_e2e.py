@@ -447,6 +447,14 @@ class LauncherRun:
     def text(self) -> str:
         return self.log_path.read_text()
 
+    def story(self, limit: int = 6000) -> str:
+        """What happened, for a failure message: the membership, launcher and recovery
+        lines (tracebacks cut to their last line), then the end of the log."""
+        keep = ("coordinator.membership", "coordinator.launch", "worker.control",
+                "worker.session", "Error:", "zeroplane run:")  # fmt: skip
+        lines = [ln[:240] for ln in self.text().splitlines() if any(k in ln for k in keep)]
+        return "\n".join(lines)[-limit:] + "\n--- the log's end ---\n" + self.text()[-2000:]
+
     def wait_for(self, text: str, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
         while text not in self.text():
@@ -481,7 +489,7 @@ def test_zeroplane_run_scales_on_signals(tmp_path: Path) -> None:
         run.wait_for("now rank 0 of 2")
     finally:
         code = run.wait()
-    assert code == 0, run.text()[-3000:]
+    assert code == 0, run.story()
     assert_matches_reference(run.out)
 
 
@@ -501,7 +509,7 @@ def test_a_crash_is_a_membership_event_in_an_elastic_run(tmp_path: Path) -> None
         run.wait_for("joined at step")
     finally:
         code = run.wait()
-    assert code == 0, run.text()[-3000:]
+    assert code == 0, run.story()
     assert "recovered as rank" in run.text()
     assert_matches_reference(run.out)
 
@@ -523,7 +531,7 @@ def test_losing_every_holder_of_a_part_restarts_the_job_from_the_start(tmp_path:
         run.wait_for("neither in-memory replicas nor a checkpoint cover", timeout=120)
     finally:
         code = run.wait(timeout=200)
-    assert code == 0, run.text()[-3000:]
+    assert code == 0, run.story()
     assert "every holder of the job's state was lost" in run.text()
     assert_matches_reference(run.out)
 
@@ -539,7 +547,7 @@ def test_a_worker_that_keeps_dying_stops_the_job(tmp_path: Path) -> None:
         os.kill(run.workers()[0], signal.SIGKILL)
     finally:
         code = run.wait()
-    assert code == 128 + signal.SIGKILL, run.text()[-3000:]
+    assert code == 128 + signal.SIGKILL, run.story()
     assert "no restarts left" in run.text()
 
 
@@ -555,7 +563,7 @@ def test_retiring_a_worker_that_is_still_starting_is_a_clean_leave(tmp_path: Pat
         run.proc.send_signal(signal.SIGUSR2)
     finally:
         code = run.wait()
-    assert code == 0, run.text()[-3000:]
+    assert code == 0, run.story()
     assert_matches_reference(run.out)
 
 
