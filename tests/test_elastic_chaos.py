@@ -3,6 +3,10 @@ of any worker (the launcher replaces it), scale-down (SIGUSR2: the newest hands
 over and leaves), scale-up (SIGUSR1), at random moments, at stages 1-3. Every
 run must end with exit 0 and the parameters of the uninterrupted reference.
 
+Each job takes ``SEQUENCES`` sequences of three events one after another (a
+later sequence starts on whatever the earlier left: replacements still joining,
+replicas just refreshed), so the default seeds run 10 sequences in 5 jobs.
+
 Seeded and replayable: ZEROPLANE_CHAOS_SEEDS=7,8 runs those seeds (the events
 and their spacing come from the seed; the machine decides the rest).
 """
@@ -20,7 +24,8 @@ import pytest
 
 from tests.test_elastic_e2e import LauncherRun, assert_matches_reference
 
-SEEDS = [int(s) for s in os.environ.get("ZEROPLANE_CHAOS_SEEDS", "0,1,2").split(",")]
+SEEDS = [int(s) for s in os.environ.get("ZEROPLANE_CHAOS_SEEDS", "0,1,2,3,4").split(",")]
+SEQUENCES = 2
 EVENTS = ("kill", "scale_down", "scale_up")
 
 
@@ -28,20 +33,23 @@ def plan(seed: int) -> tuple[int, list[tuple[float, str, float]]]:
     """The stage and the events: (delay before it in seconds, kind, victim pick)."""
     rng = random.Random(seed)
     stage = (1, 2, 3)[seed % 3]
-    events = [(rng.uniform(0.3, 2.5), rng.choice(EVENTS), rng.random()) for _ in range(3)]
+    events = [
+        (rng.uniform(0.3, 2.5), rng.choice(EVENTS), rng.random()) for _ in range(3 * SEQUENCES)
+    ]
     return stage, events
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_membership_events_end_as_the_reference(tmp_path: Path, seed: int) -> None:
     stage, events = plan(seed)
     run = LauncherRun(
-        tmp_path, "--nproc", "3", "--min-nproc", "2", "--max-nproc", "4", "--max-restarts", "5",
+        tmp_path, "--nproc", "3", "--min-nproc", "2", "--max-nproc", "4", "--max-restarts", "10",
         stage=stage,
         script_flags=(
             "--replica-every", "2", "--checkpoint", str(tmp_path / "ckpt"), "--save-every", "10",
         ),
+        step_sleep=0.4,  # room for six events before the job's 60 steps are done
     )  # fmt: skip
     done = []
     try:
@@ -50,11 +58,15 @@ def test_random_membership_events_end_as_the_reference(tmp_path: Path, seed: int
             time.sleep(delay)
             if kind == "kill":
                 workers = run.workers()
+                if not workers:
+                    break  # the job has finished
                 victim = workers[int(pick * len(workers))]
                 with contextlib.suppress(ProcessLookupError):  # it may have just left
                     os.kill(victim, signal.SIGKILL)
                 done.append(f"kill pid {victim} of {len(workers)}")
             else:
+                if run.proc.poll() is not None:
+                    break
                 run.proc.send_signal(signal.SIGUSR2 if kind == "scale_down" else signal.SIGUSR1)
                 done.append(kind)
     finally:

@@ -432,12 +432,17 @@ class LauncherRun:
     """`zeroplane run` of the example in the background, its output in a file."""
 
     def __init__(
-        self, tmp: Path, *flags: str, stage: int = 2, script_flags: tuple[str, ...] = ()
+        self,
+        tmp: Path,
+        *flags: str,
+        stage: int = 2,
+        script_flags: tuple[str, ...] = (),
+        step_sleep: float = 0.25,
     ) -> None:
         self.tmp, self.out = tmp, tmp / "final.pt"
         cmd = [
             sys.executable, "-m", "coordinator.cli", "run", *flags, "--stage", str(stage),
-            "--no-http", str(EXAMPLE), "--steps", str(STEPS), "--step-sleep", "0.25",
+            "--no-http", str(EXAMPLE), "--steps", str(STEPS), "--step-sleep", str(step_sleep),
             "--optimizer", "sgd", "--out", str(self.out), *script_flags,
         ]  # fmt: skip
         self.log_path = tmp / "run.log"
