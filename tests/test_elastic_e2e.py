@@ -527,6 +527,7 @@ def test_losing_every_holder_of_a_part_restarts_the_job_from_the_start(tmp_path:
     module (as a torchrun restart would) and end as the uninterrupted reference."""
     run = LauncherRun(
         tmp_path, "--nproc", "3", "--min-nproc", "2", "--max-nproc", "3", "--max-restarts", "6",
+        stage=3,  # the module's values come back from under stage 3's sharded parameters
         script_flags=("--replica-every", "2"),
     )  # fmt: skip
     try:

@@ -568,6 +568,9 @@ class ShardedParams(ParamStorage):
         self.units, self._unit_by_index, self._unit_of_param = [], {}, {}
         self._order, self._order_recorded = [], False
         self._discovered, self._running = False, []
+        # a backward cut short by a lost peer never reached end_backward(): left set,
+        # the next forward would skip its backward gathers while a newcomer's did not
+        self._in_backward = False
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

@@ -45,6 +45,7 @@ from worker.inventory import Inventory
 from worker.offload import HOST, Location, OffloadedGrads, Placement
 from worker.optim import Piece, ShardOptimizer
 from worker.precision import MixedPrecision
+from worker.sharded import mark_gathered
 from worker.stages import (
     STAGES,
     Compressed,
@@ -237,8 +238,11 @@ class ShardState:
         job starts again after every holder of its state was lost)."""
         if self._module_values is None:
             raise RuntimeError("this rank did not keep its module's values (it holds state)")
+        params = self.inventory.params
+        self.release()
+        mark_gathered(params.values())  # stage 3 marked them sharded: they hold values again
         with torch.no_grad():
-            for name, p in self.inventory.params.items():
+            for name, p in params.items():
                 p.data = self._module_values[name]
         self._module_values = None
         self.build(comm, from_module=True)
