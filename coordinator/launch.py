@@ -314,9 +314,11 @@ class LocalJob:
             failed = [
                 r for r, c in enumerate(codes) if c not in (None, 0) and r not in self._settled
             ]
+            # a worker exited 0 outside a retirement: training ended (nothing to replace)
+            finished = any(c == 0 and i not in self._retiring for i, c in enumerate(codes))
             for r in failed:
                 alive = any(c is None for i, c in enumerate(codes) if i != r)
-                if not self._settle(r, codes[r] or 0, alive=alive):
+                if not self._settle(r, codes[r] or 0, going=alive or not finished):
                     self._failed_rank = r
                     logger.debug("rank %d %s", r, _describe(codes[r] or 0))
                     self._begin_shutdown(signal.SIGTERM)
@@ -334,16 +336,18 @@ class LocalJob:
             self._kill_all(signal.SIGKILL)
         return None
 
-    def _settle(self, index: int, code: int, *, alive: bool) -> bool:
+    def _settle(self, index: int, code: int, *, going: bool) -> bool:
         """Whether worker ``index``'s failure leaves the job running: a worker asked
         to leave that died of that SIGTERM (before its handler was installed) has
-        left; in an elastic job (``alive``: others still train), a failed worker is
-        replaced while restarts last."""
+        left; in an elastic job that has not finished (``going``: others still
+        train, or every worker failed before any finished, when the replacements
+        start again from the script's checkpoint, as torchrun's restarts do), a
+        failed worker is replaced while restarts last."""
         if index in self._retiring and code == -signal.SIGTERM:
             self._settled.add(index)
             logger.info("worker %d stopped before it could hand over: it has left", index)
             return True
-        if not self._restarts_left or index in self._retiring or not alive:
+        if not self._restarts_left or index in self._retiring or not going:
             if self._restarts_left == 0:
                 logger.error("worker %d %s; no restarts left", index, _describe(code))
             return False

@@ -479,3 +479,36 @@ def test_a_retirement_counts_members_not_processes(departed, retired, capsys):
     assert _wait_scaling(job, args, lambda: departed) == "done"
     assert job.retired == retired
     assert ("already at 2 workers" in capsys.readouterr().err) == (not retired)
+
+
+@pytest.mark.timeout(60)
+def test_an_elastic_job_whose_every_worker_failed_restarts_them(tmp_path):
+    """Every worker fails at once (the survivors of a loss nothing covered exit 1):
+    an elastic job replaces them while restarts last, as torchrun restarts its
+    group; a failure after a worker finished is the job's failure."""
+    script = write_script(
+        tmp_path,
+        """
+        import os, sys, time
+        marker = os.path.join(sys.argv[1], "attempt")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            time.sleep(0.5)
+            sys.exit(1)
+        """,
+    )
+    # one worker: when it fails, none is left running (two could fail a poll apart)
+    spec = LaunchSpec(command=python(script, str(tmp_path)), nproc=1)
+    with LocalJob(spec, on_line=Lines(), restarts=2) as job:
+        assert job.wait(timeout=40).ok
+    # a non-elastic job fails at the first failure
+    for marker in tmp_path.glob("attempt*"):
+        marker.unlink()
+    with LocalJob(spec, on_line=Lines()) as job:
+        assert job.wait(timeout=40).returncode == 1
+    # one worker finished, then the other failed: nothing to restart
+    late = write_script(
+        tmp_path, "import os, sys, time; r = int(os.environ['RANK']); time.sleep(r); sys.exit(r)"
+    )
+    with LocalJob(LaunchSpec(command=python(late), nproc=2), on_line=Lines(), restarts=2) as job:
+        assert job.wait(timeout=40).returncode == 1
