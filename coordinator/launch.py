@@ -323,6 +323,7 @@ class LocalJob:
                     logger.debug("rank %d %s", r, _describe(codes[r] or 0))
                     self._begin_shutdown(signal.SIGTERM)
                     break
+            codes += [p.poll() for p in self._procs[len(codes) :]]  # replacements started
         if all(c is not None for c in codes):
             return self._finish([c for c in codes if c is not None])
         if (
