@@ -624,8 +624,8 @@ class ElasticSession(_FinalReport):
             source = "live state, nothing rolled back"
         elif plan.source == "replica":
             entries = {}
-            chosen = [r for r in replicas if r.ident[:2] == (plan.generation, plan.step)]
-            replica = chosen[0] if chosen else None
+            wanted = (plan.generation, plan.step)
+            replica = next((r for r in replicas if r.ident[:2] == wanted), None)
             if replica is not None:
                 entries = dict(replica.own)
                 if replica.neighbour_rank in plan.lost:
