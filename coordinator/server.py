@@ -451,7 +451,8 @@ class _Servicer:
         if request.worker_id:
             _worker_id(request)
 
-        def due(after: int = after) -> bool:
+        def due() -> bool:
+            # reads the loop's ``after`` as it is now: each generation is sent once
             return self._stopping or (self._published is not None and self._published[0] > after)
 
         # ends on cancellation too: a worker's process dying closes its stream

@@ -115,6 +115,28 @@ def test_registration_forms_generations_and_reshards() -> None:
                 x.close()
 
 
+def test_a_watch_stream_sends_each_generation_once() -> None:
+    """A watcher gets every new generation once and then waits: the stream must not
+    resend the one it already sent (a loop that did cost each worker a core and
+    made training under the coordinator 7x slower than under torchrun)."""
+    with running(config(min_workers=1, max_workers=2)) as server:
+        channel, stub = raw_stub(server.port)
+        with channel:
+            stub.Register(register_request("a"), metadata=AUTH, timeout=5)
+            stream = stub.WatchGenerations(
+                pb.WatchGenerationsRequest(worker_id="a", after_generation_id=0),
+                metadata=AUTH,
+                timeout=2.0,
+            )
+            received = [next(stream).id]
+            stub.Register(register_request("b"), metadata=AUTH, timeout=5)
+            with pytest.raises(grpc.RpcError) as err:
+                for generation in stream:
+                    received.append(generation.id)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert received == [1, 2]
+
+
 def test_missing_or_wrong_token_is_unauthenticated() -> None:
     with running(config()) as server:
         channel, stub = raw_stub(server.port)

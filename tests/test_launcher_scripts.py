@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from coordinator.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "own_group.py"
 
@@ -176,3 +178,23 @@ def test_stage_is_the_scripts_unless_the_launcher_says(
     assert status["stage"] == want
     assert ("not this script's ZeroConfig" in job.output) == (want != 1)
     check_trained_like_torch(tmp_path, job, ranks)
+
+
+@pytest.mark.timeout(240)
+def test_under_torchrun_initialize_forms_the_group_a_script_did_not(tmp_path: Path) -> None:
+    """A script that never calls init_process_group, under torchrun: initialize forms
+    the group from torchrun's environment (as deepspeed.initialize does) instead of
+    training WORLD_SIZE separate copies of the model."""
+    (tmp_path / "release").touch()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(free_port("127.0.0.1"))]  # fmt: skip
+    cmd = [*torchrun, str(SCRIPT), str(tmp_path), "2", "no-init"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["world"], r["stage"]) for r in ranks] == [(2, 2), (2, 2)]
+    got = torch.load(tmp_path / "final.pt", weights_only=True)
+    want, last_loss = reference()
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst < 1e-5, worst
+    assert all(abs(r["mean_loss"] - last_loss) < 1e-5 for r in ranks), (ranks, last_loss)

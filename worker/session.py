@@ -43,6 +43,7 @@ import atexit
 import enum
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -127,12 +128,34 @@ def initialize(
     """
     config = config or ZeroConfig()
     address = coordinator_address(coordinator)
+    if address is None and group is None:
+        _init_from_launcher_env(model)
     own_group = group is not None or (dist.is_available() and dist.is_initialized())
     if address is None:
         return ZeroEngine(model, optimizer, config=config, group=group)
     if own_group:
         return AttachedSession.attach(model, optimizer, config=config, address=address, group=group)
     return ElasticSession.join(model, optimizer, config=config, address=address)
+
+
+def _init_from_launcher_env(model: nn.Module) -> None:
+    """Under torchrun (or any launcher that sets ``WORLD_SIZE`` > 1 and
+    ``MASTER_ADDR``) with no process group yet, form the default group from that
+    environment, as ``deepspeed.initialize`` does: a script that forgot
+    ``dist.init_process_group`` must not silently train ``WORLD_SIZE`` separate
+    copies of the model."""
+    if not dist.is_available() or dist.is_initialized():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+        return
+    backend = "nccl" if module_device(model).type == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    logger.info(
+        "formed the process group from the launcher's environment (%s, rank %d of %d)",
+        backend,
+        dist.get_rank(),
+        dist.get_world_size(),
+    )
 
 
 def _report(control: ControlPlane, engine: ZeroEngine) -> None:

@@ -1,12 +1,15 @@
 """The README's torchrun-style script: it forms the process group itself.
 
     zeroplane run --nproc 2 [--stage N] tests/scripts/own_group.py OUT_DIR SCRIPT_STAGE
+    torchrun --nproc-per-node 2 tests/scripts/own_group.py OUT_DIR SCRIPT_STAGE no-init
 
 No logging configuration, on purpose: zeroplane's warnings must still show.
 Each rank trains a few steps of a small GPT with ``ZeroConfig(stage=SCRIPT_STAGE)``,
 writes what its engine ran as (OUT_DIR/rank<R>.json) and the final fp32
 parameters (rank 0, OUT_DIR/final.pt), then waits for OUT_DIR/release (up to
-60 s) so a test can look at the coordinator while the job is up.
+60 s) so a test can look at the coordinator while the job is up. With
+``no-init`` it leaves forming the group to ``worker.initialize`` (as
+``deepspeed.initialize`` does under torchrun).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     out, stage = Path(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # env:// as the launcher (or torchrun) sets it
+    if sys.argv[3:] != ["no-init"]:
+        dist.init_process_group("gloo")  # env:// as the launcher (or torchrun) sets it
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
