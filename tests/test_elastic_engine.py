@@ -66,18 +66,29 @@ def test_resize_2_3_2_matches_uninterrupted_training(pools, stage: int) -> None:
     assert results[2] is None and results[0] == results[1]
 
 
-def test_pack_roundtrip_is_exact_and_pickle_free() -> None:
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("shift", [0, 3])
+def test_pack_roundtrip_is_exact_and_pickle_free(copy: bool, shift: int) -> None:
+    """Exact either way; without copies (a replica read at recovery) the values are
+    views of the buffer where their alignment allows, copies where it does not (a
+    buffer cut at an odd offset from a larger one)."""
     entries = {
         "w[0:5]": {
             "master": torch.randn(5),
             "state": {"exp_avg": torch.randn(5), "step": torch.tensor(3.0), "flag": True},
         },
+        "h[0:3]": {"master": torch.randn(3).bfloat16(), "state": {"n": torch.arange(3)}},
         "b[2:3]": {"master": torch.randn(1, dtype=torch.float64), "state": {}},
     }
-    buf = pack_entries(entries)
+    packed = pack_entries(entries)
+    buf = torch.cat([torch.zeros(shift, dtype=torch.uint8), packed])[shift:]
     assert buf.dtype == torch.uint8
     assert b"\x80\x04" not in bytes(buf[:16].tolist())  # not a pickle stream
-    back = unpack_entries(buf)
+    back = unpack_entries(buf, copy=copy)
+    shares = (
+        back["w[0:5]"]["master"].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    )
+    assert shares == (not copy and shift == 0)
     assert back.keys() == entries.keys()
     for key, entry in entries.items():
         assert torch.equal(back[key]["master"], entry["master"])

@@ -74,13 +74,23 @@ def pack_entries(entries: Entries) -> torch.Tensor:
             )
             blobs.append(raw)
             offset += raw.numel()
+            if pad := -offset % _ALIGN:  # every tensor starts aligned: read as a view
+                blobs.append(torch.zeros(pad, dtype=torch.uint8))
+                offset += pad
         header.append(row)
     head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % _ALIGN)  # JSON ignores the padding
     prefix = torch.frombuffer(bytearray(struct.pack("<Q", len(head)) + head), dtype=torch.uint8)
     return torch.cat([prefix, *blobs]) if blobs else prefix
 
 
-def unpack_entries(buf: torch.Tensor) -> Entries:
+# tensors in a packed buffer start at multiples of this many bytes from its start
+_ALIGN = 16
+
+
+def unpack_entries(buf: torch.Tensor, *, copy: bool = True) -> Entries:
+    """The entries ``buf`` holds: copies, or (``copy=False``) views into ``buf``,
+    which then must not change while they are in use."""
     if buf.numel() == 0:
         return {}
     (n,) = struct.unpack("<Q", bytes(buf[:8].tolist()))
@@ -94,8 +104,11 @@ def unpack_entries(buf: torch.Tensor) -> Entries:
             numel = 1
             for d in shape:
                 numel *= d
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
-            t = body[offset : offset + nbytes].clone().view(dtype).reshape(shape)
+            size = torch.empty((), dtype=dtype).element_size()
+            raw = body[offset : offset + numel * size]
+            # a view needs its elements aligned (a buffer cut from a larger one may not be)
+            view = not copy and raw.data_ptr() % size == 0
+            t = (raw if view else raw.clone()).view(dtype).reshape(shape)
             if field == "master":
                 entry["master"] = t
             else:
@@ -203,7 +216,9 @@ def _exchange(comm: Collectives, sends: list[torch.Tensor]) -> list[torch.Tensor
     sizes = torch.tensor([t.numel() for t in sends], dtype=torch.int64, device=device)
     recv_sizes = torch.empty_like(sizes)
     comm.all_to_all(recv_sizes, sizes, as_op="control")
-    send = torch.cat([t.cpu() for t in sends]).to(device)
+    filled = [t for t in sends if t.numel()]
+    # one buffer to send (a replica refresh) goes as it is, without a copy
+    send = (filled[0] if len(filled) == 1 else torch.cat([t.cpu() for t in sends])).to(device)
     recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=device)
     comm.all_to_all(
         recv, send, output_split_sizes=recv_sizes.tolist(), input_split_sizes=sizes.tolist()
@@ -241,8 +256,17 @@ class Replica:
     world_size: int
     rank: int
     counters: Counters
-    own: Entries
-    neighbour: Entries
+    # packed (pack_entries): one copy each, read as views when a recovery needs them
+    own_packed: torch.Tensor
+    neighbour_packed: torch.Tensor
+
+    @property
+    def own(self) -> Entries:
+        return unpack_entries(self.own_packed, copy=False)
+
+    @property
+    def neighbour(self) -> Entries:
+        return unpack_entries(self.neighbour_packed, copy=False)
 
     @property
     def neighbour_rank(self) -> int:
@@ -253,25 +277,21 @@ class Replica:
         return (self.generation, self.counters.global_steps, self.rank, self.world_size)
 
     def nbytes(self) -> int:
-        total = 0
-        for entries in (self.own, self.neighbour):
-            for entry in entries.values():
-                for t in (entry["master"], *entry["state"].values()):
-                    if isinstance(t, torch.Tensor):
-                        total += t.numel() * t.element_size()
-        return total
+        return self.own_packed.numel() + self.neighbour_packed.numel()
 
 
 def refresh_replica(state: ShardState, generation: int) -> Replica:
     """Snapshot this rank's state and swap copies with the neighbours (a collective)."""
     comm = state.comm
-    own = state.export_ranges()
+    # The one copy of this rank's state: packed from views of the live state (the
+    # optimizer does not step while this runs), and sent as it is.
+    own = pack_entries(state.export_ranges(copy=False))
     n = comm.world_size
     right = (comm.rank + 1) % n
-    sends = [pack_entries(own) if d == right and n > 1 else pack_entries({}) for d in range(n)]
-    received = _exchange(comm, sends)
+    nothing = own.new_empty(0)
+    received = _exchange(comm, [own if d == right and n > 1 else nothing for d in range(n)])
     left = (comm.rank - 1) % n
-    neighbour = unpack_entries(received[left].cpu()) if n > 1 else {}
+    neighbour = received[left].cpu() if n > 1 else nothing
     return Replica(generation, n, comm.rank, state.counters(), own, neighbour)
 
 

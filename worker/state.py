@@ -390,8 +390,10 @@ class ShardState:
         assert self.layout is not None
         return owned_ranges(self.layout, self.rank, partitioned=True)
 
-    def export_ranges(self) -> Entries:
-        """Master values and optimizer state for :meth:`written_ranges`."""
+    def export_ranges(self, *, copy: bool = True) -> Entries:
+        """Master values and optimizer state for :meth:`written_ranges`: copies, or
+        (``copy=False``) views of the live state, for a caller that serialises them
+        at once before the next optimizer step."""
         held = RangeIndex()
         views: dict[str, tuple[torch.Tensor, dict]] = {}
         state = self.optimizer.inner.state
@@ -407,8 +409,8 @@ class ShardState:
                 view, opt_state = views[key]
                 lo, hi = a - have.start, b - have.start
                 entries[want.key] = {
-                    "master": view.detach()[lo:hi].clone(),
-                    "state": {k: _slice_state(v, lo, hi, view) for k, v in opt_state.items()},
+                    "master": _copied(view.detach()[lo:hi], copy),
+                    "state": {k: _slice_state(v, lo, hi, view, copy) for k, v in opt_state.items()},
                 }
                 break
             else:
@@ -537,12 +539,16 @@ class ShardState:
         return {"device": device, "host": host}
 
 
-def _slice_state(value: Any, lo: int, hi: int, view: torch.Tensor) -> Any:
+def _slice_state(value: Any, lo: int, hi: int, view: torch.Tensor, copy: bool = True) -> Any:
     if isinstance(value, torch.Tensor) and value.shape == view.shape:
-        return value.detach()[lo:hi].clone()
+        return _copied(value.detach()[lo:hi], copy)
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return _copied(value.detach(), copy)
     return value
+
+
+def _copied(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    return t.clone() if copy else t
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
