@@ -84,7 +84,11 @@ except OSError as e:
 
 
 class JobService(Protocol):
-    """Something a job runs beside its workers (e.g. an embedded coordinator)."""
+    """Something a job runs beside its workers (e.g. an embedded coordinator).
+
+    A service that also has ``worker_exited(worker_id: str, how: str)`` is told of
+    every worker process that exits, as the launcher sees it (an embedded
+    coordinator then drops a crashed worker at once)."""
 
     def start(self) -> Mapping[str, str]:
         """Start; return environment variables every worker should see."""
@@ -261,6 +265,8 @@ class LocalJob:
         self._retiring: set[int] = set()
         # workers whose exit is not the job's: left when asked, or replaced
         self._settled: set[int] = set()
+        # workers whose exit the services were told of
+        self._exits_told: set[int] = set()
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -310,6 +316,7 @@ class LocalJob:
         if not self._procs:
             raise RuntimeError("LocalJob.poll() before start()")
         codes = [p.poll() for p in self._procs]
+        self._tell_exits(codes)
         if self._failed_rank is None and self._signal is None:
             failed = [
                 r for r, c in enumerate(codes) if c not in (None, 0) and r not in self._settled
@@ -336,6 +343,22 @@ class LocalJob:
             )
             self._kill_all(signal.SIGKILL)
         return None
+
+    def _tell_exits(self, codes: list[int | None]) -> None:
+        """Tell the services of each worker process that exited since the last poll."""
+        for index, code in enumerate(codes):
+            if code is None or index in self._exits_told:
+                continue
+            self._exits_told.add(index)
+            for service in self._started_services:
+                told = getattr(service, "worker_exited", None)
+                if told is None:
+                    continue
+                try:
+                    how = _describe(code) if code < 0 else f"exited with code {code}"
+                    told(self.worker_id(index), how)
+                except Exception as exc:  # the coordinator finds out by itself anyway
+                    logger.debug("could not tell of worker %d's exit: %s", index, exc)
 
     def _settle(self, index: int, code: int, *, going: bool) -> bool:
         """Whether worker ``index``'s failure leaves the job running: a worker asked

@@ -425,6 +425,15 @@ class Membership:
         if worker.streams == 0:
             worker.unwatched_since = self._clock()
 
+    def process_exited(self, worker_id: str, how: str) -> bool:
+        """The launcher that runs ``worker_id`` saw its process exit (``how``: the
+        exit code or signal, in words): drop it at once, without waiting for its
+        connection's grace or its lease. False if it was not here (it had left)."""
+        if worker_id not in self._workers:
+            return False
+        self._drop(worker_id, "expired", f"its process {how}")
+        return True
+
     def expire(self) -> list[str]:
         """Drop every worker whose lease has run out, or whose generation stream
         closed and stayed closed for a heartbeat interval; returns their ids."""

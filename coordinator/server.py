@@ -365,6 +365,12 @@ class _Servicer:
             except Exception:
                 logger.exception("membership reconcile failed")
 
+    async def process_exited(self, worker_id: str, how: str) -> None:
+        """A launcher saw the worker's process exit: drop it and re-form now."""
+        if self.m.process_exited(worker_id, how):
+            self.metrics.on_expired(1)
+            await self._reconcile()
+
     async def _reconcile(self, *, expire: bool = False) -> None:
         # Expiry scans every lease, so only the ticker does it; a register or a
         # leave only needs to know whether a generation is due (O(1)).
@@ -694,6 +700,13 @@ class CoordinatorServer:
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self._terminated.wait(timeout)
 
+    def worker_exited(self, worker_id: str, how: str) -> None:
+        """The launcher saw ``worker_id``'s process exit: it is gone now (in process)."""
+        self._call(self._worker_exited(worker_id, how), timeout=10)
+
+    async def _worker_exited(self, worker_id: str, how: str) -> None:
+        await self._servicer.process_exited(worker_id, how)
+
     def status(self) -> StatusReport:
         """The job's status, read in process (no RPC, no token)."""
         return self._call(self._read_status())
@@ -785,6 +798,12 @@ class EmbeddedCoordinator:
             env[METRICS_PORT_ENV] = "0"
             env[METRICS_HOST_ENV] = "127.0.0.1"
         return env
+
+    def worker_exited(self, worker_id: str, how: str) -> None:
+        """A worker's process exited (the launcher saw it): a crash costs the
+        survivors no wait for its connection to be noticed closed."""
+        if self.server is not None:
+            self.server.worker_exited(worker_id, how)
 
     def stop(self) -> None:
         if self.server is not None:

@@ -282,6 +282,28 @@ def test_a_closed_connection_drops_the_worker_long_before_its_lease() -> None:
         assert "connection closed" in expired[0].detail
 
 
+def test_a_launcher_seeing_a_process_exit_drops_the_worker_at_once() -> None:
+    """A launcher that runs the workers (zeroplane run) tells its embedded coordinator
+    of an exit as it sees it: no connection grace, no lease; the worker's client,
+    still connected here, cannot delay it."""
+    cfg = config(max_workers=2, join_window_s=0.5, lease_timeout_s=60.0)
+    cfg = dataclasses.replace(
+        cfg, membership=dataclasses.replace(cfg.membership, disconnect_grace_s=30.0)
+    )
+    with two_members(cfg) as (server, a, b, _):
+        b._stop_heartbeats.set()
+        server.worker_exited("b", "was killed by SIGKILL")
+        g2 = a.wait_for_generation(after=1, timeout=5)
+        assert [m.worker_id for m in g2.members] == ["a"]
+        assert g2.reshard is not None and g2.reshard.lost_ranks == (1,)
+        expired = [e for e in server.status().events if e.kind == "expired"]
+        assert [(e.worker_id, e.detail) for e in expired] == [
+            ("b", "its process was killed by SIGKILL")
+        ]
+        server.worker_exited("b", "exited with code 0")  # told twice, or after a leave
+        assert server.status().generation_id == 2
+
+
 def test_a_member_waiting_to_re_form_says_what_the_coordinator_waits_for() -> None:
     from worker.control import MEMBERSHIP_WAIT_ENV, ControlPlane
 

@@ -382,7 +382,8 @@ def kill_and_recover(job: Job, victim: str, *, every: int, source: str) -> None:
     log = "".join(job.log(name) for name in codes)
     found = re.search(
         rf"recovered as rank \d of 2 at step (\d+) \(from {source}; "
-        r"this rank had reached step (\d+)\)",
+        r"this rank had reached step (\d+); [0-9.]+s for the new generation, "
+        r"[0-9.]+s to form its group, [0-9.]+s to restore\)",
         log,
     )
     assert found, log[-3000:]

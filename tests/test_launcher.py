@@ -359,6 +359,9 @@ class FakeService:
     def stop(self) -> None:
         self.events.append("stop")
 
+    def worker_exited(self, worker_id: str, how: str) -> None:
+        self.events.append(f"exited {worker_id} {how}")
+
 
 @pytest.mark.timeout(30)
 def test_services_start_first_add_env_and_stop_last(tmp_path):
@@ -368,8 +371,9 @@ def test_services_start_first_add_env_and_stop_last(tmp_path):
     with job:
         assert service.events == ["start"]
         assert job.wait(timeout=20).ok
-        assert service.events == ["start", "stop"]
-    assert service.events == ["start", "stop"]
+        exits = {f"exited {job.worker_id(r)} exited with code 0" for r in (0, 1)}
+        assert set(service.events[1:3]) == exits and service.events[3:] == ["stop"]
+    assert service.events[0] == "start" and service.events[3:] == ["stop"]
     assert sorted(lines.lines) == [(r, "stdout", "127.0.0.1:1234") for r in (0, 1)]
 
 

@@ -40,6 +40,7 @@ rank has heard of and the rank of a worker that got SIGTERM. After the step:
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import enum
 import functools
 import logging
@@ -84,6 +85,21 @@ class StepAborted(RuntimeError):
 
 class PeerLost(CollectiveError):
     """A generation lost members that were expected to carry on: recover as from a crash."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Timing:
+    """Where a recovery's pause went: waiting for the coordinator's generation
+    without the lost peer, then forming its group (the restore is timed after)."""
+
+    waited_s: float
+    formed_s: float
+
+    def describe(self, restored_s: float) -> str:
+        return (
+            f"{self.waited_s:.2f}s for the new generation, {self.formed_s:.2f}s to form "
+            f"its group, {restored_s:.2f}s to restore"
+        )
 
 
 class Phase(enum.Enum):
@@ -491,8 +507,11 @@ class ElasticSession(_FinalReport):
         self._to(Phase.RECOVERING)
         logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
         start = time.perf_counter()
-        control.move_to(control.wait_to_re_form(), broken=True)
-        self._restore(engine, control.generation, holds_state=True)
+        gen = control.wait_to_re_form()
+        heard = time.perf_counter()
+        control.move_to(gen, broken=True)
+        timing = _Timing(heard - start, time.perf_counter() - heard)
+        self._restore(engine, control.generation, holds_state=True, timing=timing)
         engine.stats.record_pause("crash", time.perf_counter() - start)
         self._to(Phase.MEMBER)
         engine.publish_snapshot()
@@ -607,13 +626,21 @@ class ElasticSession(_FinalReport):
             return None
         return (self.held_generation, engine.rank, engine.world_size)
 
-    def _restore(self, engine: ZeroEngine, gen: Generation, *, holds_state: bool) -> None:
+    def _restore(
+        self,
+        engine: ZeroEngine,
+        gen: Generation,
+        *,
+        holds_state: bool,
+        timing: _Timing | None = None,
+    ) -> None:
         """Bring every rank of ``gen`` to one consistent state after a loss, from the
         best source the group holds (worker/elastic.py [Note: recovery sources]).
         A collective of the new group; a worker that joins in the same generation
         (a restarted pod under its old name) takes part holding nothing
         (``holds_state=False``)."""
         assert self.control is not None
+        started = time.perf_counter()
         reached = engine.global_steps
         replicas, self.replicas = (self.replicas if holds_state else []), []
         live = self._live(engine) if holds_state else None
@@ -678,11 +705,13 @@ class ElasticSession(_FinalReport):
         # a second loss before the next interval must find this generation's replicas
         self._refresh_replica(engine)
         _report(self.control, engine)  # the coordinator admits newcomers once all applied it
+        took = "" if timing is None else f"; {timing.describe(time.perf_counter() - started)}"
         logger.warning(
-            "recovered as rank %d of %d at step %d (from %s; this rank had reached step %d)",
+            "recovered as rank %d of %d at step %d (from %s; this rank had reached step %d%s)",
             engine.rank,
             engine.world_size,
             engine.global_steps,
             source,
             reached,
+            took,
         )
