@@ -118,13 +118,12 @@ def unpack_entries(buf: torch.Tensor, *, copy: bool = True) -> Entries:
 
 
 def _slice_entry(entry: dict[str, Any], lo: int, hi: int, numel: int) -> dict[str, Any]:
+    """Elements [lo, hi) of ``entry``, as views (packing copies them)."""
     state = {
-        k: v[lo:hi].clone()
-        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == numel
-        else v
+        k: v[lo:hi] if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == numel else v
         for k, v in entry["state"].items()
     }
-    return {"master": entry["master"][lo:hi].clone(), "state": state}
+    return {"master": entry["master"][lo:hi], "state": state}
 
 
 @dataclass
@@ -158,7 +157,8 @@ def exchange(
     via_comm = Collectives(via)
     new_world = len(new_members)
     if entries is None:
-        entries = state.export_ranges() if holds_state else {}
+        # views: they are packed (copied) below, before anything changes the state
+        entries = state.export_ranges(copy=False) if holds_state else {}
     if counters is None:
         counters = state.counters()
     shared = torch.tensor(
@@ -188,7 +188,8 @@ def exchange(
 
     incoming: Entries = {}
     for buf in _exchange(via_comm, sends):
-        for key, entry in unpack_entries(buf.cpu()).items():
+        # views into the received buffer, which nothing else holds
+        for key, entry in unpack_entries(buf.cpu(), copy=False).items():
             entry["master"] = entry["master"].to(state.master_device)
             entry["state"] = {
                 k: v.to(state.master_device) if isinstance(v, torch.Tensor) else v

@@ -422,42 +422,41 @@ class ShardState:
         from ``entries`` (``index`` says which keys hold what; by default, the
         keys themselves), then publish the parameters.
 
-        Everything is assembled before anything is assigned: a range missing
-        from ``entries`` raises :class:`MissingRange` and leaves the state as it was.
+        Coverage is checked before anything is assigned: a range missing from
+        ``entries`` raises :class:`MissingRange` and leaves the state as it was.
+        The values are then copied straight into place (one copy).
         """
         index = index or RangeIndex.of_keys(entries)
-        new_state: dict[torch.Tensor, dict] = {}
-        new_master: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for want, piece in zip(self.owned(), self.optimizer.pieces, strict=True):
-            # the state goes where this rank's master partition lives (device or host)
-            home = piece.view.device
-            values = torch.empty(want.numel, dtype=torch.float32, device=home)
-            state: dict[str, Any] = {}
-            covered = 0
-            for have, a, b, _source in index.overlapping(want):
-                entry = entries[have.key]
-                src, dst = (
-                    slice(a - have.start, b - have.start),
-                    slice(a - want.start, b - want.start),
-                )
-                values[dst] = entry["master"][src]
-                for k, v in entry["state"].items():
-                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == have.numel:
-                        if k not in state:
-                            state[k] = torch.zeros(want.numel, dtype=v.dtype, device=home)
-                        state[k][dst] = v[src]
-                    else:
-                        state.setdefault(k, v.clone() if isinstance(v, torch.Tensor) else v)
-                covered += b - a
+        owned = list(zip(self.owned(), self.optimizer.pieces, strict=True))
+        for want, _piece in owned:
+            covered = sum(b - a for _, a, b, _ in index.overlapping(want))
             if covered != want.numel:
                 raise MissingRange(f"no state for elements of {want.key}")
-            new_master.append((piece.view, values))
-            if state:
-                new_state[piece.view] = state
+        # every range is covered: from here on, copy straight into place
         self.whole = False
+        new_state: dict[torch.Tensor, dict] = {}
         with torch.no_grad():
-            for view, values in new_master:
-                view.copy_(values)
+            for want, piece in owned:
+                # the state goes where this rank's master partition lives (device or host)
+                home = piece.view.device
+                state: dict[str, Any] = {}
+                for have, a, b, _source in index.overlapping(want):
+                    entry = entries[have.key]
+                    src, dst = (
+                        slice(a - have.start, b - have.start),
+                        slice(a - want.start, b - want.start),
+                    )
+                    piece.view[dst] = entry["master"][src]
+                    for k, v in entry["state"].items():
+                        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == have.numel:
+                            if k not in state:
+                                # zeros where a source has no such state (never stepped)
+                                state[k] = torch.zeros(want.numel, dtype=v.dtype, device=home)
+                            state[k][dst] = v[src]
+                        else:
+                            state.setdefault(k, v.clone() if isinstance(v, torch.Tensor) else v)
+                if state:
+                    new_state[piece.view] = state
         inner = self.optimizer.inner
         inner.state.clear()
         for view, state in new_state.items():
