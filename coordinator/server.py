@@ -702,6 +702,8 @@ class CoordinatorServer:
 
     def worker_exited(self, worker_id: str, how: str) -> None:
         """The launcher saw ``worker_id``'s process exit: it is gone now (in process)."""
+        if self._terminated.is_set() or not hasattr(self, "_servicer"):
+            return  # stopped (or never served): nobody to drop
         self._call(self._worker_exited(worker_id, how), timeout=10)
 
     async def _worker_exited(self, worker_id: str, how: str) -> None:
