@@ -6,8 +6,9 @@ For a ≈20M-parameter GPT (bench/elastic_worker.py) on gloo, one run measures, 
 * **zeroplane**: an in-process coordinator and worker processes. Scale-up 2→3
   (spawn a worker), graceful scale-down 3→2 (SIGTERM one: it hands its shards
   over and exits 0), scale-up 2→3 again, then crash 3→2 (SIGKILL one, two steps
-  after a checkpoint: the survivors roll back to it once the coordinator drops
-  the dead worker, one heartbeat interval after its connection closed).
+  after a checkpoint: the benchmark tells the coordinator once the process has
+  exited, as ``zeroplane run``'s launcher does, and the survivors roll back to the
+  checkpoint, or with ``--replica-every K`` to their in-memory replicas).
 * **restart** (torchrun-style): the same script without a coordinator, ranks from
   ``RANK``/``WORLD_SIZE``/``MASTER_*`` as torchrun sets them. For the same four
   changes every worker is stopped and the new number started fresh from the last
@@ -295,7 +296,14 @@ class ElasticRun(Run):
             "ZEROPLANE_COLLECTIVE_TIMEOUT_S": str(self.opts.collective_timeout),
         }
         self.expected.add(name)
-        return self.spawn(name, env, "--bucket-numel", str(self.opts.bucket_numel))
+        return self.spawn(
+            name,
+            env,
+            "--bucket-numel",
+            str(self.opts.bucket_numel),
+            "--replica-every",
+            str(self.opts.replica_every),
+        )
 
     def run(self) -> None:
         o = self.opts
@@ -320,6 +328,10 @@ class ElasticRun(Run):
         self.changes.append(change)
         self.expected.discard("w3")
         self.workers["w3"].proc.kill()
+        # as `zeroplane run`'s launcher does: it sees the process exit (it polls its
+        # workers every 50 ms) and tells its coordinator, which drops the worker
+        self.workers["w3"].proc.wait(timeout=30)
+        self.server.worker_exited("w3", "killed by SIGKILL")
         before = self.steps(3)[-1]["step"]
         self.wait_steps(2, o.steady, change.trigger, past=before)
         self.coord_events = [
@@ -674,6 +686,13 @@ def main() -> None:
     p.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat interval, s")
     p.add_argument("--join-window", type=float, default=0.5, help="coordinator join window, s")
     p.add_argument("--collective-timeout", type=float, default=15.0)
+    p.add_argument(
+        "--replica-every",
+        type=int,
+        default=0,
+        help="zeroplane: in-memory replicas every this many steps (0: a crash rolls back "
+        "to the checkpoint, as the restart does)",
+    )
     p.add_argument("--bucket-numel", type=int, default=PlanConfig().bucket_numel)
     p.add_argument("--timeout", type=float, default=180.0, help="per wait, s")
     p.add_argument("--workdir", type=Path, help="keep logs and checkpoints here")

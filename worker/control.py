@@ -82,7 +82,10 @@ def _reachable_host(coordinator: str) -> str:
 _STOP_POLL_S = 0.2
 # how often a member waiting for the job to re-form says why
 _WAIT_REPORT_S = 30.0
-# how often a rank meeting the others at a generation's store looks again
+# how often a rank meeting the others at a generation's store looks again: soon
+# at first (the ranks of a membership change arrive within milliseconds of each
+# other, at one step boundary), then backing off to the longest interval
+_MEET_FIRST_POLL_S = 0.002
 _MEET_POLL_S = 0.1
 _EXCEPTHOOK = sys.excepthook  # as it was before any process group
 
@@ -249,6 +252,7 @@ class ControlPlane:
         rank, key = self.rank, f"zeroplane/{gen.id}/arrived"
         store: dist.Store | None = None
         counted = False
+        poll = _MEET_FIRST_POLL_S
         while True:
             try:
                 if store is None and (rank == 0 or _listening(host, int(port))):
@@ -283,7 +287,8 @@ class ControlPlane:
                     f"generation {gen.id} did not form within {self.patience_s:g}s "
                     f"(${MEMBERSHIP_WAIT_ENV}): not every rank met at {gen.rendezvous_endpoint}"
                 )
-            time.sleep(_MEET_POLL_S)
+            time.sleep(poll)
+            poll = min(poll * 1.5, _MEET_POLL_S)
 
     @property
     def latest_id(self) -> int:

@@ -54,34 +54,56 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Packing:
+    """Where each tensor of some entries goes in a packed buffer: the prefix (length
+    and JSON header), then every tensor's bytes at a 16-byte aligned offset."""
+
+    prefix: bytes
+    tensors: list[tuple[torch.Tensor, int]]  # (raw bytes, offset after the prefix)
+    nbytes: int
+
+    @classmethod
+    def of(cls, entries: Entries) -> _Packing:
+        header: list[dict[str, Any]] = []
+        tensors: list[tuple[torch.Tensor, int]] = []
+        offset = 0
+        for key, entry in entries.items():
+            row: dict[str, Any] = {"key": key, "tensors": [], "scalars": {}}
+            fields = {"master": entry["master"]}
+            for k, v in entry["state"].items():
+                if isinstance(v, torch.Tensor):
+                    fields[f"state.{k}"] = v
+                else:
+                    row["scalars"][k] = v
+            for field, t in fields.items():
+                raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                row["tensors"].append(
+                    [field, str(t.dtype).removeprefix("torch."), list(t.shape), offset]
+                )
+                tensors.append((raw, offset))
+                # every tensor starts aligned, so that it can be read as a view
+                offset += raw.numel() + (-raw.numel() % _ALIGN)
+            header.append(row)
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-(8 + len(head)) % _ALIGN)  # JSON ignores the padding
+        prefix = struct.pack("<Q", len(head)) + head
+        return cls(prefix, tensors, len(prefix) + offset)
+
+    def write(self, out: torch.Tensor) -> None:
+        """Fill ``out`` (``nbytes`` bytes, on any device): the one copy of the values."""
+        out[: len(self.prefix)] = torch.frombuffer(bytearray(self.prefix), dtype=torch.uint8)
+        body = out[len(self.prefix) :]
+        for raw, offset in self.tensors:
+            body[offset : offset + raw.numel()].copy_(raw)
+
+
 def pack_entries(entries: Entries) -> torch.Tensor:
     """Serialise checkpoint-style entries into one uint8 tensor (no pickle)."""
-    header: list[dict[str, Any]] = []
-    blobs: list[torch.Tensor] = []
-    offset = 0
-    for key, entry in entries.items():
-        row: dict[str, Any] = {"key": key, "tensors": [], "scalars": {}}
-        tensors = {"master": entry["master"]}
-        for k, v in entry["state"].items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"state.{k}"] = v
-            else:
-                row["scalars"][k] = v
-        for field, t in tensors.items():
-            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            row["tensors"].append(
-                [field, str(t.dtype).removeprefix("torch."), list(t.shape), offset]
-            )
-            blobs.append(raw)
-            offset += raw.numel()
-            if pad := -offset % _ALIGN:  # every tensor starts aligned: read as a view
-                blobs.append(torch.zeros(pad, dtype=torch.uint8))
-                offset += pad
-        header.append(row)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-(8 + len(head)) % _ALIGN)  # JSON ignores the padding
-    prefix = torch.frombuffer(bytearray(struct.pack("<Q", len(head)) + head), dtype=torch.uint8)
-    return torch.cat([prefix, *blobs]) if blobs else prefix
+    packing = _Packing.of(entries)
+    out = torch.empty(packing.nbytes, dtype=torch.uint8)
+    packing.write(out)
+    return out
 
 
 # tensors in a packed buffer start at multiples of this many bytes from its start
@@ -174,7 +196,7 @@ def exchange(
     held = RangeIndex.of_keys(entries)
     new_layout = state.layout_for(new_world)
     partitioned = state.stage.optimizer_sharded
-    sends: list[torch.Tensor] = []
+    parts: list[Entries] = []
     for d in range(via_comm.world_size):
         out: Entries = {}
         if d in new_members:
@@ -184,10 +206,14 @@ def exchange(
                         entries[have.key], a - have.start, b - have.start, have.numel
                     )
                     out[Range(want.name, a, b).key] = sub
-        sends.append(pack_entries(out))
-
-    incoming: Entries = {}
-    for buf in _exchange(via_comm, sends):
+        parts.append(out)
+    # What stays on this rank does not go through the wire: its views are read
+    # (copied into the new buffers) once the caller adopts the hand-over.
+    incoming: Entries = parts[via_comm.rank] if via_comm.distributed else {}
+    if via_comm.distributed:
+        parts[via_comm.rank] = {}
+    sizes, send = _packed_sends(parts, _wire_device(via_comm))
+    for buf in _exchange(via_comm, send, sizes):
         # views into the received buffer, which nothing else holds
         for key, entry in unpack_entries(buf.cpu(), copy=False).items():
             entry["master"] = entry["master"].to(state.master_device)
@@ -209,22 +235,38 @@ def adopt(state: ShardState, handover: Handover, comm: Collectives | None) -> No
     state.restore_counters(handover.counters)
 
 
-def _exchange(comm: Collectives, sends: list[torch.Tensor]) -> list[torch.Tensor]:
-    """All-to-all of variable-size byte buffers: sizes first, then the bytes."""
+def _wire_device(comm: Collectives) -> torch.device:
+    return torch.device("cuda") if comm.backend == "nccl" else torch.device("cpu")
+
+
+def _packed_sends(parts: Sequence[Entries], device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """Byte counts per destination and one buffer with every part packed in order;
+    a destination with nothing to receive gets no bytes at all."""
+    filled = [i for i, part in enumerate(parts) if part]
+    packings = {i: _Packing.of(parts[i]) for i in filled}
+    sizes = [packings[i].nbytes if i in packings else 0 for i in range(len(parts))]
+    send = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    start = 0
+    for i in filled:
+        packings[i].write(send[start : start + sizes[i]])
+        start += sizes[i]
+    return sizes, send
+
+
+def _exchange(comm: Collectives, send: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """All-to-all of variable-size byte buffers: ``send`` holds ``sizes[d]`` bytes for
+    each rank ``d`` in order; the sizes go first, then the bytes."""
     if not comm.distributed:
-        return sends
-    device = torch.device("cuda") if comm.backend == "nccl" else torch.device("cpu")
-    sizes = torch.tensor([t.numel() for t in sends], dtype=torch.int64, device=device)
-    recv_sizes = torch.empty_like(sizes)
-    comm.all_to_all(recv_sizes, sizes, as_op="control")
-    filled = [t for t in sends if t.numel()]
-    # one buffer to send (a replica refresh) goes as it is, without a copy
-    send = (filled[0] if len(filled) == 1 else torch.cat([t.cpu() for t in sends])).to(device)
-    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=device)
+        return list(torch.split(send, sizes))
+    device = _wire_device(comm)
+    counts = torch.tensor(sizes, dtype=torch.int64, device=device)
+    recv_counts = torch.empty_like(counts)
+    comm.all_to_all(recv_counts, counts, as_op="control")
+    recv = torch.empty(int(recv_counts.sum()), dtype=torch.uint8, device=device)
     comm.all_to_all(
-        recv, send, output_split_sizes=recv_sizes.tolist(), input_split_sizes=sizes.tolist()
+        recv, send.to(device), output_split_sizes=recv_counts.tolist(), input_split_sizes=sizes
     )
-    return list(torch.split(recv, recv_sizes.tolist()))
+    return list(torch.split(recv, recv_counts.tolist()))
 
 
 # ---------------------------------------------------------------------------- replicas
@@ -290,9 +332,11 @@ def refresh_replica(state: ShardState, generation: int) -> Replica:
     n = comm.world_size
     right = (comm.rank + 1) % n
     nothing = own.new_empty(0)
-    received = _exchange(comm, [own if d == right and n > 1 else nothing for d in range(n)])
-    left = (comm.rank - 1) % n
-    neighbour = received[left].cpu() if n > 1 else nothing
+    if n > 1:
+        sizes = [own.numel() if d == right else 0 for d in range(n)]
+        neighbour = _exchange(comm, own, sizes)[(comm.rank - 1) % n].cpu()
+    else:
+        neighbour = nothing
     return Replica(generation, n, comm.rank, state.counters(), own, neighbour)
 
 
