@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
@@ -16,35 +19,31 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# Default groups a dead peer broke, still referenced on purpose (see below).
-_broken_groups: list[object] = []
-
-
-def abort_default_group() -> None:
+def abort_default_group(timeout: timedelta) -> None:
     """Tear down a default group that a dead peer broke, without waiting.
 
     Releasing a gloo group runs its destructor, which waits for every operation
     still queued or in flight on it, and after a peer died one of them can wait
-    on a survivor that has moved on, until the collective timeout (measured:
-    14.5 s of a 15 s timeout, aborting first or not). So the broken group is
-    kept referenced here and only unregistered: the new generation's group forms
-    at once, and the old one's operations time out in the background. The cost
-    is one idle group per crash, and a process that exits within the collective
-    timeout of a crash waiting out the rest of it at exit.
+    on a survivor that has moved on, until the collective timeout (``timeout``;
+    measured: 14.5 s of a 15 s timeout, aborting first or not). So the broken
+    group is only unregistered here, and a thread holds it until its operations
+    have timed out (``timeout`` and a margin), then releases it: the new
+    generation's group forms at once, and the destructor returns at once.
 
-    Not quite idle: until those operations time out, the broken group's gloo
-    transport thread (``gloo_tcp_loop``, one per group) busy-polls the dead
-    peer's connection. Measured (3 ranks on 2 cores): 45-52 % of a core per
-    survivor for the whole collective timeout, and every step of the job
-    slower meanwhile. So the transport threads alive at the abort (they all
-    belong to the broken generation: the next group's is started after) are
-    given the lowest CPU priority; the new group's threads keep theirs.
+    Releasing it matters: as long as it lives, the broken group's gloo transport
+    thread (``gloo_tcp_loop``, one per group) can busy-poll a broken connection.
+    Measured in a goodput run (3 ranks on 2 cores, 15 s timeout): 20-35 % of a
+    core per survivor for the rest of the run (70 s and counting), per crash,
+    every step of the job slower; released, the thread ends. Until then the
+    transport threads alive at the abort (they all belong to the broken
+    generation: the next group's is started after) get the lowest CPU priority;
+    the new group's threads keep theirs.
     """
     from torch.distributed import distributed_c10d
 
     if not dist.is_initialized():
         return
-    _broken_groups.append(distributed_c10d._get_default_group())
+    broken = [distributed_c10d._get_default_group()]
     _lowest_priority(_TRANSPORT_THREADS)
     abort = getattr(distributed_c10d, "_abort_process_group", None)
     if abort is not None:
@@ -53,6 +52,21 @@ def abort_default_group() -> None:
             abort()
     if dist.is_initialized():
         dist.destroy_process_group()
+    threading.Thread(
+        target=_release_later,
+        args=(broken, timeout.total_seconds() + _RELEASE_MARGIN_S),
+        name="zeroplane-release-broken-group",
+        daemon=True,
+    ).start()
+
+
+# after the collective timeout, how long a broken group is still held
+_RELEASE_MARGIN_S = 5.0
+
+
+def _release_later(holder: list[object], seconds: float) -> None:
+    time.sleep(seconds)
+    holder.clear()  # the last reference: the destructor runs here, off the training thread
 
 
 # the threads gloo's TCP transport polls its connections on (one per group)

@@ -227,7 +227,7 @@ class ControlPlane:
             except (RuntimeError, dist.DistError) as exc:
                 # a peer vanished between the meeting and the group: try the newest
                 logger.warning("forming generation %d failed (%s); retrying", gen.id, exc)
-                abort_default_group()
+                abort_default_group(self.timeout)
                 if time.monotonic() >= deadline:
                     raise
                 self.generation = self._newest_for_me(gen) or self.wait_newer(timeout=30.0)
@@ -335,7 +335,7 @@ class ControlPlane:
         """Leave the current process group and form ``generation``'s; ``broken``: a
         peer died, so abort the old group rather than wait on it."""
         if broken:
-            abort_default_group()
+            abort_default_group(self.timeout)
         elif dist.is_initialized():
             dist.destroy_process_group()
         self.generation = generation
