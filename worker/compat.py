@@ -9,14 +9,20 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["abort_default_group", "all_gather_flat", "reduce_scatter_flat"]
+__all__ = ["abort_default_group", "all_gather_flat", "backend_for", "reduce_scatter_flat"]
 
 # torch 2.13 renamed the flat-tensor collectives (`*_single`) and deprecated the
 # old names; older releases only have the old ones.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def backend_for(device: torch.device) -> str:
+    """The torch.distributed backend for tensors on ``device``: NCCL for CUDA, gloo else."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def abort_default_group(timeout: timedelta) -> None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from coordinator.client import ClientConfig, CoordinatorClient, CoordinatorError
 from coordinator.config import ADDRESS_ENV, WORKER_ID_ENV
 from coordinator.messages import Generation, WorkerInfo, WorkerReport
-from worker.compat import abort_default_group
+from worker.compat import abort_default_group, backend_for
 from worker.inventory import Inventory
 
 __all__ = ["ControlPlane", "coordinator_address"]
@@ -175,8 +175,7 @@ class ControlPlane:
                 raise TimeoutError(
                     f"the coordinator at {address} gave this worker no rank within {wait_s:g}s"
                 )
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        return cls(client, generation, backend, timeout, patience)
+        return cls(client, generation, backend_for(device), timeout, patience)
 
     @property
     def rank(self) -> int:

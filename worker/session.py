@@ -62,6 +62,7 @@ from coordinator.messages import FINISHED, Generation
 from worker import elastic
 from worker.ballot import BoundaryVote
 from worker.collectives import CollectiveError, Collectives
+from worker.compat import backend_for
 from worker.config import ZeroConfig
 from worker.control import ControlPlane, JobFinished, LeftBeforeAdmission, coordinator_address
 from worker.engine import (
@@ -164,7 +165,7 @@ def _init_from_launcher_env(model: nn.Module) -> None:
         return
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
         return
-    backend = "nccl" if module_device(model).type == "cuda" else "gloo"
+    backend = backend_for(module_device(model))
     dist.init_process_group(backend)
     logger.info(
         "formed the process group from the launcher's environment (%s, rank %d of %d)",
