@@ -8,10 +8,11 @@ addressed by (parameter name, element range) as in a checkpoint
 (worker/checkpoint.py): old rank o is the source of the elements in range o
 of every bucket of L_old; new rank n needs the elements its optimizer owns
 in L_new. Each rank packs, for each destination, the slices of its entries
-that destination needs, and one all-to-all over a group holding every old
-and every new member moves them all. Elements whose owner does not change
-never leave the process (they go to itself through the same code path,
-as a local copy).
+that destination needs, packed for all destinations into one buffer (one
+copy), and one all-to-all over a group holding every old and every new member
+moves them all. Elements whose owner does not change never leave the process
+and are not packed: the hand-over gives them to the caller as views of what
+it holds, and adopting copies them into the new buffers.
 
 The transfer runs over the larger of the two memberships: the new group for
 a scale-up (newcomers join it), the old group for a graceful scale-down
