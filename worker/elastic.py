@@ -210,9 +210,9 @@ def exchange(
         parts.append(out)
     # What stays on this rank does not go through the wire: its views are read
     # (copied into the new buffers) once the caller adopts the hand-over.
-    incoming: Entries = parts[via_comm.rank] if via_comm.distributed else {}
+    incoming: Entries = {}
     if via_comm.distributed:
-        parts[via_comm.rank] = {}
+        incoming, parts[via_comm.rank] = parts[via_comm.rank], {}
     sizes, send = _packed_sends(parts, _wire_device(via_comm))
     for buf in _exchange(via_comm, send, sizes):
         # views into the received buffer, which nothing else holds
@@ -331,13 +331,10 @@ def refresh_replica(state: ShardState, generation: int) -> Replica:
     # optimizer does not step while this runs), and sent as it is.
     own = pack_entries(state.export_ranges(copy=False))
     n = comm.world_size
-    right = (comm.rank + 1) % n
-    nothing = own.new_empty(0)
+    neighbour = own.new_empty(0)
     if n > 1:
-        sizes = [own.numel() if d == right else 0 for d in range(n)]
+        sizes = [own.numel() if d == (comm.rank + 1) % n else 0 for d in range(n)]
         neighbour = _exchange(comm, own, sizes)[(comm.rank - 1) % n].cpu()
-    else:
-        neighbour = nothing
     return Replica(generation, n, comm.rank, state.counters(), own, neighbour)
 
 
