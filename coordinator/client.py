@@ -236,6 +236,9 @@ class CoordinatorClient:
         self._cond = threading.Condition()
         self._closed = threading.Event()
         self._stop_heartbeats = threading.Event()
+        # set to send a heartbeat now (and by close(), to end the heartbeat thread)
+        self._beat_now = threading.Event()
+        self._leaving = False
         self._threads: list[threading.Thread] = []
         self._watch_call: grpc.Future | None = None
         self._on_generation: Callable[[Generation], None] | None = None
@@ -317,6 +320,7 @@ class CoordinatorClient:
             worker_id=worker.worker_id,
             generation_id=self._known_id(),
             free_ports=free_ports(exclude=exclude),
+            leaving=self._leaving,
         )
         report = self._report
         if report is not None:
@@ -355,9 +359,17 @@ class CoordinatorClient:
         self._accept(generation)
         return generation
 
+    def announce_leaving(self) -> None:
+        """Say in a heartbeat sent now, and in every one after, that this worker was
+        asked to leave and will (a launcher then stops counting it as a member).
+        Safe in a signal handler: it only sets flags for the heartbeat thread."""
+        self._leaving = True
+        self._beat_now.set()
+
     def leave(self, reason: str = "") -> None:
         """Give up the lease (heartbeats stop first, so the worker is not re-registered)."""
         self._stop_heartbeats.set()
+        self._beat_now.set()
         if self._worker is None:
             return
         request = pb.LeaveRequest(worker_id=self._worker.worker_id, reason=reason)
@@ -474,7 +486,7 @@ class CoordinatorClient:
         interval = self._registration.heartbeat_interval_s
         outage_since: float | None = None
         delay = interval
-        while not (self._closed.wait(delay) or self._stop_heartbeats.is_set()):
+        while not (self._wait_beat(delay) or self._stop_heartbeats.is_set()):
             # Retrying at the heartbeat interval, not slower, keeps the lease alive across
             # a coordinator restart (it grants members one fresh lease when it comes back).
             delay = interval
@@ -569,6 +581,12 @@ class CoordinatorClient:
 
     # ---- shutdown ---------------------------------------------------------------------
 
+    def _wait_beat(self, delay: float) -> bool:
+        """Until the next heartbeat is due (or wanted now); True once closed."""
+        self._beat_now.wait(delay)
+        self._beat_now.clear()
+        return self._closed.is_set()
+
     def close(self, *, leave: bool = False, reason: str = "") -> None:
         """Stop the threads and the channel; ``leave`` gives up the lease first."""
         if self._closed.is_set():
@@ -580,6 +598,7 @@ class CoordinatorClient:
                 logger.warning("leave failed: %s", exc)
         with self._cond:
             self._closed.set()
+            self._beat_now.set()
             if self._watch_call is not None:
                 self._watch_call.cancel()
             self._cond.notify_all()

@@ -265,6 +265,8 @@ class LocalJob:
         self._retiring: set[int] = set()
         # workers whose exit is not the job's: left when asked, or replaced
         self._settled: set[int] = set()
+        # why the job was stopped as failed (abandon())
+        self._abandoned: str | None = None
         # workers whose exit the services were told of
         self._exits_told: set[int] = set()
 
@@ -317,12 +319,15 @@ class LocalJob:
             raise RuntimeError("LocalJob.poll() before start()")
         codes = [p.poll() for p in self._procs]
         self._tell_exits(codes)
-        if self._failed_rank is None and self._signal is None:
+        if self._failed_rank is None and self._signal is None and self._abandoned is None:
             failed = [
                 r for r, c in enumerate(codes) if c not in (None, 0) and r not in self._settled
             ]
             # a worker exited 0 outside a retirement: training ended (nothing to replace)
-            finished = any(c == 0 and i not in self._retiring for i, c in enumerate(codes))
+            finished = any(
+                c == 0 and i not in self._retiring and i not in self._settled
+                for i, c in enumerate(codes)
+            )
             for r in failed:
                 alive = any(c is None for i, c in enumerate(codes) if i != r)
                 if not self._settle(r, codes[r] or 0, going=alive or not finished):
@@ -371,9 +376,16 @@ class LocalJob:
             self._settled.add(index)
             logger.info("worker %d stopped before it could hand over: it has left", index)
             return True
-        if not self._restarts_left or index in self._retiring or not going:
+        if index in self._retiring or not going:
+            return False
+        return self.replace(index, _describe(code))
+
+    def replace(self, index: int, what: str) -> bool:
+        """Start a worker in place of worker ``index``, which ``what`` (e.g. "was
+        killed by SIGKILL"), if the job is elastic and has restarts left."""
+        if not self._restarts_left:
             if self._restarts_left == 0:
-                logger.error("worker %d %s; no restarts left", index, _describe(code))
+                logger.error("worker %d %s; no restarts left", index, what)
             return False
         self._restarts_left -= 1
         self._settled.add(index)
@@ -381,11 +393,37 @@ class LocalJob:
         logger.warning(
             "worker %d %s; started worker %d in its place (%d restart(s) left)",
             index,
-            _describe(code),
+            what,
             new,
             self._restarts_left,
         )
         return True
+
+    @property
+    def stopping(self) -> bool:
+        """The job is being stopped: interrupted, failed or abandoned."""
+        return self._signal is not None or self._failed_rank is not None or bool(self._abandoned)
+
+    def left_unasked(self) -> list[int]:
+        """Workers that exited 0 without being asked to leave (not retired), in the
+        order they were started: they finished training, or left on a SIGTERM sent
+        from outside the launcher."""
+        return [
+            i
+            for i, p in enumerate(self._procs)
+            if p.poll() == 0 and i not in self._retiring and i not in self._settled
+        ]
+
+    def settle(self, index: int) -> None:
+        """Take worker ``index``'s exit as dealt with (see :meth:`left_unasked`)."""
+        self._settled.add(index)
+
+    def abandon(self, message: str) -> None:
+        """Stop the job as failed, for ``message``: SIGTERM, then SIGKILL after grace."""
+        if self._result is not None or self._abandoned is not None:
+            return
+        self._abandoned = message
+        self._begin_shutdown(signal.SIGTERM)
 
     def wait(self, timeout: float | None = None) -> JobResult:
         """Block until the job is over; TimeoutError if ``timeout`` passes first."""
@@ -449,7 +487,7 @@ class LocalJob:
         """
         if self._result is not None:
             return
-        if self._signal is not None or self._failed_rank is not None:
+        if self._signal is not None or self._failed_rank is not None or self._abandoned:
             self._kill_all(signal.SIGKILL)
             return
         self._signal = signum
@@ -569,9 +607,12 @@ class LocalJob:
 
     def _finish(self, codes: list[int]) -> JobResult:
         failed = [i for i, c in enumerate(codes) if c != 0 and i not in self._settled]
-        if self._failed_rank is None and self._signal is None and failed:
+        stopping = self._signal is not None or self._abandoned is not None
+        if self._failed_rank is None and not stopping and failed:
             self._failed_rank = failed[0]  # failed as the job was finishing
-        if self._failed_rank is not None:
+        if self._abandoned is not None and self._failed_rank is None and self._signal is None:
+            result = JobResult(returncode=1, returncodes=tuple(codes), message=self._abandoned)
+        elif self._failed_rank is not None:
             rank = self._failed_rank
             code = codes[rank]
             others = len(codes) - 1

@@ -113,6 +113,8 @@ class _Worker:
     unwatched_since: float | None = None
     # the IP address its last register or heartbeat came from; "" if unknown
     peer: str = ""
+    # it said it was asked to leave (HeartbeatRequest.leaving)
+    leaving: bool = False
 
     @property
     def metrics_url(self) -> str:
@@ -346,12 +348,17 @@ class Membership:
         report: WorkerReport | None = None,
         free_ports: tuple[int, ...] = (),
         peer: str = "",
+        leaving: bool = False,
     ) -> float:
         """Renew the lease; returns the seconds it now has left. ``peer``: the IP address
-        the heartbeat came from."""
+        the heartbeat came from; ``leaving``: the worker was asked to leave and hands
+        over at its next step boundary (kept even from a stale heartbeat)."""
         worker = self._workers.get(worker_id)
         if worker is None:
             raise UnknownWorker(f"no lease for worker {worker_id!r}: register again")
+        if leaving and not worker.leaving:
+            worker.leaving = True
+            self._event("leaving", worker_id, "asked to leave; it goes at its next step boundary")
         if generation_id != self.generation_id:
             raise StaleGeneration(generation_id, self.generation_id)
         worker.deadline = self._clock() + self.config.lease_timeout_s
@@ -700,6 +707,7 @@ class Membership:
                     lease_remaining_s=w.deadline - now,
                     report=w.report,
                     metrics_url=w.metrics_url,
+                    leaving=w.leaving and not lost,
                 )
             )
         for wid in self._joiners:
@@ -712,6 +720,7 @@ class Membership:
                     lease_remaining_s=w.deadline - now,
                     report=w.report,
                     metrics_url=w.metrics_url,
+                    leaving=w.leaving,
                 )
             )
         reason = self.waiting_reason()

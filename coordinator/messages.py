@@ -24,6 +24,7 @@ from coordinator.steps import STEP, Steps, finish
 __all__ = [
     "FINISHED",
     "GENERATION_METADATA_KEY",
+    "STOPPED",
     "Event",
     "Generation",
     "Member",
@@ -58,6 +59,8 @@ __all__ = [
 GENERATION_METADATA_KEY = "zeroplane-generation"
 # The leave reason of a member whose training loop ended: the job is finishing.
 FINISHED = "finished"
+# The leave reason of members asked to leave with nobody to hand their shards to.
+STOPPED = "stopped"
 MAX_ID_CHARS = 253  # a DNS name, so a pod name always fits
 MAX_PORTS = 8
 MAX_WORLD_SIZE = 1 << 20  # ranks in one process group
@@ -234,6 +237,8 @@ class WorkerStatus:
     # Where the coordinator itself reads this worker's metrics: the endpoint's port and
     # path at the address the worker connects from, never a name it gave (not on the wire).
     metrics_url: str = ""
+    # it said it was asked to leave and has not left yet
+    leaving: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -701,6 +706,7 @@ def status_to_proto(status: StatusReport) -> pb.StatusResponse:
                 rank=-1 if w.rank is None else w.rank,
                 lease_remaining_s=w.lease_remaining_s,
                 report=None if w.report is None else report_to_proto(w.report),
+                leaving=w.leaving,
             )
             for w in status.workers
         ],
@@ -745,6 +751,7 @@ def status_from_proto(msg: pb.StatusResponse) -> StatusReport:
                 rank=None if w.rank < 0 else w.rank,
                 lease_remaining_s=w.lease_remaining_s if math.isfinite(w.lease_remaining_s) else 0,
                 report=report_from_proto(w.report) if w.HasField("report") else None,
+                leaving=w.leaving,
             )
             for w in msg.workers
         ),

@@ -442,7 +442,9 @@ class _Servicer:
         if request.HasField("report"):
             report = _valid("report", report_from_proto, request.report)
         ports, peer = tuple(request.free_ports), _peer_address(context)
-        remaining = self.m.heartbeat(worker_id, generation_id, report, ports, peer)
+        remaining = self.m.heartbeat(
+            worker_id, generation_id, report, ports, peer, leaving=request.leaving
+        )
         return pb.HeartbeatResponse(
             generation_id=self.m.generation_id,
             lease_remaining_s=remaining,

@@ -218,6 +218,24 @@ def test_heartbeats_are_fenced_by_generation() -> None:
         m.heartbeat("nobody", 1)
 
 
+def test_a_member_that_says_it_is_leaving_is_marked_until_it_leaves() -> None:
+    """HeartbeatRequest.leaving: shown in the status (a launcher counting members
+    stops counting it), once as an event, even from a stale heartbeat."""
+    clock = Clock()
+    m = membership(clock, min_workers=2, join_window_s=0)
+    m.register(worker("a"), inventory())
+    m.register(worker("b"), inventory())
+    assert m.maybe_form() is not None
+    assert not any(w.leaving for w in m.status().workers)
+    with pytest.raises(StaleGeneration):
+        m.heartbeat("b", 0, leaving=True)
+    m.heartbeat("b", 1, leaving=True)
+    assert {w.info.worker_id: w.leaving for w in m.status().workers} == {"a": False, "b": True}
+    assert [e.worker_id for e in m.status().events if e.kind == "leaving"] == ["b"]
+    m.leave("b")
+    assert [w.info.worker_id for w in m.status().workers if w.leaving] == []
+
+
 def test_inventory_mismatch_names_the_first_differing_parameter() -> None:
     m = membership(Clock())
     m.register(worker("a"), inventory())

@@ -317,6 +317,36 @@ def test_a_member_waiting_to_re_form_says_what_the_coordinator_waits_for() -> No
         assert MEMBERSHIP_WAIT_ENV in message and "needs at least 2" in message, message
 
 
+def test_a_member_asked_to_leave_says_so_at_once() -> None:
+    """A SIGTERM's announcement does not wait for the next heartbeat (30 s apart
+    here): the coordinator's status marks the worker leaving within seconds."""
+    cfg = config(max_workers=2, join_window_s=5.0, lease_timeout_s=90.0)
+    cfg = dataclasses.replace(
+        cfg, membership=dataclasses.replace(cfg.membership, heartbeat_interval_s=30.0)
+    )
+    with two_members(cfg) as (server, _, b, _):
+        b.announce_leaving()
+        deadline = time.monotonic() + 5
+        while not any(w.leaving for w in server.status().workers):
+            assert time.monotonic() < deadline, "the coordinator never heard b is leaving"
+            time.sleep(0.05)
+        assert [w.info.worker_id for w in server.status().workers if w.leaving] == ["b"]
+
+
+def test_a_member_asked_to_leave_stops_waiting_for_a_generation_that_cannot_form() -> None:
+    """Below min_workers no generation is coming to hand the shards over in: a member
+    asked to leave gives up waiting (None) instead of waiting out its patience."""
+    from worker.control import ControlPlane
+
+    cfg = config(min_workers=2, max_workers=2, lease_timeout_s=30.0)
+    with two_members(cfg) as (_, a, b, g1):
+        b.close(leave=True, reason="scale down")  # the job is now below min_workers
+        plane = ControlPlane(a, g1, "gloo", timedelta(seconds=1), patience_s=60.0)
+        started = time.monotonic()
+        assert plane.wait_to_re_form(stop=lambda: True) is None
+        assert time.monotonic() - started < 10
+
+
 @pytest.mark.parametrize("raw", ["soon", "0", "-5", "nan"])
 def test_worker_time_settings_from_the_environment_name_a_bad_value(monkeypatch, raw) -> None:
     from worker.control import MEMBERSHIP_WAIT_ENV, env_seconds

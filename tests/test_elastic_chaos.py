@@ -1,7 +1,9 @@
 """Random sequences of membership events on a 3-worker `zeroplane run`: SIGKILL
-of any worker (the launcher replaces it), scale-down (SIGUSR2: the newest hands
-over and leaves), scale-up (SIGUSR1), at random moments, at stages 1-3. Every
-run must end with exit 0 and the parameters of the uninterrupted reference.
+of any worker (the launcher replaces it), SIGTERM of any worker from outside the
+launcher (it hands over and leaves; below --min-nproc the launcher replaces it),
+scale-down (SIGUSR2: the newest hands over and leaves), scale-up (SIGUSR1), at
+random moments, at stages 1-3. Every run must end with exit 0 and the parameters
+of the uninterrupted reference.
 
 Each job takes ``SEQUENCES`` sequences of three events one after another (a
 later sequence starts on whatever the earlier left: replacements still joining,
@@ -26,7 +28,7 @@ from tests.test_elastic_e2e import LauncherRun, assert_matches_reference
 
 SEEDS = [int(s) for s in os.environ.get("ZEROPLANE_CHAOS_SEEDS", "0,1,2,3,4").split(",")]
 SEQUENCES = 2
-EVENTS = ("kill", "scale_down", "scale_up")
+EVENTS = ("kill", "term", "scale_down", "scale_up")
 
 
 def plan(seed: int) -> tuple[int, list[tuple[float, str, float]]]:
@@ -56,14 +58,14 @@ def test_random_membership_events_end_as_the_reference(tmp_path: Path, seed: int
         run.wait_for("step 10 loss")
         for delay, kind, pick in events:
             time.sleep(delay)
-            if kind == "kill":
+            if kind in ("kill", "term"):
                 workers = run.workers()
                 if not workers:
                     break  # the job has finished
                 victim = workers[int(pick * len(workers))]
                 with contextlib.suppress(ProcessLookupError):  # it may have just left
-                    os.kill(victim, signal.SIGKILL)
-                done.append(f"kill pid {victim} of {len(workers)}")
+                    os.kill(victim, signal.SIGKILL if kind == "kill" else signal.SIGTERM)
+                done.append(f"{kind} pid {victim} of {len(workers)}")
             else:
                 if run.proc.poll() is not None:
                     break

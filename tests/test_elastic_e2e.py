@@ -598,3 +598,91 @@ def test_worker_restarted_under_its_old_name_rejoins(job_factory) -> None:
     logs = "".join(job.log(n) for n in job.workers)
     assert logs.count("recovered as rank") == 3, logs[-3000:]
     assert_matches_reference(job.tmp / "final.pt")
+
+
+# ------------------------------------------- workers asked to leave from outside the launcher
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_leaving_from_outside_below_the_minimum_is_replaced(tmp_path: Path) -> None:
+    """A SIGTERM sent to a worker, not to the launcher, at --min-nproc: it hands over
+    and exits 0, and the survivor cannot re-form without it. The launcher starts a
+    worker in its place and the job ends as the reference (before: the survivor
+    waited for a generation that never formed)."""
+    run = LauncherRun(tmp_path, "--nproc", "2", "--min-nproc", "2", "--max-nproc", "3")
+    try:
+        run.wait_for("step 10 loss")
+        os.kill(run.workers()[1], signal.SIGTERM)
+        run.wait_for("left the job without being asked")
+    finally:
+        code = run.wait(timeout=180)
+    assert code == 0, run.story()
+    assert "started worker 2 in its place" in run.text()
+    assert_matches_reference(run.out)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_leaving_a_fixed_size_job_stops_it_at_once(tmp_path: Path) -> None:
+    """Without --min-nproc below --nproc nothing may replace it: the job stops, saying
+    why, and the survivors leave at once (before: they waited without end)."""
+    run = LauncherRun(tmp_path, "--nproc", "2")
+    started = time.monotonic()
+    try:
+        run.wait_for("step 10 loss")
+        os.kill(run.workers()[1], signal.SIGTERM)
+    finally:
+        code = run.wait(timeout=120)
+    assert code == 1, run.story()
+    assert "fewer than the 2 it needs" in run.text(), run.story()
+    assert "sending SIGKILL" not in run.text(), run.story()
+    assert time.monotonic() - started < 100
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("target", ["launcher", "every worker"])
+def test_every_member_asked_to_leave_stops_without_a_hand_over(tmp_path: Path, target: str) -> None:
+    """SIGTERM to the launcher reaches every worker, and so does one sent to each:
+    nobody is left to take a hand-over, so the members leave together (or the last
+    one after the others handed it their shards), and the job says it stopped
+    unfinished. Before, the members handed the state on until the last one had
+    nobody to give it to and failed with a traceback."""
+    run = LauncherRun(tmp_path, "--nproc", "3", "--min-nproc", "1", "--max-nproc", "3")
+    try:
+        run.wait_for("step 10 loss")
+        if target == "launcher":
+            run.proc.send_signal(signal.SIGTERM)
+        else:
+            for pid in run.workers():
+                os.kill(pid, signal.SIGTERM)
+    finally:
+        code = run.wait(timeout=120)
+    text = run.text()
+    assert code == (128 + signal.SIGTERM if target == "launcher" else 1), run.story()
+    assert "Traceback" not in text and "sending SIGKILL" not in text, run.story()
+    assert "with nobody to hand the shards over to" in text, run.story()
+    assert "in its place" not in text, run.story()
+    if target != "launcher":
+        assert "every worker left before training finished" in text, run.story()
+
+
+@pytest.mark.timeout(240)
+def test_a_retire_request_after_an_outside_sigterm_keeps_the_minimum(tmp_path: Path) -> None:
+    """A worker SIGTERMed from outside says so at once (a heartbeat sent then), so a
+    retire request (SIGUSR2) before its hand-over (steps are slow here) finds the
+    job at --min-nproc members and retires nobody (before: the launcher counted it
+    as a member until it had handed over, and retired a second worker)."""
+    run = LauncherRun(
+        tmp_path, "--nproc", "3", "--min-nproc", "2", "--max-nproc", "4", step_sleep=0.6
+    )
+    try:
+        run.wait_for("step 10 loss")
+        os.kill(run.workers()[0], signal.SIGTERM)
+        run.wait_for("asked to leave; it goes at its next step boundary")
+        run.proc.send_signal(signal.SIGUSR2)
+        run.wait_for("already at 2 workers")
+    finally:
+        code = run.wait(timeout=180)
+    text = run.text()
+    assert code == 0, run.story()
+    assert "asked worker" not in text and "in its place" not in text, run.story()
+    assert_matches_reference(run.out)

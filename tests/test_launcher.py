@@ -448,10 +448,15 @@ class ScalingJob:
     """What ``_wait_scaling`` uses of a LocalJob: three running workers, one of which
     has already handed over (the coordinator no longer has it) but not yet exited."""
 
+    stopping = False
+
     def __init__(self) -> None:
         self.running = [0, 1, 2]
         self.retired: list[int] = []
         self.polls = 0
+
+    def left_unasked(self) -> list[int]:
+        return []
 
     def worker_id(self, index: int) -> str:
         return f"w{index}"
@@ -518,3 +523,68 @@ def test_an_elastic_job_whose_every_worker_failed_restarts_them(tmp_path):
     )
     with LocalJob(LaunchSpec(command=python(late), nproc=2), on_line=Lines(), restarts=2) as job:
         assert job.wait(timeout=40).returncode == 1
+
+
+class LeftJob:
+    """What ``_keep_minimum`` uses of a LocalJob: workers 0-2 started, worker 0 exited
+    0 without being asked; ``restarts`` replacements allowed."""
+
+    stopping = False
+
+    def __init__(self, running: list[int], restarts: int) -> None:
+        self.running, self.restarts = running, restarts
+        self.settled: list[int] = []
+        self.replaced: list[int] = []
+        self.abandoned: str | None = None
+
+    def left_unasked(self) -> list[int]:
+        return [i for i in (0,) if i not in self.settled]
+
+    def worker_id(self, index: int) -> str:
+        return f"w{index}"
+
+    def settle(self, index: int) -> None:
+        self.settled.append(index)
+
+    def replace(self, index: int, what: str) -> bool:
+        if not self.restarts:
+            return False
+        self.restarts -= 1
+        self.replaced.append(index)
+        return True
+
+    def abandon(self, message: str) -> None:
+        self.abandoned = message
+
+
+@pytest.mark.parametrize(
+    ("running", "restarts", "finished", "replaced", "abandoned"),
+    [
+        ([1, 2], 3, False, [], False),  # two members remain: a scale-down
+        ([1], 3, False, [0], False),  # below the minimum: replaced
+        ([1], 0, False, [], True),  # below it with nothing to replace it: stopped
+        ([1], 3, True, [], False),  # training ended: an exit 0 is the job's end
+        ([], 3, False, [], False),  # everyone has exited: nothing to keep going
+    ],
+)
+def test_a_worker_leaving_from_outside_is_replaced_only_below_the_minimum(
+    running, restarts, finished, replaced, abandoned
+):
+    from coordinator.commands.run import _keep_minimum
+
+    job = LeftJob(running, restarts)
+    _keep_minimum(job, 2, lambda: {"w0"}, lambda: finished)
+    assert job.replaced == replaced
+    assert (job.abandoned is not None) == abandoned
+    if abandoned:
+        assert "fewer than the 2 it needs" in job.abandoned
+
+
+def test_a_script_that_never_joined_the_coordinator_is_not_a_leaver():
+    """Under `zeroplane run` a plain script ends without registering: its exit 0
+    while the others still run is not a leave, whatever the minimum."""
+    from coordinator.commands.run import _keep_minimum
+
+    job = LeftJob([1], 3)
+    _keep_minimum(job, 2, set, lambda: False)
+    assert job.replaced == [] and job.abandoned is None

@@ -9,10 +9,12 @@ waited on in ``step()``, so it overlaps backward:
   micro-step of the window. A parameter no rank used keeps its value and
   optimizer state, as in torch.optim (worker/engine.py [Note: unused
   parameters]);
-* two slots for the membership vote (:class:`BoundaryVote`): the newest
-  generation id any rank has heard of, and 1 + the rank of a worker asking to
-  leave (0: none). Every rank thus learns the same thing at the same step
-  boundary and changes membership together (worker/session.py).
+* three slots for the membership vote (:class:`BoundaryVote`): the newest
+  generation id any rank has heard of, 1 + the rank of a worker asking to
+  leave (0: none), and 1 if this rank stays (so the maximum says whether
+  anyone does: when every rank was told to leave, nobody is left to hand
+  over to). Every rank thus learns the same thing at the same step boundary
+  and changes membership together (worker/session.py).
 """
 
 from __future__ import annotations
@@ -29,17 +31,29 @@ __all__ = ["Ballot", "BoundaryVote"]
 @dataclass(frozen=True)
 class BoundaryVote:
     """What a rank proposes for membership at a step boundary; after the
-    all-reduce, what the ranks agreed (the maximum of each field)."""
+    all-reduce, what the ranks agreed (the maximum of each field).
+
+    ``staying``: this rank was not asked to leave; agreed, whether any rank
+    stays. A rank asking to leave proposes itself as ``leaving_rank``."""
 
     generation: int = 0
     leaving_rank: int | None = None
+    staying: bool = True
 
-    def encode(self) -> tuple[int, int]:
-        return self.generation, 0 if self.leaving_rank is None else self.leaving_rank + 1
+    SLOTS = 3
+
+    @property
+    def everyone_leaving(self) -> bool:
+        """Every rank was asked to leave at this boundary: nobody can take a hand-over."""
+        return self.leaving_rank is not None and not self.staying
+
+    def encode(self) -> tuple[int, int, int]:
+        leaving = 0 if self.leaving_rank is None else self.leaving_rank + 1
+        return self.generation, leaving, int(self.staying)
 
     @classmethod
-    def decode(cls, generation: int, leaving: int) -> BoundaryVote:
-        return cls(generation, None if leaving == 0 else leaving - 1)
+    def decode(cls, generation: int, leaving: int, staying: int) -> BoundaryVote:
+        return cls(generation, None if leaving == 0 else leaving - 1, bool(staying))
 
 
 class Ballot:
@@ -47,7 +61,7 @@ class Ballot:
 
     def __init__(self, n_params: int, device: torch.device) -> None:
         self._n = n_params
-        self._flags = torch.zeros(n_params + 2, dtype=torch.int32, device=device)
+        self._flags = torch.zeros(n_params + BoundaryVote.SLOTS, dtype=torch.int32, device=device)
         self._handle: Handle | None = None
 
     def mark_used(self, param_index: int) -> None:
@@ -55,7 +69,7 @@ class Ballot:
 
     def start(self, comm: Collectives, vote: BoundaryVote) -> None:
         """Cast this rank's ballot (asynchronously, overlapping backward)."""
-        self._flags[self._n], self._flags[self._n + 1] = vote.encode()
+        self._flags[self._n :] = torch.tensor(vote.encode(), dtype=torch.int32)
         if comm.distributed:
             self._handle = comm.all_reduce(self._flags, op="max", async_op=True, control=True)
 
@@ -69,7 +83,7 @@ class Ballot:
         return self._flags[: self._n].tolist()
 
     def agreed(self) -> BoundaryVote:
-        return BoundaryVote.decode(int(self._flags[self._n]), int(self._flags[self._n + 1]))
+        return BoundaryVote.decode(*self._flags[self._n :].tolist())
 
     def clear(self) -> None:
         """Forget this step's ballot (after the step, or a step abandoned mid-way)."""

@@ -78,7 +78,7 @@ def _reachable_host(coordinator: str) -> str:
     return socket.gethostname()
 
 
-# how often a worker waiting to be admitted checks whether it was told to stop
+# how often a worker waiting for a generation checks whether it was told to stop
 _STOP_POLL_S = 0.2
 # how often a member waiting for the job to re-form says why
 _WAIT_REPORT_S = 30.0
@@ -301,28 +301,44 @@ class ControlPlane:
             after=self.generation.id, member=member, timeout=timeout
         )
 
-    def wait_to_re_form(self) -> Generation:
+    def wait_to_re_form(self, *, stop: Callable[[], bool] = lambda: False) -> Generation | None:
         """Wait for the generation that re-forms the job after a loss or a leave.
 
         It may be a while: below ``min_workers`` the coordinator waits for
         newcomers. This rank holds part of the job's state, so it waits up to
         ``$ZEROPLANE_MEMBERSHIP_WAIT_S`` (default 600 s, torchrun's join timeout),
-        saying every 30 s what the coordinator is waiting for.
+        saying every 30 s what the coordinator is waiting for. None once ``stop()``
+        (this worker was asked to leave) while the coordinator waits for more
+        workers than it has: no generation is coming to hand the shards over in.
         """
         patience = self.patience_s
         deadline = time.monotonic() + patience
+        report = time.monotonic() + _WAIT_REPORT_S
         while True:
             left = deadline - time.monotonic()
             try:
-                return self.wait_newer(timeout=max(0.0, min(_WAIT_REPORT_S, left)))
+                return self.wait_newer(timeout=max(0.0, min(_STOP_POLL_S, left)))
             except TimeoutError:
-                if left <= _WAIT_REPORT_S:
+                if left <= _STOP_POLL_S:
                     raise TimeoutError(
                         f"the coordinator formed no generation after {self.generation.id} "
                         f"within {patience:g}s (${MEMBERSHIP_WAIT_ENV}); "
                         f"it says: {self._waiting_reason()}"
                     ) from None
-            logger.warning("waiting for the job to re-form: %s", self._waiting_reason())
+            if stop() and self._short_of_workers():
+                return None
+            if time.monotonic() >= report:
+                report += _WAIT_REPORT_S
+                logger.warning("waiting for the job to re-form: %s", self._waiting_reason())
+
+    def _short_of_workers(self) -> bool:
+        """The coordinator waits for workers: fewer live ones than the job's minimum."""
+        try:
+            status = self.client.status()
+        except CoordinatorError:
+            return False
+        alive = sum(w.state != "lost" for w in status.workers)
+        return status.phase == "waiting" and alive < status.settings.min_workers
 
     def _waiting_reason(self) -> str:
         try:

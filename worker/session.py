@@ -23,6 +23,19 @@ step is done, and hands it any collective that failed.
 A SIGTERM in any phase only sets ``leave_requested``: it becomes a graceful
 hand-over at the first step boundary, and before admission a plain leave.
 
+[Note: leaving with nobody to hand over to]
+A hand-over needs someone to take the shards. When every member was asked to
+leave at the same boundary (a launcher or an operator stopping the whole
+job: its SIGTERM reaches every worker), or a member asked to leave is
+waiting for a generation that cannot form (the job is below its minimum and
+nobody is joining), the members leave together without one, saying which
+checkpoint the job's state goes back to; they exit 0 with the leave reason
+"stopped", so the coordinator does not take the job for finished and a
+later set of workers can resume it from its checkpoint. Before, the members
+handed the state to each other one boundary after another until the last
+one had nobody to give it to and crashed (or waited for a generation that
+never formed until it was killed).
+
 [Note: membership changes]
 Every rank must change membership at the same step boundary, so the
 decision rides on the step-boundary ballot: the newest generation id any
@@ -58,11 +71,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from coordinator.messages import FINISHED, Generation
+from coordinator.messages import FINISHED, STOPPED, Generation
 from worker import elastic
 from worker.ballot import BoundaryVote
 from worker.collectives import CollectiveError, Collectives
-from worker.compat import backend_for
+from worker.compat import abort_default_group, backend_for
 from worker.config import ZeroConfig
 from worker.control import ControlPlane, JobFinished, LeftBeforeAdmission, coordinator_address
 from worker.engine import (
@@ -82,6 +95,9 @@ logger = logging.getLogger(__name__)
 class StepAborted(RuntimeError):
     """A peer was lost mid-step. The session has re-formed the job and rolled back to
     ``engine.global_steps``: carry on with the training loop from that step."""
+
+
+_NO_GENERATION = "asked to leave while the job waits for more workers than it has"
 
 
 class PeerLost(CollectiveError):
@@ -118,7 +134,7 @@ _TRANSITIONS: dict[Phase, set[Phase]] = {
     Phase.MEMBER: {Phase.MEMBER, Phase.LEAVING, Phase.RECOVERING, Phase.LEFT},
     Phase.LEAVING: {Phase.LEFT, Phase.RECOVERING},
     # a peer lost while recovering from an earlier loss: recover again
-    Phase.RECOVERING: {Phase.MEMBER, Phase.RECOVERING, Phase.LEFT},
+    Phase.RECOVERING: {Phase.MEMBER, Phase.RECOVERING, Phase.LEAVING, Phase.LEFT},
     Phase.LEFT: set(),
 }
 
@@ -367,6 +383,8 @@ class ElasticSession(_FinalReport):
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         logger.info("SIGTERM: handing this rank's shards over at the next step boundary")
         self.leave_requested = True
+        if self.control is not None:
+            self.control.client.announce_leaving()  # a launcher stops counting it now
 
     # ------------------------------------------------------------ joining
 
@@ -462,6 +480,7 @@ class ElasticSession(_FinalReport):
         return BoundaryVote(
             generation=self.control.latest_id,
             leaving_rank=self.control.rank if self.leave_requested else None,
+            staying=not self.leave_requested,
         )
 
     def generation_id(self) -> int:
@@ -480,6 +499,8 @@ class ElasticSession(_FinalReport):
             if control.report_due():
                 _report(control, engine)
         start = time.perf_counter()
+        if agreed.everyone_leaving:
+            self._leave_holding_state(engine, "every member was asked to leave at this step")
         if agreed.leaving_rank is not None:
             self._hand_over(engine, agreed.leaving_rank)
             engine.stats.record_pause("scale_down", time.perf_counter() - start)
@@ -508,7 +529,9 @@ class ElasticSession(_FinalReport):
         self._to(Phase.RECOVERING)
         logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
         start = time.perf_counter()
-        gen = control.wait_to_re_form()
+        gen = control.wait_to_re_form(stop=lambda: self.leave_requested)
+        if gen is None:
+            self._leave_holding_state(engine, _NO_GENERATION, broken=True)
         heard = time.perf_counter()
         control.move_to(gen, broken=True)
         timing = _Timing(heard - start, time.perf_counter() - heard)
@@ -565,7 +588,9 @@ class ElasticSession(_FinalReport):
             logger.info("handed over at step %d; leaving", handover.counters.global_steps)
             raise SystemExit(0)
         old = control.generation
-        gen = control.wait_to_re_form()
+        gen = control.wait_to_re_form(stop=lambda: self.leave_requested)
+        if gen is None:
+            self._leave_holding_state(engine, _NO_GENERATION)
         survivor_ids = [m.worker_id for m in old.members if m.rank != leaving]
         others_lost = gen.reshard is not None and set(gen.reshard.lost_ranks) - {leaving}
         if others_lost or [m.worker_id for m in gen.members[: len(survivor_ids)]] != survivor_ids:
@@ -594,6 +619,31 @@ class ElasticSession(_FinalReport):
         self.held_generation, self.handed = gen.id, None
         self._refresh_replica(engine)  # newcomers, at the end of their join, too
         logger.info("rank %d left; now rank %d of %d", leaving, engine.rank, engine.world_size)
+
+    def _leave_holding_state(
+        self, engine: ZeroEngine, why: str, *, broken: bool = False
+    ) -> NoReturn:
+        """Leave without a hand-over: nobody is left to take this rank's shards
+        ([Note: leaving with nobody to hand over to])."""
+        assert self.control is not None
+        kept = engine.last_checkpoint
+        logger.warning(
+            "%s: leaving at step %d with nobody to hand the shards over to; the job "
+            "stops, and what it trained after %s is not kept",
+            why,
+            engine.global_steps,
+            f"the checkpoint {kept}" if kept is not None else "its start",
+        )
+        self._to(Phase.LEAVING)
+        engine.state.release()
+        if broken:
+            abort_default_group(self.control.timeout)
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+        self._forget_exit()
+        self.control.close(leave=True, reason=STOPPED)
+        self._to(Phase.LEFT)
+        raise SystemExit(0)
 
     def _grow_to(self, engine: ZeroEngine, gen: Generation) -> None:
         control = self.control

@@ -17,7 +17,7 @@ from coordinator.commands.args import non_negative, seconds
 from coordinator.config import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
 from coordinator.launch import STAGE_CHOICES, JobResult, LaunchSpec, LocalJob, forward_signals
 from coordinator.mesh import PP_ENV, TP_ENV, MeshChangeRefused, MeshShape, check_resize
-from coordinator.messages import StatusReport, WorkerReport
+from coordinator.messages import STOPPED, StatusReport, WorkerReport
 from coordinator.progress import ProgressDisplay, ProgressTracker, follow
 from coordinator.summary import JobSummary
 
@@ -234,9 +234,22 @@ def run(args: argparse.Namespace) -> int:
                     flush=True,
                 )
         with _progress(args) as display, _follow(display, lambda: _live_status(services)) as tick:
-            result = _wait_scaling(job, args, lambda: _departed(services), tick=tick)
+            result = _wait_scaling(
+                job,
+                args,
+                lambda: _departed(services),
+                over=lambda: _over(services),
+                tick=tick,
+            )
         # read before the embedded coordinator stops with the job
         status, reports = _final_status(services)
+    if result.ok and status is not None and _stopped_unfinished(status):
+        result = dataclasses.replace(
+            result,
+            returncode=1,
+            message="every worker left before training finished (asked to leave from "
+            "outside the launcher, with nobody to hand the job's state to)",
+        )
     if not result.ok:
         print(f"zeroplane run: {result.message}", file=sys.stderr)
     summary = JobSummary(
@@ -331,20 +344,82 @@ def _final_status(
     return None, {}
 
 
-def _departed(services: Sequence[object]) -> set[str]:
-    """Workers that left the embedded coordinator (handed over, or dropped) and hold
-    no lease now, whether or not their process has exited yet."""
+def _embedded_status(services: Sequence[object]) -> StatusReport | None:
+    """The embedded coordinator's status, read in process; None without one (or
+    while it stops)."""
     for service in services:
         server = getattr(service, "server", None)
         if server is not None:
             try:
-                status = server.status()
+                return server.status()
             except Exception as exc:  # stopping: count processes only
                 logger.debug("no status: %s", exc)
-                return set()
-            gone = {e.worker_id for e in status.events if e.kind in ("left", "expired")}
-            return gone - {w.info.worker_id for w in status.workers}
-    return set()
+                return None
+    return None
+
+
+def _departed(services: Sequence[object]) -> set[str]:
+    """Workers that left the embedded coordinator (handed over, or dropped) and hold
+    no lease now, whether or not their process has exited yet, and those that said
+    they were asked to leave (a SIGTERM from outside the launcher) and will."""
+    status = _embedded_status(services)
+    if status is None:
+        return set()
+    gone = {e.worker_id for e in status.events if e.kind in ("left", "expired")}
+    # a member that left stays in the status, "lost", until the next generation forms
+    here = {w.info.worker_id for w in status.workers if w.state != "lost"}
+    return (gone - here) | {w.info.worker_id for w in status.workers if w.leaving}
+
+
+def _over(services: Sequence[object]) -> bool:
+    """Whether the job is over for its members: one ended training (the embedded
+    coordinator's "finished" event), or members were told to leave with nobody to
+    hand over to (leave reason "stopped"). True when there is no embedded
+    coordinator to ask (an exit 0 is then taken for the end of training)."""
+    status = _embedded_status(services)
+    return status is None or any(
+        e.kind == "finished" or (e.kind == "left" and e.detail == STOPPED) for e in status.events
+    )
+
+
+def _stopped_unfinished(status: StatusReport) -> bool:
+    """The last members left with nobody to hand over to (reason "stopped") and
+    none had ended training: the job stopped unfinished."""
+    kinds = {(e.kind, e.detail) for e in status.events}
+    return ("left", STOPPED) in kinds and not any(kind == "finished" for kind, _ in kinds)
+
+
+def _keep_minimum(
+    job: LocalJob, low: int, departed: Callable[[], set[str]], over: Callable[[], bool]
+) -> None:
+    """Workers that left the coordinator and exited 0 without the launcher asking,
+    while the job is not over (:func:`_over`), left on a SIGTERM from outside:
+    a scale-down while at least ``low`` members remain. Below that the others
+    wait for workers nobody starts, so each leaver is replaced (an elastic job
+    with restarts left) or the job stops, saying why."""
+    if job.stopping:
+        return
+    exited = job.left_unasked()
+    if not exited or not job.running or over():
+        return  # nothing new, everyone has exited, or the job is over
+    gone = departed()
+    # a script that never joined the coordinator just ended: not a leave
+    leavers = [i for i in exited if job.worker_id(i) in gone]
+    members = len(set(map(job.worker_id, job.running)) - gone)
+    short = low - members
+    for index in leavers:
+        job.settle(index)
+        if short <= 0:
+            logger.info("worker %d left the job; %d member(s) go on", index, members)
+            continue
+        short -= 1
+        if not job.replace(index, "left the job without being asked (a SIGTERM from outside?)"):
+            job.abandon(
+                f"worker {index} left the job without being asked (a SIGTERM from outside "
+                f"the launcher?) and {members} worker(s) remain, fewer than the {low} it "
+                "needs; stopped the others"
+            )
+            return
 
 
 def _wait_scaling(
@@ -352,10 +427,12 @@ def _wait_scaling(
     args: argparse.Namespace,
     departed: Callable[[], set[str]] = set,
     *,
+    over: Callable[[], bool] = lambda: True,
     tick: Callable[[], None] = lambda: None,
 ) -> JobResult:
     """Wait for the job, adding (SIGUSR1) or retiring (SIGUSR2) workers on request,
-    and ``tick`` the progress display as it goes.
+    replacing workers that left from outside when fewer than ``--min-nproc``
+    remain (:func:`_keep_minimum`), and ``tick`` the progress display as it goes.
 
     A retirement counts members, not processes: a worker told to leave, or one
     that has handed over (``departed``: the coordinator no longer has it) and is
@@ -364,6 +441,7 @@ def _wait_scaling(
     high = args.nproc if args.max_nproc is None else args.max_nproc
     if low == high:
         while (result := job.poll()) is None:
+            _keep_minimum(job, low, departed, over)
             tick()
             time.sleep(0.05)
         return result
@@ -391,6 +469,7 @@ def _wait_scaling(
                     job.retire_worker()
                 else:
                     print(f"zeroplane run: already at {low} workers", file=sys.stderr)
+            _keep_minimum(job, low, departed, over)
             tick()
             time.sleep(0.1)
     finally:

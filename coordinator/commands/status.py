@@ -266,7 +266,7 @@ def format_status(report: StatusReport, *, address: str = "", events: int = 10) 
             [
                 "-" if w.rank is None else str(w.rank),
                 w.info.worker_id,
-                w.state,
+                f"{w.state} (leaving)" if w.leaving else w.state,
                 w.info.host,
                 w.info.device_kind,
                 _bytes(w.info.device_memory_bytes or None),

@@ -102,16 +102,18 @@ class WorkerReport(_message.Message):
     def __init__(self, model_state_bytes: _Optional[_Mapping[str, int]] = ..., device_allocated_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ..., step: _Optional[int] = ..., applied_generation_id: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., checkpoint: _Optional[str] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "generation_id", "report", "free_ports")
+    __slots__ = ("worker_id", "generation_id", "report", "free_ports", "leaving")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     generation_id: int
     report: WorkerReport
     free_ports: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, worker_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation_id", "lease_remaining_s", "job_finished")
@@ -262,18 +264,20 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("info", "rank", "lease_remaining_s", "report", "state")
+    __slots__ = ("info", "rank", "lease_remaining_s", "report", "state", "leaving")
     INFO_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     info: WorkerInfo
     rank: int
     lease_remaining_s: float
     report: WorkerReport
     state: str
-    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., rank: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., state: _Optional[str] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., rank: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., state: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("unix_s", "kind", "worker_id", "generation_id", "detail")
