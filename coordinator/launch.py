@@ -88,7 +88,9 @@ class JobService(Protocol):
 
     A service that also has ``worker_exited(worker_id: str, how: str)`` is told of
     every worker process that exits, as the launcher sees it (an embedded
-    coordinator then drops a crashed worker at once)."""
+    coordinator then drops a crashed worker at once); one with
+    ``job_stopping(why: str)`` is told once when the launcher starts stopping the
+    job (interrupted, failed or abandoned), before the workers exit."""
 
     def start(self) -> Mapping[str, str]:
         """Start; return environment variables every worker should see."""
@@ -267,6 +269,8 @@ class LocalJob:
         self._settled: set[int] = set()
         # why the job was stopped as failed (abandon())
         self._abandoned: str | None = None
+        # whether the services were told the job is stopping
+        self._stopping_told = False
         # workers whose exit the services were told of
         self._exits_told: set[int] = set()
 
@@ -318,6 +322,7 @@ class LocalJob:
         if not self._procs:
             raise RuntimeError("LocalJob.poll() before start()")
         codes = [p.poll() for p in self._procs]
+        self._tell_stopping()
         self._tell_exits(codes)
         if self._failed_rank is None and self._signal is None and self._abandoned is None:
             failed = [
@@ -333,6 +338,7 @@ class LocalJob:
                 if not self._settle(r, codes[r] or 0, going=alive or not finished):
                     self._failed_rank = r
                     logger.debug("rank %d %s", r, _describe(codes[r] or 0))
+                    self._tell_stopping()
                     self._begin_shutdown(signal.SIGTERM)
                     break
             codes += [p.poll() for p in self._procs[len(codes) :]]  # replacements started
@@ -348,6 +354,25 @@ class LocalJob:
             )
             self._kill_all(signal.SIGKILL)
         return None
+
+    def _tell_stopping(self) -> None:
+        """Tell the services, once, that the job is being stopped (from poll(), not
+        from the signal handler that may have started the stop)."""
+        if not self.stopping or self._stopping_told:
+            return
+        self._stopping_told = True
+        why = self._abandoned or (
+            f"the launcher got {_signal_name(self._signal)}"
+            if self._signal is not None
+            else "a worker failed"
+        )
+        for service in self._started_services:
+            told = getattr(service, "job_stopping", None)
+            if told is not None:
+                try:
+                    told(why)
+                except Exception as exc:  # the workers are stopped by signal anyway
+                    logger.debug("could not tell that the job stops: %s", exc)
 
     def _tell_exits(self, codes: list[int | None]) -> None:
         """Tell the services of each worker process that exited since the last poll."""
@@ -423,6 +448,7 @@ class LocalJob:
         if self._result is not None or self._abandoned is not None:
             return
         self._abandoned = message
+        self._tell_stopping()
         self._begin_shutdown(signal.SIGTERM)
 
     def wait(self, timeout: float | None = None) -> JobResult:

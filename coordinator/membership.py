@@ -41,6 +41,7 @@ from coordinator.config import MembershipConfig
 from coordinator.layout import ParamSpec, layout_steps
 from coordinator.messages import (
     FINISHED,
+    STOPPED,
     Event,
     Generation,
     Member,
@@ -298,6 +299,9 @@ class Membership:
         self._lost: dict[str, _Worker] = {}
         self._left: set[str] = set()  # the lost that asked to leave
         self._finished_by: str | None = None  # the first member whose training ended
+        # why the job is stopping unfinished (a launcher stopping it, or members told
+        # to leave with nobody to hand over to); not persisted
+        self._stopping: str | None = None
         self.events: deque[Event] = deque(maxlen=config.event_history)
         # A refused formation: the state it was refused in, and why (see [Note: atomic formation]).
         self._refused: tuple[tuple, str] | None = None
@@ -387,7 +391,17 @@ class Membership:
         if reason == FINISHED and member and self._finished_by is None:
             self._finished_by = worker_id
             self._event("finished", worker_id, "training ended; no new generation will form")
+        if reason == STOPPED and member:
+            self.stop(f"{worker_id} was told to leave with nobody to hand over to")
         return True
+
+    def stop(self, why: str) -> None:
+        """The job is stopping unfinished (``why``): as after a finish, no generation
+        forms any more, and heartbeats tell every worker still waiting for one that
+        the job is over ([Note: a finishing job])."""
+        if self._stopping is None and self._finished_by is None:
+            self._stopping = why
+            self._event("stopping", detail=f"{why}; no new generation will form")
 
     # [Note: a finishing job]
     # Members reach the end of training at the same step and leave one by one.
@@ -401,8 +415,9 @@ class Membership:
 
     @property
     def finished(self) -> bool:
-        """Whether a member left because its training ended (the job is finishing)."""
-        return self._finished_by is not None
+        """Whether the job is over: a member left because its training ended, or the
+        job is stopping (:meth:`stop`)."""
+        return self._finished_by is not None or self._stopping is not None
 
     # [Note: disconnects]
     # Every worker keeps a generation stream (WatchGenerations) open for as long as
@@ -649,8 +664,10 @@ class Membership:
         return self._workers[first].registered_at
 
     def waiting_reason(self) -> str:
-        if self.finished:
+        if self._finished_by is not None:
             return f"the job finished ({self._finished_by} ended training)"
+        if self._stopping is not None:
+            return f"the job is stopping ({self._stopping})"
         refused = None if self._refused is None else self._refusal()
         if refused is not None:
             return f"generation {self.generation_id + 1} cannot form: {refused}"

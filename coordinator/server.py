@@ -365,6 +365,11 @@ class _Servicer:
             except Exception:
                 logger.exception("membership reconcile failed")
 
+    async def stop_job(self, why: str) -> None:
+        """A launcher is stopping the job: form nothing more, and tell every worker
+        still waiting for a generation (heartbeats) that the job is over."""
+        self.m.stop(why)
+
     async def process_exited(self, worker_id: str, how: str) -> None:
         """A launcher saw the worker's process exit: drop it and re-form now."""
         if self.m.process_exited(worker_id, how):
@@ -711,6 +716,13 @@ class CoordinatorServer:
     async def _worker_exited(self, worker_id: str, how: str) -> None:
         await self._servicer.process_exited(worker_id, how)
 
+    def job_stopping(self, why: str) -> None:
+        """The launcher stops the job (``why``): no generation forms any more (in
+        process)."""
+        if self._terminated.is_set() or not hasattr(self, "_servicer"):
+            return
+        self._call(self._servicer.stop_job(why), timeout=10)
+
     def status(self) -> StatusReport:
         """The job's status, read in process (no RPC, no token)."""
         return self._call(self._read_status())
@@ -808,6 +820,12 @@ class EmbeddedCoordinator:
         survivors no wait for its connection to be noticed closed."""
         if self.server is not None:
             self.server.worker_exited(worker_id, how)
+
+    def job_stopping(self, why: str) -> None:
+        """The launcher is stopping the job: a member told to leave while it waits for
+        a generation learns that none is coming and leaves at once."""
+        if self.server is not None:
+            self.server.job_stopping(why)
 
     def stop(self) -> None:
         if self.server is not None:

@@ -14,7 +14,7 @@ from coordinator.membership import (
     StaleGeneration,
     UnknownWorker,
 )
-from coordinator.messages import FINISHED, WorkerReport
+from coordinator.messages import FINISHED, STOPPED, WorkerReport
 from coordinator.reshard import moves_for_rank
 from coordinator.statefile import load_snapshot, save_snapshot
 from tests.coordinator_util import inventory, worker
@@ -234,6 +234,25 @@ def test_a_member_that_says_it_is_leaving_is_marked_until_it_leaves() -> None:
     assert [e.worker_id for e in m.status().events if e.kind == "leaving"] == ["b"]
     m.leave("b")
     assert [w.info.worker_id for w in m.status().workers if w.leaving] == []
+
+
+def test_members_told_to_leave_with_nobody_to_hand_over_to_stop_the_job() -> None:
+    """Leave reason "stopped" (or a launcher's stop()): as after a finish, nothing
+    forms any more, and heartbeats tell the workers still waiting."""
+    clock = Clock()
+    m = membership(clock, min_workers=1, join_window_s=0)
+    m.register(worker("a"), inventory())
+    m.register(worker("b"), inventory())
+    assert m.maybe_form() is not None
+    m.leave("b", STOPPED)
+    assert m.finished and "is stopping (b was told to leave" in m.waiting_reason()
+    m.register(worker("c"), inventory())
+    assert m.maybe_form() is None
+    assert [e.kind for e in m.status().events][-3:] == ["left", "stopping", "registered"]
+    other = membership(Clock(), min_workers=1, join_window_s=0)
+    other.register(worker("a"), inventory())
+    other.stop("the launcher got SIGTERM")
+    assert other.maybe_form() is None and other.finished
 
 
 def test_inventory_mismatch_names_the_first_differing_parameter() -> None:

@@ -333,14 +333,21 @@ def test_a_member_asked_to_leave_says_so_at_once() -> None:
         assert [w.info.worker_id for w in server.status().workers if w.leaving] == ["b"]
 
 
-def test_a_member_asked_to_leave_stops_waiting_for_a_generation_that_cannot_form() -> None:
-    """Below min_workers no generation is coming to hand the shards over in: a member
-    asked to leave gives up waiting (None) instead of waiting out its patience."""
+def test_a_member_asked_to_leave_waits_for_a_generation_unless_the_job_is_over() -> None:
+    """Below min_workers a member asked to leave keeps waiting (a replacement may be
+    starting, and it hands over in that generation); once its launcher says the job
+    is stopping, it gives up waiting (None) instead of waiting out its patience."""
     from worker.control import ControlPlane
 
     cfg = config(min_workers=2, max_workers=2, lease_timeout_s=30.0)
-    with two_members(cfg) as (_, a, b, g1):
+    with two_members(cfg) as (server, a, b, g1):
         b.close(leave=True, reason="scale down")  # the job is now below min_workers
+        plane = ControlPlane(a, g1, "gloo", timedelta(seconds=1), patience_s=1.0)
+        with pytest.raises(TimeoutError):
+            plane.wait_to_re_form(stop=lambda: True)
+        server.job_stopping("the launcher got SIGTERM")
+        assert "the job is stopping (the launcher got SIGTERM)" in server.status().waiting_reason
+        a.announce_leaving()  # its heartbeat, sent now, hears that the job is over
         plane = ControlPlane(a, g1, "gloo", timedelta(seconds=1), patience_s=60.0)
         started = time.monotonic()
         assert plane.wait_to_re_form(stop=lambda: True) is None

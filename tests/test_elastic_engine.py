@@ -9,6 +9,7 @@ import torch.distributed as dist
 import worker
 from tests.reference import OPTIMIZERS, max_diff, seeded_model
 from tests.test_checkpoint import GLOBAL, global_batch, reference, use_extra
+from worker.ballot import BoundaryVote
 from worker.elastic import Holding, pack_entries, plan_restore, unpack_entries
 
 STEPS = 9
@@ -193,3 +194,18 @@ def test_a_refresh_cut_short_restores_the_newest_step_every_member_holds() -> No
     # finished the swap too and holds step 10 beside its unconfirmed step 8
     confirmed = [held(replica=(3, 0, 3), steps=(10,)), held(replica=(3, 1, 3), steps=(8, 10))]
     assert plan_restore(confirmed).step == 10
+
+
+def agreed(*votes: BoundaryVote) -> BoundaryVote:
+    """What the ballot's MAX all-reduce makes of the ranks' votes."""
+    return BoundaryVote.decode(*map(max, zip(*(v.encode() for v in votes), strict=True)))
+
+
+def test_the_vote_says_whether_anyone_stays() -> None:
+    """One rank asking to leave is handed over; when every rank asks, nobody can take
+    the shards ([Note: leaving with nobody to hand over to])."""
+    one = agreed(BoundaryVote(3), BoundaryVote(4, leaving_rank=1, staying=False))
+    assert one == BoundaryVote(4, leaving_rank=1, staying=True) and not one.everyone_leaving
+    every = agreed(*(BoundaryVote(4, leaving_rank=r, staying=False) for r in range(3)))
+    assert every.leaving_rank == 2 and every.everyone_leaving
+    assert not agreed(BoundaryVote(), BoundaryVote()).everyone_leaving

@@ -308,8 +308,10 @@ class ControlPlane:
         newcomers. This rank holds part of the job's state, so it waits up to
         ``$ZEROPLANE_MEMBERSHIP_WAIT_S`` (default 600 s, torchrun's join timeout),
         saying every 30 s what the coordinator is waiting for. None once ``stop()``
-        (this worker was asked to leave) while the coordinator waits for more
-        workers than it has: no generation is coming to hand the shards over in.
+        (this worker was asked to leave) and the coordinator says the job is over
+        (finished or stopping, e.g. its launcher stops it): no generation is coming
+        to hand the shards over in. Asked to leave while the job goes on (a
+        replacement may be starting), it waits: it hands over in that generation.
         """
         patience = self.patience_s
         deadline = time.monotonic() + patience
@@ -325,20 +327,11 @@ class ControlPlane:
                         f"within {patience:g}s (${MEMBERSHIP_WAIT_ENV}); "
                         f"it says: {self._waiting_reason()}"
                     ) from None
-            if stop() and self._short_of_workers():
+            if stop() and self.client.job_finished:
                 return None
             if time.monotonic() >= report:
                 report += _WAIT_REPORT_S
                 logger.warning("waiting for the job to re-form: %s", self._waiting_reason())
-
-    def _short_of_workers(self) -> bool:
-        """The coordinator waits for workers: fewer live ones than the job's minimum."""
-        try:
-            status = self.client.status()
-        except CoordinatorError:
-            return False
-        alive = sum(w.state != "lost" for w in status.workers)
-        return status.phase == "waiting" and alive < status.settings.min_workers
 
     def _waiting_reason(self) -> str:
         try:

@@ -27,14 +27,16 @@ hand-over at the first step boundary, and before admission a plain leave.
 A hand-over needs someone to take the shards. When every member was asked to
 leave at the same boundary (a launcher or an operator stopping the whole
 job: its SIGTERM reaches every worker), or a member asked to leave is
-waiting for a generation that cannot form (the job is below its minimum and
-nobody is joining), the members leave together without one, saying which
-checkpoint the job's state goes back to; they exit 0 with the leave reason
-"stopped", so the coordinator does not take the job for finished and a
-later set of workers can resume it from its checkpoint. Before, the members
-handed the state to each other one boundary after another until the last
-one had nobody to give it to and crashed (or waited for a generation that
-never formed until it was killed).
+waiting for a generation while the coordinator says the job is over (its
+launcher is stopping it), the members leave without one, saying which
+checkpoint the job's state goes back to, and exit 0 with the leave reason
+"stopped"; the coordinator then forms no generation and tells everyone
+still waiting that the job is over, as after a finish. A member asked to
+leave while the job goes on keeps waiting (a replacement may be starting)
+and hands over in the generation that forms. Before, the members handed
+the state to each other one boundary after another until the last one had
+nobody to give it to and crashed (or waited for a generation that never
+formed until it was killed).
 
 [Note: membership changes]
 Every rank must change membership at the same step boundary, so the
@@ -97,7 +99,7 @@ class StepAborted(RuntimeError):
     ``engine.global_steps``: carry on with the training loop from that step."""
 
 
-_NO_GENERATION = "asked to leave while the job waits for more workers than it has"
+_NO_GENERATION = "asked to leave while waiting for a generation, and the job is over"
 
 
 class PeerLost(CollectiveError):
