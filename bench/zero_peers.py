@@ -8,6 +8,9 @@ same model and the same batches:
 * ``fsdp2``  ``fully_shard`` on each block and the root, on a CPU device mesh,
 * ``ds0-3``  DeepSpeed ZeRO stages 0-3 (fp32, torch AdamW passed in),
 * ``zp0-3``  zeroplane stages 0-3 (``worker.initialize``),
+* ``zp3r``   zeroplane stage 3 with ``stage3_max_reuse_distance=1e9``, DeepSpeed's
+  default: every unit stays gathered from its forward into its backward
+  (``ds3`` runs that way),
 * ``zp1o-zp3o`` / ``ds1o-ds3o``  the same stages with the optimizer offloaded to
   host memory (ZeRO-Offload; not in the default list, name them in
   ``--systems``): zeroplane with ``offload_optimizer="cpu"`` (torch's fused CPU
@@ -72,10 +75,10 @@ LR = 1e-3
 MICRO_BATCH = 8
 SEQ_LEN = 64
 KINDS = ("params", "grads", "master", "optimizer")
-ALL_SYSTEMS = ("ddp", "fsdp2", "zp0", "zp1", "zp2", "zp3", "ds0", "ds1", "ds2", "ds3")
+ALL_SYSTEMS = ("ddp", "fsdp2", "zp0", "zp1", "zp2", "zp3", "zp3r", "ds0", "ds1", "ds2", "ds3")
 OFFLOAD_SYSTEMS = tuple(f"{p}{s}o" for p in ("zp", "ds") for s in (1, 2, 3))
 STAGE_OF = (
-    {"ddp": 0, "fsdp2": 3}
+    {"ddp": 0, "fsdp2": 3, "zp3r": 3}
     | {f"{p}{s}": s for p in ("zp", "ds") for s in range(4)}
     | {name: int(name[2]) for name in OFFLOAD_SYSTEMS}
 )
@@ -337,13 +340,16 @@ def build_deepspeed(
 
 
 def build_zeroplane(
-    model: nn.Module, stage: int, ctx: RankContext, offload: bool = False
+    model: nn.Module, stage: int, ctx: RankContext, offload: bool = False, keep: bool = False
 ) -> Harness:
     import worker
 
     opt = _adamw(model.parameters())
     config = worker.ZeroConfig(
-        stage=stage, dtype="fp32", offload_optimizer="cpu" if offload else "none"
+        stage=stage,
+        dtype="fp32",
+        offload_optimizer="cpu" if offload else "none",
+        stage3_max_reuse_distance=10**9 if keep else 0,
     )
     engine = worker.initialize(model, opt, config=config)
 
@@ -368,7 +374,7 @@ def make_harness(system: str, model: nn.Module, spec: ModelSpec, ctx: RankContex
     if system.startswith("ds"):
         return build_deepspeed(model, STAGE_OF[system], ctx, offload)
     if system.startswith("zp"):
-        return build_zeroplane(model, STAGE_OF[system], ctx, offload)
+        return build_zeroplane(model, STAGE_OF[system], ctx, offload, keep=system == "zp3r")
     known = ", ".join(ALL_SYSTEMS + OFFLOAD_SYSTEMS)
     raise ValueError(f"unknown system {system!r}; choose from {known}")
 
@@ -600,7 +606,9 @@ def time_ratio(
 
 def _ds_peer(r: Result) -> str:
     """The DeepSpeed system a row is compared with: same stage, same offload."""
-    return "ds" + r.system[2:] if r.system.startswith(("zp", "ds")) else f"ds{r.stage}"
+    if r.system.startswith(("zp", "ds")):
+        return "ds" + r.system[2:].removesuffix("r")
+    return f"ds{r.stage}"
 
 
 def _target(r: Result, by: dict[str, Result], paired: bool) -> str:

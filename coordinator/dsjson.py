@@ -6,9 +6,9 @@ torch-free (so the mapping lives here, on the coordinator's side).
 
 Fields with a DeepSpeed key go under it (``zero_optimization.stage``,
 ``reduce_bucket_size``, ``overlap_comm``, ``stage3_prefetch_bucket_size``,
-``bf16``/``fp16`` with the loss-scale settings, ``gradient_accumulation_steps``,
-``gradient_clipping``, ``activation_checkpointing``). Fields DeepSpeed has
-no key for (``compression``, ``reduce_dtype``, ``replica_interval``, ...) go
+``stage3_max_reuse_distance``, ``bf16``/``fp16`` with the loss-scale settings,
+``gradient_accumulation_steps``, ``gradient_clipping``, ``activation_checkpointing``).
+Fields DeepSpeed has no key for (``compression``, ``reduce_dtype``, ``replica_interval``, ...) go
 under a top-level ``"zeroplane"`` section, which DeepSpeed does not read and
 ``from_deepspeed`` reads back, so a round trip gives the same ZeroConfig.
 """
@@ -63,6 +63,10 @@ def to_deepspeed(
             zo["stage3_prefetch_bucket_size"] = DS_PREFETCH_BUCKET if prefetch else 0
         else:  # DeepSpeed counts elements, not units: only on/off maps
             extra["stage3_prefetch"] = prefetch
+    reuse = rest.pop("stage3_max_reuse_distance", 0)
+    if zo["stage"] == 3 or reuse:
+        # written even at zeroplane's default: DeepSpeed's own (1e9) keeps every unit
+        zo["stage3_max_reuse_distance"] = reuse
     ds["zero_optimization"] = zo
     dtype = rest.pop("dtype", "fp32")
     ds["bf16"] = {"enabled": dtype == "bf16"}

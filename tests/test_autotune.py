@@ -216,6 +216,7 @@ def test_deepspeed_round_trip():
         ),
         ZeroConfig(stage=2, dtype="fp16", loss_scale=128.0, hysteresis=2, stage3_prefetch=3),
         ZeroConfig(dtype="bf16", hysteresis=3, activation_checkpointing=2, replica_interval=5),
+        ZeroConfig(stage=3, stage3_max_reuse_distance=10**9),
     ]
     for config in configs:
         ds = config.to_deepspeed(micro_batch=4, world_size=2)
@@ -227,6 +228,7 @@ def test_deepspeed_round_trip():
         "stage": 3,
         "reduce_bucket_size": 2**20,
         "stage3_prefetch_bucket_size": 0,
+        "stage3_max_reuse_distance": 0,
     }
     assert ds["bf16"] == {"enabled": True} and ds["activation_checkpointing"] == {}
     assert ds["zeroplane"] == {"compression": "int8"}  # DeepSpeed has no such key

@@ -60,6 +60,7 @@ FILES: dict[str, tuple[dict[str, Any], ZeroConfig | set[str]]] = {
             overlap_comm=False,
             bucket_numel=200_000_000,
             stage3_prefetch=1,
+            stage3_max_reuse_distance=1_000_000_000,
         ),
     ),
     # HF's zero2 template, offload_optimizer set to "none" (HF's way to turn it off)
@@ -85,6 +86,7 @@ FILES: dict[str, tuple[dict[str, Any], ZeroConfig | set[str]]] = {
             bucket_numel=1024 * 1024,
             overlap_comm=True,
             stage3_prefetch=1,
+            stage3_max_reuse_distance=1_000_000_000,
             loss_scale=0.0,
             initial_scale_power=16,
             loss_scale_window=1000,
@@ -103,6 +105,7 @@ FILES: dict[str, tuple[dict[str, Any], ZeroConfig | set[str]]] = {
             bucket_numel=1024 * 1024,
             overlap_comm=True,
             stage3_prefetch=1,
+            stage3_max_reuse_distance=1_000_000_000,
             offload_optimizer="cpu",
             offload_params="cpu",
             pin_memory=True,

@@ -14,12 +14,12 @@ CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=18)
 ELT = {"fp32": 4, "bf16": 2}
 
 
-def gpt_engine(stage: int, dtype: str) -> tuple[worker.ZeroEngine, int]:
+def gpt_engine(stage: int, dtype: str, **config: int) -> tuple[worker.ZeroEngine, int]:
     torch.manual_seed(0)
     model = GPT(CFG)
     numel = sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.requires_grad)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    config = worker.ZeroConfig(stage=stage, dtype=dtype, bucket_numel=5000)
+    config = worker.ZeroConfig(stage=stage, dtype=dtype, bucket_numel=5000, **config)
     return worker.initialize(model, opt, config=config), numel
 
 
@@ -77,8 +77,8 @@ def test_memory_report_matches_formulas(pools, world: int, dtype: str) -> None:
             assert saving == pytest.approx(want, rel=0.05), (stage, saving, want)
 
 
-def comm_case(stage: int, dtype: str) -> dict:
-    engine, numel = gpt_engine(stage, dtype)
+def comm_case(stage: int, dtype: str, **config: int) -> dict:
+    engine, numel = gpt_engine(stage, dtype, **config)
     one_step(engine, 0)  # records the stage-3 forward order, so prefetching is on
     before = engine.comm_report()
     one_step(engine, 1)
@@ -88,11 +88,14 @@ def comm_case(stage: int, dtype: str) -> dict:
         for op in after
     }
     root = sum(b.padded_numel for b in engine.layout.buckets if b.unit == 0)
+    # the last block's forward ends last before the root's: its backward comes first
+    last = next((u.index for u in engine.units if u.module is engine.module.blocks[-1]), None)
     return {
         "delta": delta,
         "numel": numel,
         "padded": engine.layout.padded_numel,
         "root": root,
+        "last": sum(b.padded_numel for b in engine.layout.buckets if b.unit == last),
         "trainable": len(engine.inventory.trainable),
     }
 
@@ -113,8 +116,18 @@ def test_comm_report_matches_theory(pools, stage: int, dtype: str) -> None:
         want["reduce_scatter"] = p * padded
         want["all_gather"] = p * padded
     else:
-        # every unit is gathered for forward and again for backward, except the root,
-        # which stays gathered from its forward to its backward (as FSDP2's root does)
+        # every unit is gathered for forward and again for backward, except the root
+        # and the last block, which stay gathered from their forward to their backward
         want["reduce_scatter"] = p * padded
-        want["all_gather"] = p * (2 * padded - case["root"])
+        want["all_gather"] = p * (2 * padded - case["root"] - case["last"])
+        assert case["last"] > 0
     assert got == want
+
+
+def test_stage3_keeping_every_unit_gathers_once_per_step(pools) -> None:
+    """stage3_max_reuse_distance past the model's size: one forward gather per unit,
+    none in backward, the same all-gather volume as stage 2's publish."""
+    case = pools(2).run(comm_case, 3, "fp32", stage3_max_reuse_distance=10**9)[0]
+    got = {op: v["bytes"] for op, v in case["delta"].items() if v["calls"]}
+    assert got["all_gather"] == 4 * case["padded"]
+    assert got["reduce_scatter"] == 4 * case["padded"]

@@ -143,6 +143,19 @@ def test_stage3_full_transformer_every_module_a_unit(pools) -> None:
     pools(2).run(train_against_torch, partial(EncoderNet, 16, 2, 1, decoder=True), 3, config)
 
 
+@pytest.mark.parametrize("distance", [600, 10**9], ids=["some-units-kept", "all-units-kept"])
+def test_stage3_units_kept_into_backward_train_like_torch(pools, distance: int) -> None:
+    # [Note: units kept gathered into backward]: an encoder read again by the
+    # decoder's cross-attention, so reuse distances are not in module order
+    config = {"stage3_min_unit_numel": 1, "bucket_numel": 211}
+    config["stage3_max_reuse_distance"] = distance
+    pools(2).run(train_against_torch, partial(EncoderNet, 16, 2, 1, decoder=True), 3, config)
+    # a branch used on every other step, and blocks recomputed in backward
+    config = {"bucket_numel": 97, "stage3_min_unit_numel": 1}
+    config["stage3_max_reuse_distance"] = distance
+    pools(2).run(train_against_torch, partial(CheckpointedNet, False), 3, config)
+
+
 # ---------------------------------------------------------------- activation checkpointing
 
 

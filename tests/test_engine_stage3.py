@@ -18,11 +18,13 @@ def gathered(unit: GatherUnit) -> bool:
     return all(b.full.untyped_storage().nbytes() > 0 for b in unit.buckets)
 
 
-def trace_gathers(prefetch: int) -> dict:
+def trace_gathers(prefetch: int, reuse_distance: int = 0) -> dict:
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = worker.ZeroConfig(stage=3, stage3_prefetch=prefetch)
+    config = worker.ZeroConfig(
+        stage=3, stage3_prefetch=prefetch, stage3_max_reuse_distance=reuse_distance
+    )
     engine = worker.initialize(model, opt, config=config)
     units = {u.module: u for u in engine.units}
     blocks = [units[b] for b in model.blocks]
@@ -59,8 +61,10 @@ def test_units_gathered_just_in_time_and_freed(pools, prefetch: int) -> None:
     for tag, k, state in forward:
         if tag == "pre":
             want = {k} | ({k + 1} if prefetch and k + 1 < n else set())
+        elif k + 1 < n:
+            want = {k + 1} if prefetch else set()
         else:
-            want = {k + 1} if prefetch and k + 1 < n else set()
+            want = {k}  # the last block's backward comes first: kept, not gathered again
         assert {i for i, s in enumerate(state) if s} == want, (tag, k, state)
     grads = [(k, g) for tag, k, g in case["events"] if tag == "grad"]
     assert [k for k, _ in grads] == list(reversed(range(n)))
@@ -71,6 +75,26 @@ def test_units_gathered_just_in_time_and_freed(pools, prefetch: int) -> None:
         assert k in held
         if prefetch and k > 0:
             assert k - 1 in held, "block k-1 was not prefetched during block k's backward"
+    assert not any(case["after"]), "units still gathered after the step"
+
+
+@pytest.mark.parametrize("kept", [2, 4], ids=["last-two-blocks", "every-block"])
+def test_units_within_the_reuse_distance_stay_gathered_into_backward(pools, kept: int) -> None:
+    # [Note: units kept gathered into backward]: a block's distance is the elements
+    # of the blocks whose forward ends after its own (all blocks are the same size)
+    block = sum(p.numel() for p in GPT(CFG).blocks[0].parameters())
+    distance = block + 64 if kept == 2 else 10**9  # 64: more than a block's padding
+    case = pools(2).run(trace_gathers, 0, distance)[0]
+    n = case["n_blocks"]
+    keep = set(range(n - kept, n))
+    for tag, k, state in case["events"]:
+        held = {i for i, s in enumerate(state) if s}
+        if tag == "pre":
+            assert held == {i for i in keep if i < k} | {k}, (tag, k, state)
+        elif tag == "post":
+            assert held == {i for i in keep if i <= k}, (tag, k, state)
+        else:  # block k's gradients: the kept blocks not reduced yet, and k
+            assert held == {i for i in keep if i < k} | {k}, (tag, k, state)
     assert not any(case["after"]), "units still gathered after the step"
 
 

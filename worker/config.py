@@ -55,6 +55,14 @@ class ZeroConfig:
         overlap_comm: reduce buckets during backward as they fill; otherwise
             all reductions run after backward.
         stage3_prefetch: how many gather units to fetch ahead (0 = none).
+        stage3_max_reuse_distance: a stage-3 gather unit whose backward comes
+            within this many parameter elements (of the units whose forward ends
+            after its own) stays gathered from its forward into its backward,
+            saving one all-gather per step for more memory held during the
+            step (see worker/stages.py [Note: units kept gathered into
+            backward]). 0: only the root and the last unit to finish, whose
+            backward comes first; DeepSpeed's default 1e9 keeps every unit of a
+            model under a billion parameters.
         stage3_min_unit_numel: a module whose not-yet-assigned parameters
             reach this many elements becomes its own gather unit. Modules held
             in an ``nn.ModuleList`` or ``nn.Sequential`` are units regardless.
@@ -107,6 +115,7 @@ class ZeroConfig:
     bucket_numel: int = 2**22
     overlap_comm: bool = True
     stage3_prefetch: int = 1
+    stage3_max_reuse_distance: int = 0
     stage3_min_unit_numel: int = 2**20
     loss_scale: float = 0.0
     initial_scale_power: int = 16
@@ -155,6 +164,7 @@ class ZeroConfig:
                 raise bad(name, "an integer >= 1")
         for name in (
             "stage3_prefetch",
+            "stage3_max_reuse_distance",
             "stage3_min_unit_numel",
             "compression_warmup_steps",
             "replica_interval",
@@ -262,8 +272,9 @@ class ZeroConfig:
           it: ``reduce_bucket_size = hidden_size**2`` and
           ``stage3_prefetch_bucket_size = 0.9 * hidden_size**2`` when they are
           ``"auto"`` (the latter only says whether to prefetch: zeroplane
-          prefetches whole units). ``stage3_param_persistence_threshold`` is
-          ignored, ``"auto"`` or not.
+          prefetches whole units). ``stage3_param_persistence_threshold`` and
+          ``stage3_max_live_parameters`` are ignored, ``"auto"`` or not;
+          ``stage3_max_reuse_distance`` sets the field of that name.
         - ``fp16``, ``bf16``: ``TrainingArguments``-style booleans for
           ``fp16.enabled`` / ``bf16.enabled``; giving one makes the other
           False unless given too. Like HF, a file value that is not ``"auto"``
@@ -383,7 +394,6 @@ _DS_ZERO_IGNORED = frozenset(
         "allgather_bucket_size",
         "round_robin_gradients",
         "stage3_max_live_parameters",
-        "stage3_max_reuse_distance",
         "stage3_param_persistence_threshold",
         "stage3_gather_16bit_weights_on_model_save",
         "sub_group_size",
@@ -660,6 +670,13 @@ class _DeepSpeedReader:
                         raise _ds_error(key, "an integer >= 0", value)
                     # DeepSpeed counts elements; zeroplane prefetches whole units.
                     self.set("stage3_prefetch", key, 1 if numel > 0 else 0)
+            elif sub == "stage3_max_reuse_distance":
+                value = self.resolve(key, value, "stage3_max_reuse_distance")
+                if value is not _SKIP:
+                    numel = _ds_int(key, value)
+                    if numel < 0:  # Field(ge=0) in DeepSpeed
+                        raise _ds_error(key, "an integer >= 0", value)
+                    self.set("stage3_max_reuse_distance", key, numel)
             elif sub in ("offload_optimizer", "offload_param"):
                 # Optional in DeepSpeed: null means no offload, as absent does
                 if value is not None:

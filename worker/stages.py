@@ -514,9 +514,11 @@ class ShardedParams(ParamStorage):
         prefetch: int,
         gather_codec: Codec | None,
         home: ShardHome | None = None,
+        max_reuse_distance: int = 0,
     ) -> None:
         super().__init__(dtype, master_apart)
         self.prefetch, self.gather_codec = prefetch, gather_codec
+        self.max_reuse_distance = max_reuse_distance
         self.home: ShardHome = home or _OnDevice()
         self.units: list[GatherUnit] = []
         self._unit_by_index: dict[int, GatherUnit] = {}
@@ -524,6 +526,10 @@ class ShardedParams(ParamStorage):
         self._hooks: list[Any] = []
         self._order: list[GatherUnit] = []
         self._order_recorded = False
+        # [Note: units kept gathered into backward]: the first forward's units in the
+        # order their forward ended, and those that then stay gathered into backward
+        self._finish_order: list[GatherUnit] = []
+        self._kept: set[GatherUnit] = set()
         # [Note: modules whose forward never runs]: units running their forward now
         self._discovered = False
         self._running: list[GatherUnit] = []
@@ -567,6 +573,7 @@ class ShardedParams(ParamStorage):
         self._hooks.clear()
         self.units, self._unit_by_index, self._unit_of_param = [], {}, {}
         self._order, self._order_recorded = [], False
+        self._finish_order, self._kept = [], set()
         self._discovered, self._running = False, []
         # a backward cut short by a lost peer never reached end_backward(): left set,
         # the next forward would skip its backward gathers while a newcomer's did not
@@ -652,6 +659,8 @@ class ShardedParams(ParamStorage):
         self._in_backward = False
         for unit in self.units:
             unit.reshard()
+        if not self._order_recorded:
+            self._kept = self._kept_into_backward()
         self._order_recorded = bool(self.units)
 
     # the hooks: gather, wait, prefetch; free after use
@@ -670,12 +679,45 @@ class ShardedParams(ParamStorage):
 
         return hook
 
+    def _kept_into_backward(self) -> set[GatherUnit]:
+        """[Note: units kept gathered into backward]
+
+        Freeing a unit after its forward pays off only if much runs before its
+        backward gathers it again. The root is read first in backward (its
+        forward ends last, usually with the loss) and always stays gathered.
+        Another unit's *reuse distance* is the number of parameter elements of
+        the units whose forward ends after its own: the backward reads those
+        before it. A unit whose distance is at most ``max_reuse_distance``
+        (``ZeroConfig.stage3_max_reuse_distance``, DeepSpeed's key of that name)
+        stays gathered from its forward into its backward and is freed once its
+        gradients are reduced: one all-gather per step less each. The default 0
+        keeps only the last unit to finish, whose backward comes first anyway, so
+        the peak is unchanged; FSDP2 keeps only the root. DeepSpeed's default
+        (1e9) keeps every unit of a model under a billion parameters: stage 3
+        then communicates as little as stage 2, with stage 2's peak.
+
+        The distances come from the first forward with gradients (as the prefetch
+        order does), so every rank skips the same gathers.
+        """
+        last: dict[GatherUnit, int] = {}
+        for i, unit in enumerate(self._finish_order):
+            last[unit] = i  # a unit run twice is reused after its last forward
+        kept, distance = set(), 0
+        for unit in sorted(last, key=last.__getitem__, reverse=True):
+            if distance > self.max_reuse_distance:
+                break
+            kept.add(unit)
+            distance += sum(b.full.numel() for b in unit.buckets)
+        return kept
+
     def _post_forward_hook(self, unit: GatherUnit):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self._discovered and unit in self._running:
                 del self._running[len(self._running) - 1 - self._running[::-1].index(unit)]
             if self._in_backward:
                 return  # a recomputation: the backward about to run reads these parameters
+            if not self._order_recorded and unit.index != 0 and torch.is_grad_enabled():
+                self._finish_order.append(unit)
             if torch.is_grad_enabled():
                 outputs = [
                     t
@@ -686,8 +728,8 @@ class ShardedParams(ParamStorage):
                     torch.autograd.graph.register_multi_grad_hook(
                         outputs, lambda grads: self._pre_backward(unit), mode="any"
                     )
-                if unit.index == 0:
-                    return  # the root's parameters are used first in backward: keep them
+                if outputs and (unit.index == 0 or unit in self._kept):
+                    return  # [Note: units kept gathered into backward]
             unit.reshard()
 
         return hook

@@ -146,6 +146,7 @@ class ShardState:
                 self.dtype,
                 apart,
                 prefetch=self.config.stage3_prefetch,
+                max_reuse_distance=self.config.stage3_max_reuse_distance,
                 gather_codec=make_codec(
                     self.config.stage3_gather_compression, self.config.compression_block
                 ),
