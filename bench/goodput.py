@@ -333,6 +333,7 @@ class ZeroplaneRun:
             command=command,
             nproc=o.nproc,
             env={"ZEROPLANE_COLLECTIVE_TIMEOUT_S": str(o.collective_timeout)},
+            fork_server=not o.no_fork_server,
         )
         self.job = job = LocalJob(
             spec,
@@ -477,6 +478,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="kill points and victims")
     p.add_argument(
         "--timeout", type=float, default=180.0, help="fail a run with no step for this, s"
+    )
+    p.add_argument(
+        "--no-fork-server",
+        action="store_true",
+        help="zeroplane: start each worker as a fresh process, as `zeroplane run "
+        "--no-fork-server` does (default: forked from one that imported torch once)",
     )
     p.add_argument("--workdir", type=Path, help="keep logs, events and checkpoints here")
     p.add_argument("--json", type=Path, help="write every measurement here")

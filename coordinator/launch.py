@@ -46,6 +46,7 @@ from types import MappingProxyType
 from typing import IO, Protocol
 
 from coordinator.config import WORKER_ID_ENV
+from coordinator.forkserver import ForkedProcess, ForkServer, forkable
 from coordinator.ports import free_port
 
 __all__ = [
@@ -113,6 +114,9 @@ class LaunchSpec:
         free port at start.
     grace_s: how long workers get between SIGTERM (or a forwarded signal) and
         SIGKILL.
+    fork_server: fork the workers from one process that imported torch once
+        (coordinator/forkserver.py [Note: fork server]) when ``command`` is this
+        interpreter running a script or ``-m module``; Linux only.
     """
 
     command: tuple[str, ...]
@@ -122,6 +126,7 @@ class LaunchSpec:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     grace_s: float = 5.0
+    fork_server: bool = False
 
     def __post_init__(self) -> None:
         command = tuple(self.command)
@@ -253,7 +258,8 @@ class LocalJob:
         self._on_line = on_line or prefix_lines()
         self._services = list(services)
         self._started_services: list[JobService] = []
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[subprocess.Popen[bytes] | ForkedProcess] = []
+        self._fork_server: ForkServer | None = None
         self._readers: list[threading.Thread] = []
         self._output_lock = threading.Lock()
         self._master_port: int | None = None
@@ -299,6 +305,10 @@ class LocalJob:
                 extra_env.update(service.start())
                 self._started_services.append(service)
             self._extra_env = extra_env
+            if spec.fork_server and forkable(spec.command) and sys.platform.startswith("linux"):
+                self._fork_server = ForkServer(
+                    self._worker_env(0, extra_env), launch_prefix=self._trampoline()
+                )
             for rank in range(spec.nproc):
                 self._spawn(rank, self._worker_env(rank, extra_env))
         except BaseException:
@@ -567,26 +577,30 @@ class LocalJob:
         env[WORKER_ID_ENV] = self.worker_id(rank)
         return env
 
+    @staticmethod
+    def _trampoline() -> list[str]:
+        """What a child runs under so it dies with the launcher (Linux)."""
+        if not sys.platform.startswith("linux"):
+            return []
+        return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_TRAMPOLINE, str(os.getpid())]
+
     def _spawn(self, rank: int, env: dict[str, str]) -> None:
-        argv = list(self.spec.command)
-        if sys.platform.startswith("linux"):
-            argv = [
-                sys.executable,
-                "-I",
-                "-S",
-                "-c",
-                _PDEATHSIG_TRAMPOLINE,
-                str(os.getpid()),
-                *argv,
-            ]
-        proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        proc: subprocess.Popen[bytes] | ForkedProcess | None = None
+        server = self._fork_server
+        if server is not None and server.alive:
+            try:
+                proc = server.fork(self.spec.command, env)
+            except OSError as e:
+                logger.warning("%s; starting worker %d as a fresh process", e, rank)
+        if proc is None:
+            proc = subprocess.Popen(
+                [*self._trampoline(), *self.spec.command],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
         self._procs.append(proc)
         if self._signal is not None:
             # A signal arrived while the job was starting: this worker gets it too.
@@ -674,6 +688,9 @@ class LocalJob:
     def _finish_cleanup(self) -> None:
         # Leftovers a worker started and did not wait for die with the job.
         self._kill_all(signal.SIGKILL)
+        if self._fork_server is not None:
+            self._fork_server.close()
+            self._fork_server = None
         for reader in self._readers:
             reader.join(timeout=1.0)
         while self._started_services:

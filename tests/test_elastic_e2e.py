@@ -16,6 +16,7 @@ fewer steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -31,6 +32,7 @@ import pytest
 import torch
 
 from coordinator.config import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
+from coordinator.forkserver import SERVER_MODULE
 from coordinator.server import CoordinatorServer, create_server
 from tests.test_run_e2e import EXAMPLE, ROOT, reference
 
@@ -470,9 +472,24 @@ class LauncherRun:
             time.sleep(0.1)
 
     def workers(self) -> list[int]:
-        """The launcher's worker processes (its children), oldest first."""
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-        return sorted(int(pid) for pid in children.split())
+        """The launcher's worker processes, oldest first: its children, and the
+        children of its fork server in its place (coordinator/forkserver.py)."""
+
+        def children(pid: int) -> list[int]:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                listed = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+                return [int(c) for c in listed.split()]
+            return []
+
+        def is_fork_server(pid: int) -> bool:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                return SERVER_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+            return False
+
+        found = []
+        for pid in children(self.proc.pid):
+            found += children(pid) if is_fork_server(pid) else [pid]
+        return sorted(found)
 
     def wait(self, timeout: float = 120) -> int:
         try:

@@ -201,6 +201,7 @@ def _run_stage(
         nproc=options.nproc,
         stage=str(stage),
         grace_s=options.grace_s,
+        fork_server=True,
     )
     t0 = time.monotonic()
     # imported here: the gRPC server is only needed when this process hosts it

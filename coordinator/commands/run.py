@@ -99,6 +99,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "is not elastic fails as soon as a worker fails",
     )
     parser.add_argument(
+        "--no-fork-server",
+        action="store_true",
+        help="start every worker as a fresh Python process. By default the workers "
+        "of a Python script are forked from one process that imported torch once, so "
+        "starting, replacing or adding a worker does not import torch again",
+    )
+    parser.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
         default=None,
@@ -184,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
             stage=args.stage,
             grace_s=args.grace,
             env=_mesh_env(args),
+            fork_server=not args.no_fork_server,
         )
     except ValueError as exc:
         print(f"zeroplane run: {exc}", file=sys.stderr)
