@@ -52,6 +52,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--starts", type=int, default=30)
     p.add_argument("--nproc", type=int, default=3)
+    p.add_argument(
+        "--no-fork-server", action="store_true", help="start each worker as a fresh process"
+    )
     p.add_argument("--busy", type=int, default=1, help="cores kept busy meanwhile")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per start")
     opts = p.parse_args()
@@ -67,7 +70,7 @@ def main() -> int:
             script.write_text(SCRIPT)
             cmd = [
                 sys.executable, "-m", "coordinator.cli", "run", "--nproc", str(opts.nproc),
-                "--no-http", str(script),
+                "--no-http", *(["--no-fork-server"] if opts.no_fork_server else []), str(script),
             ]  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             for i in range(opts.starts):
