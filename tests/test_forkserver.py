@@ -99,6 +99,14 @@ def test_forked_module_and_fresh_fallback(tmp_path: Path) -> None:
     assert result.returncode == 0, result
     assert got["argv"] == [str(tmp_path / "showmod.py"), "ok"] and got["preloaded"]
     assert got["path0"] == str(tmp_path) and got["cwd"] == str(tmp_path)
+    # what cannot be run ends as the interpreter ends it
+    for command, code, says in (
+        ((sys.executable, str(tmp_path / "missing.py")), 2, "can't open file"),
+        ((sys.executable, "-m", "no_such_module_here"), 1, "No module named no_such_module_here"),
+    ):
+        result, lines = run_job(command, 1, fork_server=True)
+        err = [line for _, stream, line in lines if stream == "stderr"]
+        assert result.returncode == code and any(says in line for line in err), (result, err)
     # a command the server cannot run starts as a fresh process
     result, lines = run_job((sys.executable, "-c", SCRIPT, "ok"), nproc=1, fork_server=True)
     assert result.returncode == 0 and reports(lines)[0]["preloaded"] is False

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import importlib.util
 import os
 import runpy
 import select
@@ -100,12 +101,32 @@ def become(request: Request, server_pid: int) -> None:
 
 
 def run(request: Request) -> None:
-    """Run the worker's script as ``__main__``."""
+    """Run the worker's script as ``__main__``; a script that cannot be opened or a
+    module that cannot be found ends as the interpreter ends it (same message, same
+    exit code: 2 and 1)."""
     argv = request.argv
     if argv[0] == "-m":
+        try:
+            found = importlib.util.find_spec(argv[1]) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            print(f"{sys.executable}: No module named {argv[1]}", file=sys.stderr)
+            raise SystemExit(1)
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        runpy.run_path(argv[0], run_name="__main__")
+        return
+    path = os.path.abspath(argv[0])
+    if not os.path.isdir(path):  # a directory runs its __main__.py, as python does
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            print(
+                f"{sys.executable}: can't open file {path!r}: [Errno {e.errno}] {e.strerror}",
+                file=sys.stderr,
+            )
+            raise SystemExit(2) from None
+    runpy.run_path(argv[0], run_name="__main__")
 
 
 def _request(message: dict[str, Any], fds: list[int]) -> Request | None:
