@@ -111,7 +111,7 @@ def run(request: Request) -> None:
         except (ImportError, ValueError):
             found = False
         if not found:
-            print(f"{sys.executable}: No module named {argv[1]}", file=sys.stderr)
+            sys.stderr.write(f"{sys.executable}: No module named {argv[1]}\n")
             raise SystemExit(1)
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return
@@ -121,9 +121,8 @@ def run(request: Request) -> None:
             with open(path, "rb"):
                 pass
         except OSError as e:
-            print(
-                f"{sys.executable}: can't open file {path!r}: [Errno {e.errno}] {e.strerror}",
-                file=sys.stderr,
+            sys.stderr.write(
+                f"{sys.executable}: can't open file {path!r}: [Errno {e.errno}] {e.strerror}\n"
             )
             raise SystemExit(2) from None
     runpy.run_path(argv[0], run_name="__main__")
