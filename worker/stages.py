@@ -716,9 +716,9 @@ class ShardedParams(ParamStorage):
                 del self._running[len(self._running) - 1 - self._running[::-1].index(unit)]
             if self._in_backward:
                 return  # a recomputation: the backward about to run reads these parameters
-            if not self._order_recorded and unit.index != 0 and torch.is_grad_enabled():
-                self._finish_order.append(unit)
             if torch.is_grad_enabled():
+                if not self._order_recorded and unit.index != 0:
+                    self._finish_order.append(unit)
                 outputs = [
                     t
                     for t in tree_leaves(output)
@@ -728,8 +728,8 @@ class ShardedParams(ParamStorage):
                     torch.autograd.graph.register_multi_grad_hook(
                         outputs, lambda grads: self._pre_backward(unit), mode="any"
                     )
-                if outputs and (unit.index == 0 or unit in self._kept):
-                    return  # [Note: units kept gathered into backward]
+                    if unit.index == 0 or unit in self._kept:
+                        return  # [Note: units kept gathered into backward]
             unit.reshard()
 
         return hook
