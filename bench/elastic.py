@@ -303,6 +303,7 @@ class ElasticRun(Run):
             str(self.opts.bucket_numel),
             "--replica-every",
             str(self.opts.replica_every),
+            *(["--no-gradient-log"] if self.opts.no_gradient_log else []),
         )
 
     def run(self) -> None:
@@ -692,6 +693,12 @@ def main() -> None:
         default=0,
         help="zeroplane: in-memory replicas every this many steps (0: a crash rolls back "
         "to the checkpoint, as the restart does)",
+    )
+    p.add_argument(
+        "--no-gradient-log",
+        action="store_true",
+        help="zeroplane: a crash rolls back to the replicas (default: the lost rank is "
+        "brought forward from its replica and the gradient log)",
     )
     p.add_argument("--bucket-numel", type=int, default=PlanConfig().bucket_numel)
     p.add_argument("--timeout", type=float, default=180.0, help="per wait, s")

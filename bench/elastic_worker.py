@@ -92,6 +92,11 @@ def main() -> None:
         default=0,
         help="elastic: in-memory replicas every this many steps (ZeroConfig.replica_interval)",
     )
+    p.add_argument(
+        "--no-gradient-log",
+        action="store_true",
+        help="a crash rolls back to the replicas (ZeroConfig.replica_gradient_log=False)",
+    )
     args = p.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(created).3f %(levelname)s %(name)s: %(message)s"
@@ -108,7 +113,10 @@ def main() -> None:
     model = GPT(MODELS[args.model])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
     config = worker.ZeroConfig(
-        stage=args.stage, bucket_numel=args.bucket_numel, replica_interval=args.replica_every
+        stage=args.stage,
+        bucket_numel=args.bucket_numel,
+        replica_interval=args.replica_every,
+        replica_gradient_log=not args.no_gradient_log,
     )
 
     stop = False

@@ -327,6 +327,7 @@ class ZeroplaneRun:
             str(o.bucket_numel),
             "--replica-every",
             str(o.replica_every),
+            *(["--no-gradient-log"] if o.no_gradient_log else []),
             *worker_flags(o),
         )
         spec = LaunchSpec(
@@ -463,7 +464,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=16, help="tokens per sequence")
     p.add_argument("--save-every", type=int, default=10, help="periodic checkpoint, steps")
     p.add_argument(
-        "--replica-every", type=int, default=2, help="zeroplane in-memory replicas, steps (0: off)"
+        "--replica-every", type=int, default=10, help="zeroplane in-memory replicas, steps (0: off)"
+    )
+    p.add_argument(
+        "--no-gradient-log",
+        action="store_true",
+        help="zeroplane: a crash rolls back to the replicas and trains the steps since again "
+        "(default: the lost rank is brought forward from its replica and the gradient log)",
     )
     p.add_argument("--lease", type=float, default=3.0, help="coordinator lease timeout, s")
     p.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat interval, s")
@@ -548,7 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"\n{opts.model} GPT, stage {opts.stage}, {opts.nproc} ranks, AdamW, fp32, gloo, "
             f"{opts.steps} steps of {opts.global_batch} x {opts.seq} tokens; checkpoint every "
-            f"{opts.save_every} steps; zeroplane replicas every {opts.replica_every} steps, "
+            f"{opts.save_every} steps; zeroplane replicas every {opts.replica_every} steps"
+            f"{' without' if opts.no_gradient_log else ' with'} the gradient log, "
             f"lease {opts.lease:g} s, heartbeat {opts.heartbeat:g} s, join window "
             f"{opts.join_window:g} s; seed {opts.seed}; load average {load_before[0]:.1f} → "
             f"{load_after[0]:.1f} on {os.cpu_count()} CPUs; {time.time() - started:.0f} s\n"

@@ -226,6 +226,8 @@ class Snapshot:
     # members of ``generation`` that left since it formed; the member that ended training
     left: tuple[str, ...] = ()
     finished_by: str = ""
+    # why the job is stopping unfinished, once it is
+    stopping: str = ""
 
     def inconsistency(self) -> str | None:
         """What makes this snapshot unusable, in words; None if nothing."""
@@ -300,7 +302,7 @@ class Membership:
         self._left: set[str] = set()  # the lost that asked to leave
         self._finished_by: str | None = None  # the first member whose training ended
         # why the job is stopping unfinished (a launcher stopping it, or members told
-        # to leave with nobody to hand over to); not persisted
+        # to leave with nobody to hand over to)
         self._stopping: str | None = None
         self.events: deque[Event] = deque(maxlen=config.event_history)
         # A refused formation: the state it was refused in, and why (see [Note: atomic formation]).
@@ -775,6 +777,7 @@ class Membership:
             inventory_wire=self.inventory_wire,
             left=tuple(w for w in self._left if gen is not None and gen.rank_of(w) is not None),
             finished_by=self._finished_by or "",
+            stopping=self._stopping or "",
         )
 
     def restore(self, snapshot: Snapshot) -> None:
@@ -801,6 +804,7 @@ class Membership:
             else:
                 self._workers[info.worker_id] = worker
         self._finished_by = snapshot.finished_by or None
+        self._stopping = snapshot.stopping or None
         waiting = len(snapshot.members) - len(snapshot.left)
         self._event(
             "restored",

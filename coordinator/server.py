@@ -367,8 +367,13 @@ class _Servicer:
 
     async def stop_job(self, why: str) -> None:
         """A launcher is stopping the job: form nothing more, and tell every worker
-        still waiting for a generation (heartbeats) that the job is over."""
+        still waiting for a generation (heartbeats) that the job is over. Durable: a
+        restarted coordinator forms nothing more either."""
+        if self.m.finished:
+            return
         self.m.stop(why)
+        async with self._forming:
+            await self._store.save(self.m.snapshot())
 
     async def process_exited(self, worker_id: str, how: str) -> None:
         """A launcher saw the worker's process exit: drop it and re-form now."""

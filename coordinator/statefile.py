@@ -78,6 +78,7 @@ def save_snapshot(path: str | os.PathLike[str], snapshot: Snapshot) -> None:
         inventory_digest=digest,
         left=snapshot.left,
         finished_by=snapshot.finished_by,
+        stopping=snapshot.stopping,
     )
     if snapshot.generation is not None:
         msg.generation.CopyFrom(generation_to_proto(_without_derived(snapshot.generation)))
@@ -128,6 +129,7 @@ def load_snapshot(path: str | os.PathLike[str]) -> Snapshot | None:
             inventory_wire=wire,
             left=tuple(msg.left),
             finished_by=msg.finished_by,
+            stopping=msg.stopping,
         )
         problem = snapshot.inconsistency()
         if problem is not None:

@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=10)
     # keep in-memory replicas of the neighbour's shards every K steps (crash recovery)
     p.add_argument("--replica-every", type=int, default=0)
+    # roll a crash back to the replicas instead of bringing the lost rank forward
+    p.add_argument("--no-gradient-log", action="store_true")
     # slows the loop down so tests can change the membership while it runs
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--data-cache", type=Path, default=default_cache())
@@ -104,6 +106,7 @@ def main() -> None:
         stage=args.stage,
         compression=args.compression,
         replica_interval=args.replica_every,
+        replica_gradient_log=not args.no_gradient_log,
         offload_optimizer="none" if args.offload == "none" else "cpu",
         offload_params="cpu" if args.offload == "all" else "none",
     )

@@ -413,3 +413,24 @@ def test_a_leave_before_a_restart_stays_a_leave(tmp_path) -> None:
     again = membership(clock, max_workers=3, min_workers=2)
     again.restore(load_snapshot(path))
     assert again.finished and again.maybe_form() is None
+
+
+def test_a_stopping_job_stays_stopped_across_a_restart(tmp_path) -> None:
+    """A launcher stopped the job (or every member left with reason stopped), then the
+    coordinator restarted: it forms nothing for the workers that re-attach or wait."""
+    clock = Clock()
+    m = membership(clock, max_workers=2, min_workers=1)
+    for wid in ("a", "b"):
+        m.register(worker(wid, free_ports=(5001,)), inventory())
+    assert m.maybe_form() is not None
+    m.stop("the launcher is stopping the job (SIGTERM)")
+    path = tmp_path / "state.json"
+    save_snapshot(path, m.snapshot())
+
+    restored = membership(clock, max_workers=2, min_workers=1)
+    restored.restore(load_snapshot(path))
+    assert restored.finished
+    restored.register(worker("c", free_ports=(5002,)), inventory())
+    clock.now += 10
+    assert restored.maybe_form() is None
+    assert "stopping (the launcher is stopping the job (SIGTERM))" in restored.waiting_reason()

@@ -371,7 +371,8 @@ def test_two_sigterms_at_once_scale_4_to_2(job_factory) -> None:
 
 def kill_and_recover(job: Job, victim: str, *, every: int, source: str) -> None:
     """SIGKILL ``victim`` of three, then check the survivors rolled back at most
-    ``every`` steps, to ``source``, and still end equal to the reference."""
+    ``every`` steps (exactly 0 for ``every=0``), to ``source``, and still end equal
+    to the reference."""
     job.wait_until("three ranks training", lambda: job.world_size() == 3 and job.step() >= 12)
     assert job.step() < STEPS - 10, "the job is too fast for this test to kill a worker"
     # a lower bound only: reports ride on heartbeats and lag training
@@ -391,7 +392,10 @@ def kill_and_recover(job: Job, victim: str, *, every: int, source: str) -> None:
     assert found, log[-3000:]
     recovered, reached = int(found.group(1)), int(found.group(2))
     assert reached >= reported, (reported, reached)
-    assert recovered % every == 0 and 0 <= reached - recovered <= every, (reached, recovered)
+    if every:
+        assert recovered % every == 0 and 0 <= reached - recovered <= every, (reached, recovered)
+    else:
+        assert recovered == reached, (reached, recovered)
     assert_matches_reference(job.tmp / "final.pt")
 
 
@@ -427,8 +431,23 @@ def test_workers_train_through_a_coordinator_restart(job_factory) -> None:
 def test_sigkill_recovers_from_in_memory_replicas(job_factory) -> None:
     job = job_factory(3)
     for name in ("w0", "w1", "w2"):
-        job.spawn(name, "--replica-every", "2")  # and no checkpoint at all
+        # no checkpoint at all; rolled back to the replicas' step
+        job.spawn(name, "--replica-every", "2", "--no-gradient-log")
     kill_and_recover(job, "w1", every=2, source="in-memory replicas")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sigkill_brings_the_lost_rank_forward_from_its_replica(job_factory, stage: int) -> None:
+    """With the gradient log the survivors keep their state and the lost rank's is
+    rebuilt at their step from a replica 7 steps older: nothing is trained again
+    ([Note: rolling a lost rank forward])."""
+    job = job_factory(stage)
+    for name in ("w0", "w1", "w2"):
+        job.spawn(name, "--replica-every", "7")
+    kill_and_recover(
+        job, "w1", every=0, source=r"live state; lost rank\(s\) \[\d\] brought forward.*?"
+    )
 
 
 class LauncherRun:

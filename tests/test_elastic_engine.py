@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +12,16 @@ import worker
 from tests.reference import OPTIMIZERS, max_diff, seeded_model
 from tests.test_checkpoint import GLOBAL, global_batch, reference, use_extra
 from worker.ballot import BoundaryVote
-from worker.elastic import Holding, pack_entries, plan_restore, unpack_entries
+from worker.collectives import Handle
+from worker.elastic import (
+    GradientLog,
+    Holding,
+    pack_entries,
+    plan_restore,
+    refresh_replica,
+    roll_forward,
+    unpack_entries,
+)
 
 STEPS = 9
 
@@ -102,6 +113,82 @@ def test_pack_roundtrip_is_exact_and_pickle_free(copy: bool, shift: int) -> None
     assert unpack_entries(pack_entries({})) == {}
 
 
+class LoggingMember:
+    """The gradient-log half of an elastic session, without a coordinator."""
+
+    def __init__(self) -> None:
+        self.log = GradientLog()
+
+    def vote(self) -> BoundaryVote:
+        return BoundaryVote()
+
+    def log_gradients(self, engine, grads, used) -> Handle:
+        st = engine.state
+        return self.log.start(
+            st.comm, 0, st.global_steps + 1, grads, used, st.optimizer.hyperparams()
+        )
+
+    def after_step(self, engine, agreed, stepped) -> None:
+        if stepped:
+            self.log.commit(engine.global_steps)
+
+    def recover(self, engine, exc):
+        raise exc
+
+    def generation_id(self) -> int:
+        return 0
+
+    def replica_bytes(self) -> int:
+        return self.log.nbytes()
+
+    def close(self) -> None:
+        pass
+
+
+def bring_forward(stage: int, optimizer: str) -> int:
+    """3 ranks train 3 steps, swap replicas, train 4 more logging gradients with a
+    learning rate that changes every step; each rank then rebuilds its left
+    neighbour's state at step 7 from the replica and the log."""
+    model = seeded_model()
+    opt = OPTIMIZERS[optimizer](model)
+    config = worker.ZeroConfig(stage=stage, bucket_numel=97, stage3_min_unit_numel=1)
+    engine = worker.ZeroEngine(model, opt, config=config)
+    member = LoggingMember()
+    engine.membership = member
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    for steps in (range(0, 3), range(3, 7)):
+        for step in steps:
+            train(engine, range(step, step + 1))
+            sched.step()
+        if steps.start == 0:
+            replica = refresh_replica(engine.state, 0)
+            member.log.reset(0, engine.global_steps)
+    assert member.log.coverage() == (0, 3, 7)
+    left = (engine.rank - 1) % 3
+    rebuilt = roll_forward(engine.state, left, replica.neighbour, member.log.since(3))
+    actual: list = [None] * 3
+    dist.all_gather_object(actual, engine.state.export_ranges())
+    assert rebuilt.keys() == actual[left].keys()
+    for key, want in actual[left].items():
+        got = rebuilt[key]
+        assert torch.equal(got["master"], want["master"]), key
+        assert got["state"].keys() == want["state"].keys(), key
+        for k, v in want["state"].items():
+            assert torch.equal(got["state"][k], v), (key, k)
+    engine.membership = None
+    return len(rebuilt)
+
+
+@pytest.mark.parametrize(("stage", "optimizer"), [(1, "adamw"), (2, "sgd"), (3, "adamw")])
+def test_a_lost_rank_is_rebuilt_bit_for_bit_from_its_replica_and_the_log(
+    pools, stage: int, optimizer: str
+) -> None:
+    """[Note: rolling a lost rank forward]: the replayed optimizer steps are the ones
+    the rank ran, to the bit, including a parameter some steps do not use
+    (``use_extra``) and a scheduled learning rate."""
+    assert all(pools(3).run(bring_forward, stage, optimizer))
+
+
 # ---------------------------------------------------------------- recovery sources
 
 
@@ -111,6 +198,8 @@ def test_holding_roundtrips_through_its_row() -> None:
         checkpoint="/ckpt/é x",
     )  # fmt: skip
     assert Holding.decode(h.encode()) == h
+    logged = dataclasses.replace(h, live_step=41, log=(6, 40, 41))
+    assert Holding.decode(logged.encode()) == logged
     empty = Holding(live=None, replicas=(), holds_state=False, checkpoint=None)
     assert Holding.decode(empty.encode()) == empty
     with pytest.raises(ValueError, match="checkpoint path longer"):
@@ -140,6 +229,47 @@ def test_a_member_lost_needs_its_state_from_elsewhere() -> None:
     only_0 = [held(live=(3, 0, 3), replica=(3, 0, 3), checkpoint="/c")]
     plan = plan_restore(only_0)
     assert (plan.source, plan.checkpoint) == ("checkpoint", "/c")
+
+
+def forward_holding(rank: int, step: int = 12, log=(3, 10, 12), replica_at: int = 10) -> Holding:
+    """Rank ``rank`` of generation 3 (3 ranks), whole at ``step``, with replicas of
+    ``replica_at`` and its left neighbour's gradient log ``log``."""
+    return Holding(
+        live=(3, rank, 3), replicas=((3, replica_at, rank, 3),), holds_state=True,
+        checkpoint="/c", live_step=step, log=log,
+    )  # fmt: skip
+
+
+def test_a_lost_rank_is_brought_forward_when_its_right_neighbour_logged_up_to_now() -> None:
+    # rank 1 lost; rank 2 holds its replica of step 10 and its gradients of 11-12
+    plan = plan_restore([forward_holding(0), forward_holding(2)])
+    assert (plan.source, plan.generation, plan.step, plan.lost) == (
+        "forward", 3, 12, frozenset({1}),
+    )  # fmt: skip
+    # a restarted worker in the recovery group holds nothing and changes nothing
+    newcomer = Holding(live=None, replicas=(), holds_state=False, checkpoint=None)
+    assert plan_restore([forward_holding(0), forward_holding(2), newcomer]).source == "forward"
+
+
+@pytest.mark.parametrize(
+    "holdings",
+    [
+        # the right neighbour's log stops a step short (the lost rank died before sending)
+        [forward_holding(0), forward_holding(2, log=(3, 10, 11))],
+        # the survivors are at different steps
+        [forward_holding(0, step=11, log=(3, 10, 11)), forward_holding(2)],
+        # the log starts after the replica: steps between are missing
+        [forward_holding(0), forward_holding(2, log=(3, 11, 12))],
+        # the log is of another generation
+        [forward_holding(0), forward_holding(2, log=(2, 10, 12))],
+        # rank 0 lost too: rank 1, its right neighbour, is gone as well
+        [forward_holding(2)],
+        # a survivor's state is torn (no live state): only replicas can serve
+        [forward_holding(0), dataclasses.replace(forward_holding(2), live=None)],
+    ],
+)
+def test_otherwise_recovery_rolls_back_to_the_replicas(holdings) -> None:
+    assert plan_restore(holdings).source in ("replica", "checkpoint")
 
 
 def test_a_torn_live_state_is_never_used() -> None:

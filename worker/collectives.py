@@ -39,7 +39,9 @@ from worker.compat import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["CollectiveError", "Collectives", "Handle", "OpStats"]
 
-Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "control"]
+Op = Literal[
+    "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send_recv", "control"
+]
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -88,6 +90,11 @@ class Handle:
     ) -> None:
         self._works = work if isinstance(work, list) else [] if work is None else [work]
         self._stats, self._start, self._then = stats, start, then
+
+    def done(self) -> bool:
+        """Whether every work has completed (or failed), without waiting: ``wait()``
+        then returns or raises at once."""
+        return all(w.is_completed() for w in self._works)
 
     def wait(self) -> None:
         with _translated("waiting on a collective"):
@@ -265,6 +272,28 @@ class Collectives:
             async_op=async_op,
         )
         return self._finish(work, stats, start, async_op)
+
+    def send_recv(
+        self,
+        sends: list[torch.Tensor],
+        dst: int,
+        recvs: list[torch.Tensor],
+        src: int,
+        *,
+        async_op: bool = False,
+    ) -> Handle:
+        """Send ``sends`` to rank ``dst`` and receive ``recvs`` from rank ``src``, in
+        order, as one batch (NCCL needs the batch where every rank sends and
+        receives at once). Bytes count what this rank sends."""
+        if not self.distributed:
+            for out, t in zip(recvs, sends, strict=True):
+                out.copy_(t)
+            return _DONE
+        stats, start = self._book("send_recv", sum(_nbytes(t) for t in sends))
+        ops = [dist.P2POp(dist.isend, t, self._global(dst), self.group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self._global(src), self.group) for t in recvs]
+        works = _issue(dist.batch_isend_irecv, ops) if ops else []
+        return self._finish(list(works or []), stats, start, async_op)
 
     def barrier(self) -> None:
         if self.distributed:

@@ -83,6 +83,13 @@ class ZeroConfig:
         replica_interval: with a coordinator, every this many optimizer steps each
             rank keeps a copy of its state and of its neighbour's, so a crashed
             rank's shards are restored from memory (0 = off: checkpoints only).
+        replica_gradient_log: with replicas (stages 1-3, optimizer not offloaded),
+            each rank also sends its final gradient partition to the neighbour
+            that keeps its replica at every step, so a recovery brings a lost
+            rank's replica forward to the survivors' step instead of rolling
+            everyone back and training the steps again. Costs 4 bytes per
+            parameter / world size sent per step, and held per step since the
+            last refresh (see worker/elastic.py [Note: rolling a lost rank forward]).
         metrics_port: serve Prometheus metrics on this port (0: a free one;
             see worker/metrics.py); None: as ``$ZEROPLANE_METRICS_PORT`` says,
             which launchers set, and off when it is unset.
@@ -129,6 +136,7 @@ class ZeroConfig:
     stage3_gather_compression: Literal["none", "int8"] = "none"
     metrics_port: int | None = None
     replica_interval: int = 0
+    replica_gradient_log: bool = True
     # torch-free annotation: the callable takes an nn.Module
     activation_checkpointing: Literal["none", "units"] | int | Callable[[Any], bool] = "none"
     offload_optimizer: Literal["none", "cpu"] = "none"
@@ -180,7 +188,7 @@ class ZeroConfig:
                 raise bad(name, "a finite number >= 0")
         if not _is_finite_number(self.min_loss_scale) or not self.min_loss_scale > 0:
             raise bad("min_loss_scale", "a finite number > 0")
-        for name in ("overlap_comm", "error_feedback", "pin_memory"):
+        for name in ("overlap_comm", "error_feedback", "pin_memory", "replica_gradient_log"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
         if not one_of(self.compression, ("none", "bf16", "fp16", "int8", "onebit")):

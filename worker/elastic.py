@@ -17,7 +17,9 @@ it holds, and adopting copies them into the new buffers.
 The transfer runs over the larger of the two memberships: the new group for
 a scale-up (newcomers join it), the old group for a graceful scale-down
 (leavers hand over before they exit). After a crash the dead rank's entries
-come from the replica a neighbour keeps (see :class:`Replica`).
+come from the replica a neighbour keeps (see :class:`Replica`), brought
+forward to the survivors' step by that neighbour's log of its gradients (see
+:class:`GradientLog`).
 
 Entries cross the wire in a small self-describing format (a JSON header of
 names, dtypes and shapes, then raw bytes): no pickle.
@@ -36,12 +38,14 @@ import torch
 import torch.distributed as dist
 
 from coordinator.ranges import Range, RangeIndex, owned_ranges
-from worker.collectives import Collectives
-from worker.state import Counters, Entries, ShardState
+from worker.collectives import CollectiveError, Collectives, Handle
+from worker.state import Counters, Entries, MissingRange, ShardState
 
 __all__ = [
+    "GradientLog",
     "Handover",
     "Holding",
+    "LoggedStep",
     "Replica",
     "RestorePlan",
     "adopt",
@@ -49,6 +53,7 @@ __all__ = [
     "pack_entries",
     "plan_restore",
     "refresh_replica",
+    "roll_forward",
     "unpack_entries",
 ]
 
@@ -338,6 +343,161 @@ def refresh_replica(state: ShardState, generation: int) -> Replica:
     return Replica(generation, n, comm.rank, state.counters(), own, neighbour)
 
 
+# ---------------------------------------------------------------------------- gradient log
+
+
+@dataclass(eq=False)
+class LoggedStep:
+    """One optimizer step of the left neighbour, as its optimizer saw it."""
+
+    step: int  # the global step it produced
+    grads: list[torch.Tensor]  # its partition gradient per bucket: averaged, unscaled, clipped
+    used: list[int]  # per trainable parameter, 1 if any rank used it
+    groups: list[dict]  # the param groups' hyperparameters of that step
+
+    def nbytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.grads)
+
+
+class GradientLog:
+    """The left neighbour's optimizer inputs since the oldest replica this rank holds.
+
+    [Note: rolling a lost rank forward]
+    A replica alone rolls the whole job back to its step: every survivor
+    restores its own copy and the steps since are trained again (up to
+    ``replica_interval`` of them per loss). But an optimizer step is a pure
+    function of the state and of what the optimizer is given: the gradient
+    partition (final: averaged, unscaled, clipped), which parameters had a
+    gradient and the hyperparameters. So each rank sends its partition
+    gradients to its right neighbour at every step, the neighbour that holds
+    its replica (one send and one receive per rank, overlapping the optimizer
+    step, 1/N of the gradient's bytes). After a loss at step T the survivors
+    keep their live state, and each lost rank's right neighbour replays the
+    logged steps S+1..T on the lost rank's replica of step S, with the same
+    optimizer class, hyperparameters and pieces (bit for bit what the lost rank
+    computed). Nothing is trained again.
+
+    It applies when every rank that holds state is whole at the same step T of
+    one generation and each lost rank's right neighbour logged up to T
+    (:func:`plan_restore`); otherwise recovery rolls back to the replicas. The
+    log is as long as the refresh interval (its bytes count as ``replica``
+    memory); a refresh (or a new generation) trims it.
+    """
+
+    _SPARE = 2  # received buffers kept for reuse once their steps are trimmed
+
+    def __init__(self) -> None:
+        self.generation = -1
+        self.after = -1  # entries are for steps after+1 .. after+len(steps)
+        self.steps: list[LoggedStep] = []
+        self._pending: tuple[LoggedStep, Handle] | None = None
+        self._spare: list[list[torch.Tensor]] = []
+
+    def start(
+        self,
+        comm: Collectives,
+        generation: int,
+        step: int,
+        grads: list[torch.Tensor],
+        used: list[int],
+        groups: list[dict],
+    ) -> Handle:
+        """Send this rank's ``grads`` (of the step that will make global step ``step``)
+        right and receive the left neighbour's (the same sizes: partitions are
+        equal); :meth:`commit` once the step is done."""
+        recv = self._buffers([g.numel() for g in grads], grads[0].device if grads else None)
+        n = comm.world_size
+        handle = comm.send_recv(
+            grads, (comm.rank + 1) % n, recv, (comm.rank - 1) % n, async_op=True
+        )
+        logged = generation == self.generation  # else no replica of this generation yet
+        self._pending = (LoggedStep(step, recv, used, groups), handle) if logged else None
+        return handle
+
+    def commit(self, step: int) -> None:
+        """Global step ``step`` is done: keep the pending gradients if they are its
+        own and fully received (after a failure: if they arrived before it)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        logged, handle = pending
+        if logged.step != step or not handle.done():
+            return
+        try:
+            handle.wait()
+        except CollectiveError:
+            return
+        if step != self.after + len(self.steps) + 1:  # not contiguous: start again from here
+            self.reset(self.generation, step)
+            return
+        self.steps.append(logged)
+
+    def reset(self, generation: int, after: int) -> None:
+        """Log from step ``after`` of ``generation`` on (a replica of that step exists)."""
+        same = generation == self.generation
+        keep = [e for e in self.steps if same and e.step > after]
+        self._spare += [e.grads for e in self.steps[: len(self.steps) - len(keep)]]
+        del self._spare[self._SPARE :]
+        self.generation, self.after, self.steps = generation, after, keep
+        if keep:
+            self.after = keep[0].step - 1
+
+    def coverage(self) -> tuple[int, int, int] | None:
+        """``(generation, after, last)``: steps after+1..last are logged."""
+        if self.generation < 0:
+            return None
+        return (self.generation, self.after, self.after + len(self.steps))
+
+    def since(self, step: int) -> list[LoggedStep]:
+        return [e for e in self.steps if e.step > step]
+
+    def nbytes(self) -> int:
+        return sum(e.nbytes() for e in self.steps) + sum(
+            g.numel() * g.element_size() for spare in self._spare for g in spare
+        )
+
+    def _buffers(self, sizes: list[int], device: torch.device | None) -> list[torch.Tensor]:
+        for i, spare in enumerate(self._spare):
+            if [t.numel() for t in spare] == sizes and (not spare or spare[0].device == device):
+                return self._spare.pop(i)
+        return [torch.empty(n, dtype=torch.float32, device=device) for n in sizes]
+
+
+def roll_forward(
+    state: ShardState, rank: int, entries: Entries, steps: Sequence[LoggedStep]
+) -> Entries:
+    """Rank ``rank``'s state after ``steps``, from ``entries`` (its replica, in this
+    generation's layout, which ``state`` still holds): the same optimizer steps the
+    lost rank ran ([Note: rolling a lost rank forward]). ``entries`` is not changed."""
+    assert state.layout is not None
+    shards = []
+    for spec in state.layout.buckets:
+        lo, hi = spec.shard_range(rank)
+        shards.append((spec, spec.pieces(lo, hi), torch.zeros(hi - lo, device=state.master_device)))
+    optimizer = state.shard_optimizer(shards)
+    with torch.no_grad():
+        for piece in optimizer.pieces:
+            key = Range(piece.name, piece.param_start, piece.param_start + piece.view.numel()).key
+            if key not in entries:
+                raise MissingRange(f"the replica of rank {rank} has no {key}")
+            entry = entries[key]
+            piece.view.copy_(entry["master"])
+            if entry["state"]:
+                optimizer.inner.state[piece.view] = {
+                    k: v.clone() if isinstance(v, torch.Tensor) else v
+                    for k, v in entry["state"].items()
+                }
+    for logged in steps:
+        optimizer.step(optimizer.piece_grads(logged.grads, logged.used), groups=logged.groups)
+    return {
+        Range(p.name, p.param_start, p.param_start + p.view.numel()).key: {
+            "master": p.view,
+            "state": dict(optimizer.inner.state.get(p.view, {})),
+        }
+        for p in optimizer.pieces
+    }
+
+
 # ---------------------------------------------------------------------------- recovery
 
 # (generation id, rank, world size): whose state a rank holds
@@ -381,9 +541,14 @@ class Holding:
     replicas: tuple[ReplicaId, ...]
     holds_state: bool
     checkpoint: str | None
+    # the global step of the live state; the left neighbour's gradient log
+    # (generation, after, last): steps after+1..last ([Note: rolling a lost rank forward])
+    live_step: int = -1
+    log: tuple[int, int, int] | None = None
 
     _REPLICAS = 2
-    _HEAD = 3 + 4 * _REPLICAS + 2  # live, replicas, holds_state, path length
+    _LOG = 3 + 4 * _REPLICAS  # live_step, log
+    _HEAD = _LOG + 4 + 2  # holds_state, path length
     WIDTH = _HEAD + _PATH_BYTES
 
     def encode(self) -> torch.Tensor:
@@ -394,6 +559,9 @@ class Holding:
             row[0:3] = torch.tensor(self.live)
         for i, ident in enumerate(self.replicas):
             row[3 + 4 * i : 7 + 4 * i] = torch.tensor(ident)
+        row[self._LOG] = self.live_step
+        if self.log is not None:
+            row[self._LOG + 1 : self._LOG + 4] = torch.tensor(self.log)
         head = self._HEAD
         row[head - 2] = int(self.holds_state)
         raw = (self.checkpoint or "").encode()
@@ -410,17 +578,22 @@ class Holding:
         length = v[head - 1]
         path = bytes(v[head : head + length]).decode() if length > 0 else None
         slots = (tuple(v[3 + 4 * i : 7 + 4 * i]) for i in range(cls._REPLICAS))
+        log = tuple(v[cls._LOG + 1 : cls._LOG + 4])
         return cls(
             live=tuple(v[0:3]) if v[0] >= 0 else None,  # type: ignore[arg-type]
             replicas=tuple(r for r in slots if r[0] >= 0),  # type: ignore[misc]
             holds_state=bool(v[head - 2]),
             checkpoint=path,
+            live_step=v[cls._LOG],
+            log=log if log[0] >= 0 else None,  # type: ignore[arg-type]
         )
 
 
 @dataclass(frozen=True)
 class RestorePlan:
     """``source``: "live" (ranks whose live state is of ``generation`` send it),
+    "forward" (the same, and the state of each rank in ``lost`` is its replica
+    brought forward to ``step`` by its right neighbour's gradient log),
     "replica" (the replicas of ``generation`` at ``step``; ``lost``: its ranks no
     member is, whose state comes from their right neighbour's copy), "checkpoint" (load
     ``checkpoint``) or "module" (nobody holds anything: start from the module)."""
@@ -452,6 +625,10 @@ def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
         if by_generation[gen] == set(range(worlds[gen])):
             return RestorePlan("live", generation=gen)
 
+    forward = _roll_forward_plan(holdings)
+    if forward is not None:
+        return forward
+
     # newest first; a member without a replica of that (generation, step) would
     # restore ahead of (or behind) the others: replicas are all or nothing
     for gen, step in sorted({r[:2] for h in holdings for r in h.replicas}, reverse=True):
@@ -477,3 +654,29 @@ def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
         "its state; set ZeroConfig.replica_interval or save checkpoints (under an "
         "elastic launcher the job restarts from its script's checkpoint or the start)"
     )
+
+
+def _roll_forward_plan(holdings: Sequence[Holding]) -> RestorePlan | None:
+    """Keep the survivors' live state when every holder is whole at one step of one
+    generation and each lost rank's right neighbour can bring that rank's replica
+    up to it ([Note: rolling a lost rank forward])."""
+    holders = [h for h in holdings if h.holds_state]
+    lives = {(h.live[0], h.live[2], h.live_step) if h.live else None for h in holders}
+    if len(lives) != 1 or None in lives:
+        return None
+    ((gen, world, step),) = lives  # type: ignore[misc]
+    by_rank = {h.live[1]: h for h in holders if h.live is not None}
+    lost = set(range(world)) - set(by_rank)
+
+    def brings_forward(lost_rank: int) -> bool:
+        right = by_rank.get((lost_rank + 1) % world)
+        if right is None or right.log is None:
+            return False
+        log_gen, after, last = right.log
+        return (log_gen, last) == (gen, step) and any(
+            r[0] == gen and r[3] == world and after <= r[1] <= step for r in right.replicas
+        )
+
+    if not lost or not all(brings_forward(r) for r in lost):
+        return None
+    return RestorePlan("forward", generation=gen, step=step, lost=frozenset(lost))

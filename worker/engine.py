@@ -71,7 +71,7 @@ from coordinator.layout import Layout
 from worker import checkpoint, elastic
 from worker.activations import SavedBytes, checkpoint_modules, choose_modules, unwrap
 from worker.ballot import Ballot, BoundaryVote
-from worker.collectives import CollectiveError, Collectives
+from worker.collectives import CollectiveError, Collectives, Handle
 from worker.config import ZeroConfig
 from worker.flat import BucketState, FlatBucket, GatherUnit
 from worker.inventory import Inventory, build_inventory
@@ -101,6 +101,14 @@ class Membership(Protocol):
 
     def vote(self) -> BoundaryVote:
         """This rank's membership proposal for the coming step boundary."""
+        ...
+
+    def log_gradients(
+        self, engine: ZeroEngine, grads: list[torch.Tensor], used: list[int]
+    ) -> Handle | None:
+        """Before the optimizer step: start sending this step's final partition
+        gradients to the neighbour that keeps this rank's replica; the engine waits
+        on the handle before it zeroes them."""
         ...
 
     def after_step(self, engine: ZeroEngine, agreed: BoundaryVote, stepped: bool) -> None:
@@ -464,24 +472,27 @@ class ZeroEngine:
         for g in grads:
             g.mul_(factor)
         stepped = self._clip_or_skip(grads)
+        logged: Handle | None = None
         if stepped:
             used = self.ballot.used()
-            piece_grads = [
-                grads[piece.bucket][piece.grad_offset : piece.grad_offset + piece.view.numel()]
-                if used[piece.param_index]
-                else None
-                for piece in st.optimizer.pieces
-            ]
+            if self.membership is not None:
+                # the right neighbour's copy, for a recovery that rolls this rank forward
+                logged = self.membership.log_gradients(self, grads, used)
+            piece_grads = st.optimizer.piece_grads(grads, used)
             # from here until the step is whole, a lost peer leaves this state torn
             st.whole = False
-            st.step_and_publish(piece_grads)
+            failed = st.step_and_publish(piece_grads)
             st.global_steps += 1
             st.whole = True
+            if failed is not None:  # stepped, not published: whole, for the recovery
+                raise failed
         else:
             st.skipped_steps += 1
         agreed = self.ballot.agreed()
         loss_sum.wait()
         self.stats.global_loss = loss_pair
+        if logged is not None:
+            logged.wait()  # the gradients are out before their buffers are zeroed
         st.zero_grads()
         self.ballot.clear()
         self.stats.end_step()

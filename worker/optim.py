@@ -133,16 +133,48 @@ class ShardOptimizer:
         ]
         self.inner = rebuild_optimizer(user, groups)
 
+    def piece_grads(
+        self, grads: Sequence[torch.Tensor], used: Sequence[int]
+    ) -> list[torch.Tensor | None]:
+        """Each piece's gradient, sliced from its bucket's partition gradient in
+        ``grads``; ``None`` for a parameter no rank used (``used[param_index]``)."""
+        return [
+            grads[p.bucket][p.grad_offset : p.grad_offset + p.view.numel()]
+            if used[p.param_index]
+            else None
+            for p in self.pieces
+        ]
+
+    def hyperparams(self) -> list[dict]:
+        """The user's param groups' hyperparameters now, as the next step reads them
+        (copies: a scheduler that changes them later does not change these)."""
+        return [
+            {
+                k: v.clone() if isinstance(v, torch.Tensor) else v
+                for k, v in _hyperparams(ug).items()
+                if k not in self.impl
+            }
+            for ug in self.user.param_groups
+        ]
+
     def step(
-        self, grads: Sequence[torch.Tensor | None], *, buckets: Collection[int] | None = None
+        self,
+        grads: Sequence[torch.Tensor | None],
+        *,
+        buckets: Collection[int] | None = None,
+        groups: Sequence[dict] | None = None,
     ) -> None:
         """One step; ``grads[i]`` is piece i's fp32 gradient, ``None`` if unused.
 
         ``buckets``: update only the pieces of these buckets (the others are
         skipped as torch.optim skips a parameter without a gradient), so the
-        caller can publish one part while the next is updated.
+        caller can publish one part while the next is updated. ``groups``: the
+        hyperparameters to step with (:meth:`hyperparams` of an earlier step);
+        by default the user's param groups as they are now.
         """
-        for ug, ig in zip(self.user.param_groups, self.inner.param_groups, strict=True):
+        if groups is None:
+            groups = self.user.param_groups
+        for ug, ig in zip(groups, self.inner.param_groups, strict=True):
             for key, value in ug.items():
                 if key != "params" and key not in self.impl:
                     ig[key] = value

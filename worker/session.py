@@ -76,7 +76,7 @@ from torch import nn
 from coordinator.messages import FINISHED, STOPPED, Generation
 from worker import elastic
 from worker.ballot import BoundaryVote
-from worker.collectives import CollectiveError, Collectives
+from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compat import abort_default_group, backend_for
 from worker.config import ZeroConfig
 from worker.control import ControlPlane, JobFinished, LeftBeforeAdmission, coordinator_address
@@ -349,6 +349,11 @@ class AttachedSession(_FinalReport):
     def replica_bytes(self) -> int:
         return 0
 
+    def log_gradients(
+        self, engine: ZeroEngine, grads: list[torch.Tensor], used: list[int]
+    ) -> Handle | None:
+        return None  # no replicas: a lost peer ends the job
+
     def after_step(self, engine: ZeroEngine, agreed: BoundaryVote, stepped: bool) -> None:
         if stepped and self.control.report_due():
             _report(self.control, engine)
@@ -371,6 +376,8 @@ class ElasticSession(_FinalReport):
         self.control: ControlPlane | None = None
         # the confirmed replica, then (while a refresh is unconfirmed) the new one
         self.replicas: list[elastic.Replica] = []
+        # the left neighbour's steps since the oldest replica ([Note: rolling a lost rank forward])
+        self.log = elastic.GradientLog()
         # the generation whose membership this rank's shards belong to
         self.held_generation: int | None = None
         # between the two exchanges of a leave and a join in one generation: what
@@ -489,12 +496,39 @@ class ElasticSession(_FinalReport):
         return 0 if self.control is None else self.control.generation.id
 
     def replica_bytes(self) -> int:
-        return sum(r.nbytes() for r in self.replicas)
+        return sum(r.nbytes() for r in self.replicas) + self.log.nbytes()
+
+    def log_gradients(
+        self, engine: ZeroEngine, grads: list[torch.Tensor], used: list[int]
+    ) -> Handle | None:
+        """[Note: rolling a lost rank forward] in worker/elastic.py. Whether to send
+        depends only on what every rank agrees on (config, world, stage), so every
+        rank's send meets its neighbour's receive."""
+        st, config = engine.state, engine.config
+        if not (
+            config.replica_interval
+            and config.replica_gradient_log
+            and st.stage.optimizer_sharded
+            and not st.placement.optimizer_on_host
+            and st.comm.distributed
+            and grads
+        ):
+            return None
+        assert self.control is not None
+        return self.log.start(
+            st.comm,
+            self.control.generation.id,
+            st.global_steps + 1,
+            grads,
+            used,
+            st.optimizer.hyperparams(),
+        )
 
     def after_step(self, engine: ZeroEngine, agreed: BoundaryVote, stepped: bool) -> None:
         control = self.control
         assert control is not None
         if stepped:
+            self.log.commit(engine.global_steps)
             interval = engine.config.replica_interval
             if interval and engine.global_steps % interval == 0:
                 self._refresh_replica(engine)
@@ -523,12 +557,16 @@ class ElasticSession(_FinalReport):
             self.replicas = [*self.replicas[-1:], fresh]
             engine.state.comm.barrier()
             self.replicas = [fresh]
+            self.log.reset(fresh.generation, fresh.counters.global_steps)
 
     def recover(self, engine: ZeroEngine, exc: CollectiveError) -> NoReturn:
         """A peer is gone: form the coordinator's next generation and restore."""
         control = self.control
         assert control is not None
         self._to(Phase.RECOVERING)
+        if engine.state.whole:
+            # the lost step's gradients from the left, if they arrived before the loss
+            self.log.commit(engine.global_steps)
         logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
         start = time.perf_counter()
         gen = control.wait_to_re_form(stop=lambda: self.leave_requested)
@@ -696,12 +734,15 @@ class ElasticSession(_FinalReport):
         started = time.perf_counter()
         reached = engine.global_steps
         replicas, self.replicas = (self.replicas if holds_state else []), []
+        log, self.log = self.log, elastic.GradientLog()
         live = self._live(engine) if holds_state else None
         mine = elastic.Holding(
             live=live,
             replicas=tuple(r.ident for r in replicas),
             holds_state=holds_state,
             checkpoint=None if engine.last_checkpoint is None else str(engine.last_checkpoint),
+            live_step=engine.global_steps if live is not None else -1,
+            log=log.coverage() if holds_state else None,
         )
         table = torch.zeros(gen.world_size, mine.WIDTH, dtype=torch.int64, device=engine.device)
         table[self.control.rank] = mine.encode()
@@ -725,6 +766,36 @@ class ElasticSession(_FinalReport):
             )
             engine.adopt(handover, comm)
             source = "live state, nothing rolled back"
+        elif plan.source == "forward":
+            # survivors keep their state; each lost rank's comes from its right neighbour
+            entries = engine.state.export_ranges(copy=False) if live is not None else {}
+            left = (engine.rank - 1) % engine.world_size
+            replayed = 0
+            if live is not None and left in plan.lost:
+                replica = max(
+                    (
+                        r
+                        for r in replicas
+                        if r.generation == plan.generation
+                        and log.after <= r.counters.global_steps <= (plan.step or 0)
+                    ),
+                    key=lambda r: r.counters.global_steps,
+                )
+                steps = log.since(replica.counters.global_steps)
+                entries.update(elastic.roll_forward(engine.state, left, replica.neighbour, steps))
+                replayed = len(steps)
+            handover = elastic.exchange(
+                engine.state,
+                holds_state=live is not None,
+                via=None,
+                new_members=members,
+                entries=entries,
+            )
+            engine.adopt(handover, comm)
+            source = (
+                f"live state; lost rank(s) {sorted(plan.lost)} brought forward from their "
+                f"replicas and logged gradients ({replayed} step(s) here), nothing rolled back"
+            )
         elif plan.source == "replica":
             entries = {}
             wanted = (plan.generation, plan.step)

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from coordinator.layout import Layout, compute_layout
+from coordinator.layout import Bucket, Layout, SlotShard, compute_layout
 from coordinator.ranges import Range, RangeIndex, owned_ranges
-from worker.collectives import Collectives, Handle
+from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compression import make_codec
 from worker.config import ZeroConfig
 from worker.flat import BucketState, FlatBucket, GatherUnit
@@ -205,26 +205,32 @@ class ShardState:
         self.buckets = [self._build_bucket(spec, from_module) for spec in self.layout.buckets]
         self.bucket_of = {p: (b, pos) for b in self.buckets for pos, p in enumerate(b.params)}
         self.pool.reset(max((b.spec.padded_numel for b in self.buckets), default=0))
+        self.optimizer = self.shard_optimizer([(b.spec, b.pieces, b.master) for b in self.buckets])
+        self.params.attach(self.buckets, comm, self.inventory.unit_modules)
+        self._publish_chunks = self._chunks()
+        self.whole = from_module
+        self.builds += 1
+
+    def shard_optimizer(
+        self, shards: list[tuple[Bucket, list[SlotShard], torch.Tensor]]
+    ) -> ShardOptimizer:
+        """The user's optimizer over one rank's master shards: per bucket, its spec,
+        the slots' pieces in the shard and the shard's fp32 master values
+        ([Note: per-parameter shard views] in worker/optim.py)."""
         pieces: list[list[Piece]] = [[] for _ in self.user_optimizer.param_groups]
-        for b in self.buckets:
-            for piece in b.pieces:
-                pieces[b.spec.group].append(
+        for spec, slot_pieces, master in shards:
+            for piece in slot_pieces:
+                pieces[spec.group].append(
                     Piece(
                         param_index=self.index[piece.slot.name],
-                        view=b.master[piece.shard_start : piece.shard_start + piece.numel],
-                        bucket=b.spec.index,
+                        view=master[piece.shard_start : piece.shard_start + piece.numel],
+                        bucket=spec.index,
                         grad_offset=piece.shard_start,
                         name=piece.slot.name,
                         param_start=piece.param_start,
                     )
                 )
-        self.optimizer = ShardOptimizer(
-            self.user_optimizer, pieces, on_host=self.placement.optimizer_on_host
-        )
-        self.params.attach(self.buckets, comm, self.inventory.unit_modules)
-        self._publish_chunks = self._chunks()
-        self.whole = from_module
-        self.builds += 1
+        return ShardOptimizer(self.user_optimizer, pieces, on_host=self.placement.optimizer_on_host)
 
     def keep_module_values(self) -> None:
         """Before a build that does not take the module's values (``from_module=False``):
@@ -314,8 +320,11 @@ class ShardState:
         """Write the updated master partition back into the compute parameters."""
         self.params.publish(self.buckets, self.comm)
 
-    def step_and_publish(self, grads: list[torch.Tensor | None]) -> None:
-        """The optimizer step on this rank's partition, then publish it.
+    def step_and_publish(self, grads: list[torch.Tensor | None]) -> CollectiveError | None:
+        """The optimizer step on this rank's partition, then publish it. Returns the
+        error of a publish that failed (a peer lost), once the whole partition is
+        stepped anyway: the state is then whole at the new step, and only the
+        compute parameters missed it (a recovery publishes them again).
 
         [Note: publish while stepping]
         Where publishing is an all-gather (stages 1–2), the buckets are stepped
@@ -330,20 +339,33 @@ class ShardState:
             with record_function("zeroplane.optimizer_step"):
                 self.optimizer.step(grads)
             with record_function("zeroplane.publish"):
-                self.publish_params()
-            return
+                try:
+                    self.publish_params()
+                except CollectiveError as exc:
+                    return exc
+            return None
         handles: list[Handle] = []
+        failed: CollectiveError | None = None
         for chunk in chunks:
             with record_function("zeroplane.optimizer_step"):
                 self.optimizer.step(grads, buckets=chunk)
+            if failed is not None:
+                continue  # step the rest: a stepped partition is a whole one
             with record_function("zeroplane.publish"):
-                for i in chunk:
-                    h = self.params.start_publish(self.buckets[i], self.comm)
-                    if h is not None:
-                        handles.append(h)
+                try:
+                    for i in chunk:
+                        h = self.params.start_publish(self.buckets[i], self.comm)
+                        if h is not None:
+                            handles.append(h)
+                except CollectiveError as exc:
+                    failed = exc
         with record_function("zeroplane.publish"):
-            for h in handles:
-                h.wait()
+            try:
+                for h in handles if failed is None else ():
+                    h.wait()
+            except CollectiveError as exc:
+                failed = exc
+        return failed
 
     def _chunks(self) -> list[set[int]]:
         """Buckets in index order, in up to ``PUBLISH_CHUNKS`` runs of similar size

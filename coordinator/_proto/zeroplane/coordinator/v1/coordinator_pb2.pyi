@@ -340,7 +340,7 @@ class StatusResponse(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., waiting_reason: _Optional[str] = ..., generation_id: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., rendezvous_endpoint: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., settings: _Optional[_Union[MembershipSettings, _Mapping]] = ..., trainable_numel: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., server_version: _Optional[str] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class PersistedState(_message.Message):
-    __slots__ = ("format_version", "inventory", "generation", "members", "epoch", "inventory_digest", "left", "finished_by")
+    __slots__ = ("format_version", "inventory", "generation", "members", "epoch", "inventory_digest", "left", "finished_by", "stopping")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +349,7 @@ class PersistedState(_message.Message):
     INVENTORY_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LEFT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_BY_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     inventory: _containers.RepeatedCompositeFieldContainer[ParamInfo]
     generation: Generation
@@ -357,7 +358,8 @@ class PersistedState(_message.Message):
     inventory_digest: str
     left: _containers.RepeatedScalarFieldContainer[str]
     finished_by: str
-    def __init__(self, format_version: _Optional[int] = ..., inventory: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ..., members: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., epoch: _Optional[str] = ..., inventory_digest: _Optional[str] = ..., left: _Optional[_Iterable[str]] = ..., finished_by: _Optional[str] = ...) -> None: ...
+    stopping: str
+    def __init__(self, format_version: _Optional[int] = ..., inventory: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ..., members: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., epoch: _Optional[str] = ..., inventory_digest: _Optional[str] = ..., left: _Optional[_Iterable[str]] = ..., finished_by: _Optional[str] = ..., stopping: _Optional[str] = ...) -> None: ...
 
 class PersistedInventory(_message.Message):
     __slots__ = ("params",)
