@@ -249,6 +249,13 @@ def test_a_lost_rank_is_brought_forward_when_its_right_neighbour_logged_up_to_no
     # a restarted worker in the recovery group holds nothing and changes nothing
     newcomer = Holding(live=None, replicas=(), holds_state=False, checkpoint=None)
     assert plan_restore([forward_holding(0), forward_holding(2), newcomer]).source == "forward"
+    # two lost at once, each with its right neighbour alive (4 ranks, 0 and 2 lost)
+    four = [
+        dataclasses.replace(forward_holding(r), live=(3, r, 4), replicas=((3, 10, r, 4),))
+        for r in (1, 3)
+    ]
+    plan = plan_restore(four)
+    assert (plan.source, plan.lost) == ("forward", frozenset({0, 2}))
 
 
 @pytest.mark.parametrize(
