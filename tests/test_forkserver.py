@@ -99,6 +99,10 @@ def test_forked_module_and_fresh_fallback(tmp_path: Path) -> None:
     assert result.returncode == 0, result
     assert got["argv"] == [str(tmp_path / "showmod.py"), "ok"] and got["preloaded"]
     assert got["path0"] == str(tmp_path) and got["cwd"] == str(tmp_path)
+    # a module the server imported ahead runs as python -m runs it, without a warning
+    result, lines = run_job((sys.executable, "-m", "worker.config"), 1, fork_server=True)
+    err = [line for _, stream, line in lines if stream == "stderr"]
+    assert result.returncode == 0 and not any("RuntimeWarning" in line for line in err), err
     # what cannot be run ends as the interpreter ends it
     for command, code, says in (
         ((sys.executable, str(tmp_path / "missing.py")), 2, "can't open file"),

@@ -113,6 +113,9 @@ def run(request: Request) -> None:
         if not found:
             sys.stderr.write(f"{sys.executable}: No module named {argv[1]}\n")
             raise SystemExit(1)
+        # a module the server preloaded (``-m worker.x``) runs afresh as __main__, as
+        # under ``python -m``, not beside its imported copy (runpy warns of that)
+        sys.modules.pop(argv[1], None)
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return
     path = os.path.abspath(argv[0])
