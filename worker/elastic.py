@@ -463,6 +463,17 @@ class GradientLog:
         return [torch.empty(n, dtype=torch.float32, device=device) for n in sizes]
 
 
+def _placed(value: Any, numel: int, device: torch.device) -> Any:
+    """A copy of one optimizer state value of a ``numel``-element piece: per-element
+    state where the master is (a replica may be on the host), scalars such as
+    Adam's step where they were, as :meth:`ShardState.import_ranges` places them."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() == 1 and value.numel() == numel:
+        return value.to(device, copy=True)
+    return value.clone()
+
+
 def roll_forward(
     state: ShardState, rank: int, entries: Entries, steps: Sequence[LoggedStep]
 ) -> Entries:
@@ -480,12 +491,11 @@ def roll_forward(
             key = Range(piece.name, piece.param_start, piece.param_start + piece.view.numel()).key
             if key not in entries:
                 raise MissingRange(f"the replica of rank {rank} has no {key}")
-            entry = entries[key]
+            entry, n = entries[key], piece.view.numel()
             piece.view.copy_(entry["master"])
             if entry["state"]:
                 optimizer.inner.state[piece.view] = {
-                    k: v.clone() if isinstance(v, torch.Tensor) else v
-                    for k, v in entry["state"].items()
+                    k: _placed(v, n, piece.view.device) for k, v in entry["state"].items()
                 }
     for logged in steps:
         optimizer.step(optimizer.piece_grads(logged.grads, logged.used), groups=logged.groups)
