@@ -428,26 +428,21 @@ def test_workers_train_through_a_coordinator_restart(job_factory) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_sigkill_recovers_from_in_memory_replicas(job_factory) -> None:
-    job = job_factory(3)
-    for name in ("w0", "w1", "w2"):
-        # no checkpoint at all; rolled back to the replicas' step
-        job.spawn(name, "--replica-every", "2", "--no-gradient-log")
-    kill_and_recover(job, "w1", every=2, source="in-memory replicas")
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("stage", [1, 3])
-def test_sigkill_brings_the_lost_rank_forward_from_its_replica(job_factory, stage: int) -> None:
-    """With the gradient log the survivors keep their state and the lost rank's is
-    rebuilt at their step from a replica 7 steps older: nothing is trained again
-    ([Note: rolling a lost rank forward])."""
+@pytest.mark.parametrize(("stage", "forward"), [(1, True), (3, False)], ids=["forward", "rollback"])
+def test_sigkill_recovers_from_in_memory_replicas(job_factory, stage: int, forward: bool) -> None:
+    """No checkpoint at all. With the gradient log (the default) the survivors keep
+    their state and the lost rank's is rebuilt at their step from a replica up to 6
+    steps older: nothing is trained again ([Note: rolling a lost rank forward]).
+    Without it they roll back to the replicas' step."""
     job = job_factory(stage)
+    flags = ("--replica-every", "7") if forward else ("--replica-every", "2", "--no-gradient-log")
     for name in ("w0", "w1", "w2"):
-        job.spawn(name, "--replica-every", "7")
-    kill_and_recover(
-        job, "w1", every=0, source=r"live state; lost rank\(s\) \[\d\] brought forward.*?"
-    )
+        job.spawn(name, *flags)
+    if forward:
+        source = r"live state; lost rank\(s\) \[\d\] brought forward.*?"
+        kill_and_recover(job, "w1", every=0, source=source)
+    else:
+        kill_and_recover(job, "w1", every=2, source="in-memory replicas")
 
 
 class LauncherRun:
