@@ -748,7 +748,14 @@ class ElasticSession(_FinalReport):
         table[self.control.rank] = mine.encode()
         comm = Collectives(None)
         comm.all_reduce(table, op="sum", control=True)
-        plan = elastic.plan_restore([elastic.Holding.decode(row) for row in table.cpu()])
+        holdings = [elastic.Holding.decode(row) for row in table.cpu()]
+        plan = elastic.plan_restore(holdings)
+        logger.info(
+            "recovery plan %s (generation %s, step %s, lost %s) from %s",
+            plan.source, plan.generation, plan.step, sorted(plan.lost),
+            "; ".join(f"live {h.live} at {h.live_step}, log {h.log}, replicas {h.replicas}"
+                      for h in holdings),
+        )  # fmt: skip
         members = list(range(gen.world_size))
         if plan.source == "live":
             sends = live is not None and live[0] == plan.generation
