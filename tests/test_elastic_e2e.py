@@ -443,13 +443,15 @@ def test_sigkill_recovers_from_in_memory_replicas(job_factory, stage: int, forwa
             source = r"live state; lost rank\(s\) \[\d\] brought forward.*?"
             kill_and_recover(job, "w1", every=0, source=source)
         except AssertionError:
-            # the one known fallback: the lost rank died after the survivors finished
-            # its last step but before its gradients of that step reached its
-            # neighbour (the log stops one step short: see the closing note of
-            # 2026-12-01); anything else that kept the plan from "forward" fails here
+            # the one fallback left: a loss inside a step's go (a tiny all-reduce) can
+            # let one survivor step and not the other ([Note: rolling a lost rank
+            # forward]); anything else that kept the plan from "forward" fails here
             log = "".join(job.log(name) for name in ("w0", "w2"))
-            plans = re.findall(r"live \(\d+, (\d), 3\) at (\d+), log \(\d+, \d+, (\d+)\)", log)
-            assert any(int(t) == int(last) + 1 for _, t, last in plans), log[-3000:]
+            plan = re.search(r"recovery plan replica .* from (.*)", log)
+            if plan is None:
+                raise
+            steps = {int(t) for t in re.findall(r"live \(\d+, \d, 3\) at (\d+)", plan[1])}
+            assert len(steps) == 2 and max(steps) - min(steps) == 1, log[-3000:]
             assert_matches_reference(job.tmp / "final.pt")
     else:
         kill_and_recover(job, "w1", every=2, source="in-memory replicas")

@@ -170,7 +170,8 @@ def bring_forward(stage: int, optimizer: str, dtype: str, clip: float) -> int:
             at = engine.global_steps
     assert member.log.coverage() == (0, at, engine.global_steps) and engine.global_steps > at
     left = (engine.rank - 1) % 3
-    rebuilt = roll_forward(engine.state, left, replica.neighbour, member.log.since(at))
+    steps = member.log.between(at, engine.global_steps)
+    rebuilt = roll_forward(engine.state, left, replica.neighbour, steps)
     actual: list = [None] * 3
     dist.all_gather_object(actual, engine.state.export_ranges())
     assert rebuilt.keys() == actual[left].keys()
@@ -264,6 +265,39 @@ def test_a_lost_rank_is_brought_forward_when_its_right_neighbour_logged_up_to_no
     ]
     plan = plan_restore(four)
     assert (plan.source, plan.lost) == ("forward", frozenset({0, 2}))
+    # rank 1 died at step 13's go, after delivering its gradients: nobody stepped
+    plan = plan_restore([forward_holding(0), forward_holding(2, log=(3, 10, 13))])
+    assert (plan.source, plan.step) == ("forward", 12)
+
+
+class LoopbackComm:
+    """The two calls a GradientLog makes, with every exchange delivered at once."""
+
+    rank, world_size = 1, 3
+
+    def send_recv(self, send, dst, recv, src, *, async_op):
+        for out, into in zip(send, recv, strict=True):
+            into.copy_(out)
+        return Handle(None, None, 0.0)
+
+
+def test_the_log_keeps_a_step_whose_go_failed_and_replays_only_up_to_the_plan() -> None:
+    log, comm = GradientLog(), LoopbackComm()
+    log.reset(0, 10)
+
+    def exchange(step: int) -> None:
+        log.start(comm, 0, step, [torch.full((4,), float(step))], [1], [{"lr": 0.1}])
+
+    exchange(11)
+    log.commit(11)  # stepped
+    exchange(12)
+    log.commit(11)  # delivered, then the loss at step 12's go: nobody stepped
+    assert log.coverage() == (0, 10, 12)
+    assert [e.step for e in log.between(10, 11)] == [11]
+    assert log.between(10, 11)[0].grads[0].tolist() == [11.0] * 4
+    exchange(14)  # neither the step just done nor the next: not this log's
+    log.commit(12)
+    assert log.coverage() == (0, 10, 12)
 
 
 @pytest.mark.parametrize(

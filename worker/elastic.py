@@ -370,17 +370,27 @@ class GradientLog:
     partition (final: averaged, unscaled, clipped), which parameters had a
     gradient and the hyperparameters. So each rank sends its partition
     gradients to its right neighbour at every step, the neighbour that holds
-    its replica (one send and one receive per rank, overlapping the optimizer
-    step, 1/N of the gradient's bytes). After a loss at step T the survivors
-    keep their live state, and each lost rank's right neighbour replays the
-    logged steps S+1..T on the lost rank's replica of step S, with the same
-    optimizer class, hyperparameters and pieces (bit for bit what the lost rank
-    computed). Nothing is trained again.
+    its replica (one send and one receive per rank, 1/N of the gradient's
+    bytes). After a loss at step T the survivors keep their live state, and
+    each lost rank's right neighbour replays the logged steps S+1..T on the
+    lost rank's replica of step S, with the same optimizer class,
+    hyperparameters and pieces (bit for bit what the lost rank computed).
+    Nothing is trained again.
+
+    The log must never be shorter than the survivors' state: a rank that dies
+    after its peers stepped but before its gradients reached its neighbour
+    would force the rollback. So each rank waits for its exchange before
+    stepping, and the step's loss all-reduce (which every rank starts only
+    then) is the go: a rank lost before delivering fails every rank before any
+    of them steps. A rank lost after delivering, before the go completes,
+    leaves its neighbour's log one step ahead of the survivors, which is
+    harmless. Only a loss inside the go's own few microseconds can let some
+    survivors step and not others; that falls back to the rollback.
 
     It applies when every rank that holds state is whole at the same step T of
-    one generation and each lost rank's right neighbour logged up to T
-    (:func:`plan_restore`); otherwise recovery rolls back to the replicas. The
-    log is as long as the refresh interval (its bytes count as ``replica``
+    one generation and each lost rank's right neighbour logged at least up to
+    T (:func:`plan_restore`); otherwise recovery rolls back to the replicas.
+    The log is as long as the refresh interval (its bytes count as ``replica``
     memory); a refresh (or a new generation) trims it.
     """
 
@@ -416,19 +426,20 @@ class GradientLog:
 
     def commit(self, step: int) -> None:
         """Global step ``step`` is done: keep the pending gradients if they are its
-        own and fully received (after a failure: if they arrived before it)."""
+        own and fully received. After a failure, also those of step ``step + 1``:
+        they were delivered, and the loss came at that step's go."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         logged, handle = pending
-        if logged.step != step or not handle.done():
+        if logged.step not in (step, step + 1) or not handle.done():
             return
         try:
             handle.wait()
         except CollectiveError:
             return
-        if step != self.after + len(self.steps) + 1:  # not contiguous: start again from here
-            self.reset(self.generation, step)
+        if logged.step != self.after + len(self.steps) + 1:  # a gap: start again after it
+            self.reset(self.generation, logged.step)
             return
         self.steps.append(logged)
 
@@ -448,8 +459,9 @@ class GradientLog:
             return None
         return (self.generation, self.after, self.after + len(self.steps))
 
-    def since(self, step: int) -> list[LoggedStep]:
-        return [e for e in self.steps if e.step > step]
+    def between(self, after: int, last: int) -> list[LoggedStep]:
+        """The logged steps after+1 .. last."""
+        return [e for e in self.steps if after < e.step <= last]
 
     def nbytes(self) -> int:
         return sum(e.nbytes() for e in self.steps) + sum(
@@ -669,7 +681,8 @@ def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
 def _roll_forward_plan(holdings: Sequence[Holding]) -> RestorePlan | None:
     """Keep the survivors' live state when every holder is whole at one step of one
     generation and each lost rank's right neighbour can bring that rank's replica
-    up to it ([Note: rolling a lost rank forward])."""
+    up to it ([Note: rolling a lost rank forward]). A log one step longer is the
+    loss at a step's go: the gradients were delivered, no rank stepped."""
     holders = [h for h in holdings if h.holds_state]
     lives = {(h.live[0], h.live[2], h.live_step) if h.live else None for h in holders}
     if len(lives) != 1 or None in lives:
@@ -683,8 +696,10 @@ def _roll_forward_plan(holdings: Sequence[Holding]) -> RestorePlan | None:
         if right is None or right.log is None:
             return False
         log_gen, after, last = right.log
-        return (log_gen, last) == (gen, step) and any(
-            r[0] == gen and r[3] == world and after <= r[1] <= step for r in right.replicas
+        return (
+            log_gen == gen
+            and last >= step
+            and any(r[0] == gen and r[3] == world and after <= r[1] <= step for r in right.replicas)
         )
 
     if not lost or not all(brings_forward(r) for r in lost):

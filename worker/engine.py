@@ -464,20 +464,26 @@ class ZeroEngine:
         if not boundary:
             return False
         self.ballot.wait()
-        # the step's loss summed over the ranks, overlapping the optimizer step
-        loss_pair = self.stats.close_window_loss(st.device)
-        loss_sum = st.comm.all_reduce(loss_pair, async_op=True, control=True)
         grads = [_fp32(st.reducer.partition_grad(b)) for b in st.buckets]
         factor = 1.0 / (st.world_size * st.scaler.scale)
         for g in grads:
             g.mul_(factor)
         stepped = self._clip_or_skip(grads)
+        used = self.ballot.used() if stepped else []
         logged: Handle | None = None
+        if stepped and self.membership is not None:
+            # the right neighbour's copy, for a recovery that rolls this rank forward
+            logged = self.membership.log_gradients(self, grads, used)
+        if logged is not None:
+            logged.wait()
+        # the step's loss summed over the ranks, overlapping the optimizer step; with
+        # the log, it is also the step's go: no rank steps before every rank's log is
+        # delivered (worker/elastic.py [Note: rolling a lost rank forward])
+        loss_pair = self.stats.close_window_loss(st.device)
+        loss_sum = st.comm.all_reduce(loss_pair, async_op=True, control=True)
+        if logged is not None:
+            loss_sum.wait()
         if stepped:
-            used = self.ballot.used()
-            if self.membership is not None:
-                # the right neighbour's copy, for a recovery that rolls this rank forward
-                logged = self.membership.log_gradients(self, grads, used)
             piece_grads = st.optimizer.piece_grads(grads, used)
             # from here until the step is whole, a lost peer leaves this state torn
             st.whole = False
@@ -491,8 +497,6 @@ class ZeroEngine:
         agreed = self.ballot.agreed()
         loss_sum.wait()
         self.stats.global_loss = loss_pair
-        if logged is not None:
-            logged.wait()  # the gradients are out before their buffers are zeroed
         st.zero_grads()
         self.ballot.clear()
         self.stats.end_step()

@@ -565,7 +565,8 @@ class ElasticSession(_FinalReport):
         assert control is not None
         self._to(Phase.RECOVERING)
         if engine.state.whole:
-            # the lost step's gradients from the left, if they arrived before the loss
+            # the gradients from the left of the last step, or of the step whose go
+            # failed, if they arrived before the loss
             self.log.commit(engine.global_steps)
         logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
         start = time.perf_counter()
@@ -788,7 +789,7 @@ class ElasticSession(_FinalReport):
                     ),
                     key=lambda r: r.counters.global_steps,
                 )
-                steps = log.since(replica.counters.global_steps)
+                steps = log.between(replica.counters.global_steps, plan.step or 0)
                 entries.update(elastic.roll_forward(engine.state, left, replica.neighbour, steps))
                 replayed = len(steps)
             handover = elastic.exchange(
