@@ -6,8 +6,9 @@ torch-free (so the mapping lives here, on the coordinator's side).
 
 Fields with a DeepSpeed key go under it (``zero_optimization.stage``,
 ``reduce_bucket_size``, ``overlap_comm``, ``stage3_prefetch_bucket_size``,
-``stage3_max_reuse_distance``, ``bf16``/``fp16`` with the loss-scale settings,
-``gradient_accumulation_steps``, ``gradient_clipping``, ``activation_checkpointing``).
+``stage3_max_reuse_distance``, ``stage3_max_live_parameters``, ``bf16``/``fp16``
+with the loss-scale settings, ``gradient_accumulation_steps``, ``gradient_clipping``,
+``activation_checkpointing``).
 Fields DeepSpeed has no key for (``compression``, ``reduce_dtype``, ``replica_interval``, ...) go
 under a top-level ``"zeroplane"`` section, which DeepSpeed does not read and
 ``from_deepspeed`` reads back, so a round trip gives the same ZeroConfig.
@@ -67,6 +68,8 @@ def to_deepspeed(
     if zo["stage"] == 3 or reuse:
         # written even at zeroplane's default: DeepSpeed's own (1e9) keeps every unit
         zo["stage3_max_reuse_distance"] = reuse
+    if "stage3_max_live_parameters" in rest:  # the same default as DeepSpeed's
+        zo["stage3_max_live_parameters"] = rest.pop("stage3_max_live_parameters")
     ds["zero_optimization"] = zo
     dtype = rest.pop("dtype", "fp32")
     ds["bf16"] = {"enabled": dtype == "bf16"}

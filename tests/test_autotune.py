@@ -217,6 +217,7 @@ def test_deepspeed_round_trip():
         ZeroConfig(stage=2, dtype="fp16", loss_scale=128.0, hysteresis=2, stage3_prefetch=3),
         ZeroConfig(dtype="bf16", hysteresis=3, activation_checkpointing=2, replica_interval=5),
         ZeroConfig(stage=3, stage3_max_reuse_distance=10**9),
+        ZeroConfig(stage=3, stage3_max_live_parameters=2**20, stage3_prefetch=1),
     ]
     for config in configs:
         ds = config.to_deepspeed(micro_batch=4, world_size=2)

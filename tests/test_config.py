@@ -20,6 +20,7 @@ from worker import ZeroConfig
         ("bucket_numel", -1),
         ("gradient_clipping", -1.0),
         ("stage3_prefetch", -1),
+        ("stage3_max_live_parameters", -1),
         ("hysteresis", 0),
         ("min_loss_scale", 0),
     ],

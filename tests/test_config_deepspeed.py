@@ -475,6 +475,18 @@ def test_prefetch_bucket_size() -> None:
             prefetch(value)
 
 
+def test_max_live_parameters() -> None:
+    def max_live(value: object) -> int:
+        ds = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": value}}
+        return ZeroConfig.from_deepspeed(ds).stage3_max_live_parameters
+
+    assert (max_live(3e6), max_live(0), max_live("auto")) == (3_000_000, 0, 10**9)
+    assert ZeroConfig().stage3_max_live_parameters == 10**9  # DeepSpeed's default
+    for value in (-1, "3e6", 0.5):
+        with pytest.raises(ValueError, match=r"'zero_optimization\.stage3_max_live_parameters'"):
+            max_live(value)
+
+
 def accumulation(value: object) -> int:
     return ZeroConfig.from_deepspeed(
         {"gradient_accumulation_steps": value}

@@ -18,12 +18,20 @@ def gathered(unit: GatherUnit) -> bool:
     return all(b.full.untyped_storage().nbytes() > 0 for b in unit.buckets)
 
 
-def trace_gathers(prefetch: int, reuse_distance: int = 0) -> dict:
+def trace_gathers(prefetch: int, reuse_distance: int = 0, live_blocks: int | None = None) -> dict:
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    max_live = 10**9
+    if live_blocks is not None:  # the root's elements and this many blocks' (64: padding)
+        block = sum(p.numel() for p in model.blocks[0].parameters())
+        root = sum(p.numel() for p in model.parameters()) - len(model.blocks) * block
+        max_live = root + live_blocks * block + 64
     config = worker.ZeroConfig(
-        stage=3, stage3_prefetch=prefetch, stage3_max_reuse_distance=reuse_distance
+        stage=3,
+        stage3_prefetch=prefetch,
+        stage3_max_reuse_distance=reuse_distance,
+        stage3_max_live_parameters=max_live,
     )
     engine = worker.initialize(model, opt, config=config)
     units = {u.module: u for u in engine.units}
@@ -31,7 +39,8 @@ def trace_gathers(prefetch: int, reuse_distance: int = 0) -> dict:
     events: list[tuple] = []
 
     def snapshot(tag: str, k: int) -> None:
-        events.append((tag, k, tuple(gathered(u) for u in blocks)))
+        live = sum(b.full.numel() for u in engine.units if gathered(u) for b in u.buckets)
+        events.append((tag, k, tuple(gathered(u) for u in blocks), live))
 
     for k, block in enumerate(model.blocks):
         block.register_forward_pre_hook(lambda m, a, k=k: snapshot("pre", k))
@@ -49,6 +58,7 @@ def trace_gathers(prefetch: int, reuse_distance: int = 0) -> dict:
         "events": events,
         "after": [gathered(u) for u in engine.units],
         "n_blocks": len(blocks),
+        "max_live": max_live,
     }
 
 
@@ -56,7 +66,7 @@ def trace_gathers(prefetch: int, reuse_distance: int = 0) -> dict:
 def test_units_gathered_just_in_time_and_freed(pools, prefetch: int) -> None:
     case = pools(2).run(trace_gathers, prefetch)[0]
     n = case["n_blocks"]
-    forward = [(tag, k, g) for tag, k, g in case["events"] if tag in ("pre", "post")]
+    forward = [(tag, k, g) for tag, k, g, _ in case["events"] if tag in ("pre", "post")]
     assert len(forward) == 2 * n
     for tag, k, state in forward:
         if tag == "pre":
@@ -66,7 +76,7 @@ def test_units_gathered_just_in_time_and_freed(pools, prefetch: int) -> None:
         else:
             want = {k}  # the last block's backward comes first: kept, not gathered again
         assert {i for i, s in enumerate(state) if s} == want, (tag, k, state)
-    grads = [(k, g) for tag, k, g in case["events"] if tag == "grad"]
+    grads = [(k, g) for tag, k, g, _ in case["events"] if tag == "grad"]
     assert [k for k, _ in grads] == list(reversed(range(n)))
     for k, state in grads:
         # while block k's gradients arrive, at most k itself and the prefetched k-1
@@ -75,6 +85,19 @@ def test_units_gathered_just_in_time_and_freed(pools, prefetch: int) -> None:
         assert k in held
         if prefetch and k > 0:
             assert k - 1 in held, "block k-1 was not prefetched during block k's backward"
+    assert not any(case["after"]), "units still gathered after the step"
+
+
+@pytest.mark.parametrize("live_blocks", [None, 1, 2])
+def test_prefetch_stays_within_max_live_parameters(pools, live_blocks: int | None) -> None:
+    # prefetching 3 units ahead: the cap (the root and this many blocks) stops it
+    case = pools(2).run(trace_gathers, 3, 0, live_blocks)[0]
+    n = case["n_blocks"]
+    ahead = 4 if live_blocks is None else live_blocks
+    for tag, k, state, live in case["events"]:
+        if tag == "pre":  # forward: block k and what was prefetched with it
+            assert {i for i, s in enumerate(state) if s} == set(range(k, min(k + ahead, n)))
+            assert live <= case["max_live"], (k, live, case["max_live"])
     assert not any(case["after"]), "units still gathered after the step"
 
 
@@ -87,7 +110,7 @@ def test_units_within_the_reuse_distance_stay_gathered_into_backward(pools, kept
     case = pools(2).run(trace_gathers, 0, distance)[0]
     n = case["n_blocks"]
     keep = set(range(n - kept, n))
-    for tag, k, state in case["events"]:
+    for tag, k, state, _ in case["events"]:
         held = {i for i, s in enumerate(state) if s}
         if tag == "pre":
             assert held == {i for i in keep if i < k} | {k}, (tag, k, state)

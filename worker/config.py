@@ -63,6 +63,10 @@ class ZeroConfig:
             backward]). 0: only the root and the last unit to finish, whose
             backward comes first; DeepSpeed's default 1e9 keeps every unit of a
             model under a billion parameters.
+        stage3_max_live_parameters: a prefetch starts only while the parameter
+            elements gathered (and gathering) stay within this many; the unit
+            needed now is always gathered. DeepSpeed's key and default (1e9);
+            0 prefetches nothing.
         stage3_min_unit_numel: a module whose not-yet-assigned parameters
             reach this many elements becomes its own gather unit. Modules held
             in an ``nn.ModuleList`` or ``nn.Sequential`` are units regardless.
@@ -123,6 +127,7 @@ class ZeroConfig:
     overlap_comm: bool = True
     stage3_prefetch: int = 1
     stage3_max_reuse_distance: int = 0
+    stage3_max_live_parameters: int = 10**9
     stage3_min_unit_numel: int = 2**20
     loss_scale: float = 0.0
     initial_scale_power: int = 16
@@ -173,6 +178,7 @@ class ZeroConfig:
         for name in (
             "stage3_prefetch",
             "stage3_max_reuse_distance",
+            "stage3_max_live_parameters",
             "stage3_min_unit_numel",
             "compression_warmup_steps",
             "replica_interval",
@@ -280,9 +286,10 @@ class ZeroConfig:
           it: ``reduce_bucket_size = hidden_size**2`` and
           ``stage3_prefetch_bucket_size = 0.9 * hidden_size**2`` when they are
           ``"auto"`` (the latter only says whether to prefetch: zeroplane
-          prefetches whole units). ``stage3_param_persistence_threshold`` and
-          ``stage3_max_live_parameters`` are ignored, ``"auto"`` or not;
-          ``stage3_max_reuse_distance`` sets the field of that name.
+          prefetches whole units). ``stage3_param_persistence_threshold`` is
+          ignored, ``"auto"`` or not; ``stage3_max_reuse_distance`` and
+          ``stage3_max_live_parameters`` set the fields of those names
+          (``"auto"`` leaves the latter at DeepSpeed's default).
         - ``fp16``, ``bf16``: ``TrainingArguments``-style booleans for
           ``fp16.enabled`` / ``bf16.enabled``; giving one makes the other
           False unless given too. Like HF, a file value that is not ``"auto"``
@@ -401,7 +408,6 @@ _DS_ZERO_IGNORED = frozenset(
         "reduce_scatter",
         "allgather_bucket_size",
         "round_robin_gradients",
-        "stage3_max_live_parameters",
         "stage3_param_persistence_threshold",
         "stage3_gather_16bit_weights_on_model_save",
         "sub_group_size",
@@ -678,13 +684,17 @@ class _DeepSpeedReader:
                         raise _ds_error(key, "an integer >= 0", value)
                     # DeepSpeed counts elements; zeroplane prefetches whole units.
                     self.set("stage3_prefetch", key, 1 if numel > 0 else 0)
-            elif sub == "stage3_max_reuse_distance":
-                value = self.resolve(key, value, "stage3_max_reuse_distance")
+            elif sub in ("stage3_max_reuse_distance", "stage3_max_live_parameters"):
+                # HF's trainer fills in neither: "auto" for max_live keeps the default,
+                # as it did while the key was ignored
+                if sub == "stage3_max_live_parameters" and _is_auto(value):
+                    continue
+                value = self.resolve(key, value, sub)
                 if value is not _SKIP:
                     numel = _ds_int(key, value)
                     if numel < 0:  # Field(ge=0) in DeepSpeed
                         raise _ds_error(key, "an integer >= 0", value)
-                    self.set("stage3_max_reuse_distance", key, numel)
+                    self.set(sub, key, numel)
             elif sub in ("offload_optimizer", "offload_param"):
                 # Optional in DeepSpeed: null means no offload, as absent does
                 if value is not None:

@@ -39,7 +39,7 @@ from worker.compression import (
 )
 from worker.sharded import mark_gathered, mark_sharded
 
-__all__ = ["BucketState", "FlatBucket", "GatherUnit", "UnitState"]
+__all__ = ["BucketState", "FlatBucket", "GatherUnit", "LiveElements", "UnitState"]
 
 
 class BucketState(enum.Enum):
@@ -99,6 +99,13 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
+@dataclass
+class LiveElements:
+    """The parameter elements of the gather units that are gathered or gathering."""
+
+    numel: int = 0
+
+
 @dataclass(eq=False)
 class GatherUnit:
     """A stage-3 gather unit: one module's parameters, gathered and freed together.
@@ -116,11 +123,19 @@ class GatherUnit:
     wire: list[WireBuffers] = field(default_factory=list)
     fetch: Callable[[torch.Tensor], torch.Tensor] | None = None
     inbound: list[torch.Tensor] = field(default_factory=list)
+    live: LiveElements = field(default_factory=LiveElements)  # shared by a model's units
+    _counted: int = 0  # what this unit added to ``live``
+
+    @property
+    def numel(self) -> int:
+        return sum(b.full.numel() for b in self.buckets)
 
     def gather(self, comm: Collectives) -> None:
         """Start gathering (asynchronously) if sharded."""
         if self.state is not UnitState.SHARDED:
             return
+        self._counted = self.numel
+        self.live.numel += self._counted
         if self.codec is not None:
             self.wire += [WireBuffers() for _ in self.buckets[len(self.wire) :]]
         for i, b in enumerate(self.buckets):
@@ -153,3 +168,5 @@ class GatherUnit:
                 b.full.untyped_storage().resize_(0)
                 mark_sharded(b.params)
             self.state = UnitState.SHARDED
+            self.live.numel -= self._counted
+            self._counted = 0

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 from worker.collectives import Collectives, Handle
 from worker.compression import Codec, WireBuffers, start_all_gather, start_reduce_scatter
-from worker.flat import BucketState, FlatBucket, GatherUnit, UnitState
+from worker.flat import BucketState, FlatBucket, GatherUnit, LiveElements, UnitState
 from worker.sharded import mark_sharded, name_params, reads_data
 
 __all__ = [
@@ -486,7 +486,8 @@ class ShardedParams(ParamStorage):
 
     Prefetch follows the order of the first forward: after a unit is gathered,
     the next ``prefetch`` units in forward order (previous ones in backward)
-    start gathering.
+    start gathering, as long as the elements gathered (and gathering) stay
+    within ``max_live`` (DeepSpeed's ``stage3_max_live_parameters``).
 
     [Note: modules whose forward never runs]
     A unit is gathered by its module's forward hooks, but some modules hold
@@ -515,10 +516,12 @@ class ShardedParams(ParamStorage):
         gather_codec: Codec | None,
         home: ShardHome | None = None,
         max_reuse_distance: int = 0,
+        max_live: int = 10**9,
     ) -> None:
         super().__init__(dtype, master_apart)
         self.prefetch, self.gather_codec = prefetch, gather_codec
-        self.max_reuse_distance = max_reuse_distance
+        self.max_reuse_distance, self.max_live = max_reuse_distance, max_live
+        self.live = LiveElements()
         self.home: ShardHome = home or _OnDevice()
         self.units: list[GatherUnit] = []
         self._unit_by_index: dict[int, GatherUnit] = {}
@@ -549,6 +552,7 @@ class ShardedParams(ParamStorage):
     def attach(self, buckets: list[FlatBucket], comm: Collectives, units: dict) -> None:
         self.detach()
         self.comm = comm
+        self.live = LiveElements()
         by_unit: dict[int, list[FlatBucket]] = {}
         for b in buckets:
             by_unit.setdefault(b.spec.unit, []).append(b)
@@ -557,7 +561,12 @@ class ShardedParams(ParamStorage):
                 continue
             # the root is always a unit, if only to host the units it reads
             unit = GatherUnit(
-                index, module, by_unit.get(index, []), self.gather_codec, fetch=self.home.fetch
+                index,
+                module,
+                by_unit.get(index, []),
+                self.gather_codec,
+                fetch=self.home.fetch,
+                live=self.live,
             )
             self.units.append(unit)
             self._hooks += [
@@ -630,6 +639,7 @@ class ShardedParams(ParamStorage):
             for p in b.params:
                 self._unit_of_param[p] = host
         self._unit_by_index[unit.index] = host
+        host._counted, unit._counted = host._counted + unit._counted, 0
         unit.buckets, unit.state = [], UnitState.SHARDED
         self.units.remove(unit)
         logger.debug(
@@ -749,8 +759,15 @@ class ShardedParams(ParamStorage):
             return
         for k in range(1, self.prefetch + 1):
             j = pos + direction * k
-            if 0 <= j < len(self._order):
-                self._order[j].gather(self.comm)
+            if not 0 <= j < len(self._order):
+                return
+            ahead = self._order[j]
+            if ahead.state is UnitState.SHARDED:
+                # ZeroConfig.stage3_max_live_parameters: a prefetch never takes the
+                # gathered elements past it (the unit needed now always is gathered)
+                if self.live.numel + ahead.numel > self.max_live:
+                    return
+                ahead.gather(self.comm)
 
 
 class _DiscoverReads(TorchFunctionMode):

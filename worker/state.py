@@ -147,6 +147,7 @@ class ShardState:
                 apart,
                 prefetch=self.config.stage3_prefetch,
                 max_reuse_distance=self.config.stage3_max_reuse_distance,
+                max_live=self.config.stage3_max_live_parameters,
                 gather_codec=make_codec(
                     self.config.stage3_gather_compression, self.config.compression_block
                 ),
