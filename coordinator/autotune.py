@@ -2,7 +2,8 @@
 
 ``zeroplane tune`` looks for the fastest configuration of one model on N ranks
 over stage x micro-batch x gradient accumulation x activation checkpointing x
-bucket size x compression. Measuring costs a short training run per
+bucket size x compression x (at stage 3) units kept gathered into backward.
+Measuring costs a short training run per
 configuration, so the search is built to measure few:
 
 1. **Prune with the memory model before running anything.** A configuration
@@ -19,7 +20,8 @@ configuration, so the search is built to measure few:
    the others fixed. Ordered ones (micro-batch, accumulation, bucket size)
    step to the next value up, or else down, while that is faster: throughput
    changes smoothly along them, so the far values need no run. Categorical
-   ones (stage, activation checkpointing, compression) try every value. These
+   ones (stage, activation checkpointing, compression, kept units) try every
+   value. These
    are also the memory levers: a value that frees memory is tried at the
    largest micro-batch it lets fit too (the memory model's ordering), and a
    value that does not fit is repaired, by the largest micro-batch that fits
@@ -48,6 +50,7 @@ from coordinator.planner import PlanConfig, estimate_memory, format_bytes
 
 __all__ = [
     "COMPRESSIONS",
+    "KEEP_ALL_UNITS",
     "Candidate",
     "Measure",
     "Measurement",
@@ -65,7 +68,11 @@ logger = logging.getLogger(__name__)
 COMPRESSIONS = ("none", "bf16", "fp16", "int8", "onebit")
 # dimensions whose values change the memory a rank needs: a value that frees memory
 # lets a larger micro-batch fit (compression: its error-feedback residual)
-_LEVERS = ("stage", "activation_checkpointing", "compression")
+_LEVERS = ("stage", "activation_checkpointing", "compression", "keep_units")
+
+# ZeroConfig.stage3_max_reuse_distance of a candidate that keeps every unit gathered
+# from its forward into its backward (DeepSpeed's default)
+KEEP_ALL_UNITS = 10**9
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -78,6 +85,14 @@ class Candidate:
     activation_checkpointing: bool = False
     bucket_numel: int = 2**22
     compression: str = "none"
+    # stage 3: every unit stays gathered from its forward into its backward (one
+    # all-gather per step less each, the compute parameters held meanwhile); at
+    # stages 0-2 there is nothing to keep, and it reads False
+    keep_units: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage != 3:
+            object.__setattr__(self, "keep_units", False)
 
     def zero_config(self, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The ``ZeroConfig`` fields of this candidate over ``base``'s."""
@@ -88,12 +103,13 @@ class Candidate:
             "activation_checkpointing": "units" if self.activation_checkpointing else "none",
             "bucket_numel": self.bucket_numel,
             "compression": self.compression,
-        }
+        } | ({"stage3_max_reuse_distance": KEEP_ALL_UNITS} if self.keep_units else {})
 
     def label(self) -> str:
         ac = "ac" if self.activation_checkpointing else "-"
+        kept = " kept" if self.keep_units else ""
         return (
-            f"stage {self.stage} mb {self.micro_batch} ga {self.grad_accum} {ac} "
+            f"stage {self.stage}{kept} mb {self.micro_batch} ga {self.grad_accum} {ac} "
             f"bucket {_count(self.bucket_numel)} {self.compression}"
         )
 
@@ -129,6 +145,7 @@ class TuneSpace:
     activation_checkpointing: tuple[bool, ...] = (False, True)
     bucket_numels: tuple[int, ...] = (2**20, 2**22, 2**24)
     compressions: tuple[str, ...] = ("none",)
+    keep_units: tuple[bool, ...] = (False,)
     global_batch: int | None = None
 
     def __post_init__(self) -> None:
@@ -138,13 +155,14 @@ class TuneSpace:
         object.__setattr__(self, "stages", stages)
         for name in ("micro_batches", "grad_accum", "bucket_numels"):
             object.__setattr__(self, name, _positive_ints(name, getattr(self, name)))
-        ac = tuple(dict.fromkeys(self.activation_checkpointing))
-        if not ac or any(not isinstance(v, bool) for v in ac):
-            raise ValueError(
-                "TuneSpace.activation_checkpointing must be a non-empty list of bools, "
-                f"got {self.activation_checkpointing!r}"
-            )
-        object.__setattr__(self, "activation_checkpointing", tuple(sorted(ac)))
+        for name in ("activation_checkpointing", "keep_units"):
+            flags = tuple(dict.fromkeys(getattr(self, name)))
+            if not flags or any(not isinstance(v, bool) for v in flags):
+                raise ValueError(
+                    f"TuneSpace.{name} must be a non-empty list of bools, "
+                    f"got {getattr(self, name)!r}"
+                )
+            object.__setattr__(self, name, tuple(sorted(flags)))
         comp = tuple(dict.fromkeys(self.compressions))
         if not comp or any(c not in COMPRESSIONS for c in comp):
             raise ValueError(
@@ -170,6 +188,7 @@ class TuneSpace:
             "grad_accum": self.grad_accum,
             "bucket_numel": self.bucket_numels,
             "compression": self.compressions,
+            "keep_units": self.keep_units,
         }
 
     def allows(self, c: Candidate, world_size: int) -> bool:
@@ -188,6 +207,7 @@ class TuneSpace:
                 activation_checkpointing=a,
                 bucket_numel=b,
                 compression=c,
+                keep_units=k,
             )
             for s in self.stages
             for m in self.micro_batches
@@ -195,8 +215,10 @@ class TuneSpace:
             for a in self.activation_checkpointing
             for b in self.bucket_numels
             for c in self.compressions
+            for k in self.keep_units
         ]
-        out = [c for c in out if self.allows(c, world_size)]
+        # kept units exist at stage 3 only: the others come out once
+        out = [c for c in dict.fromkeys(out) if self.allows(c, world_size)]
         if not out:
             raise ValueError(
                 f"TuneSpace: no micro-batch x accumulation x {world_size} ranks makes the "
@@ -274,6 +296,9 @@ class MemoryModel:
         if c.compression != "none":
             # error feedback keeps an fp32 residual per gradient element this rank reduces
             total += 4 * p.numel
+        if c.keep_units:
+            # every unit's compute parameters, whole, from forward into backward
+            total += (1 - 1 / p.world_size) * p.numel * DTYPE_BYTES[p.dtype]
         return total
 
     def misfit(self, c: Candidate) -> str | None:
@@ -460,7 +485,13 @@ def _start(search: _Search, space: TuneSpace, world_size: int) -> Candidate | No
     any candidate that fits)."""
     defaults = {
         name: space.default(name)
-        for name in ("grad_accum", "bucket_numel", "compression", "activation_checkpointing")
+        for name in (
+            "grad_accum",
+            "bucket_numel",
+            "compression",
+            "activation_checkpointing",
+            "keep_units",
+        )
     }
     for ac in space.activation_checkpointing:
         for stage in space.stages:
@@ -479,7 +510,8 @@ def _start(search: _Search, space: TuneSpace, world_size: int) -> Candidate | No
 
 def _repaired(search: _Search, space: TuneSpace, c: Candidate, world_size: int) -> list[Candidate]:
     """``c`` if it fits; else the nearest that do by the memory levers: the same at
-    the largest micro-batch that fits, and at the lowest higher stage that fits."""
+    the largest micro-batch that fits, with activation checkpointing, and at the
+    lowest higher stage that fits."""
     if not space.allows(c, world_size):
         return []
     if search.memory.misfit(c) is None:
@@ -489,6 +521,10 @@ def _repaired(search: _Search, space: TuneSpace, c: Candidate, world_size: int) 
     smaller = _largest_fitting(search, space, c, world_size)
     if smaller is not None and space.global_batch is None:
         out.append(smaller)
+    if not c.activation_checkpointing and True in space.activation_checkpointing:
+        checkpointed = replace(c, activation_checkpointing=True)
+        if search.memory.misfit(checkpointed) is None:
+            out.append(checkpointed)
     for stage in space.stages:
         if stage > c.stage:
             higher = replace(c, stage=stage)
@@ -514,10 +550,12 @@ def _categorical(
     """Every other value of dimension ``name``, repaired to fit; for a memory lever
     also at the largest micro-batch it lets fit (the memory model's ordering)."""
     out: list[Candidate] = []
-    for value in space.dimensions()[name]:
-        if value == getattr(at, name):
+    moves = [replace(at, **{name: value}) for value in space.dimensions()[name]]
+    if name == "stage":  # stage 3 comes in two kinds: with its units kept or not
+        moves = [replace(c, keep_units=k) for c in moves for k in space.keep_units]
+    for c in dict.fromkeys(moves):
+        if c == at:
             continue
-        c = replace(at, **{name: value})
         if name in _LEVERS:
             bigger = _largest_fitting(search, space, c, world_size)
             if bigger is not None and bigger.micro_batch > c.micro_batch:
@@ -662,6 +700,7 @@ def tune(
 def render_trials(result: TuneResult) -> str:
     """The table of what was tried: throughput, memory (estimated and measured), why not."""
     header = ("#", "stage", "mb", "ga", "ac", "bucket", "comp", "samples/s", "est.", "meas.", "")
+    # a stage-3 candidate that keeps its units gathered into backward: "3 kept"
     rows = [header]
     order = sorted(
         result.records,
@@ -673,7 +712,7 @@ def render_trials(result: TuneResult) -> str:
         rows.append(
             (
                 "-" if r.index is None else str(r.index),
-                str(c.stage),
+                f"{c.stage} kept" if c.keep_units else str(c.stage),
                 str(c.micro_batch),
                 str(c.grad_accum),
                 "yes" if c.activation_checkpointing else "no",

@@ -23,7 +23,10 @@
   forms the next generation; survivors keep training or roll back as the
   worker runtime decides. ``scale_to`` adds workers (each in a placement
   group of its own) or stops the newest ones with SIGTERM, so they hand their
-  shards over, within the job's [min_workers, max_workers].
+  shards over, within the job's [min_workers, max_workers]. A worker that
+  leaves on a SIGTERM from outside (it hands over and exits 0 before training
+  ended) is let go while at least ``min_workers`` members remain, and started
+  again otherwise (a restart), as under ``zeroplane run``.
 * Everything is torn down on exit or failure: actors killed, placement groups
   removed, the coordinator stopped, and a Ray instance this job started shut down.
 
@@ -431,8 +434,27 @@ class RayJob:
                 why = f"exited with {code}"
             except RayActorError as exc:
                 code, why = 1, f"lost its actor ({type(exc).__name__})"
-            if code == 0 or w.stopping:
+            if w.stopping:
                 continue
+            if code == 0:
+                status = self.status()
+                if status.over():
+                    continue  # it finished training
+                # it left on a SIGTERM from outside (a node drain, say): the others
+                # go on while the members are enough, else it is replaced
+                members = self._members(status)
+                if members >= self.spec.min_workers:  # type: ignore[operator]
+                    w.stopping = True
+                    logger.info("worker %s left the job; %d member(s) go on", name, members)
+                    continue
+                code, why = (
+                    1,
+                    (
+                        f"left the job without being asked (a SIGTERM from outside?) and "
+                        f"{members} worker(s) remain, fewer than the {self.spec.min_workers} "
+                        "the job needs"
+                    ),
+                )
             if w.restarts >= self.spec.max_restarts:
                 return self._settle(
                     code, f"worker {name} {why}; no restarts left ({self.spec.max_restarts})"
@@ -447,6 +469,13 @@ class RayJob:
                 self.spec.max_restarts,
             )
         return None
+
+    def _members(self, status: Any) -> int:
+        """Workers running, not asked to leave, and not gone from the coordinator."""
+        with self._lock:
+            running = {n for n, w in self._workers.items() if w.future is not None}
+            running -= {n for n, w in self._workers.items() if w.stopping}
+        return len(running - status.departed())
 
     def _restart(self, names: list[str]) -> None:
         # A failed worker starts again only when the coordinator no longer counts it as

@@ -271,6 +271,23 @@ class StatusReport:
     def members(self) -> tuple[WorkerStatus, ...]:
         return tuple(w for w in self.workers if w.state == "member")
 
+    def departed(self) -> set[str]:
+        """Workers that left (handed over, or dropped) and hold no lease now, whether
+        or not their process has exited yet, and those that said they were asked to
+        leave (a SIGTERM from outside their launcher) and will."""
+        gone = {e.worker_id for e in self.events if e.kind in ("left", "expired")}
+        # a member that left stays in the status, "lost", until the next generation forms
+        here = {w.info.worker_id for w in self.workers if w.state != "lost"}
+        return (gone - here) | {w.info.worker_id for w in self.workers if w.leaving}
+
+    def over(self) -> bool:
+        """Whether the job is over for its members: one ended training (a "finished"
+        event), or members were told to leave with nobody to hand over to (leave
+        reason "stopped"). A worker that exits 0 before that left on its own."""
+        return any(
+            e.kind == "finished" or (e.kind == "left" and e.detail == STOPPED) for e in self.events
+        )
+
     def worker(self, worker_id: str) -> WorkerStatus | None:
         return next((w for w in self.workers if w.info.worker_id == worker_id), None)
 

@@ -43,6 +43,7 @@ SPACE = TuneSpace(
     activation_checkpointing=(False, True),
     bucket_numels=(2**18, 2**20, 2**22, 2**24),
     compressions=("none", "bf16", "int8"),
+    keep_units=(False, True),
 )
 
 
@@ -74,10 +75,14 @@ class Synthetic:
                 16 * self.numel * rng.uniform(0.3, 1.5) + act * rng.uniform(2, 20)
             ),
         )
+        # stage 3 with its units kept into backward: one all-gather less per unit (drawn
+        # last: the other draws of each seed stay what they were before it)
+        self.kept_cost = rng.uniform(self.stage_cost[2], self.stage_cost[3])
         self.measured: list[Candidate] = []
 
     def throughput(self, c: Candidate) -> float:
-        comm = self.comm * self.stage_cost[c.stage] * self.squeeze[c.compression]
+        stage_cost = self.kept_cost if c.keep_units else self.stage_cost[c.stage]
+        comm = self.comm * stage_cost * self.squeeze[c.compression]
         comm += self.latency * self.numel / c.bucket_numel
         comm += self.overlap * self.comm * min(1.0, c.bucket_numel / self.numel)
         compute = self.fixed + self.per_sample * c.micro_batch
@@ -145,6 +150,9 @@ def test_memory_model_is_the_planners_formula_plus_activations():
         assert memory.estimate(ac) == states + 30
         residual = Candidate(stage=stage, micro_batch=3, compression="int8")
         assert memory.estimate(residual) == states + 300 + 4 * 1000
+        # kept into backward: every unit whole (3/4 of it gathered from the others)
+        kept = Candidate(stage=stage, micro_batch=3, keep_units=True)
+        assert memory.estimate(kept) == states + 300 + (3000 if stage == 3 else 0)
     # 16000 bytes at stage 0 > 9000 usable; stage 3: 4000 + 300 fits
     assert "needs 16.3 KB per rank > 9 KB usable" in memory.misfit(
         Candidate(stage=0, micro_batch=3)
@@ -186,12 +194,37 @@ def test_budget_failures_and_global_batch():
         ({"micro_batches": (2, 2)}, "micro_batches"),
         ({"compressions": ("zip",)}, "compressions"),
         ({"activation_checkpointing": ()}, "activation_checkpointing"),
+        ({"keep_units": (1,)}, "keep_units"),
         ({"global_batch": 0}, "global_batch"),
     ],
 )
 def test_space_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"TuneSpace\.{field}"):
         TuneSpace(**kwargs)
+
+
+def test_units_are_kept_at_stage_3_only():
+    assert Candidate(stage=2, micro_batch=1, keep_units=True) == Candidate(stage=2, micro_batch=1)
+    kept = Candidate(stage=3, micro_batch=1, keep_units=True)
+    assert kept.zero_config()["stage3_max_reuse_distance"] == 10**9
+    assert "stage3_max_reuse_distance" not in Candidate(stage=3, micro_batch=1).zero_config()
+    space = TuneSpace(
+        stages=(2, 3),
+        micro_batches=(1,),
+        activation_checkpointing=(False,),
+        keep_units=(False, True),
+    )
+    grid = space.grid(2)
+    # bucket sizes x (stage 2, stage 3, stage 3 kept): no stage-2 candidate twice
+    assert len(grid) == 3 * len(space.bucket_numels) == len(set(grid))
+    # the search reaches the kept candidate when it is the fastest, and shows it
+    result = tune(
+        space,
+        MemoryModel(ModelProfile(numel=1000, world_size=2)),
+        lambda c: Measurement(samples_per_s=2.0 if c.keep_units else 1.0),
+    )
+    assert result.best is not None and result.best.keep_units
+    assert "3 kept" in render_trials(result)
 
 
 def test_no_combination_makes_the_global_batch():
@@ -264,7 +297,8 @@ def test_zeroplane_tune_end_to_end(tmp_path):
     out = tmp_path / "out"
     trials = json.loads((out / "trials.json").read_text())
     records = trials["records"]
-    assert trials["trials"] <= 6 and trials["grid_size"] == 4 * 3 * 2
+    # stages x micro-batches x checkpointing, and stage 3 again with its units kept
+    assert trials["trials"] <= 6 and trials["grid_size"] == 4 * 3 * 2 + 3 * 2
     ran = [r for r in records if r["status"] == "measured"]
     pruned = [r for r in records if r["status"] == "pruned"]
     assert ran and pruned

@@ -7,6 +7,7 @@ Each run is compared with the single-process torch reference.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -37,11 +38,26 @@ def worst(path: Path, steps: int, optimizer: str = "adamw") -> float:
     return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
+def worker_pids(launcher: int) -> list[int]:
+    """The worker processes of the example script (not the launcher's own)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == launcher:
+            continue
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if str(EXAMPLE).encode() in argv and b"coordinator.cli" not in argv:
+                pids.append(int(proc.name))
+    return pids
+
+
 @pytest.mark.timeout(240)
 def test_ray_launcher_scales_on_signals_and_matches_single_process(tmp_path: Path) -> None:
-    # As tests/test_elastic_e2e.py's test_zeroplane_run_scales_on_signals, on Ray actors.
+    # As tests/test_elastic_e2e.py's test_zeroplane_run_scales_on_signals, on Ray actors;
+    # then a worker leaves on a SIGTERM from outside at --min-nproc, and the launcher
+    # starts it again (as test_a_worker_leaving_from_outside_below_the_minimum_is_replaced)
     out, log_path = tmp_path / "final.pt", tmp_path / "run.log"
-    total = 60
+    total = 70
     cmd = [
         sys.executable, "-m", "coordinator.cli", "run", "--launcher", "ray", "--nproc", "2",
         "--min-nproc", "2", "--max-nproc", "3", "--stage", "2", str(EXAMPLE),
@@ -66,6 +82,12 @@ def test_ray_launcher_scales_on_signals_and_matches_single_process(tmp_path: Pat
             time.sleep(2)  # a few steps on three ranks
             proc.send_signal(signal.SIGUSR2)  # the newest hands over and leaves
             wait_for("now rank 0 of 2")
+            deadline = time.monotonic() + 30  # the one that left may still be exiting
+            while len(pids := worker_pids(proc.pid)) != 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert len(pids) == 2, pids
+            os.kill(pids[0], signal.SIGTERM)
+            wait_for("left the job without being asked")
             code = proc.wait(timeout=150)
         finally:
             if proc.poll() is None:

@@ -96,7 +96,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="elastic (--min-nproc < --max-nproc): a worker that dies is a membership "
         "event, the others carry on, and a replacement is started, up to N times in "
         "all; then the job fails with the worker's exit code (default 3). A job that "
-        "is not elastic fails as soon as a worker fails",
+        "is not elastic fails as soon as a worker fails. --launcher ray: how often each "
+        "worker is started again on its actor, elastic or not",
     )
     parser.add_argument(
         "--no-fork-server",
@@ -367,27 +368,16 @@ def _embedded_status(services: Sequence[object]) -> StatusReport | None:
 
 
 def _departed(services: Sequence[object]) -> set[str]:
-    """Workers that left the embedded coordinator (handed over, or dropped) and hold
-    no lease now, whether or not their process has exited yet, and those that said
-    they were asked to leave (a SIGTERM from outside the launcher) and will."""
+    """:meth:`StatusReport.departed` of the embedded coordinator (none without one)."""
     status = _embedded_status(services)
-    if status is None:
-        return set()
-    gone = {e.worker_id for e in status.events if e.kind in ("left", "expired")}
-    # a member that left stays in the status, "lost", until the next generation forms
-    here = {w.info.worker_id for w in status.workers if w.state != "lost"}
-    return (gone - here) | {w.info.worker_id for w in status.workers if w.leaving}
+    return set() if status is None else status.departed()
 
 
 def _over(services: Sequence[object]) -> bool:
-    """Whether the job is over for its members: one ended training (the embedded
-    coordinator's "finished" event), or members were told to leave with nobody to
-    hand over to (leave reason "stopped"). True when there is no embedded
-    coordinator to ask (an exit 0 is then taken for the end of training)."""
+    """:meth:`StatusReport.over` of the embedded coordinator; True when there is none
+    to ask (an exit 0 is then taken for the end of training)."""
     status = _embedded_status(services)
-    return status is None or any(
-        e.kind == "finished" or (e.kind == "left" and e.detail == STOPPED) for e in status.events
-    )
+    return status is None or status.over()
 
 
 def _stopped_unfinished(status: StatusReport) -> bool:
@@ -507,6 +497,7 @@ def _run_on_ray(args: argparse.Namespace, command: tuple[str, ...]) -> int:
             grace_s=args.grace,
             min_workers=args.min_nproc,
             max_workers=args.max_nproc,
+            max_restarts=args.max_restarts,
         )
     except ValueError as exc:
         print(f"zeroplane run: {exc}", file=sys.stderr)

@@ -4,10 +4,11 @@ Starts a pool of ``--nproc`` local workers (coordinator/trials.py, worker/trials
 profiles the model with the first runs (its size, and what backward keeps per
 sample with and without activation checkpointing), then searches stage x
 micro-batch x gradient accumulation x activation checkpointing x bucket size x
-compression (coordinator/autotune.py), never running what the memory model
-says cannot fit. Prints each trial as it ends beside the progress line, then
-the table, and writes the best configuration as a ZeroConfig JSON and a
-DeepSpeed JSON (plus every trial as JSON).
+compression x units kept into backward at stage 3 (coordinator/autotune.py),
+never running what the memory model says cannot fit. Prints each trial as it
+ends beside the progress line, then the table, and writes the best
+configuration as a ZeroConfig JSON and a DeepSpeed JSON (plus every trial as
+JSON).
 """
 
 from __future__ import annotations
@@ -104,6 +105,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     space.add_argument(
         "--compression", type=_list(_compression, "--compression"), default=("none",)
+    )
+    space.add_argument(
+        "--keep-units",
+        choices=tuple(_CHECKPOINTING),
+        default="both",
+        help="stage 3: keep every unit gathered from its forward into its backward "
+        "(stage3_max_reuse_distance=1e9, DeepSpeed's default): off, on or both (default)",
     )
     space.add_argument(
         "--global-batch",
@@ -284,6 +292,7 @@ def tune_command(args: argparse.Namespace) -> int:
             activation_checkpointing=_CHECKPOINTING[args.checkpointing],
             bucket_numels=args.buckets,
             compressions=args.compression,
+            keep_units=_CHECKPOINTING[args.keep_units],
             global_batch=args.global_batch,
         )
         space.grid(args.nproc)
