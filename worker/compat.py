@@ -28,6 +28,10 @@ def backend_for(device: torch.device) -> str:
 def abort_default_group(timeout: timedelta) -> None:
     """Tear down a default group that a dead peer broke, without waiting.
 
+    First this rank's connections of a gloo group are closed, so that a survivor
+    still waiting on this rank fails now rather than at the collective timeout
+    ([Note: a survivor that learns late]).
+
     Releasing a gloo group runs its destructor, which waits for every operation
     still queued or in flight on it, and after a peer died one of them can wait
     on a survivor that has moved on, until the collective timeout (``timeout``;
@@ -50,6 +54,8 @@ def abort_default_group(timeout: timedelta) -> None:
     if not dist.is_initialized():
         return
     broken = [distributed_c10d._get_default_group()]
+    if dist.get_backend() == "gloo":
+        _close_connections(dist.get_rank(), dist.get_world_size())
     _lowest_priority(_TRANSPORT_THREADS)
     abort = getattr(distributed_c10d, "_abort_process_group", None)
     if abort is not None:
@@ -68,6 +74,38 @@ def abort_default_group(timeout: timedelta) -> None:
 
 # after the collective timeout, how long a broken group is still held
 _RELEASE_MARGIN_S = 5.0
+
+# a p2p tag nothing else uses: the probe receive below never matches a real message
+_CLOSING_TAG = 0x7A7F
+
+
+def _close_connections(rank: int, world_size: int) -> None:
+    """Close this rank's connections of the broken default gloo group, so that every
+    peer still waiting on an operation with this rank fails now.
+
+    [Note: a survivor that learns late]
+    A peer that died breaks the connections to it, and whoever waits on it
+    fails at once. But a survivor can be waiting on another survivor, one that
+    has already failed and moved on to the next generation and will never send
+    (a ring step of an all-reduce, a receive of the gradient log). Gloo does
+    not notice: it waits for the whole collective timeout (measured: 15 s of
+    a 15 s timeout in the recovery tests), and neither destroying nor
+    aborting the group closes its sockets. What does close one is a wait
+    that times out: gloo then closes that connection ("Application timeout
+    caused pair closure"), and the peer's pending operations on it fail with
+    "Connection closed by peer". So a rank leaving a broken group posts a
+    receive nobody sends (its own tag) from each peer and waits a millisecond
+    on it: every survivor learns of the loss within moments of the first one,
+    and the one that closed its connections to it in turn does the same.
+    """
+    probe = torch.empty(1)
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        # the timeout is the point: it closes the connection (or it already was)
+        with contextlib.suppress(Exception):
+            work = dist.irecv(probe, src=peer, tag=_CLOSING_TAG)
+            work.wait(timeout=timedelta(milliseconds=1))
 
 
 def _release_later(holder: list[object], seconds: float) -> None:

@@ -1,0 +1,76 @@
+"""A lost peer fails every survivor soon, not at the collective timeout.
+
+Three real gloo ranks: rank 2 dies; rank 1 waits on a receive from rank 0,
+which is alive and never sends (as a survivor waits on one that has already
+moved on to the next generation). When rank 0 leaves the broken group
+(``abort_default_group``, as every survivor does), rank 1's wait must fail
+because the connection closed, long before the (60 s) collective timeout
+([Note: a survivor that learns late] in worker/compat.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from coordinator.ports import free_port
+
+TIMEOUT = timedelta(seconds=60)
+
+
+def _rank(rank: int, port: int, results) -> None:
+    from worker.collectives import CollectiveError, Collectives
+    from worker.compat import abort_default_group
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=TIMEOUT)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.barrier()
+    if rank == 2:
+        os._exit(9)  # the lost rank
+    if rank == 0:
+        # the survivor that noticed first: it leaves the broken group
+        with contextlib.suppress(RuntimeError):  # it fails: rank 2 is gone
+            dist.recv(t, src=2)
+        abort_default_group(TIMEOUT)
+        results.put((0, "left"))
+        time.sleep(100)  # alive, on to the next generation (the test kills it)
+        return
+    comm = Collectives(None)
+    try:
+        comm.send_recv([], 0, [t], 0, async_op=True).wait()
+        results.put((1, "received?!"))
+    except CollectiveError as exc:
+        results.put((1, str(exc)))
+
+
+@pytest.mark.timeout(120)
+def test_a_survivor_waiting_on_another_survivor_fails_when_that_one_leaves() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, results), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        while len(got) < 2:
+            rank, what = results.get(timeout=45)  # the timeout is 60 s: well before it
+            got[rank] = what
+        assert got[0] == "left"
+        assert "closed" in got[1] and "Timed out" not in got[1], got[1]
+    except queue.Empty:
+        pytest.fail(f"a survivor still waits (got {got}): it would wait out the timeout")
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=10)
