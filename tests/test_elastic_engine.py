@@ -128,6 +128,9 @@ class LoggingMember:
             st.comm, 0, st.global_steps + 1, grads, used, st.optimizer.hyperparams()
         )
 
+    def after_load(self, engine) -> None:
+        pass
+
     def after_step(self, engine, agreed, stepped) -> None:
         if stepped:
             self.log.commit(engine.global_steps)
@@ -183,6 +186,39 @@ def bring_forward(stage: int, optimizer: str, dtype: str, clip: float) -> int:
             assert torch.equal(got["state"][k], v), (key, k)
     engine.membership = None
     return len(rebuilt)
+
+
+class LoadCounting(LoggingMember):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads = 0
+
+    def after_load(self, engine) -> None:
+        self.loads += 1
+
+
+def load_tells_the_session(path: str) -> tuple[int, str]:
+    model = seeded_model()
+    engine = worker.ZeroEngine(
+        model, OPTIMIZERS["sgd"](model), config=worker.ZeroConfig(stage=1, bucket_numel=97)
+    )
+    member = LoadCounting()
+    engine.membership = member
+    train(engine, range(0, 2))
+    engine.save_checkpoint(path)
+    assert member.loads == 0
+    engine.load_checkpoint(path)
+    engine.membership = None
+    return member.loads, str(engine.last_checkpoint)
+
+
+def test_a_loaded_checkpoint_replaces_what_the_session_kept(pools, tmp_path) -> None:
+    """Replicas (and a gradient log) of the state before a load would let a recovery
+    roll back past the checkpoint (chaos seed 9: a job restarted from the module,
+    its script loaded step 12, a kill then rolled it back to the replica of step 0):
+    the engine tells the session, which refreshes them (ElasticSession.after_load)."""
+    path = str(tmp_path / "ckpt")
+    assert pools(3).run(load_tells_the_session, path) == [(1, path)] * 3
 
 
 @pytest.mark.parametrize(

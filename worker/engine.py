@@ -108,7 +108,13 @@ class Membership(Protocol):
     ) -> Handle | None:
         """Before the optimizer step: start sending this step's final partition
         gradients to the neighbour that keeps this rank's replica; the engine waits
-        on the handle before it zeroes them."""
+        on the handle before it steps (worker/elastic.py [Note: rolling a lost rank
+        forward])."""
+        ...
+
+    def after_load(self, engine: ZeroEngine) -> None:
+        """A checkpoint was just loaded on every rank: what was kept of the state
+        before it (replicas, the gradient log) is of another history now."""
         ...
 
     def after_step(self, engine: ZeroEngine, agreed: BoundaryVote, stepped: bool) -> None:
@@ -659,6 +665,9 @@ class ZeroEngine:
         """Load a checkpoint saved at any world size and stage; returns its client_state."""
         state = checkpoint.load_checkpoint(self.state, path, self._extras)
         self._saved_at = self.global_steps
+        self.last_checkpoint = Path(path)
+        if self.membership is not None:
+            self.membership.after_load(self)
         self.publish_snapshot()
         return state
 

@@ -354,6 +354,9 @@ class AttachedSession(_FinalReport):
     ) -> Handle | None:
         return None  # no replicas: a lost peer ends the job
 
+    def after_load(self, engine: ZeroEngine) -> None:
+        pass
+
     def after_step(self, engine: ZeroEngine, agreed: BoundaryVote, stepped: bool) -> None:
         if stepped and self.control.report_due():
             _report(self.control, engine)
@@ -523,6 +526,12 @@ class ElasticSession(_FinalReport):
             used,
             st.optimizer.hyperparams(),
         )
+
+    def after_load(self, engine: ZeroEngine) -> None:
+        # replicas of the state before the load would roll a recovery back past it
+        # (should a peer die in the refresh, the checkpoint just loaded serves)
+        self.replicas = []
+        self._refresh_replica(engine)
 
     def after_step(self, engine: ZeroEngine, agreed: BoundaryVote, stepped: bool) -> None:
         control = self.control
