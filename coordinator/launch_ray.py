@@ -438,8 +438,8 @@ class RayJob:
                 continue
             if code == 0:
                 status = self.status()
-                if status.over():
-                    continue  # it finished training
+                if status.over() or name not in status.departed():
+                    continue  # it finished training (or never joined: a plain script)
                 # it left on a SIGTERM from outside (a node drain, say): the others
                 # go on while the members are enough, else it is replaced
                 members = self._members(status)
