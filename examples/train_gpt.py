@@ -88,8 +88,10 @@ def main() -> None:
     p.add_argument("--replica-every", type=int, default=0)
     # roll a crash back to the replicas instead of bringing the lost rank forward
     p.add_argument("--no-gradient-log", action="store_true")
-    # slows the loop down so tests can change the membership while it runs
+    # slows the loop down so tests can change the membership while it runs; with
+    # --step-sleep-until, only until that file exists (the test has done its part)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--step-sleep-until", type=Path)
     p.add_argument("--data-cache", type=Path, default=default_cache())
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -143,7 +145,7 @@ def main() -> None:
         if engine.rank == 0 and engine.global_steps % 10 == 0:
             # the last step's loss averaged over every rank (not a collective)
             logging.info("step %d loss %.4f", engine.global_steps, engine.mean_loss())
-        if args.step_sleep:
+        if args.step_sleep and not (args.step_sleep_until and args.step_sleep_until.exists()):
             time.sleep(args.step_sleep)
 
     state = engine.full_state_dict()

@@ -37,6 +37,9 @@ from coordinator.server import CoordinatorServer, create_server
 from tests.test_run_e2e import EXAMPLE, ROOT, reference
 
 STEPS = 60
+# the workers sleep --step-sleep after each step until this file (beside the logs)
+# exists: slow while a test changes the membership, fast for the steps after that
+HURRY = "hurry"
 
 
 class Job:
@@ -91,6 +94,8 @@ class Job:
             "sgd",
             "--out",
             str(self.tmp / "final.pt"),
+            "--step-sleep-until",
+            str(self.tmp / HURRY),
             *extra,
         ]
         log = (self.tmp / f"{name}.log").open("w")
@@ -123,6 +128,9 @@ class Job:
         return self.server.status().world_size
 
     def finish(self, timeout: float = 120) -> dict[str, int]:
+        """Wait for every worker to exit, letting the job's remaining steps run at
+        full speed (the test has done what it needed the slow steps for)."""
+        (self.tmp / HURRY).touch()
         codes = {}
         for name, proc in self.workers.items():
             try:
@@ -479,7 +487,8 @@ class LauncherRun:
         cmd = [
             sys.executable, "-m", "coordinator.cli", "run", *flags, "--stage", str(stage),
             "--no-http", str(EXAMPLE), "--steps", str(STEPS), "--step-sleep", str(step_sleep),
-            "--optimizer", "sgd", "--out", str(self.out), *script_flags,
+            "--optimizer", "sgd", "--out", str(self.out),
+            "--step-sleep-until", str(tmp / HURRY), *script_flags,
         ]  # fmt: skip
         self.log_path = tmp / "run.log"
         self.log = self.log_path.open("w+")
@@ -524,7 +533,10 @@ class LauncherRun:
             found += children(pid) if is_fork_server(pid) else [pid]
         return sorted(found)
 
-    def wait(self, timeout: float = 120) -> int:
+    def wait(self, timeout: float = 120, *, hurry: bool = True) -> int:
+        """The launcher's exit code; with ``hurry`` the steps left run at full speed."""
+        if hurry:
+            (self.tmp / HURRY).touch()
         try:
             return self.proc.wait(timeout=timeout)
         finally:
@@ -619,7 +631,7 @@ def test_retiring_a_worker_that_is_still_starting_is_a_clean_leave(tmp_path: Pat
         run.wait_for("started worker 2")
         run.proc.send_signal(signal.SIGUSR2)
     finally:
-        code = run.wait()
+        code = run.wait(hurry=False)  # the job must outlast the new worker's start
     assert code == 0, run.story()
     assert_matches_reference(run.out)
 

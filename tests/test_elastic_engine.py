@@ -12,7 +12,7 @@ import worker
 from tests.reference import OPTIMIZERS, max_diff, seeded_model
 from tests.test_checkpoint import GLOBAL, global_batch, reference, use_extra
 from worker.ballot import BoundaryVote
-from worker.collectives import Handle
+from worker.collectives import CollectiveError, Handle
 from worker.elastic import (
     GradientLog,
     Holding,
@@ -195,6 +195,44 @@ class LoadCounting(LoggingMember):
 
     def after_load(self, engine) -> None:
         self.loads += 1
+
+
+def cut_short_then_rebuilt(stage: int) -> float:
+    """Step 3's backward fails (a lost peer, simulated on every rank alike) after a
+    parameter got its gradient but before it was taken; the ranks rebuild, as a
+    recovery does, and train steps 3-8 again."""
+    engine = make(stage)
+    train(engine, range(0, 3))
+    reducer, taken = engine.state.reducer, 0
+    on_grad = reducer.on_grad
+
+    def fails_at_the_third(b, pos, p) -> None:
+        nonlocal taken
+        taken += 1
+        if taken == 3:
+            raise CollectiveError("a peer was lost (simulated)")
+        on_grad(b, pos, p)
+
+    reducer.on_grad = fails_at_the_third
+    per = GLOBAL // engine.world_size
+    idx, tgt = global_batch(3)
+    sl = slice(engine.rank * per, (engine.rank + 1) * per)
+    with pytest.raises(CollectiveError):
+        engine.backward(engine(idx[sl], tgt[sl], use_extra(3)))
+    reducer.on_grad = on_grad
+    engine.reconfigure(None, via=None, new_members=[0, 1])
+    train(engine, range(3, STEPS))
+    diff, name = max_diff(engine.full_state_dict(), reference(STEPS))
+    assert diff < 1e-5, f"{name} differs from the uninterrupted reference by {diff:.3g}"
+    return diff
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_backward_cut_short_leaves_no_gradient_behind(pools, stage: int) -> None:
+    """A gradient produced by the abandoned backward and never taken by the engine
+    (stages 2-3 take each one from ``.grad`` as it arrives) must not be added to
+    the next backward's: the rebuild for the recovery drops it."""
+    pools(2).run(cut_short_then_rebuilt, stage)
 
 
 def load_tells_the_session(path: str) -> tuple[int, str]:

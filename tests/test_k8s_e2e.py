@@ -27,6 +27,9 @@ why_not = available()
 pytestmark = pytest.mark.skipif(why_not is not None, reason=why_not or "")
 
 
+SLOW_UNTIL_HURRY = ("--step-sleep", "0.25", "--step-sleep-until", "/tmp/hurry")
+
+
 def job(steps: int, **kw: object) -> JobSpec:
     return JobSpec(
         name="e2e",
@@ -141,7 +144,8 @@ def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Pat
     spec = dataclasses.replace(
         spec,
         script="tests/scripts/held_train.py",
-        args=(*spec.args, "--optimizer", "sgd", "--step-sleep", "0.25"),
+        # slow steps until /tmp/hurry exists: those after the scale-down run at full speed
+        args=(*spec.args, "--optimizer", "sgd", *SLOW_UNTIL_HURRY),
     )
     objects = render(spec, token=token)
     with LocalCluster(objects, tmp_path) as cluster:
@@ -182,6 +186,8 @@ def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Pat
         assert cluster.scale_job("e2e-worker", 2) == []
         assert "handed over" in third.output(), third.output()[-3000:]
         assert third.exit_code == 128 + signal.SIGTERM
+        for pod in workers:
+            (pod.volume("/tmp") / "hurry").touch()
         wait_complete(cluster, workers, [second], 180)
         events = status(cluster, token)["events"]
         assert not [e for e in events if e["kind"] == "registered"], "nobody re-registered"

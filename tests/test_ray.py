@@ -62,6 +62,7 @@ def test_ray_launcher_scales_on_signals_and_matches_single_process(tmp_path: Pat
         sys.executable, "-m", "coordinator.cli", "run", "--launcher", "ray", "--nproc", "2",
         "--min-nproc", "2", "--max-nproc", "3", "--stage", "2", str(EXAMPLE),
         "--steps", str(total), "--step-sleep", "0.25", "--optimizer", "sgd", "--out", str(out),
+        "--step-sleep-until", str(tmp_path / "hurry"),
     ]  # fmt: skip
     env = {**os.environ, **RAY_ENV, "RAY_DEDUP_LOGS": "0"}
     with log_path.open("w+") as log:
@@ -88,6 +89,7 @@ def test_ray_launcher_scales_on_signals_and_matches_single_process(tmp_path: Pat
             assert len(pids) == 2, pids
             os.kill(pids[0], signal.SIGTERM)
             wait_for("left the job without being asked")
+            (tmp_path / "hurry").touch()  # the steps left at full speed
             code = proc.wait(timeout=150)
         finally:
             if proc.poll() is None:
@@ -138,6 +140,7 @@ def test_ray_crash_recovery(ray_job, tmp_path: Path) -> None:
     total = 70
     job = ray_job(
         *("--steps", str(total), "--step-sleep", "0.25", "--optimizer", "sgd"),
+        *("--step-sleep-until", str(tmp_path / "hurry")),
         *("--checkpoint", str(tmp_path / "ckpt"), "--save-every", "5"),
         *("--out", str(tmp_path / "final.pt")),
         nproc=2,
@@ -170,6 +173,7 @@ def test_ray_crash_recovery(ray_job, tmp_path: Path) -> None:
     training(1)
     training(2)
     assert job.worker_pid("ray-1") not in (None, pid)
+    (tmp_path / "hurry").touch()  # the steps left at full speed
     result = job.wait(timeout=200)
     assert result.ok, result.message
     assert result.restarts == {"ray-0": 0, "ray-1": 1}

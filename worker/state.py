@@ -259,6 +259,11 @@ class ShardState:
         """Drop this rank's buffers and hooks (before building for another world)."""
         self.whole = False
         self.params.detach()
+        # a backward cut short (a lost peer) can leave a gradient the engine never
+        # took (stages 2-3 take each from .grad as it arrives): the next backward
+        # would add to it. Stages 0-1 point .grad at the new buffers when built.
+        for p in self.inventory.params.values():
+            p.grad = None
         self.buckets, self.bucket_of = [], {}
         self.pool.reset(0)
         if isinstance(self.reducer, OffloadedGrads):
