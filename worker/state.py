@@ -399,6 +399,10 @@ class ShardState:
 
     def restore_counters(self, counters: Counters) -> None:
         self.global_steps = counters.global_steps
+        # at a step boundary: a step abandoned between its micro-batches (a lost
+        # peer) is trained again from its first one
+        steps = counters.global_steps + counters.skipped_steps
+        self.micro_steps = steps * self.config.gradient_accumulation_steps
         self.scaler.scale = counters.loss_scale
         self.skipped_steps = counters.skipped_steps
 
