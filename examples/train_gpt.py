@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -44,6 +45,23 @@ def build(seed: int = 0, optimizer: str = "adamw") -> tuple[GPT, torch.optim.Opt
     if optimizer == "sgd":
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+
+
+def schedule(
+    opt: torch.optim.Optimizer, warmup: int, total: int
+) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """A linear warmup over ``warmup`` steps, then a cosine decay to a tenth of the
+    rate by step ``total`` (none for ``warmup`` 0)."""
+    if not warmup:
+        return None
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def default_cache() -> Path:
@@ -79,6 +97,8 @@ def main() -> None:
     # the Kubernetes manifests pass the job spec's compression this way
     p.add_argument("--compression", default=os.environ.get("ZEROPLANE_COMPRESSION", "none"))
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    # the learning rate warms up over this many steps, then decays (0: constant)
+    p.add_argument("--warmup", type=int, default=0)
     # ZeRO-Offload: the optimizer in host memory (stages 1-3), or also the parameters (3)
     p.add_argument("--offload", choices=("none", "optimizer", "all"), default="none")
     p.add_argument("--out", type=Path)
@@ -112,7 +132,9 @@ def main() -> None:
         offload_optimizer="none" if args.offload == "none" else "cpu",
         offload_params="cpu" if args.offload == "all" else "none",
     )
-    engine = worker.initialize(model, opt, config=config)
+    # the engine steps the scheduler and keeps it at its step when workers come and go
+    scheduler = schedule(opt, args.warmup, args.steps)
+    engine = worker.initialize(model, opt, config=config, lr_scheduler=scheduler)
     # the loader's position is saved in checkpoints and checked when one is loaded
     loader = StepLoader(
         dataset, LoaderConfig(global_batch=args.global_batch, seed=0), device=device

@@ -2,8 +2,8 @@
 of any worker (the launcher replaces it), SIGTERM of any worker from outside the
 launcher (it hands over and leaves; below --min-nproc the launcher replaces it),
 scale-down (SIGUSR2: the newest hands over and leaves), scale-up (SIGUSR1), at
-random moments, at stages 1-3. Every run must end with exit 0 and the parameters
-of the uninterrupted reference.
+random moments, at stages 1-3, under a warmup-then-cosine learning rate. Every
+run must end with exit 0 and the parameters of the uninterrupted reference.
 
 Each job takes ``SEQUENCES`` sequences of three events one after another (a
 later sequence starts on whatever the earlier left: replacements still joining,
@@ -29,6 +29,9 @@ from tests.test_elastic_e2e import LauncherRun, assert_matches_reference
 SEEDS = [int(s) for s in os.environ.get("ZEROPLANE_CHAOS_SEEDS", "0,1,2,3,4").split(",")]
 SEQUENCES = 2
 EVENTS = ("kill", "term", "scale_down", "scale_up")
+# the learning rate warms up, then decays: every worker, newcomers and survivors of
+# a rollback included, must step with the uninterrupted run's rate
+WARMUP = 15
 
 
 def plan(seed: int) -> tuple[int, tuple[str, ...], list[tuple[float, str, float]]]:
@@ -55,6 +58,7 @@ def test_random_membership_events_end_as_the_reference(tmp_path: Path, seed: int
         stage=stage,
         script_flags=(
             *replicas, "--checkpoint", str(tmp_path / "ckpt"), "--save-every", "10",
+            "--warmup", str(WARMUP),
         ),
         step_sleep=0.4,  # room for six events before the job's 60 steps are done
     )  # fmt: skip
@@ -79,4 +83,4 @@ def test_random_membership_events_end_as_the_reference(tmp_path: Path, seed: int
     finally:
         code = run.wait(timeout=240)
     assert code == 0, f"seed {seed}, stage {stage}, {replicas}, events {done}:\n{run.story()}"
-    assert_matches_reference(run.out)
+    assert_matches_reference(run.out, warmup=WARMUP)

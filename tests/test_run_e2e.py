@@ -21,17 +21,22 @@ def load_example():
     return module
 
 
-def reference(steps: int, global_batch: int, optimizer: str = "adamw") -> dict[str, torch.Tensor]:
+def reference(
+    steps: int, global_batch: int, optimizer: str = "adamw", warmup: int = 0
+) -> dict[str, torch.Tensor]:
     ex = load_example()
     from worker.demo import load_corpus
 
     data = load_corpus()
     sampler = ex.make_sampler(data, global_batch)
     model, opt = ex.build(optimizer=optimizer)
+    scheduler = ex.schedule(opt, warmup, steps)
     for _ in range(steps):
         x, y = ex.samples(data, sampler.next_global_batch())
         model(x, y).backward()
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         opt.zero_grad()
     return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
 

@@ -78,6 +78,7 @@ from worker.inventory import Inventory, build_inventory
 from worker.metrics import MetricsServer, Snapshot, SnapshotBoard, start_metrics
 from worker.optim import ShardOptimizer
 from worker.precision import LossScaler, MixedPrecision
+from worker.schedule import LrSchedule, SchedulerArg, resolve_scheduler
 from worker.state import ShardState
 from worker.stats import StepStats
 
@@ -190,6 +191,7 @@ class ZeroEngine:
         inventory: Inventory | None = None,
         align: int = 1,
         metrics: MetricsServer | None = None,
+        lr_scheduler: SchedulerArg | None = None,
     ) -> None:
         if initial_state not in ("module", "peers"):
             raise ValueError(f"initial_state must be 'module' or 'peers', got {initial_state!r}")
@@ -223,6 +225,13 @@ class ZeroEngine:
         self.last_checkpoint: Path | None = None
         self._saved_at = -1  # the step of the last checkpoint saved or loaded
         self._extras: dict[str, checkpoint.Stateful] = {}  # saved with every checkpoint
+        # stepped with the optimizer and kept at global_steps through every restore
+        # (worker/schedule.py [Note: a scheduler that follows the step])
+        self.lr_scheduler = resolve_scheduler(lr_scheduler, self.user_optimizer)
+        self._schedule: LrSchedule | None = None
+        if self.lr_scheduler is not None:
+            self._schedule = LrSchedule(self.lr_scheduler, self.user_optimizer, step=0)
+            self._extras["lr_scheduler"] = self._schedule
         self._next_bucket = 0
         self._walk_exact = True
         if initial_state == "peers":
@@ -295,6 +304,10 @@ class ZeroEngine:
     @property
     def loss_scale(self) -> float:
         return self.state.scaler.scale
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each of the optimizer's param groups (as DeepSpeed's)."""
+        return [group["lr"] for group in self.user_optimizer.param_groups]
 
     @property
     def global_steps(self) -> int:
@@ -496,6 +509,8 @@ class ZeroEngine:
             failed = st.step_and_publish(piece_grads)
             st.global_steps += 1
             st.whole = True
+            if self._schedule is not None:
+                self._schedule.step()
             if failed is not None:  # stepped, not published: whole, for the recovery
                 raise failed
         else:
@@ -668,8 +683,16 @@ class ZeroEngine:
         self.last_checkpoint = Path(path)
         if self.membership is not None:
             self.membership.after_load(self)
-        self.publish_snapshot()
+        self.after_restore()
         return state
+
+    def after_restore(self) -> None:
+        """The state was just replaced (a checkpoint, here or in another format): put
+        the LR scheduler at its step (by replay, when the checkpoint did not hold it)
+        and publish the snapshot the metrics read."""
+        if self._schedule is not None:
+            self._schedule.seek(self.global_steps)
+        self.publish_snapshot()
 
     def register_state(self, name: str, obj: checkpoint.Stateful) -> None:
         """Save ``obj.state_dict()`` in every checkpoint under ``name`` and hand it back to
@@ -718,6 +741,8 @@ class ZeroEngine:
         """Take this rank's state from a hand-over: rebuilt for ``comm``'s world, or
         (``None``) into the buffers already built for it (a newcomer's)."""
         elastic.adopt(self.state, handover, comm)
+        if self._schedule is not None:
+            self._schedule.seek(self.global_steps)
         self.ballot.clear()
         self.publish_snapshot()
 

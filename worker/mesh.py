@@ -35,6 +35,7 @@ from worker import tp_checkpoint
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
+from worker.schedule import SchedulerArg
 from worker.tp import TensorParallel, apply_tp, gather_full, gpt_plan
 from worker.tp_checkpoint import FullView
 
@@ -240,6 +241,9 @@ class MeshEngine:
     def global_steps(self) -> int:
         return self.engine.global_steps
 
+    def get_lr(self) -> list[float]:
+        return self.engine.get_lr()
+
     @property
     def module(self) -> nn.Module:
         return self.engine.module
@@ -270,7 +274,7 @@ class MeshEngine:
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Load a checkpoint of this model saved at any tp, dp and stage; all ranks."""
         state = tp_checkpoint.load_checkpoint(self._full_view(), path)
-        self.engine.publish_snapshot()
+        self.engine.after_restore()
         return state
 
     def close(self) -> None:
@@ -287,12 +291,14 @@ def parallelize(
     parallel: ParallelConfig,
     plan: dict | Callable[[nn.Module], dict] | None = None,
     mesh: DeviceMesh | None = None,
+    lr_scheduler: SchedulerArg | None = None,
 ) -> MeshEngine:
     """ZeRO ``config`` over the dp dimension of a ``(pp, dp, tp)`` mesh, with
     ``model`` tensor-parallel over tp by ``plan`` (a dict of torch ParallelStyles
     by module-name pattern, or a function of the model returning one; default:
     :func:`worker.tp.gpt_plan`). ``model`` must be identical on every rank.
-    Pipeline parallelism is :func:`worker.pipeline.pipeline` (a different step)."""
+    Pipeline parallelism is :func:`worker.pipeline.pipeline` (a different step).
+    ``lr_scheduler``: as :func:`worker.initialize`'s, stepped by the engine."""
     if parallel.pipeline_parallel > 1:
         raise ValueError("pipeline_parallel > 1: use worker.pipeline.pipeline(...)")
     check_combination(config, parallel)
@@ -300,7 +306,9 @@ def parallelize(
     shape = parallel.shape(world)
     mesh = mesh if mesh is not None else build_mesh(shape, module_device(model).type)
     coords = shape.coords(dist.get_rank() if world > 1 else 0)
-    engine, tp = engine_on_mesh(model, optimizer, model, config, mesh, shape, coords, plan)
+    engine, tp = engine_on_mesh(
+        model, optimizer, model, config, mesh, shape, coords, plan, lr_scheduler
+    )
     logger.info(
         "mesh pp=%d dp=%d tp=%d: this rank is pp=%d dp=%d tp=%d",
         shape.pp, shape.dp, shape.tp, coords.pp, coords.dp, coords.tp,
@@ -317,6 +325,7 @@ def engine_on_mesh(
     shape: MeshShape,
     coords: MeshCoords,
     plan: Any,
+    lr_scheduler: SchedulerArg | None = None,
 ) -> tuple[ZeroEngine, TensorParallel | None]:
     """ZeRO over the dp group of ``mesh`` for ``module`` (the model, or its pipeline
     stage, which keeps the model's parameter names), tensor-parallel over tp by
@@ -329,7 +338,13 @@ def engine_on_mesh(
         check_heads(model, shape.tp)
         tp = apply_tp(module, mesh["tp"], chosen)
         optimizer = rebuild_optimizer(optimizer, before, module)
-    engine = ZeroEngine(module, optimizer, config=config, group=mesh["dp"].get_group())
+    engine = ZeroEngine(
+        module,
+        optimizer,
+        config=config,
+        group=mesh["dp"].get_group(),
+        lr_scheduler=lr_scheduler,
+    )
     engine.mesh_labels = coords.labels()
     engine.norm_scope = norm_scope(engine, mesh, shape, tp)
     engine.publish_snapshot()

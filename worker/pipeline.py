@@ -42,6 +42,7 @@ from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
 from worker.mesh import ParallelConfig, build_mesh, check_combination, engine_on_mesh
+from worker.schedule import SchedulerArg
 from worker.tp import TensorParallel, gather_full
 
 __all__ = ["GPTStage", "PipelineEngine", "layer_bounds", "pipeline", "split_gpt"]
@@ -170,11 +171,13 @@ def pipeline(
     split: Split = split_gpt,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
     plan: dict | Callable[[nn.Module], dict] | None = None,
+    lr_scheduler: SchedulerArg | None = None,
 ) -> PipelineEngine:
     """``model`` split into ``parallel.pipeline_parallel`` stages by ``split``, this
     rank's stage run by torch's pipelining schedule, ZeRO ``config`` over dp; with
     ``parallel.tensor_parallel > 1`` each stage's modules also tensor-parallel by
-    ``plan`` (as :func:`worker.mesh.parallelize`; default the GPT plan)."""
+    ``plan`` (as :func:`worker.mesh.parallelize`; default the GPT plan).
+    ``lr_scheduler``: as :func:`worker.initialize`'s, stepped by the engine."""
     check_combination(config, parallel)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     shape = parallel.shape(world)
@@ -189,7 +192,9 @@ def pipeline(
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if p in kept]
     # the stage module keeps the model's names, so the model's plan applies to it
-    engine, tp = engine_on_mesh(stage_module, optimizer, model, config, mesh, shape, coords, plan)
+    engine, tp = engine_on_mesh(
+        stage_module, optimizer, model, config, mesh, shape, coords, plan, lr_scheduler
+    )
     stage = PipelineStage(stage_module, coords.pp, shape.pp, device, group=mesh["pp"].get_group())
     schedule_cls = ScheduleGPipe if parallel.pipeline_schedule == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, parallel.microbatches, loss_fn=loss_fn)

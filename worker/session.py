@@ -88,6 +88,7 @@ from worker.engine import (
     resolve_optimizer,
 )
 from worker.metrics import SnapshotBoard, start_metrics
+from worker.schedule import SchedulerArg, resolve_scheduler
 
 __all__ = ["AttachedSession", "ElasticSession", "PeerLost", "Phase", "StepAborted", "initialize"]
 
@@ -148,12 +149,17 @@ def initialize(
     config: ZeroConfig | None = None,
     group: dist.ProcessGroup | None = None,
     coordinator: str | None = None,
+    lr_scheduler: SchedulerArg | None = None,
 ) -> ZeroEngine:
     """Wrap ``model`` and ``optimizer`` in a ZeRO engine over ``group``.
 
     ``model`` must be identical on every rank (rank 0's values are broadcast
     regardless). ``optimizer`` is an optimizer over the model's parameters with
     no state yet, or a callable that takes param groups and returns one.
+    ``lr_scheduler``: a torch LR scheduler of that optimizer, or a callable that
+    builds one from it. The engine steps it after every optimizer step (do not
+    step it yourself), saves it in checkpoints and keeps it at the engine's step
+    when workers join, leave or crash (worker/schedule.py).
 
     With a coordinator (``coordinator="host:port"`` or ``$ZEROPLANE_COORDINATOR``)
     and torch.distributed not yet initialized, the worker registers, is given
@@ -167,10 +173,14 @@ def initialize(
         _init_from_launcher_env(model)
     own_group = group is not None or (dist.is_available() and dist.is_initialized())
     if address is None:
-        return ZeroEngine(model, optimizer, config=config, group=group)
+        return ZeroEngine(model, optimizer, config=config, group=group, lr_scheduler=lr_scheduler)
     if own_group:
-        return AttachedSession.attach(model, optimizer, config=config, address=address, group=group)
-    return ElasticSession.join(model, optimizer, config=config, address=address)
+        return AttachedSession.attach(
+            model, optimizer, config=config, address=address, group=group, scheduler=lr_scheduler
+        )
+    return ElasticSession.join(
+        model, optimizer, config=config, address=address, scheduler=lr_scheduler
+    )
 
 
 def _init_from_launcher_env(model: nn.Module) -> None:
@@ -289,9 +299,11 @@ class AttachedSession(_FinalReport):
         config: ZeroConfig,
         address: str,
         group: dist.ProcessGroup | None,
+        scheduler: SchedulerArg | None = None,
     ) -> ZeroEngine:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         user_optimizer = resolve_optimizer(model, optimizer)
+        scheduler = resolve_scheduler(scheduler, user_optimizer)
         inventory = build_inventory_for(model, user_optimizer, config)
         metrics = start_metrics(config, SnapshotBoard())
         control = ControlPlane.join(
@@ -325,6 +337,7 @@ class AttachedSession(_FinalReport):
             inventory=inventory,
             align=gen.align,
             metrics=metrics,
+            lr_scheduler=scheduler,
         )
         if engine.layout != gen.layout:
             control.close(leave=True)
@@ -402,13 +415,20 @@ class ElasticSession(_FinalReport):
 
     @classmethod
     def join(
-        cls, model: nn.Module, optimizer: OptimizerArg, *, config: ZeroConfig, address: str
+        cls,
+        model: nn.Module,
+        optimizer: OptimizerArg,
+        *,
+        config: ZeroConfig,
+        address: str,
+        scheduler: SchedulerArg | None = None,
     ) -> ZeroEngine:
         """Register at ``address``, wait for a rank, form the generation's group and
         build the engine for it: from the module's values in a new job, from the
         members' shards when joining a running one."""
         session = cls()
         user_optimizer = resolve_optimizer(model, optimizer)
+        scheduler = resolve_scheduler(scheduler, user_optimizer)
         inventory = build_inventory_for(model, user_optimizer, config)
         device = module_device(model)
         metrics = start_metrics(config, SnapshotBoard())
@@ -448,6 +468,7 @@ class ElasticSession(_FinalReport):
             inventory=inventory,
             align=gen.align,
             metrics=metrics,
+            lr_scheduler=scheduler,
         )
         engine.membership = session
         session.report_at_exit(engine)
