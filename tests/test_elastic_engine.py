@@ -263,6 +263,50 @@ def test_a_backward_cut_short_leaves_nothing_behind(pools, stage: int, accumulat
     pools(2).run(cut_short_then_rebuilt, stage, accumulation)
 
 
+def scale_with_a_newcomer(stage: int, path: str) -> tuple[float, ...]:
+    """fp16, dynamic scaling, the scale doubling every 4 good steps: ranks 0-1 train
+    3 steps and save; rank 2 joins; all train to step 9; then every rank loads
+    step 3 and trains to 9 again. The scales along the way, rank by rank."""
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])
+    model = seeded_model()
+    config = worker.ZeroConfig(
+        stage=stage, bucket_numel=97, dtype="fp16", initial_scale_power=4, loss_scale_window=4
+    )
+    engine = worker.ZeroEngine(
+        model,
+        OPTIMIZERS["adamw"](model),
+        config=config,
+        group=pair if rank < 2 else None,
+        initial_state="module" if rank < 2 else "peers",
+    )
+    if rank < 2:
+        train(engine, range(0, 3))
+        engine.save_checkpoint(path)
+    engine.reconfigure(None, via=None, new_members=[0, 1, 2], holds_state=rank < 2)
+    scales = []
+    for step in range(3, STEPS):
+        train(engine, range(step, step + 1))
+        scales.append(engine.loss_scale)
+    engine.load_checkpoint(path)
+    for step in range(3, STEPS):
+        train(engine, range(step, step + 1))
+        scales.append(engine.loss_scale)
+    return tuple(scales)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_loss_scale_changes_at_the_same_step_on_every_rank(pools, tmp_path, stage) -> None:
+    """The dynamic fp16 scale's window and hysteresis travel with it (to a newcomer,
+    into checkpoints): a rank that started its window again would double the scale
+    at another step than its peers, and they would add gradients of different
+    scales. No step overflows here: the scale doubles at steps 4 and 8."""
+    results = pools(3).run(scale_with_a_newcomer, stage, str(tmp_path / "ckpt"))
+    assert results[0] == results[1] == results[2], results
+    uninterrupted = [16.0 * 2 ** (step // 4) for step in range(4, STEPS + 1)]
+    assert list(results[0]) == uninterrupted * 2, results[0]
+
+
 def load_tells_the_session(path: str) -> tuple[int, str]:
     model = seeded_model()
     engine = worker.ZeroEngine(

@@ -228,6 +228,7 @@ def _export_unsharded(state: ShardState, client_state: dict | None) -> dict[str,
         ],
         "micro_steps": state.micro_steps,
         "skipped_steps": state.skipped_steps,
+        "loss_scaler": list(state.scaler.position()),
         "client_state": client_state or {},
     }
 
@@ -425,6 +426,13 @@ def _check_unsharded(path: Path, manifest: dict, unsharded: Any) -> None:
         raise CheckpointError(f"{path}: unsharded 'extras' is not a table of named states")
     if unsharded["micro_steps"] < 0 or unsharded["skipped_steps"] < 0:
         raise CheckpointError(f"{path}: a negative step counter")
+    scaler = unsharded.get("loss_scaler", [0, 0])
+    if not (
+        isinstance(scaler, list | tuple)
+        and len(scaler) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in scaler)
+    ):
+        raise CheckpointError(f"{path}: unsharded 'loss_scaler' is {_describe(scaler)}")
     if not all(isinstance(g, dict) and "params" not in g for g in unsharded["param_groups"]):
         raise CheckpointError(f"{path}: param groups are not hyperparameter tables")
     frozen = {n for n, info in manifest["params"].items() if not info["requires_grad"]}
@@ -512,6 +520,8 @@ def _import_unsharded(state: ShardState, unsharded: dict) -> None:
         group.update(saved)
     state.micro_steps = unsharded["micro_steps"]
     state.skipped_steps = unsharded["skipped_steps"]
+    # absent in checkpoints older than it: the window starts again, as it used to
+    state.scaler.move_to(*unsharded.get("loss_scaler", (0, 0)))
 
 
 # ---------------------------------------------------------------------------- export

@@ -190,9 +190,16 @@ def exchange(
     if counters is None:
         counters = state.counters()
     shared = torch.tensor(
-        [counters.global_steps, counters.loss_scale, counters.skipped_steps, 1]
+        [
+            counters.global_steps,
+            counters.loss_scale,
+            counters.skipped_steps,
+            counters.good_steps,
+            counters.overflows_left,
+            1,
+        ]
         if holds_state
-        else [0] * 4,
+        else [0] * 6,
         dtype=torch.float64,
         device=state.device,
     )
@@ -228,8 +235,9 @@ def exchange(
                 for k, v in entry["state"].items()
             }
             incoming[key] = entry
-    counters = Counters(int(shared[0]), float(shared[1]), int(shared[2]))
-    return Handover(incoming, counters, nobody_held=shared[3].item() == 0)
+    steps, scale, skipped, good, left, held_any = shared.tolist()
+    counters = Counters(int(steps), scale, int(skipped), int(good), int(left))
+    return Handover(incoming, counters, nobody_held=held_any == 0)
 
 
 def adopt(state: ShardState, handover: Handover, comm: Collectives | None) -> None:

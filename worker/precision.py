@@ -110,6 +110,15 @@ class LossScaler:
     def __post_init__(self) -> None:
         self._overflows_left = self.hysteresis
 
+    def position(self) -> tuple[int, int]:
+        """Where the dynamic scale is in its window and hysteresis (saved and handed
+        over with the scale, so every rank changes it at the same step)."""
+        return self._good_steps, self._overflows_left
+
+    def move_to(self, good_steps: int, overflows_left: int) -> None:
+        self._good_steps = good_steps
+        self._overflows_left = overflows_left or self.hysteresis
+
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
             return

@@ -78,6 +78,11 @@ class Counters:
     global_steps: int
     loss_scale: float
     skipped_steps: int
+    # the dynamic fp16 scaler's position in its growth window and hysteresis: a
+    # newcomer or a rollback that reset them would double or halve the scale at
+    # another step than its peers (0 overflows left: the scaler's own default)
+    good_steps: int = 0
+    overflows_left: int = 0
 
 
 class ShardState:
@@ -395,7 +400,12 @@ class ShardState:
             b.state = BucketState.IDLE
 
     def counters(self) -> Counters:
-        return Counters(self.global_steps, self.scaler.scale, self.skipped_steps)
+        return Counters(
+            self.global_steps,
+            self.scaler.scale,
+            self.skipped_steps,
+            *self.scaler.position(),
+        )
 
     def restore_counters(self, counters: Counters) -> None:
         self.global_steps = counters.global_steps
@@ -404,6 +414,7 @@ class ShardState:
         steps = counters.global_steps + counters.skipped_steps
         self.micro_steps = steps * self.config.gradient_accumulation_steps
         self.scaler.scale = counters.loss_scale
+        self.scaler.move_to(counters.good_steps, counters.overflows_left)
         self.skipped_steps = counters.skipped_steps
 
     # ------------------------------------------------------------ state by element range
