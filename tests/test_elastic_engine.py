@@ -7,12 +7,14 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import default_collate
 
 import worker
-from tests.reference import OPTIMIZERS, max_diff, seeded_model
+from tests.reference import OPTIMIZERS, VOCAB, max_diff, seeded_model
 from tests.test_checkpoint import GLOBAL, global_batch, reference, use_extra
 from worker.ballot import BoundaryVote
 from worker.collectives import CollectiveError, Collectives, Handle
+from worker.data import LoaderConfig, PackedTokens, StepLoader
 from worker.elastic import (
     GradientLog,
     Holding,
@@ -305,6 +307,69 @@ def test_the_loss_scale_changes_at_the_same_step_on_every_rank(pools, tmp_path, 
     assert results[0] == results[1] == results[2], results
     uninterrupted = [16.0 * 2 ** (step // 4) for step in range(4, STEPS + 1)]
     assert list(results[0]) == uninterrupted * 2, results[0]
+
+
+def loader_data() -> PackedTokens:
+    g = torch.Generator().manual_seed(0)
+    return PackedTokens(torch.randint(0, VOCAB, (60 * 5 + 1,), generator=g), 5)
+
+
+def loader_reference(steps: int, plan) -> dict[str, torch.Tensor]:
+    """One process, the whole global batch of each step as the loader's plan has it."""
+    data, model = loader_data(), seeded_model()
+    opt = OPTIMIZERS["adamw"](model)
+    for step in range(steps):
+        x, y = default_collate([data[i] for i in plan.batch_at(step)])
+        model(x, y, use_extra(step)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def resize_with_micro_batches(stage: int) -> float | None:
+    """Global batches of 12 in micro-batches of 2: three per rank at 2 ranks, two at
+    3. Ranks 0-1 train (the config says 3, as it must at 2 ranks), rank 2 joins,
+    then leaves."""
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])
+    model = seeded_model()
+    config = worker.ZeroConfig(stage=stage, bucket_numel=97, gradient_accumulation_steps=3)
+    engine = worker.ZeroEngine(
+        model,
+        OPTIMIZERS["adamw"](model),
+        config=config,
+        group=pair if rank < 2 else None,
+        initial_state="module" if rank < 2 else "peers",
+    )
+    loader = StepLoader(
+        loader_data(), LoaderConfig(global_batch=12, micro_batch=2, num_workers=0, prefetch=0)
+    ).attach(engine)
+
+    def train(steps: range) -> None:
+        for step in steps:
+            assert engine.global_steps == step
+            for x, y in loader.current():
+                engine.backward(engine(x, y, use_extra(step)))
+                engine.step()
+
+    if rank < 2:
+        train(range(0, 3))
+    engine.reconfigure(None, via=None, new_members=[0, 1, 2], holds_state=rank < 2)
+    train(range(3, 6))
+    engine.reconfigure(pair if rank < 2 else None, via=None, new_members=[0, 1])
+    if rank == 2:
+        return None
+    train(range(6, STEPS))
+    diff, name = max_diff(engine.full_state_dict(), loader_reference(STEPS, loader.plan))
+    assert diff < 1e-5, f"{name} differs from the uninterrupted reference by {diff:.3g}"
+    return diff
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_accumulation_follows_the_micro_batches_across_world_sizes(pools, stage: int) -> None:
+    """worker/data/loader.py [Note: accumulation that follows the world]."""
+    results = pools(3).run(resize_with_micro_batches, stage)
+    assert results[2] is None and results[0] == results[1]
 
 
 def load_tells_the_session(path: str) -> tuple[int, str]:

@@ -519,6 +519,7 @@ def _import_unsharded(state: ShardState, unsharded: dict) -> None:
     for group, saved in groups:
         group.update(saved)
     state.micro_steps = unsharded["micro_steps"]
+    state.micro_in_step = 0
     state.skipped_steps = unsharded["skipped_steps"]
     # absent in checkpoints older than it: the window starts again, as it used to
     state.scaler.move_to(*unsharded.get("loss_scaler", (0, 0)))

@@ -369,7 +369,29 @@ class ZeroEngine:
 
     @property
     def is_accumulation_boundary(self) -> bool:
-        return (self.state.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return self.state.at_boundary()
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.state.accumulation
+
+    def set_gradient_accumulation_steps(self, n: int) -> None:
+        """The micro-batches each optimizer step accumulates from now on; only between
+        optimizer steps. A loader attached to the engine sets it from the number of
+        micro-batches it hands this rank, which changes with the world size when the
+        global batch is constant ([Note: accumulation that follows the world])."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {n!r}")
+        if n == self.state.accumulation:
+            return
+        if self.state.micro_in_step:
+            raise RuntimeError(
+                f"gradient_accumulation_steps changed to {n} after {self.state.micro_in_step} "
+                f"of the step's {self.state.accumulation} micro-batches: change it between "
+                "optimizer steps"
+            )
+        self.state.accumulation = n
+        self.config = self.state.config = self.config.replace(gradient_accumulation_steps=n)
 
     # ---------------------------------------------------- backward: hooks → buckets → reduce
 
@@ -402,7 +424,7 @@ class ZeroEngine:
                     b.state = BucketState.READY
             self._launch_ready()
 
-        scale = st.scaler.scale / self.config.gradient_accumulation_steps
+        scale = st.scaler.scale / st.accumulation
         st.params.begin_backward()
         try:
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
@@ -481,7 +503,9 @@ class ZeroEngine:
         boundary = self.is_accumulation_boundary
         st.micro_steps += 1
         if not boundary:
+            st.micro_in_step += 1
             return False
+        st.micro_in_step = 0
         self.ballot.wait()
         grads = [_fp32(st.reducer.partition_grad(b)) for b in st.buckets]
         factor = 1.0 / (st.world_size * st.scaler.scale)
@@ -727,7 +751,7 @@ class ZeroEngine:
         worker/elastic.py [Note: live reshard]. With a coordinator, the session
         does this by itself when the coordinator changes the membership.
         """
-        if self.micro_steps % self.config.gradient_accumulation_steps:
+        if self.state.micro_in_step:
             raise RuntimeError("reconfigure() must be called at an accumulation boundary")
         handover = elastic.exchange(
             self.state, holds_state=holds_state, via=via, new_members=new_members

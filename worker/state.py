@@ -107,6 +107,9 @@ class ShardState:
         self.index = {name: i for i, name in enumerate(inventory.trainable)}
         self.scaler = MixedPrecision.loss_scaler(config)
         self.global_steps = self.micro_steps = self.skipped_steps = 0
+        # micro-batches per optimizer step, and those counted since the last one
+        self.accumulation = config.gradient_accumulation_steps
+        self.micro_in_step = 0
         self.pool = StagingPool()
         self.reducer = self._make_reducer(reduce_dtype)
         self.params: ParamStorage = self._make_storage()
@@ -138,10 +141,7 @@ class ShardState:
                 active=lambda: self.global_steps >= warmup,
             )
         if self.placement.optimizer_on_host:
-            accum = self.config.gradient_accumulation_steps
-            reducer = OffloadedGrads(
-                reducer, self.placement, lambda: (self.micro_steps + 1) % accum == 0
-            )
+            reducer = OffloadedGrads(reducer, self.placement, self.at_boundary)
         return reducer
 
     def _make_storage(self) -> ParamStorage:
@@ -407,12 +407,17 @@ class ShardState:
             *self.scaler.position(),
         )
 
+    def at_boundary(self) -> bool:
+        """Whether the micro-batch being trained is the step's last."""
+        return self.micro_in_step + 1 >= self.accumulation
+
     def restore_counters(self, counters: Counters) -> None:
         self.global_steps = counters.global_steps
         # at a step boundary: a step abandoned between its micro-batches (a lost
         # peer) is trained again from its first one
         steps = counters.global_steps + counters.skipped_steps
-        self.micro_steps = steps * self.config.gradient_accumulation_steps
+        self.micro_steps = steps * self.accumulation
+        self.micro_in_step = 0
         self.scaler.scale = counters.loss_scale
         self.scaler.move_to(counters.good_steps, counters.overflows_left)
         self.skipped_steps = counters.skipped_steps

@@ -69,6 +69,10 @@ class FullView:
         lambda self: self.state.skipped_steps,
         lambda self, v: setattr(self.state, "skipped_steps", v),
     )
+    micro_in_step = property(
+        lambda self: self.state.micro_in_step,
+        lambda self, v: setattr(self.state, "micro_in_step", v),
+    )
 
     @property
     def master_device(self) -> torch.device:

@@ -14,6 +14,17 @@ same world size) and keeps ``prefetch`` steps in flight in background
 workers; a request the guess missed drops the guesses (they cost work, never
 correctness) and refills from the request.
 
+[Note: accumulation that follows the world]
+The global batch is constant and a rank's share of it is ``global_batch /
+world_size``; with ``micro_batch`` set, that share is cut into micro-batches,
+so their number changes with the world size (12 samples of micro-batches of 2:
+three per rank at 2 ranks, two at 3). ``current()`` therefore sets the attached
+engine's ``gradient_accumulation_steps`` to the number of micro-batches it
+returns, at every step: after a membership change the engine steps after the
+last micro-batch of the step, whatever the world, and the update is the one of
+the whole global batch. A fixed accumulation from the config would have ended
+the optimizer step mid-way through a step's micro-batches, or run into the next.
+
 Workers are threads by default: item reads that wait on I/O, and tensor work,
 release the GIL. ``workers="process"`` runs them in spawned processes for
 preprocessing written in pure Python (the dataset and collate function must
@@ -197,11 +208,14 @@ class FollowsEngine:
         return self
 
     def current(self) -> list[Any]:
-        """This rank's micro-batches of the attached engine's current step."""
+        """This rank's micro-batches of the attached engine's current step; the engine
+        accumulates that many ([Note: accumulation that follows the world])."""
         if self._engine is None:
             raise RuntimeError(f"{type(self).__name__}.current() needs attach(engine) first")
         e = self._engine
-        return self.batches(e.global_steps, e.rank, e.world_size)
+        out = self.batches(e.global_steps, e.rank, e.world_size)
+        e.set_gradient_accumulation_steps(len(out))
+        return out
 
 
 class StepLoader(FollowsEngine):
