@@ -93,6 +93,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--global-batch", type=int, default=12)
+    # samples per micro-batch on a rank (default: its whole share of the global batch)
+    p.add_argument("--micro-batch", type=int)
     p.add_argument("--stage", type=int, default=stage_from_env(0))
     # the Kubernetes manifests pass the job spec's compression this way
     p.add_argument("--compression", default=os.environ.get("ZEROPLANE_COMPRESSION", "none"))
@@ -137,7 +139,9 @@ def main() -> None:
     engine = worker.initialize(model, opt, config=config, lr_scheduler=scheduler)
     # the loader's position is saved in checkpoints and checked when one is loaded
     loader = StepLoader(
-        dataset, LoaderConfig(global_batch=args.global_batch, seed=0), device=device
+        dataset,
+        LoaderConfig(global_batch=args.global_batch, micro_batch=args.micro_batch, seed=0),
+        device=device,
     ).attach(engine)
     engine.progress(total=args.steps)  # zeroplane run shows step / total and an ETA
     # A worker that joined a running job got its shards from the members (global_steps
@@ -156,12 +160,13 @@ def main() -> None:
         if engine.global_steps >= args.steps:
             break
         # the batch is a function of the step: after a membership change or a
-        # rollback the job continues at exactly the samples it would have used
-        ((x, y),) = loader.current()
+        # rollback the job continues at exactly the samples it would have used; the
+        # engine accumulates over the micro-batches, however many this world makes
         try:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step(samples=x.shape[0], tokens=x.numel())  # for the throughput metrics
+            for x, y in loader.current():
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step(samples=x.shape[0], tokens=x.numel())  # for the throughput metrics
         except worker.StepAborted:
             continue  # a peer was lost; the engine re-formed the job at global_steps
         if engine.rank == 0 and engine.global_steps % 10 == 0:
