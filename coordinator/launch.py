@@ -251,10 +251,14 @@ class LocalJob:
         on_line: LineHandler | None = None,
         services: Sequence[JobService] = (),
         restarts: int | None = None,
+        training_over: Callable[[], bool] | None = None,
     ) -> None:
         self.spec = spec
         # elastic jobs: how many failed workers may be replaced (None: fail fast)
         self._restarts_left = restarts
+        # whether training has ended (a coordinator's word): a worker's exit 0 is then
+        # the end of training, otherwise a leave (None: an exit 0 always says so)
+        self._training_over = training_over or (lambda: True)
         self._on_line = on_line or prefix_lines()
         self._services = list(services)
         self._started_services: list[JobService] = []
@@ -338,11 +342,13 @@ class LocalJob:
             failed = [
                 r for r, c in enumerate(codes) if c not in (None, 0) and r not in self._settled
             ]
-            # a worker exited 0 outside a retirement: training ended (nothing to replace)
+            # a worker exited 0 outside a retirement: training ended (nothing to replace),
+            # unless the coordinator says it goes on (a leave the caller has not yet
+            # settled: a worker that handed over on a SIGTERM from outside)
             finished = any(
                 c == 0 and i not in self._retiring and i not in self._settled
                 for i, c in enumerate(codes)
-            )
+            ) and (not failed or self._training_over())
             for r in failed:
                 alive = any(c is None for i, c in enumerate(codes) if i != r)
                 if not self._settle(r, codes[r] or 0, going=alive or not finished):

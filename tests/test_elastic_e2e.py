@@ -605,6 +605,36 @@ def test_losing_every_holder_of_a_part_restarts_the_job_from_the_start(tmp_path:
     assert_matches_reference(run.out)
 
 
+@pytest.mark.timeout(300)
+def test_the_last_member_killed_after_a_hand_over_restarts_from_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """At --min-nproc 2 one worker leaves on a SIGTERM from outside (it hands its
+    shards to the other) and the other is SIGKILLed as the leaver exits: nothing
+    holds the job's state but the checkpoint. The leaver's exit 0 is a leave, not
+    the end of training (the coordinator says so), so the launcher replaces both and
+    the new workers resume from the checkpoint (found by chaos seed 6: the launcher
+    took the exit for the end of training and failed the job)."""
+    run = LauncherRun(
+        tmp_path, "--nproc", "2", "--min-nproc", "2", "--max-nproc", "3", "--max-restarts", "4",
+        script_flags=("--checkpoint", str(tmp_path / "ckpt"), "--save-every", "5"),
+    )  # fmt: skip
+    try:
+        run.wait_for("step 10 loss")
+        leaver, last = run.workers()[1], run.workers()[0]
+        os.kill(leaver, signal.SIGTERM)
+        run.wait_for("handed over at step")
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{leaver}").exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(last, signal.SIGKILL)
+        run.wait_for("in its place", timeout=60)
+    finally:
+        code = run.wait(timeout=200)
+    assert code == 0, run.story()
+    assert_matches_reference(run.out)
+
+
 @pytest.mark.timeout(240)
 def test_a_worker_that_keeps_dying_stops_the_job(tmp_path: Path) -> None:
     """With no restarts left, a crash fails an elastic job with the worker's code."""

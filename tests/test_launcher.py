@@ -523,6 +523,27 @@ def test_an_elastic_job_whose_every_worker_failed_restarts_them(tmp_path):
     )
     with LocalJob(LaunchSpec(command=python(late), nproc=2), on_line=Lines(), restarts=2) as job:
         assert job.wait(timeout=40).returncode == 1
+    # ... unless the coordinator says training goes on: that exit 0 was a leave (a
+    # SIGTERM from outside, not yet settled by the launcher's loop), so the failure
+    # is replaced (chaos: a member handed over to the last one, which was then killed)
+    leave_then_fail = write_script(
+        tmp_path,
+        """
+        import os, sys, time
+        if os.environ["RANK"] == "0":
+            sys.exit(0)
+        time.sleep(1)
+        marker = os.path.join(sys.argv[1], "failed")
+        if os.path.exists(marker):
+            sys.exit(0)  # the replacement
+        open(marker, "w").close()
+        sys.exit(1)
+        """,
+    )
+    spec = LaunchSpec(command=python(leave_then_fail, str(tmp_path)), nproc=2)
+    with LocalJob(spec, on_line=Lines(), restarts=2, training_over=lambda: False) as job:
+        result = job.wait(timeout=40)
+    assert result.ok, result.message
 
 
 class LeftJob:

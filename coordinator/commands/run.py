@@ -229,7 +229,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     low = args.nproc if args.min_nproc is None else args.min_nproc
     high = args.nproc if args.max_nproc is None else args.max_nproc
-    job = LocalJob(spec, services=services, restarts=args.max_restarts if low < high else None)
+    job = LocalJob(
+        spec,
+        services=services,
+        restarts=args.max_restarts if low < high else None,
+        training_over=lambda: _over(services),
+    )
     started = time.monotonic()
     page = None
     with forward_signals(job), job:
