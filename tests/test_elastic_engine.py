@@ -29,9 +29,9 @@ from worker.elastic import (
 STEPS = 9
 
 
-def make(stage: int, joining: bool = False, group=None) -> worker.ZeroEngine:
+def make(stage: int, joining: bool = False, group=None, **config) -> worker.ZeroEngine:
     model = seeded_model()
-    config = worker.ZeroConfig(stage=stage, bucket_numel=97, stage3_min_unit_numel=1)
+    config = worker.ZeroConfig(stage=stage, bucket_numel=97, stage3_min_unit_numel=1, **config)
     return worker.ZeroEngine(
         model,
         OPTIMIZERS["adamw"](model),
@@ -271,17 +271,8 @@ def scale_with_a_newcomer(stage: int, path: str) -> tuple[float, ...]:
     step 3 and trains to 9 again. The scales along the way, rank by rank."""
     rank = dist.get_rank()
     pair = dist.new_group([0, 1])
-    model = seeded_model()
-    config = worker.ZeroConfig(
-        stage=stage, bucket_numel=97, dtype="fp16", initial_scale_power=4, loss_scale_window=4
-    )
-    engine = worker.ZeroEngine(
-        model,
-        OPTIMIZERS["adamw"](model),
-        config=config,
-        group=pair if rank < 2 else None,
-        initial_state="module" if rank < 2 else "peers",
-    )
+    fp16 = {"dtype": "fp16", "initial_scale_power": 4, "loss_scale_window": 4}
+    engine = make(stage, joining=rank == 2, group=pair if rank < 2 else None, **fp16)
     if rank < 2:
         train(engine, range(0, 3))
         engine.save_checkpoint(path)
@@ -332,15 +323,8 @@ def resize_with_micro_batches(stage: int) -> float | None:
     then leaves."""
     rank = dist.get_rank()
     pair = dist.new_group([0, 1])
-    model = seeded_model()
-    config = worker.ZeroConfig(stage=stage, bucket_numel=97, gradient_accumulation_steps=3)
-    engine = worker.ZeroEngine(
-        model,
-        OPTIMIZERS["adamw"](model),
-        config=config,
-        group=pair if rank < 2 else None,
-        initial_state="module" if rank < 2 else "peers",
-    )
+    group = pair if rank < 2 else None
+    engine = make(stage, joining=rank == 2, group=group, gradient_accumulation_steps=3)
     loader = StepLoader(
         loader_data(), LoaderConfig(global_batch=12, micro_batch=2, num_workers=0, prefetch=0)
     ).attach(engine)

@@ -13,7 +13,8 @@ from torch.optim import lr_scheduler as sched
 
 import worker
 from tests.reference import OPTIMIZERS, max_diff, seeded_model
-from tests.test_checkpoint import GLOBAL, global_batch, use_extra
+from tests.test_checkpoint import global_batch, use_extra
+from tests.test_elastic_engine import train
 from worker.schedule import SNAPSHOT_EVERY, LrSchedule
 
 STEPS = 9
@@ -91,15 +92,6 @@ def make(stage: int, joining: bool = False, group=None) -> worker.ZeroEngine:
         initial_state="peers" if joining else "module",
         lr_scheduler=warmup_then_cosine,
     )
-
-
-def train(engine: worker.ZeroEngine, steps: range) -> None:
-    per = GLOBAL // engine.world_size
-    for step in steps:
-        idx, tgt = global_batch(step)
-        sl = slice(engine.rank * per, (engine.rank + 1) * per)
-        engine.backward(engine(idx[sl], tgt[sl], use_extra(step)))
-        engine.step()
 
 
 def join_leave_and_reload(stage: int, path: str) -> float | None:
