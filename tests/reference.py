@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,11 +92,16 @@ def seeded_model(seed: int = 0) -> ParityNet:
 
 
 def reference_run(
-    schedule: Schedule, optimizer: str, clip: float = 0.0
+    schedule: Schedule,
+    optimizer: str,
+    clip: float = 0.0,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process, plain torch: the whole global batch per step."""
+    """One process, plain torch: the whole global batch per step (and ``scheduler``,
+    built on the optimizer, stepped after each optimizer step)."""
     model = seeded_model()
     opt = OPTIMIZERS[optimizer](model)
+    sched = None if scheduler is None else scheduler(opt)
     losses = []
     n = schedule.accum * schedule.world_size
     for step in range(schedule.steps):
@@ -109,6 +115,8 @@ def reference_run(
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
     final = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
