@@ -373,7 +373,7 @@ class ZeroEngine:
 
     @property
     def gradient_accumulation_steps(self) -> int:
-        return self.state.accumulation
+        return self.config.gradient_accumulation_steps
 
     def set_gradient_accumulation_steps(self, n: int) -> None:
         """The micro-batches each optimizer step accumulates from now on; only between
@@ -382,15 +382,14 @@ class ZeroEngine:
         global batch is constant ([Note: accumulation that follows the world])."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {n!r}")
-        if n == self.state.accumulation:
+        if n == self.config.gradient_accumulation_steps:
             return
         if self.state.micro_in_step:
             raise RuntimeError(
                 f"gradient_accumulation_steps changed to {n} after {self.state.micro_in_step} "
-                f"of the step's {self.state.accumulation} micro-batches: change it between "
-                "optimizer steps"
+                f"of the step's {self.config.gradient_accumulation_steps} micro-batches: "
+                "change it between optimizer steps"
             )
-        self.state.accumulation = n
         self.config = self.state.config = self.config.replace(gradient_accumulation_steps=n)
 
     # ---------------------------------------------------- backward: hooks → buckets → reduce
@@ -424,7 +423,7 @@ class ZeroEngine:
                     b.state = BucketState.READY
             self._launch_ready()
 
-        scale = st.scaler.scale / st.accumulation
+        scale = st.scaler.scale / self.config.gradient_accumulation_steps
         st.params.begin_backward()
         try:
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)

@@ -107,8 +107,7 @@ class ShardState:
         self.index = {name: i for i, name in enumerate(inventory.trainable)}
         self.scaler = MixedPrecision.loss_scaler(config)
         self.global_steps = self.micro_steps = self.skipped_steps = 0
-        # micro-batches per optimizer step, and those counted since the last one
-        self.accumulation = config.gradient_accumulation_steps
+        # micro-batches counted since the last optimizer step
         self.micro_in_step = 0
         self.pool = StagingPool()
         self.reducer = self._make_reducer(reduce_dtype)
@@ -409,14 +408,14 @@ class ShardState:
 
     def at_boundary(self) -> bool:
         """Whether the micro-batch being trained is the step's last."""
-        return self.micro_in_step + 1 >= self.accumulation
+        return self.micro_in_step + 1 >= self.config.gradient_accumulation_steps
 
     def restore_counters(self, counters: Counters) -> None:
         self.global_steps = counters.global_steps
         # at a step boundary: a step abandoned between its micro-batches (a lost
         # peer) is trained again from its first one
         steps = counters.global_steps + counters.skipped_steps
-        self.micro_steps = steps * self.accumulation
+        self.micro_steps = steps * self.config.gradient_accumulation_steps
         self.micro_in_step = 0
         self.scaler.scale = counters.loss_scale
         self.scaler.move_to(counters.good_steps, counters.overflows_left)
