@@ -710,7 +710,7 @@ class ZeroEngine:
         return state
 
     def after_restore(self) -> None:
-        """The state was just replaced (a checkpoint, here or in another format): put
+        """The state was just replaced (a hand-over, a checkpoint in any format): put
         the LR scheduler at its step (by replay, when the checkpoint did not hold it)
         and publish the snapshot the metrics read."""
         if self._schedule is not None:
@@ -764,10 +764,8 @@ class ZeroEngine:
         """Take this rank's state from a hand-over: rebuilt for ``comm``'s world, or
         (``None``) into the buffers already built for it (a newcomer's)."""
         elastic.adopt(self.state, handover, comm)
-        if self._schedule is not None:
-            self._schedule.seek(self.global_steps)
         self.ballot.clear()
-        self.publish_snapshot()
+        self.after_restore()
 
     # ------------------------------------------------------------ module passthrough
 

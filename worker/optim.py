@@ -91,7 +91,8 @@ def rebuild_optimizer(template: torch.optim.Optimizer, groups: list[dict]) -> to
     return cls(groups, **{k: v for k, v in defaults.items() if k in accepted})
 
 
-def _hyperparams(group: dict) -> dict:
+def group_hyperparams(group: dict) -> dict:
+    """A param group's hyperparameters: everything but its parameters."""
     return {k: v for k, v in group.items() if k != "params"}
 
 
@@ -128,7 +129,7 @@ class ShardOptimizer:
         self.pieces = [p for group in pieces_by_group for p in group]
         self.impl = fused_default(user) if on_host else {}
         groups = [
-            {"params": [p.view for p in pieces], **_hyperparams(ug), **self.impl}
+            {"params": [p.view for p in pieces], **group_hyperparams(ug), **self.impl}
             for pieces, ug in zip(pieces_by_group, user.param_groups, strict=True)
         ]
         self.inner = rebuild_optimizer(user, groups)
@@ -151,7 +152,7 @@ class ShardOptimizer:
         return [
             {
                 k: v.clone() if isinstance(v, torch.Tensor) else v
-                for k, v in _hyperparams(ug).items()
+                for k, v in group_hyperparams(ug).items()
                 if k not in self.impl
             }
             for ug in self.user.param_groups

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from worker.optim import group_hyperparams
+
 __all__ = ["SNAPSHOT_EVERY", "LrSchedule", "SchedulerArg", "resolve_scheduler"]
 
 SNAPSHOT_EVERY = 64  # steps between kept snapshots; the newest few are kept
@@ -64,13 +66,6 @@ def resolve_scheduler(arg: SchedulerArg | None, optimizer: torch.optim.Optimizer
             "lr_scheduler schedules another optimizer than the one given to the engine"
         )
     return scheduler
-
-
-def _hyperparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [
-        {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
-        for group in optimizer.param_groups
-    ]
 
 
 class LrSchedule:
@@ -136,7 +131,7 @@ class LrSchedule:
         return {
             "step": self.step_count,
             "scheduler": copy.deepcopy(self.scheduler.state_dict()),
-            "groups": _hyperparams(self.optimizer),
+            "groups": [copy.deepcopy(group_hyperparams(g)) for g in self.optimizer.param_groups],
         }
 
     def _apply(self, snapshot: dict[str, Any]) -> None:
