@@ -23,6 +23,7 @@ from worker.elastic import (
     plan_restore,
     refresh_replica,
     roll_forward,
+    start_refresh,
     unpack_entries,
 )
 
@@ -191,6 +192,38 @@ def bring_forward(stage: int, optimizer: str, dtype: str, clip: float) -> int:
     return len(rebuilt)
 
 
+def refresh_across_a_step(stage: int) -> bool:
+    """3 ranks train 3 steps, start a refresh, train a fourth step while its bytes
+    move, then finish it: the replica holds each rank's and its left neighbour's
+    state of step 3, not of step 4."""
+    engine = make(stage)
+    train(engine, range(0, 3))
+    at_3: list = [None] * 3
+    dist.all_gather_object(at_3, engine.state.export_ranges())
+    pending = start_refresh(engine.state, 0)
+    train(engine, range(3, 4))
+    replica = pending.finish()
+    assert replica.counters.global_steps == 3 and engine.global_steps == 4
+    for got, want in (
+        (replica.own, at_3[engine.rank]),
+        (replica.neighbour, at_3[(engine.rank - 1) % 3]),
+    ):
+        assert got.keys() == want.keys()
+        for key, entry in want.items():
+            assert torch.equal(got[key]["master"], entry["master"]), key
+            for k, v in entry["state"].items():
+                assert torch.equal(got[key]["state"][k], v), (key, k)
+    moved = engine.state.export_ranges()
+    return any(not torch.equal(moved[k]["master"], v["master"]) for k, v in replica.own.items())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_refresh_snapshots_its_step_while_the_next_one_trains(pools, stage: int) -> None:
+    """[Note: a refresh overlaps a step]: the copies move during the next step's
+    collectives, and the replica is the state of the step the refresh began at."""
+    assert all(pools(3).run(refresh_across_a_step, stage))
+
+
 class LoadCounting(LoggingMember):
     def __init__(self) -> None:
         super().__init__()
@@ -298,6 +331,63 @@ def test_the_loss_scale_changes_at_the_same_step_on_every_rank(pools, tmp_path, 
     assert results[0] == results[1] == results[2], results
     uninterrupted = [16.0 * 2 ** (step // 4) for step in range(4, STEPS + 1)]
     assert list(results[0]) == uninterrupted * 2, results[0]
+
+
+def buffers_follow_the_holders(stage: int) -> list[list[torch.Tensor]]:
+    """A BatchNorm model: ranks 0-1 train on their own halves (their running
+    statistics differ); rank 2 joins; rank 0 then leaves. The buffers of every
+    rank after each change."""
+    rank = dist.get_rank()
+    pair, survivors = dist.new_group([0, 1]), dist.new_group([1, 2])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    )
+    config = worker.ZeroConfig(stage=stage, bucket_numel=29, stage3_min_unit_numel=1)
+    engine = worker.ZeroEngine(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        config=config,
+        group=pair if rank < 2 else None,
+        initial_state="peers" if rank == 2 else "module",
+    )
+    data = torch.Generator().manual_seed(rank)
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            x = torch.randn(4, 6, generator=data) * (rank + 1) + rank
+            engine.backward(engine(x).square().mean())
+            engine.step()
+
+    def buffers() -> list[torch.Tensor]:
+        return [b.clone() for b in model.buffers()]
+
+    if rank < 2:
+        train(3)
+    seen = [buffers()]
+    engine.reconfigure(None, via=None, new_members=[0, 1, 2], holds_state=rank < 2)
+    seen.append(buffers())
+    train(2)
+    seen.append(buffers())
+    engine.reconfigure(survivors if rank > 0 else None, via=None, new_members=[1, 2])
+    seen.append(buffers())
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_module_buffers_follow_the_lowest_rank_that_held_state(pools, stage: int) -> None:
+    """A newcomer's BatchNorm statistics are its fresh module's until the change
+    gives it a holder's: the new world's lowest rank that held state (rank 0 on
+    a join; on rank 0's leave, rank 1, now rank 0)."""
+    before, joined, trained, left = zip(
+        *pools(3).run(buffers_follow_the_holders, stage), strict=True
+    )
+    assert any((a - b).abs().max() > 0 for a, b in zip(before[0], before[1], strict=True))
+    for rank in (1, 2):
+        for mine, theirs in zip(joined[rank], before[0], strict=True):
+            assert torch.equal(mine, theirs), f"rank {rank} does not hold rank 0's buffers"
+    for mine, theirs in zip(left[2], trained[1], strict=True):
+        assert torch.equal(mine, theirs), "the survivors do not hold rank 1's buffers"
 
 
 def loader_data() -> PackedTokens:

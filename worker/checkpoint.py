@@ -64,7 +64,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from coordinator.checkpoints import (
     FORMAT,
@@ -76,7 +75,7 @@ from coordinator.checkpoints import (
     resolve,
 )
 from coordinator.ranges import Range
-from worker.inventory import dtype_name
+from worker.inventory import dtype_name, persistent_buffers
 from worker.state import MissingRange, ShardState
 
 __all__ = [
@@ -113,18 +112,6 @@ def _write_durably(path: Path, write) -> None:
         write(f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers ``module.state_dict()`` holds, by the names it gives them:
-    those not registered with ``persistent=False`` (as ``_save_to_state_dict``
-    decides, without calling state-dict hooks or reading parameters)."""
-    out = {}
-    for prefix, mod in module.named_modules(remove_duplicate=False):
-        for name, buf in mod._buffers.items():
-            if buf is not None and name not in mod._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = buf
-    return out
 
 
 # ---------------------------------------------------------------------------- save

@@ -46,6 +46,7 @@ __all__ = [
     "Handover",
     "Holding",
     "LoggedStep",
+    "PendingRefresh",
     "Replica",
     "RestorePlan",
     "adopt",
@@ -54,6 +55,7 @@ __all__ = [
     "plan_restore",
     "refresh_replica",
     "roll_forward",
+    "start_refresh",
     "unpack_entries",
 ]
 
@@ -163,6 +165,8 @@ class Handover:
     # no rank of the transfer held state: a job that never formed a group yet
     # (its first generation was superseded before it formed; see worker/session.py)
     nobody_held: bool = False
+    # the lowest new rank that held state: its module buffers are the trained ones
+    buffers_from: int | None = None
 
 
 def exchange(
@@ -189,6 +193,12 @@ def exchange(
         entries = state.export_ranges(copy=False) if holds_state else {}
     if counters is None:
         counters = state.counters()
+    # a holder's new rank, as (new_world - rank) so that the max picks the lowest
+    holder = (
+        new_world - list(new_members).index(via_comm.rank)
+        if holds_state and via_comm.rank in new_members
+        else 0
+    )
     shared = torch.tensor(
         [
             counters.global_steps,
@@ -197,9 +207,10 @@ def exchange(
             counters.good_steps,
             counters.overflows_left,
             1,
+            holder,
         ]
         if holds_state
-        else [0] * 6,
+        else [0] * 7,
         dtype=torch.float64,
         device=state.device,
     )
@@ -235,9 +246,10 @@ def exchange(
                 for k, v in entry["state"].items()
             }
             incoming[key] = entry
-    steps, scale, skipped, good, left, held_any = shared.tolist()
+    steps, scale, skipped, good, left, held_any, holder = shared.tolist()
     counters = Counters(int(steps), scale, int(skipped), int(good), int(left))
-    return Handover(incoming, counters, nobody_held=held_any == 0)
+    buffers_from = new_world - int(holder) if holder else None
+    return Handover(incoming, counters, nobody_held=held_any == 0, buffers_from=buffers_from)
 
 
 def adopt(state: ShardState, handover: Handover, comm: Collectives | None) -> None:
@@ -247,6 +259,7 @@ def adopt(state: ShardState, handover: Handover, comm: Collectives | None) -> No
         state.build(comm, from_module=False)
     state.import_ranges(handover.entries)
     state.restore_counters(handover.counters)
+    state.sync_buffers(handover.buffers_from)
 
 
 def _wire_device(comm: Collectives) -> torch.device:
@@ -270,17 +283,31 @@ def _packed_sends(parts: Sequence[Entries], device: torch.device) -> tuple[list[
 def _exchange(comm: Collectives, send: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     """All-to-all of variable-size byte buffers: ``send`` holds ``sizes[d]`` bytes for
     each rank ``d`` in order; the sizes go first, then the bytes."""
+    parts, handle = _start_exchange(comm, send, sizes)
+    handle.wait()
+    return parts
+
+
+def _start_exchange(
+    comm: Collectives, send: torch.Tensor, sizes: list[int]
+) -> tuple[list[torch.Tensor], Handle]:
+    """:func:`_exchange` with the bytes still moving: the parts are valid once the
+    handle is waited on."""
     if not comm.distributed:
-        return list(torch.split(send, sizes))
+        return list(torch.split(send, sizes)), Handle(None, None, 0.0)
     device = _wire_device(comm)
     counts = torch.tensor(sizes, dtype=torch.int64, device=device)
     recv_counts = torch.empty_like(counts)
     comm.all_to_all(recv_counts, counts, as_op="control")
     recv = torch.empty(int(recv_counts.sum()), dtype=torch.uint8, device=device)
-    comm.all_to_all(
-        recv, send.to(device), output_split_sizes=recv_counts.tolist(), input_split_sizes=sizes
+    handle = comm.all_to_all(
+        recv,
+        send.to(device),
+        output_split_sizes=recv_counts.tolist(),
+        input_split_sizes=sizes,
+        async_op=True,
     )
-    return list(torch.split(recv, recv_counts.tolist()))
+    return list(torch.split(recv, recv_counts.tolist())), handle
 
 
 # ---------------------------------------------------------------------------- replicas
@@ -337,18 +364,61 @@ class Replica:
         return self.own_packed.numel() + self.neighbour_packed.numel()
 
 
-def refresh_replica(state: ShardState, generation: int) -> Replica:
-    """Snapshot this rank's state and swap copies with the neighbours (a collective)."""
+@dataclass(eq=False)
+class PendingRefresh:
+    """A refresh whose copies are still on the wire ([Note: a refresh overlaps a step]).
+
+    [Note: a refresh overlaps a step]
+    A refresh snapshots this rank's state at a step boundary (one copy, into
+    ``own``) and starts the swap with the neighbours; the next step trains
+    while the bytes move, and the following boundary waits for them
+    (:meth:`finish`) and confirms the replica. Until then it is not a replica
+    a recovery may use: a loss inside that step restores from the replica
+    before it, as a loss inside a synchronous refresh did. The pause after a
+    membership change, which must refresh (the old replicas hold another
+    layout), is the snapshot's copy instead of the whole swap.
+    """
+
+    generation: int
+    world_size: int
+    rank: int
+    counters: Counters
+    own: torch.Tensor
+    received: torch.Tensor  # the left neighbour's packed state, once the handle is done
+    handle: Handle
+    comm: Collectives  # the group it runs on
+
+    def finish(self) -> Replica:
+        """Wait for the swap (raises :class:`CollectiveError` if a peer was lost)."""
+        self.handle.wait()
+        return Replica(
+            self.generation, self.world_size, self.rank, self.counters, self.own,
+            self.received.cpu(),
+        )  # fmt: skip
+
+    def nbytes(self) -> int:
+        return self.own.numel() + self.received.numel()
+
+
+def start_refresh(state: ShardState, generation: int) -> PendingRefresh:
+    """Snapshot this rank's state and start swapping copies with the neighbours (a
+    collective: the sizes go now, the bytes in the background)."""
     comm = state.comm
     # The one copy of this rank's state: packed from views of the live state (the
     # optimizer does not step while this runs), and sent as it is.
     own = pack_entries(state.export_ranges(copy=False))
     n = comm.world_size
-    neighbour = own.new_empty(0)
+    received, handle = own.new_empty(0), Handle(None, None, 0.0)
     if n > 1:
         sizes = [own.numel() if d == (comm.rank + 1) % n else 0 for d in range(n)]
-        neighbour = _exchange(comm, own, sizes)[(comm.rank - 1) % n].cpu()
-    return Replica(generation, n, comm.rank, state.counters(), own, neighbour)
+        parts, handle = _start_exchange(comm, own, sizes)
+        received = parts[(comm.rank - 1) % n]
+    return PendingRefresh(generation, n, comm.rank, state.counters(), own, received, handle, comm)
+
+
+def refresh_replica(state: ShardState, generation: int) -> Replica:
+    """Snapshot this rank's state and swap copies with the neighbours (a collective)."""
+    return start_refresh(state, generation).finish()
 
 
 # ---------------------------------------------------------------------------- gradient log

@@ -9,7 +9,7 @@ from torch import nn
 
 from coordinator.layout import ParamSpec
 
-__all__ = ["Inventory", "build_inventory", "dtype_name"]
+__all__ = ["Inventory", "build_inventory", "dtype_name", "persistent_buffers"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -142,3 +142,15 @@ def _assign_units(root: nn.Module, min_numel: int) -> tuple[dict[nn.Parameter, i
 
 def _unique(params) -> list[nn.Parameter]:
     return list(dict.fromkeys(params))
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``module.state_dict()`` holds, by the names it gives them:
+    those not registered with ``persistent=False`` (as ``_save_to_state_dict``
+    decides, without calling state-dict hooks or reading parameters)."""
+    out = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out

@@ -55,6 +55,7 @@ rank has heard of and the rank of a worker that got SIGTERM. After the step:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -216,14 +217,20 @@ def _report(control: ControlPlane, engine: ZeroEngine) -> None:
     )
 
 
-def _report_at_exit(control: ControlPlane, engine_ref: weakref.ref[ZeroEngine]) -> None:
+def _report_at_exit(
+    control: ControlPlane, engine_ref: weakref.ref[ZeroEngine], settle: Callable[[], None]
+) -> None:
     """At interpreter exit, the coordinator's last view of this rank is its last step;
-    a script that ends without an uncaught exception has finished training."""
+    a script that ends without an uncaught exception has finished training. What the
+    session still has on the wire lands first (``settle``)."""
     engine = engine_ref()
     if engine is not None and engine.membership is not None:
+        finished = getattr(sys, "last_value", None) is None  # set when a traceback was printed
+        if finished:
+            settle()
         _report(control, engine)
         control.final_report()
-        if getattr(sys, "last_value", None) is None:  # set when a traceback was printed
+        if finished:
             control.close(leave=True, reason=FINISHED)
 
 
@@ -265,8 +272,13 @@ class _FinalReport:
 
     def report_at_exit(self, engine: ZeroEngine) -> None:
         assert self.control is not None
-        self._at_exit = functools.partial(_report_at_exit, self.control, weakref.ref(engine))
+        self._at_exit = functools.partial(
+            _report_at_exit, self.control, weakref.ref(engine), self.settle
+        )
         atexit.register(self._at_exit)
+
+    def settle(self) -> None:
+        """Let what this session still has on the wire land (at the script's end)."""
 
     def _forget_exit(self, *, send: bool = False) -> None:
         """Drop the exit hook; ``send``: send its final report now (closing early)."""
@@ -392,6 +404,8 @@ class ElasticSession(_FinalReport):
         self.control: ControlPlane | None = None
         # the confirmed replica, then (while a refresh is unconfirmed) the new one
         self.replicas: list[elastic.Replica] = []
+        # a refresh whose copies are on the wire ([Note: a refresh overlaps a step])
+        self.refreshing: elastic.PendingRefresh | None = None
         # the left neighbour's steps since the oldest replica ([Note: rolling a lost rank forward])
         self.log = elastic.GradientLog()
         # the generation whose membership this rank's shards belong to
@@ -520,7 +534,8 @@ class ElasticSession(_FinalReport):
         return 0 if self.control is None else self.control.generation.id
 
     def replica_bytes(self) -> int:
-        return sum(r.nbytes() for r in self.replicas) + self.log.nbytes()
+        pending = 0 if self.refreshing is None else self.refreshing.nbytes()
+        return sum(r.nbytes() for r in self.replicas) + self.log.nbytes() + pending
 
     def log_gradients(
         self, engine: ZeroEngine, grads: list[torch.Tensor], used: list[int]
@@ -551,6 +566,7 @@ class ElasticSession(_FinalReport):
     def after_load(self, engine: ZeroEngine) -> None:
         # replicas of the state before the load would roll a recovery back past it
         # (should a peer die in the refresh, the checkpoint just loaded serves)
+        self._drop_refresh(wait=True)
         self.replicas = []
         self._refresh_replica(engine)
 
@@ -559,9 +575,16 @@ class ElasticSession(_FinalReport):
         assert control is not None
         if stepped:
             self.log.commit(engine.global_steps)
+        self._confirm_refresh(engine)  # before anything changes the membership
+        changing = (
+            agreed.everyone_leaving
+            or agreed.leaving_rank is not None
+            or agreed.generation > control.generation.id
+        )
+        if stepped:
             interval = engine.config.replica_interval
-            if interval and engine.global_steps % interval == 0:
-                self._refresh_replica(engine)
+            if interval and engine.global_steps % interval == 0 and not changing:
+                self._refresh_replica(engine)  # (a change refreshes once it is made)
             if control.report_due():
                 _report(control, engine)
         start = time.perf_counter()
@@ -578,22 +601,49 @@ class ElasticSession(_FinalReport):
             engine.stats.record_pause("scale_up", time.perf_counter() - start)
 
     def _refresh_replica(self, engine: ZeroEngine) -> None:
-        """Every rank of the generation, at the same step boundary (a collective).
-        Two-phase (worker/elastic.py [Note: in-memory replicas]): the previous
+        """Start a refresh: every rank of the generation, at the same step boundary (a
+        collective). The next boundary confirms it ([Note: a refresh overlaps a step]
+        in worker/elastic.py)."""
+        if not engine.config.replica_interval:
+            return
+        assert self.control is not None
+        self._confirm_refresh(engine)
+        self.refreshing = elastic.start_refresh(engine.state, self.control.generation.id)
+        if self.log.generation != self.refreshing.generation:
+            # a new generation: its log starts at the snapshot (a recovery uses it
+            # only with a replica of this generation, i.e. once this one is confirmed)
+            self.log.reset(self.refreshing.generation, self.refreshing.counters.global_steps)
+
+    def _confirm_refresh(self, engine: ZeroEngine) -> None:
+        """Two-phase (worker/elastic.py [Note: in-memory replicas]): the previous
         replica is dropped only once the barrier proves every rank has the new one."""
-        if engine.config.replica_interval:
-            assert self.control is not None
-            fresh = elastic.refresh_replica(engine.state, self.control.generation.id)
-            self.replicas = [*self.replicas[-1:], fresh]
-            engine.state.comm.barrier()
-            self.replicas = [fresh]
-            self.log.reset(fresh.generation, fresh.counters.global_steps)
+        pending, self.refreshing = self.refreshing, None
+        if pending is None:
+            return
+        fresh = pending.finish()
+        self.replicas = [*self.replicas[-1:], fresh]
+        pending.comm.barrier()
+        self.replicas = [fresh]
+        self.log.reset(fresh.generation, fresh.counters.global_steps)
+
+    def settle(self) -> None:
+        if self.phase is Phase.MEMBER:
+            self._drop_refresh(wait=True)  # every member started it
+
+    def _drop_refresh(self, *, wait: bool) -> None:
+        """Forget a refresh in flight (after a loss; ``wait``: let its bytes land first,
+        so that no peer's send meets a closed connection)."""
+        pending, self.refreshing = self.refreshing, None
+        if pending is not None and wait:
+            with contextlib.suppress(CollectiveError):
+                pending.handle.wait()
 
     def recover(self, engine: ZeroEngine, exc: CollectiveError) -> NoReturn:
         """A peer is gone: form the coordinator's next generation and restore."""
         control = self.control
         assert control is not None
         self._to(Phase.RECOVERING)
+        self._drop_refresh(wait=False)  # its group is broken
         if engine.state.whole:
             # the gradients from the left of the last step, or of the step whose go
             # failed, if they arrived before the loss
@@ -635,6 +685,7 @@ class ElasticSession(_FinalReport):
 
     def close(self) -> None:
         member = self.phase is Phase.MEMBER
+        self.settle()
         self._forget_exit(send=member)
         if self.phase is not Phase.LEFT and self.control is not None:
             # a member closing its engine has ended training ([Note: a finishing job])
@@ -706,6 +757,7 @@ class ElasticSession(_FinalReport):
             f"the checkpoint {kept}" if kept is not None else "its start",
         )
         self._to(Phase.LEAVING)
+        self._drop_refresh(wait=False)
         engine.state.release()
         if broken:
             abort_default_group(self.control.timeout)

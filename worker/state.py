@@ -41,7 +41,7 @@ from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compression import make_codec
 from worker.config import ZeroConfig
 from worker.flat import BucketState, FlatBucket, GatherUnit
-from worker.inventory import Inventory
+from worker.inventory import Inventory, persistent_buffers
 from worker.offload import HOST, Location, OffloadedGrads, Placement
 from worker.optim import Piece, ShardOptimizer
 from worker.precision import MixedPrecision
@@ -277,16 +277,27 @@ class ShardState:
         )
 
     def _broadcast_module_states(self) -> None:
+        self._broadcast([*self.module.parameters(), *self.module.buffers()], src=0)
+
+    def sync_buffers(self, source: int | None) -> None:
+        """Give every rank ``source``'s persistent module buffers (BatchNorm's running
+        statistics, say). A rank that joined, or restored from a hand-over, still
+        holds its own module's; DDP broadcasts buffers before every forward, this
+        once per change of world. ``None``: no rank holds trained ones."""
+        if source is not None:
+            self._broadcast(list(persistent_buffers(self.module).values()), src=source)
+
+    def _broadcast(self, tensors: list[torch.Tensor], *, src: int) -> None:
+        """``src``'s values of ``tensors`` on every rank (one broadcast per dtype)."""
         if not self.comm.distributed:
             return
-        tensors = list(dict.fromkeys([*self.module.parameters(), *self.module.buffers()]))
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
+        for t in dict.fromkeys(tensors):  # a tied tensor once
             by_dtype.setdefault(t.dtype, []).append(t)
         with torch.no_grad():
             for group in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                self.comm.broadcast(flat, src=0)
+                flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in group])
+                self.comm.broadcast(flat, src=src)
                 offset = 0
                 for t in group:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
