@@ -629,9 +629,14 @@ class _DeepSpeedReader:
         if self.unresolved:
             raise ValueError("; ".join(self.unresolved))
         if self.ignored:
+            built = [k for k in self.ignored if k in ("optimizer", "scheduler")]
             logger.warning(
-                "DeepSpeed config keys ignored (not part of ZeroConfig): %s",
+                "DeepSpeed config keys ignored (not part of ZeroConfig): %s%s",
                 ", ".join(self.ignored),
+                f" ({' and '.join(built)}: worker.initialize(model, config=ds_config) "
+                "builds them, as deepspeed.initialize does)"
+                if built
+                else "",
             )
         return self.kw
 

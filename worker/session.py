@@ -59,6 +59,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import json
 import logging
 import os
 import signal
@@ -66,7 +67,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -75,7 +76,7 @@ import torch.distributed as dist
 from torch import nn
 
 from coordinator.messages import FINISHED, STOPPED, Generation
-from worker import elastic
+from worker import ds_sections, elastic
 from worker.ballot import BoundaryVote
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compat import abort_default_group, backend_for
@@ -145,9 +146,9 @@ _TRANSITIONS: dict[Phase, set[Phase]] = {
 
 def initialize(
     model: nn.Module,
-    optimizer: OptimizerArg,
+    optimizer: OptimizerArg | None = None,
     *,
-    config: ZeroConfig | None = None,
+    config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None,
     group: dist.ProcessGroup | None = None,
     coordinator: str | None = None,
     lr_scheduler: SchedulerArg | None = None,
@@ -162,13 +163,19 @@ def initialize(
     step it yourself), saves it in checkpoints and keeps it at the engine's step
     when workers join, leave or crash (worker/schedule.py).
 
+    ``config``: a :class:`ZeroConfig`, or a DeepSpeed config (a dict, or the
+    path of its JSON file) read by :meth:`ZeroConfig.from_deepspeed`. As
+    ``deepspeed.initialize`` does, its ``optimizer`` and ``scheduler`` sections
+    build the optimizer and the LR schedule when the script passes none
+    (worker/ds_sections.py); passing one and configuring one is an error.
+
     With a coordinator (``coordinator="host:port"`` or ``$ZEROPLANE_COORDINATOR``)
     and torch.distributed not yet initialized, the worker registers, is given
     a rank, and forms the process group itself; the coordinator's stage and
     layout apply. Otherwise torch.distributed must be initialized already (as
     under torchrun), or not at all for one process.
     """
-    config = config or ZeroConfig()
+    config, optimizer, lr_scheduler = _resolve_config(config, optimizer, lr_scheduler)
     address = coordinator_address(coordinator)
     if address is None and group is None:
         _init_from_launcher_env(model)
@@ -182,6 +189,54 @@ def initialize(
     return ElasticSession.join(
         model, optimizer, config=config, address=address, scheduler=lr_scheduler
     )
+
+
+def _resolve_config(
+    config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None,
+    optimizer: OptimizerArg | None,
+    lr_scheduler: SchedulerArg | None,
+) -> tuple[ZeroConfig, OptimizerArg, SchedulerArg | None]:
+    """The ZeroConfig, optimizer and scheduler that :func:`initialize` was given or
+    that a DeepSpeed config's sections describe."""
+    if config is None or isinstance(config, ZeroConfig):
+        if optimizer is None:
+            raise ValueError(
+                "worker.initialize needs an optimizer, or a DeepSpeed config with an "
+                "'optimizer' section"
+            )
+        return config or ZeroConfig(), optimizer, lr_scheduler
+    if isinstance(config, str | os.PathLike):
+        path = Path(config)
+        try:
+            ds = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read the DeepSpeed config {path}: {exc}") from exc
+    else:
+        ds = config
+    if not isinstance(ds, Mapping):
+        raise ValueError(f"a DeepSpeed config is a JSON object, got {type(ds).__name__}")
+    ds = dict(ds)
+    optimizer_section, scheduler_section = ds.pop("optimizer", None), ds.pop("scheduler", None)
+    for given, section, what in (
+        (optimizer, optimizer_section, "optimizer"),
+        (lr_scheduler, scheduler_section, "scheduler"),
+    ):
+        if given is not None and section is not None:
+            raise ValueError(
+                f"a {what} was passed to worker.initialize and the DeepSpeed config has a "
+                f"{what!r} section: give one of them"
+            )
+    if optimizer is None:
+        if optimizer_section is None:
+            raise ValueError(
+                "worker.initialize needs an optimizer: pass one, or give the DeepSpeed "
+                "config an 'optimizer' section"
+            )
+        ds_sections.optimizer_from_deepspeed(optimizer_section, [torch.zeros(1)])  # checked now
+        optimizer = functools.partial(ds_sections.optimizer_from_deepspeed, optimizer_section)
+    if scheduler_section is not None:
+        lr_scheduler = ds_sections.scheduler_from_deepspeed(scheduler_section)
+    return ZeroConfig.from_deepspeed(ds), optimizer, lr_scheduler
 
 
 def _init_from_launcher_env(model: nn.Module) -> None:
