@@ -167,6 +167,7 @@ def test_adam_sections_build_what_deepspeed_builds() -> None:
         ({"type": "Adam", "params": {"bias_correction": False}}, "bias_correction"),
         ({"type": "AdamW", "params": {"lr": -1.0}}, "Invalid learning rate"),
         ({"params": {}}, "'type'"),
+        ({"type": "AdamW", "params": {"lr": "auto", "eps": "auto"}}, "['eps', 'lr'] are \"auto\""),
     ],
 )
 def test_a_bad_optimizer_section_names_what_is_wrong(section: dict, names: str) -> None:

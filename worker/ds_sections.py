@@ -52,6 +52,12 @@ def _section(section: Any, name: str) -> tuple[str, dict[str, Any]]:
     params = section.get("params") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"DeepSpeed config: {name}.params must be an object")
+    auto = sorted(k for k, v in params.items() if v == "auto")
+    if auto:
+        raise ValueError(
+            f'DeepSpeed config: {name}.params {auto} are "auto" (Hugging Face\'s trainer '
+            f"fills them in): give their values, or pass your own {name} to worker.initialize"
+        )
     return section["type"], dict(params)
 
 
