@@ -333,20 +333,23 @@ def test_the_loss_scale_changes_at_the_same_step_on_every_rank(pools, tmp_path, 
     assert list(results[0]) == uninterrupted * 2, results[0]
 
 
-def buffers_follow_the_holders(stage: int) -> list[list[torch.Tensor]]:
-    """A BatchNorm model: ranks 0-1 train on their own halves (their running
-    statistics differ); rank 2 joins; rank 0 then leaves. The buffers of every
-    rank after each change."""
+def unsharded_follow_the_holders(stage: int) -> list[list[torch.Tensor]]:
+    """A BatchNorm model with a frozen layer, built from each rank's own seed (rank 2's
+    frozen weights differ): ranks 0-1 train on their own halves (their running
+    statistics differ); rank 2 joins; rank 0 then leaves. The buffers and frozen
+    parameters of every rank after each change."""
     rank = dist.get_rank()
     pair, survivors = dist.new_group([0, 1]), dist.new_group([1, 2])
-    torch.manual_seed(0)
+    torch.manual_seed(rank)
     model = torch.nn.Sequential(
-        torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
-    )
+        torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+        torch.nn.Linear(8, 4), torch.nn.Linear(4, 1),
+    )  # fmt: skip
+    model[3].requires_grad_(False)
     config = worker.ZeroConfig(stage=stage, bucket_numel=29, stage3_min_unit_numel=1)
     engine = worker.ZeroEngine(
         model,
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
         config=config,
         group=pair if rank < 2 else None,
         initial_state="peers" if rank == 2 else "module",
@@ -359,35 +362,38 @@ def buffers_follow_the_holders(stage: int) -> list[list[torch.Tensor]]:
             engine.backward(engine(x).square().mean())
             engine.step()
 
-    def buffers() -> list[torch.Tensor]:
-        return [b.clone() for b in model.buffers()]
+    def unsharded() -> list[torch.Tensor]:
+        return [t.detach().clone() for t in (*model.buffers(), *model[3].parameters())]
 
     if rank < 2:
         train(3)
-    seen = [buffers()]
+    seen = [unsharded()]
     engine.reconfigure(None, via=None, new_members=[0, 1, 2], holds_state=rank < 2)
-    seen.append(buffers())
+    seen.append(unsharded())
     train(2)
-    seen.append(buffers())
+    seen.append(unsharded())
     engine.reconfigure(survivors if rank > 0 else None, via=None, new_members=[1, 2])
-    seen.append(buffers())
+    seen.append(unsharded())
     return seen
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_module_buffers_follow_the_lowest_rank_that_held_state(pools, stage: int) -> None:
-    """A newcomer's BatchNorm statistics are its fresh module's until the change
-    gives it a holder's: the new world's lowest rank that held state (rank 0 on
-    a join; on rank 0's leave, rank 1, now rank 0)."""
+def test_buffers_and_frozen_parameters_follow_the_lowest_rank_that_held_state(
+    pools, stage: int
+) -> None:
+    """A newcomer's BatchNorm statistics and frozen weights are its fresh module's
+    until the change gives it a holder's: the new world's lowest rank that held
+    state (rank 0 on a join; on rank 0's leave, rank 1, now rank 0)."""
     before, joined, trained, left = zip(
-        *pools(3).run(buffers_follow_the_holders, stage), strict=True
+        *pools(3).run(unsharded_follow_the_holders, stage), strict=True
     )
     assert any((a - b).abs().max() > 0 for a, b in zip(before[0], before[1], strict=True))
+    assert any((a - b).abs().max() > 0 for a, b in zip(before[0], before[2], strict=True))
     for rank in (1, 2):
         for mine, theirs in zip(joined[rank], before[0], strict=True):
-            assert torch.equal(mine, theirs), f"rank {rank} does not hold rank 0's buffers"
+            assert torch.equal(mine, theirs), f"rank {rank} does not hold rank 0's"
     for mine, theirs in zip(left[2], trained[1], strict=True):
-        assert torch.equal(mine, theirs), "the survivors do not hold rank 1's buffers"
+        assert torch.equal(mine, theirs), "the survivors do not hold rank 1's"
 
 
 def loader_data() -> PackedTokens:

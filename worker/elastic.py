@@ -165,8 +165,9 @@ class Handover:
     # no rank of the transfer held state: a job that never formed a group yet
     # (its first generation was superseded before it formed; see worker/session.py)
     nobody_held: bool = False
-    # the lowest new rank that held state: its module buffers are the trained ones
-    buffers_from: int | None = None
+    # the lowest new rank that held state: its frozen parameters and module buffers
+    # are the job's (a newcomer's are its fresh module's)
+    unsharded_from: int | None = None
 
 
 def exchange(
@@ -248,8 +249,8 @@ def exchange(
             incoming[key] = entry
     steps, scale, skipped, good, left, held_any, holder = shared.tolist()
     counters = Counters(int(steps), scale, int(skipped), int(good), int(left))
-    buffers_from = new_world - int(holder) if holder else None
-    return Handover(incoming, counters, nobody_held=held_any == 0, buffers_from=buffers_from)
+    unsharded_from = new_world - int(holder) if holder else None
+    return Handover(incoming, counters, nobody_held=held_any == 0, unsharded_from=unsharded_from)
 
 
 def adopt(state: ShardState, handover: Handover, comm: Collectives | None) -> None:
@@ -259,7 +260,7 @@ def adopt(state: ShardState, handover: Handover, comm: Collectives | None) -> No
         state.build(comm, from_module=False)
     state.import_ranges(handover.entries)
     state.restore_counters(handover.counters)
-    state.sync_buffers(handover.buffers_from)
+    state.sync_unsharded(handover.unsharded_from)
 
 
 def _wire_device(comm: Collectives) -> torch.device:

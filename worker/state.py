@@ -279,13 +279,16 @@ class ShardState:
     def _broadcast_module_states(self) -> None:
         self._broadcast([*self.module.parameters(), *self.module.buffers()], src=0)
 
-    def sync_buffers(self, source: int | None) -> None:
-        """Give every rank ``source``'s persistent module buffers (BatchNorm's running
-        statistics, say). A rank that joined, or restored from a hand-over, still
-        holds its own module's; DDP broadcasts buffers before every forward, this
-        once per change of world. ``None``: no rank holds trained ones."""
-        if source is not None:
-            self._broadcast(list(persistent_buffers(self.module).values()), src=source)
+    def sync_unsharded(self, source: int | None) -> None:
+        """Give every rank ``source``'s frozen parameters and persistent module
+        buffers (BatchNorm's running statistics, say): what the shards do not hold.
+        A rank that joined, or restored from a hand-over, still holds its own
+        module's; DDP broadcasts buffers before every forward, this once per change
+        of world. ``None``: no rank holds trained ones."""
+        if source is None:
+            return
+        frozen = [p for p in self.inventory.params.values() if p not in self.bucket_of]
+        self._broadcast([*frozen, *persistent_buffers(self.module).values()], src=source)
 
     def _broadcast(self, tensors: list[torch.Tensor], *, src: int) -> None:
         """``src``'s values of ``tensors`` on every rank (one broadcast per dtype)."""
