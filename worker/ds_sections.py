@@ -166,6 +166,11 @@ def _warmup_type(value: Any) -> str:
     return value
 
 
+def _warmup(it: int, steps: int, kind: str) -> float:
+    """DeepSpeed's warmup fraction at iteration ``it`` of ``steps``: log or linear."""
+    return math.log(it + 1) / math.log(steps) if kind == "log" else it / steps
+
+
 class _DeepSpeedSchedule(LRScheduler):
     """Rates as a function of DeepSpeed's iteration ``it`` (-1 before the first step)."""
 
@@ -201,9 +206,7 @@ class WarmupLR(_DeepSpeedSchedule):
 
     def gamma(self, it: int) -> float:
         if it < self.warmup_num_steps:
-            if self.warmup_type == "log":
-                return math.log(it + 1) / math.log(self.warmup_num_steps)
-            return it / self.warmup_num_steps
+            return _warmup(it, self.warmup_num_steps, self.warmup_type)
         return 1.0
 
     def rates(self, it: int) -> list[float]:
@@ -259,10 +262,7 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         if it < 0:
             return 0.0
         if it < self.warmup_num_steps:
-            if self.warmup_type == "log":
-                r = math.log(it + 1) / math.log(self.warmup_num_steps)
-            else:
-                r = it / self.warmup_num_steps
+            r = _warmup(it, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + r * (1.0 - self.warmup_min_ratio)
         done = it - self.warmup_num_steps + 1
         progress = min(1.0, done / max(1, self.total_num_steps - self.warmup_num_steps))
