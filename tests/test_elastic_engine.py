@@ -30,7 +30,9 @@ from worker.elastic import (
 STEPS = 9
 
 
-def make(stage: int, joining: bool = False, group=None, **config) -> worker.ZeroEngine:
+def make(
+    stage: int, joining: bool = False, group=None, build_for=None, **config
+) -> worker.ZeroEngine:
     model = seeded_model()
     config = worker.ZeroConfig(stage=stage, bucket_numel=97, stage3_min_unit_numel=1, **config)
     return worker.ZeroEngine(
@@ -39,6 +41,7 @@ def make(stage: int, joining: bool = False, group=None, **config) -> worker.Zero
         config=config,
         group=group,
         initial_state="peers" if joining else "module",
+        build_for=build_for,
     )
 
 
@@ -80,6 +83,44 @@ def resize_2_3_2(stage: int) -> float | None:
 def test_resize_2_3_2_matches_uninterrupted_training(pools, stage: int) -> None:
     results = pools(3).run(resize_2_3_2, stage)
     assert results[2] is None and results[0] == results[1]
+
+
+def join_built_ahead(stage: int, planned_rank: int) -> float | None:
+    """Ranks 0-1 train; rank 2 built its buffers ahead for rank ``planned_rank`` of 3
+    (worker/session.py [Note: a newcomer builds ahead]), then joins as rank 2."""
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        engine = make(stage, group=pair)
+        train(engine, range(0, 3))
+    else:
+        engine = make(stage, joining=True, build_for=Collectives.ahead(planned_rank, 3, "gloo"))
+        assert (engine.rank, engine.world_size) == (planned_rank, 3)
+        builds = engine.state.builds
+        if planned_rank == rank:
+            engine.state.rebind(Collectives(None))
+            assert engine.state.builds == builds, "a rank built as planned is not rebuilt"
+        else:
+            # a superseded rendezvous gave another rank: the buffers are rebuilt
+            with pytest.raises(ValueError, match=f"built for rank {planned_rank} of 3"):
+                engine.state.rebind(Collectives(None))
+            engine.state.build(Collectives(None), from_module=False)
+    handover = exchange(engine.state, holds_state=rank < 2, via=None, new_members=[0, 1, 2])
+    # members rebuild for the new world; the newcomer fills the buffers it built
+    engine.adopt(handover, Collectives(None) if rank < 2 else None)
+    assert (engine.rank, engine.world_size, engine.global_steps) == (rank, 3, 3)
+    train(engine, range(3, STEPS))
+    diff, name = max_diff(engine.full_state_dict(), reference(STEPS))
+    assert diff < 1e-5, f"{name} differs from the uninterrupted reference by {diff:.3g}"
+    return diff
+
+
+@pytest.mark.parametrize(("stage", "planned_rank"), [(1, 2), (2, 2), (3, 2), (3, 0)])
+def test_a_newcomer_built_ahead_of_its_group_trains_as_the_reference(
+    pools, stage: int, planned_rank: int
+) -> None:
+    results = pools(3).run(join_built_ahead, stage, planned_rank)
+    assert results[0] == results[1] == results[2]
 
 
 @pytest.mark.parametrize("copy", [True, False])

@@ -133,6 +133,16 @@ class Collectives:
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
 
+    @classmethod
+    def ahead(cls, rank: int, world_size: int, backend: str) -> Collectives:
+        """Stand-in for the default group of a generation that has not formed yet:
+        its rank and size, to build buffers for (worker/session.py [Note: a newcomer
+        builds ahead]). No collective may run on it; once the group has formed,
+        :meth:`ShardState.rebind` swaps in the real one."""
+        comm = cls()
+        comm.rank, comm.world_size, comm.backend = rank, world_size, backend
+        return comm
+
     @property
     def distributed(self) -> bool:
         return self.world_size > 1

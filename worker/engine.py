@@ -177,7 +177,9 @@ class ZeroEngine:
     broadcast); ``"peers"`` builds empty buffers for a transfer from the
     ranks that hold the state (a worker joining a running job; see
     :meth:`reconfigure` and worker/session.py). ``inventory``, ``align`` and
-    ``metrics`` let a session pass what it prepared before the group existed.
+    ``metrics`` let a session pass what it prepared before the group existed;
+    ``build_for`` builds the buffers for a rank of a group still to form
+    (:meth:`Collectives.ahead`, bound with ``state.rebind`` once it has).
     """
 
     def __init__(
@@ -192,6 +194,7 @@ class ZeroEngine:
         align: int = 1,
         metrics: MetricsServer | None = None,
         lr_scheduler: SchedulerArg | None = None,
+        build_for: Collectives | None = None,
     ) -> None:
         if initial_state not in ("module", "peers"):
             raise ValueError(f"initial_state must be 'module' or 'peers', got {initial_state!r}")
@@ -236,7 +239,7 @@ class ZeroEngine:
         self._walk_exact = True
         if initial_state == "peers":
             self.state.keep_module_values()
-        self.state.build(Collectives(group), from_module=initial_state == "module")
+        self.state.build(build_for or Collectives(group), from_module=initial_state == "module")
         # the hooks live in autograd (C++), where the garbage collector cannot see
         # them: a strong reference to the engine would keep it and all its buffers
         # alive for as long as the model is

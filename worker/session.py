@@ -505,6 +505,22 @@ class ElasticSession(_FinalReport):
             # before registering: a SIGTERM while joining (a pod deleted as it
             # starts) is then a graceful leave at the first step boundary
             signal.signal(signal.SIGTERM, session._on_sigterm)
+
+        def build(gen: Generation, rank: int, comm: Collectives | None) -> ZeroEngine:
+            return ZeroEngine(
+                model,
+                user_optimizer,
+                config=_planned(config, gen, rank),
+                # after the job's first generation a new process holds nothing
+                initial_state="peers" if gen.reshard is not None else "module",
+                inventory=inventory,
+                align=gen.align,
+                metrics=metrics,
+                lr_scheduler=scheduler,
+                build_for=comm,
+            )
+
+        engine: ZeroEngine | None = None
         try:
             control = ControlPlane.join(
                 address,
@@ -515,6 +531,20 @@ class ElasticSession(_FinalReport):
                 stage=config.stage,
             )
             session.control = control
+            planned = control.generation
+            if planned.reshard is not None:
+                # [Note: a newcomer builds ahead]
+                # A newcomer to a running job builds its (empty) buffers for its rank
+                # before the group forms: the members reach the step boundary a step
+                # after the coordinator formed the generation, and every second the
+                # newcomer spends building after they arrive is a second they wait
+                # in the exchange. The group that forms may be a newer generation
+                # (a superseded rendezvous): with another rank or size, it rebuilds.
+                engine = build(
+                    planned,
+                    control.rank,
+                    Collectives.ahead(control.rank, planned.world_size, control.backend),
+                )
             control.init_process_group()  # the generation formed may be newer than the first
         except LeftBeforeAdmission as exc:
             if isinstance(exc, JobFinished):
@@ -526,19 +556,13 @@ class ElasticSession(_FinalReport):
             session._to(Phase.LEFT)
             raise SystemExit(0) from None
         gen = control.generation
-        config = _planned(config, gen, control.rank)
-        # after the job's first generation a new process holds nothing
         newcomer = gen.reshard is not None
-        engine = ZeroEngine(
-            model,
-            user_optimizer,
-            config=config,
-            initial_state="peers" if newcomer else "module",
-            inventory=inventory,
-            align=gen.align,
-            metrics=metrics,
-            lr_scheduler=scheduler,
-        )
+        if engine is None:
+            engine = build(gen, control.rank, None)
+        elif (engine.rank, engine.world_size) == (control.rank, gen.world_size):
+            engine.state.rebind(Collectives(None))
+        else:
+            engine.state.build(Collectives(None), from_module=False)
         engine.membership = session
         session.report_at_exit(engine)
         if engine.layout != gen.layout:

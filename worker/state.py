@@ -216,6 +216,17 @@ class ShardState:
         self.whole = from_module
         self.builds += 1
 
+    def rebind(self, comm: Collectives) -> None:
+        """Run on ``comm`` with the buffers as built: the group that formed for the
+        rank and world they were built for (:meth:`Collectives.ahead`)."""
+        if (comm.rank, comm.world_size) != (self.comm.rank, self.comm.world_size):
+            raise ValueError(
+                f"built for rank {self.comm.rank} of {self.comm.world_size}, "
+                f"not rank {comm.rank} of {comm.world_size}"
+            )
+        self.comm = comm
+        self.params.attach(self.buckets, comm, self.inventory.unit_modules)
+
     def shard_optimizer(
         self, shards: list[tuple[Bucket, list[SlotShard], torch.Tensor]]
     ) -> ShardOptimizer:
