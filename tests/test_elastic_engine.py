@@ -18,6 +18,7 @@ from worker.data import LoaderConfig, PackedTokens, StepLoader
 from worker.elastic import (
     GradientLog,
     Holding,
+    buffer_of,
     exchange,
     pack_entries,
     plan_restore,
@@ -233,10 +234,21 @@ def bring_forward(stage: int, optimizer: str, dtype: str, clip: float) -> int:
     return len(rebuilt)
 
 
+def assert_replica_holds(replica, at: list, rank: int) -> None:
+    """``replica`` holds rank ``rank``'s and its left neighbour's exported state."""
+    for got, want in ((replica.own, at[rank]), (replica.neighbour, at[(rank - 1) % len(at)])):
+        assert got.keys() == want.keys()
+        for key, entry in want.items():
+            assert torch.equal(got[key]["master"], entry["master"]), key
+            for k, v in entry["state"].items():
+                assert torch.equal(got[key]["state"][k], v), (key, k)
+
+
 def refresh_across_a_step(stage: int) -> bool:
     """3 ranks train 3 steps, start a refresh, train a fourth step while its bytes
     move, then finish it: the replica holds each rank's and its left neighbour's
-    state of step 3, not of step 4."""
+    state of step 3, not of step 4. Then two more refreshes: into the first
+    replica's buffer, which they reuse, and into one too small, which they do not."""
     engine = make(stage)
     train(engine, range(0, 3))
     at_3: list = [None] * 3
@@ -245,17 +257,24 @@ def refresh_across_a_step(stage: int) -> bool:
     train(engine, range(3, 4))
     replica = pending.finish()
     assert replica.counters.global_steps == 3 and engine.global_steps == 4
-    for got, want in (
-        (replica.own, at_3[engine.rank]),
-        (replica.neighbour, at_3[(engine.rank - 1) % 3]),
-    ):
-        assert got.keys() == want.keys()
-        for key, entry in want.items():
-            assert torch.equal(got[key]["master"], entry["master"]), key
-            for k, v in entry["state"].items():
-                assert torch.equal(got[key]["state"][k], v), (key, k)
+    assert_replica_holds(replica, at_3, engine.rank)
     moved = engine.state.export_ranges()
-    return any(not torch.equal(moved[k]["master"], v["master"]) for k, v in replica.own.items())
+    ahead = any(not torch.equal(moved[k]["master"], v["master"]) for k, v in replica.own.items())
+    # [Note: a snapshot into the last one's buffer]
+    spare = buffer_of(replica)
+    for into, reused in ((spare, True), (torch.empty(16, dtype=torch.uint8), False)):
+        at: list = [None] * 3
+        dist.all_gather_object(at, engine.state.export_ranges())
+        pending = start_refresh(engine.state, 0, into=into)
+        step = engine.global_steps
+        train(engine, range(step, step + 1))
+        fresh = pending.finish()
+        assert fresh.counters.global_steps == step
+        assert (fresh.own_packed.data_ptr() == into.data_ptr()) == reused
+        assert_replica_holds(fresh, at, engine.rank)
+        if reused:
+            assert buffer_of(fresh) is spare, "the buffer reused is the one to reuse again"
+    return ahead
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -461,6 +461,9 @@ class ElasticSession(_FinalReport):
         self.replicas: list[elastic.Replica] = []
         # a refresh whose copies are on the wire ([Note: a refresh overlaps a step])
         self.refreshing: elastic.PendingRefresh | None = None
+        # a retired replica's snapshot buffer, for the next snapshot to reuse
+        # (worker/elastic.py [Note: a snapshot into the last one's buffer])
+        self.spare: torch.Tensor | None = None
         # the left neighbour's steps since the oldest replica ([Note: rolling a lost rank forward])
         self.log = elastic.GradientLog()
         # the generation whose membership this rank's shards belong to
@@ -590,7 +593,7 @@ class ElasticSession(_FinalReport):
                 engine.publish_snapshot()
                 logger.info("the job starts in generation %d as rank %d", gen.id, engine.rank)
             else:
-                engine.adopt(handover, None)
+                session._adopt(engine, handover, None)
                 logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
             session._refresh_replica(engine)  # as the members do after the exchange
         session.held_generation = gen.id
@@ -614,7 +617,8 @@ class ElasticSession(_FinalReport):
 
     def replica_bytes(self) -> int:
         pending = 0 if self.refreshing is None else self.refreshing.nbytes()
-        return sum(r.nbytes() for r in self.replicas) + self.log.nbytes() + pending
+        spare = 0 if self.spare is None else self.spare.numel()
+        return sum(r.nbytes() for r in self.replicas) + self.log.nbytes() + pending + spare
 
     def log_gradients(
         self, engine: ZeroEngine, grads: list[torch.Tensor], used: list[int]
@@ -646,6 +650,7 @@ class ElasticSession(_FinalReport):
         # replicas of the state before the load would roll a recovery back past it
         # (should a peer die in the refresh, the checkpoint just loaded serves)
         self._drop_refresh(wait=True)
+        self._retire(self.replicas)
         self.replicas = []
         self._refresh_replica(engine)
 
@@ -687,7 +692,10 @@ class ElasticSession(_FinalReport):
             return
         assert self.control is not None
         self._confirm_refresh(engine)
-        self.refreshing = elastic.start_refresh(engine.state, self.control.generation.id)
+        spare, self.spare = self.spare, None
+        self.refreshing = elastic.start_refresh(
+            engine.state, self.control.generation.id, into=spare
+        )
         if self.log.generation != self.refreshing.generation:
             # a new generation: its log starts at the snapshot (a recovery uses it
             # only with a replica of this generation, i.e. once this one is confirmed)
@@ -702,8 +710,27 @@ class ElasticSession(_FinalReport):
         fresh = pending.finish()
         self.replicas = [*self.replicas[-1:], fresh]
         pending.comm.barrier()
+        self._retire(self.replicas[:-1])
         self.replicas = [fresh]
         self.log.reset(fresh.generation, fresh.counters.global_steps)
+
+    def _retire(self, replicas: list[elastic.Replica]) -> None:
+        """``replicas`` are dropped: their snapshot buffers may serve the next one."""
+        self._keep_spare(*(elastic.buffer_of(r) for r in replicas))
+
+    def _keep_spare(self, *buffers: torch.Tensor | None) -> None:
+        """Keep the largest of ``buffers`` (host buffers nothing reads any more) and
+        the spare held, for the next snapshot to reuse (worker/elastic.py [Note: a
+        snapshot into the last one's buffer])."""
+        held = [b for b in (self.spare, *buffers) if b is not None]
+        self.spare = max(held, key=lambda b: b.numel(), default=None)
+
+    def _adopt(
+        self, engine: ZeroEngine, handover: elastic.Handover, comm: Collectives | None
+    ) -> None:
+        """``engine.adopt``; the buffer the hand-over arrived in is then free."""
+        engine.adopt(handover, comm)
+        self._keep_spare(handover.received)
 
     def settle(self) -> None:
         if self.phase is Phase.MEMBER:
@@ -816,7 +843,7 @@ class ElasticSession(_FinalReport):
                 entries=handover.entries,
                 counters=handover.counters,
             )
-        engine.adopt(handover, Collectives(None))
+        self._adopt(engine, handover, Collectives(None))
         self.held_generation, self.handed = gen.id, None
         self._refresh_replica(engine)  # newcomers, at the end of their join, too
         logger.info("rank %d left; now rank %d of %d", leaving, engine.rank, engine.world_size)
@@ -864,7 +891,7 @@ class ElasticSession(_FinalReport):
         handover = elastic.exchange(
             engine.state, holds_state=True, via=None, new_members=list(range(gen.world_size))
         )
-        engine.adopt(handover, Collectives(None))
+        self._adopt(engine, handover, Collectives(None))
         self.held_generation = gen.id
         self._refresh_replica(engine)  # the newcomers, at the end of their join, too
         logger.info("grew to %d ranks at step %d", engine.world_size, engine.global_steps)
@@ -933,7 +960,7 @@ class ElasticSession(_FinalReport):
                 entries=entries,
                 counters=None if handed is None else handed[1].counters,
             )
-            engine.adopt(handover, comm)
+            self._adopt(engine, handover, comm)
             source = "live state, nothing rolled back"
         elif plan.source == "forward":
             # survivors keep their state; each lost rank's comes from its right neighbour
@@ -960,7 +987,7 @@ class ElasticSession(_FinalReport):
                 new_members=members,
                 entries=entries,
             )
-            engine.adopt(handover, comm)
+            self._adopt(engine, handover, comm)
             source = (
                 f"live state; lost rank(s) {sorted(plan.lost)} brought forward from their "
                 f"replicas and logged gradients ({replayed} step(s) here), nothing rolled back"
@@ -981,7 +1008,7 @@ class ElasticSession(_FinalReport):
                 entries=entries,
                 counters=None if replica is None else replica.counters,
             )
-            engine.adopt(handover, comm)
+            self._adopt(engine, handover, comm)
             source = "in-memory replicas"
         elif plan.source == "module":
             engine.state.build_from_kept_module(comm)
@@ -995,6 +1022,7 @@ class ElasticSession(_FinalReport):
             source = str(checkpoint_dir)
         engine.mark_restored()
         self.held_generation = gen.id
+        self._retire(replicas)  # adopted: nothing reads them now
         # a second loss before the next interval must find this generation's replicas
         self._refresh_replica(engine)
         _report(self.control, engine)  # the coordinator admits newcomers once all applied it
