@@ -55,15 +55,27 @@ def train(engine: worker.ZeroEngine, steps: range) -> None:
         engine.step()
 
 
-def resize_2_3_2(stage: int) -> float | None:
-    """Ranks 0-1 train; rank 2 joins; then rank 2 leaves gracefully."""
+def pair_then_newcomer(stage: int, **newcomer) -> tuple[int, dist.ProcessGroup, worker.ZeroEngine]:
+    """Ranks 0-1 train 3 steps over their own group; rank 2 builds to join them."""
     rank = dist.get_rank()
     pair = dist.new_group([0, 1])
     if rank < 2:
         engine = make(stage, group=pair)
         train(engine, range(0, 3))
     else:
-        engine = make(stage, joining=True)
+        engine = make(stage, joining=True, **newcomer)
+    return rank, pair, engine
+
+
+def matches_reference(engine: worker.ZeroEngine) -> float:
+    diff, name = max_diff(engine.full_state_dict(), reference(STEPS))
+    assert diff < 1e-5, f"{name} differs from the uninterrupted reference by {diff:.3g}"
+    return diff
+
+
+def resize_2_3_2(stage: int) -> float | None:
+    """Ranks 0-1 train; rank 2 joins; then rank 2 leaves gracefully."""
+    rank, pair, engine = pair_then_newcomer(stage)
     # scale up: the transfer runs over the new, larger group
     engine.reconfigure(None, via=None, new_members=[0, 1, 2], holds_state=rank < 2)
     assert (engine.rank, engine.world_size, engine.global_steps) == (rank, 3, 3)
@@ -75,9 +87,7 @@ def resize_2_3_2(stage: int) -> float | None:
         return None
     assert engine.world_size == 2
     train(engine, range(6, STEPS))
-    diff, name = max_diff(engine.full_state_dict(), reference(STEPS))
-    assert diff < 1e-5, f"{name} differs from the uninterrupted reference by {diff:.3g}"
-    return diff
+    return matches_reference(engine)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -89,13 +99,9 @@ def test_resize_2_3_2_matches_uninterrupted_training(pools, stage: int) -> None:
 def join_built_ahead(stage: int, planned_rank: int) -> float | None:
     """Ranks 0-1 train; rank 2 built its buffers ahead for rank ``planned_rank`` of 3
     (worker/session.py [Note: a newcomer builds ahead]), then joins as rank 2."""
-    rank = dist.get_rank()
-    pair = dist.new_group([0, 1])
-    if rank < 2:
-        engine = make(stage, group=pair)
-        train(engine, range(0, 3))
-    else:
-        engine = make(stage, joining=True, build_for=Collectives.ahead(planned_rank, 3, "gloo"))
+    ahead = Collectives.ahead(planned_rank, 3, "gloo")
+    rank, _, engine = pair_then_newcomer(stage, build_for=ahead)
+    if rank == 2:
         assert (engine.rank, engine.world_size) == (planned_rank, 3)
         builds = engine.state.builds
         if planned_rank == rank:
@@ -111,9 +117,7 @@ def join_built_ahead(stage: int, planned_rank: int) -> float | None:
     engine.adopt(handover, Collectives(None) if rank < 2 else None)
     assert (engine.rank, engine.world_size, engine.global_steps) == (rank, 3, 3)
     train(engine, range(3, STEPS))
-    diff, name = max_diff(engine.full_state_dict(), reference(STEPS))
-    assert diff < 1e-5, f"{name} differs from the uninterrupted reference by {diff:.3g}"
-    return diff
+    return matches_reference(engine)
 
 
 @pytest.mark.parametrize(("stage", "planned_rank"), [(1, 2), (2, 2), (3, 2), (3, 0)])
@@ -343,9 +347,7 @@ def cut_short_then_rebuilt(stage: int, accumulation: int) -> float:
     engine.adopt(handover, Collectives(None))
     assert engine.global_steps == 3
     train_steps(range(3, STEPS))
-    diff, name = max_diff(engine.full_state_dict(), reference(STEPS))
-    assert diff < 1e-5, f"{name} differs from the uninterrupted reference by {diff:.3g}"
-    return diff
+    return matches_reference(engine)
 
 
 @pytest.mark.parametrize(("stage", "accumulation"), [(1, 2), (2, 1), (3, 1), (3, 2)])
