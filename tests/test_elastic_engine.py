@@ -55,15 +55,17 @@ def train(engine: worker.ZeroEngine, steps: range) -> None:
         engine.step()
 
 
-def pair_then_newcomer(stage: int, **newcomer) -> tuple[int, dist.ProcessGroup, worker.ZeroEngine]:
+def pair_then_newcomer(
+    stage: int, build_for: Collectives | None = None, **config
+) -> tuple[int, dist.ProcessGroup, worker.ZeroEngine]:
     """Ranks 0-1 train 3 steps over their own group; rank 2 builds to join them."""
     rank = dist.get_rank()
     pair = dist.new_group([0, 1])
     if rank < 2:
-        engine = make(stage, group=pair)
+        engine = make(stage, group=pair, **config)
         train(engine, range(0, 3))
     else:
-        engine = make(stage, joining=True, **newcomer)
+        engine = make(stage, joining=True, build_for=build_for, **config)
     return rank, pair, engine
 
 
@@ -286,6 +288,47 @@ def test_a_refresh_snapshots_its_step_while_the_next_one_trains(pools, stage: in
     """[Note: a refresh overlaps a step]: the copies move during the next step's
     collectives, and the replica is the state of the step the refresh began at."""
     assert all(pools(3).run(refresh_across_a_step, stage))
+
+
+def session_reuses_buffers(stage: int) -> bool:
+    """An elastic session's refresh cycle, without a coordinator: a newcomer's first
+    snapshot goes into the buffer its shards arrived in; once a confirmed refresh
+    retires a replica, the next snapshot goes into that replica's buffer."""
+    from types import SimpleNamespace
+
+    from worker.session import ElasticSession
+
+    rank, _, engine = pair_then_newcomer(stage, replica_interval=1)
+    session = ElasticSession()
+    session.control = SimpleNamespace(generation=SimpleNamespace(id=1))
+    handover = exchange(engine.state, holds_state=rank < 2, via=None, new_members=[0, 1, 2])
+    session._adopt(engine, handover, Collectives(None) if rank < 2 else None)
+    received = handover.received
+    assert received is not None and (session.spare is received or rank < 2)
+    buffers, at = [], []
+    for step in range(3, 7):
+        at = [None] * 3
+        dist.all_gather_object(at, engine.state.export_ranges())
+        session._refresh_replica(engine)  # confirms the one before, then starts
+        buffers.append(session.refreshing.own)
+        train(engine, range(step, step + 1))
+    session._confirm_refresh(engine)
+    # refresh 1's confirm retired replica 0, whose buffer refresh 2 took; refresh
+    # 2's confirm retired replica 1 for refresh 3
+    assert buffers[2].data_ptr() == buffers[0].data_ptr()
+    assert buffers[3].data_ptr() == buffers[1].data_ptr()
+    assert session.spare is not None
+    assert session.replica_bytes() >= session.replicas[0].nbytes() + session.spare.numel()
+    # the last replica holds the state of the step it began at, exactly
+    assert_replica_holds(session.replicas[0], at, engine.rank)
+    # the newcomer's first snapshot went where its shards had arrived
+    return rank < 2 or buffers[0].data_ptr() == received.data_ptr()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_session_snapshots_into_buffers_nothing_reads(pools, stage: int) -> None:
+    """[Note: a snapshot into the last one's buffer] in worker/elastic.py."""
+    assert all(pools(3).run(session_reuses_buffers, stage))
 
 
 class LoadCounting(LoggingMember):
