@@ -26,7 +26,7 @@ native ones. The local sum runs in fp32 for bf16/fp16 inputs.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -72,14 +72,41 @@ class OpStats:
     seconds: float = 0.0
 
 
+# gloo works this process waited on last, kept referenced ([Note: the last works
+# are freed by the interpreter, not by gloo])
+_FINISHED: deque[dist.Work] = deque(maxlen=8)
+
+
 class Handle:
     """A pending collective. ``wait()`` blocks until done and books its time.
 
     It may stand for several works and a local step to run once they are done
     (gloo's reduce-scatter below is an all-to-all followed by a sum).
+
+    [Note: the last works are freed by the interpreter, not by gloo]
+    A gloo work holds the tensors of its collective, and gloo's worker thread
+    drops its reference to the work just after marking it complete, racing
+    the thread that waited for it. When the Python side has dropped the work
+    and those tensors first (the usual case: a temporary buffer, a replica
+    refresh forgotten after ``wait()``), that worker thread frees the
+    tensors, and freeing a tensor that had a Python object takes the GIL. At
+    interpreter exit that is fatal: a thread that takes the GIL during
+    finalization exits through a frame that must not unwind, and the process
+    dies with SIGABRT ("terminate called without an active exception") after
+    its script finished. Seen in the goodput benchmark (a core dump: frames
+    ``ProcessGroupGloo::runLoop`` → ``~AsyncAlltoallWork`` →
+    ``THPVariable_dealloc`` → ``take_gil`` → ``pthread_exit``) and reproduced
+    with torch alone: three processes that each start an async all-to-all,
+    wait, drop it and exit; 7 of 60 aborted. Keeping the works referenced
+    after the wait, 0 of 60.
+    So a waited gloo work is kept in a small queue of the last ones: gloo's
+    reference is then never the last, and whichever thread drops the work
+    later holds the GIL (a wait evicting it, or the interpreter's own
+    teardown). The cost is the tensors of at most 8 finished works, which
+    are nearly always buffers the engine keeps anyway.
     """
 
-    __slots__ = ("_start", "_stats", "_then", "_works")
+    __slots__ = ("_outlive", "_start", "_stats", "_then", "_works")
 
     def __init__(
         self,
@@ -87,9 +114,12 @@ class Handle:
         stats: OpStats | None,
         start: float,
         then: Callable[[], None] | None = None,
+        *,
+        outlive: bool = False,
     ) -> None:
         self._works = work if isinstance(work, list) else [] if work is None else [work]
         self._stats, self._start, self._then = stats, start, then
+        self._outlive = outlive  # a gloo work: keep it past the wait (see the Note)
 
     def done(self) -> bool:
         """Whether every work has completed (or failed), without waiting: ``wait()``
@@ -100,6 +130,8 @@ class Handle:
         with _translated("waiting on a collective"):
             for work in self._works:
                 work.wait()
+        if self._outlive:
+            _FINISHED.extend(self._works)
         self._works = []
         if self._then is not None:
             then, self._then = self._then, None
@@ -162,7 +194,7 @@ class Collectives:
         async_op: bool,
         then: Callable[[], None] | None = None,
     ) -> Handle:
-        handle = Handle(work, stats, start, then)
+        handle = Handle(work, stats, start, then, outlive=self.backend == "gloo")
         if not async_op:
             handle.wait()
         return handle
