@@ -461,7 +461,8 @@ class ElasticSession(_FinalReport):
         self.replicas: list[elastic.Replica] = []
         # a refresh whose copies are on the wire ([Note: a refresh overlaps a step])
         self.refreshing: elastic.PendingRefresh | None = None
-        # a retired replica's snapshot buffer, for the next snapshot to reuse
+        # a host buffer nothing reads any more (a retired replica's snapshot, or
+        # where an adopted hand-over arrived), for the next snapshot to reuse
         # (worker/elastic.py [Note: a snapshot into the last one's buffer])
         self.spare: torch.Tensor | None = None
         # the left neighbour's steps since the oldest replica ([Note: rolling a lost rank forward])
