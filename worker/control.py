@@ -84,8 +84,12 @@ _STOP_POLL_S = 0.2
 _WAIT_REPORT_S = 30.0
 # how often a rank meeting the others at a generation's store looks again: soon
 # at first (the ranks of a membership change arrive within milliseconds of each
-# other, at one step boundary), then backing off to the longest interval
+# other, at one step boundary), then backing off to the longest interval; while
+# rank 0 does not host the store yet, at most _MEET_PROBE_S apart (a probe is a
+# refused connect the kernel answers: it costs rank 0 nothing), and from the
+# first interval again once connected ([Note: a newcomer waits at the store])
 _MEET_FIRST_POLL_S = 0.002
+_MEET_PROBE_S = 0.01
 _MEET_POLL_S = 0.1
 _EXCEPTHOOK = sys.excepthook  # as it was before any process group
 
@@ -245,7 +249,20 @@ class ControlPlane:
 
     def _meet(self, gen: Generation, deadline: float) -> dist.Store | None:
         """Meet every rank of ``gen`` at its store (rank 0 hosts it); None when a newer
-        generation for this rank superseded it first ([Note: superseded rendezvous])."""
+        generation for this rank superseded it first ([Note: superseded rendezvous]).
+
+        [Note: a newcomer waits at the store]
+        A newcomer reaches a running job's rendezvous a step or more before the
+        members, who arrive together at a step boundary, rank 0 opening the store
+        as it arrives. Polling with one backoff, the newcomer looked for the store
+        every 100 ms by then: in bench/elastic.py, 0.10 s of a 0.36 s scale-up
+        (rank 0 from "joining" to "grew") went to that meeting. Now the look for
+        the store is at most ``_MEET_PROBE_S`` apart (a refused connect, which
+        costs rank 0 nothing) and a rank's backoff starts again once connected.
+        Three processes, the newcomer 6 s early, 6 meetings each: the last rank
+        met 8-105 ms (median 68) after the members arrived before, 3-13 ms
+        (median 5) now.
+        """
         host, port = gen.rendezvous_endpoint.rsplit(":", 1)
         host = host.strip("[]")
         rank, key = self.rank, f"zeroplane/{gen.id}/arrived"
@@ -263,6 +280,7 @@ class ControlPlane:
                         timeout=timedelta(seconds=_MEET_POLL_S * 10),
                         wait_for_workers=False,
                     )
+                    poll = _MEET_FIRST_POLL_S  # the others are arriving now
                 if store is not None:
                     if not counted:
                         store.add(key, 1)
@@ -287,7 +305,7 @@ class ControlPlane:
                     f"(${MEMBERSHIP_WAIT_ENV}): not every rank met at {gen.rendezvous_endpoint}"
                 )
             time.sleep(poll)
-            poll = min(poll * 1.5, _MEET_POLL_S)
+            poll = min(poll * 1.5, _MEET_POLL_S if store is not None else _MEET_PROBE_S)
 
     @property
     def latest_id(self) -> int:

@@ -1,0 +1,80 @@
+"""How ranks meet at a generation's store (worker/control.py `ControlPlane._meet`):
+a newcomer waiting for rank 0 to host the store keeps looking often
+([Note: a newcomer waits at the store])."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+
+from worker import control
+from worker.control import ControlPlane
+
+
+@dataclass
+class _Generation:
+    rendezvous_endpoint: str
+    world_size: int
+    id: int = 7
+
+    def rank_of(self, worker_id: str) -> int:
+        return int(worker_id)
+
+
+@dataclass
+class _Client:
+    worker_id: str
+    job_finished: bool = False
+    generation: _Generation | None = None
+
+
+@dataclass
+class _Sleeps:
+    """``time.sleep`` as the meeting calls it, recorded per thread."""
+
+    real: object = time.sleep
+    by_thread: dict[str, list[float]] = field(default_factory=dict)
+
+    def __call__(self, seconds: float) -> None:
+        self.by_thread.setdefault(threading.current_thread().name, []).append(seconds)
+        self.real(seconds)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_a_newcomer_waiting_for_the_store_looks_often_and_then_meets_at_once(monkeypatch):
+    port = _free_port()
+    gen = _Generation(f"127.0.0.1:{port}", world_size=2)
+    sleeps = _Sleeps()
+    monkeypatch.setattr(control.time, "sleep", sleeps)
+    # the newcomer is rank 1 and arrives first; rank 0 opens the store later
+    planes = [ControlPlane(_Client(str(r)), gen, "gloo", timedelta(seconds=10)) for r in (0, 1)]
+    met: dict[int, object] = {}
+    deadline = time.monotonic() + 30
+
+    def meet(rank: int) -> None:
+        met[rank] = planes[rank]._meet(gen, deadline)
+
+    newcomer = threading.Thread(target=meet, args=(1,), name="newcomer")
+    newcomer.start()
+    sleeps.real(0.6)  # several times the longest interval: the newcomer has backed off
+    assert newcomer.is_alive(), "the newcomer met nobody"
+    probing = list(sleeps.by_thread["newcomer"])
+    meet(0)
+    newcomer.join(timeout=20)
+    assert not newcomer.is_alive(), "the newcomer did not see rank 0 arrive"
+    assert met[0] is not None and met[1] is not None
+
+    # before the store is up, the newcomer looks at least every _MEET_PROBE_S (it
+    # used to back off to _MEET_POLL_S, and met up to that long after rank 0 arrived)
+    assert len(probing) > 10 and max(probing) <= control._MEET_PROBE_S, probing
