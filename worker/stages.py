@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
-from worker.collectives import Collectives, Handle
+from worker.collectives import BUFFER_GRAIN, Collectives, Handle
 from worker.compression import Codec, WireBuffers, start_all_gather, start_reduce_scatter
 from worker.flat import BucketState, FlatBucket, GatherUnit, LiveElements, UnitState
 from worker.sharded import mark_sharded, name_params, reads_data
@@ -201,7 +201,9 @@ class StagingPool:
             self._count += 1
             if self._count > self.size:
                 logger.debug("staging pool grew to %d buffers", self._count)
-            buf = b.full.new_empty(max(numel, self._largest))
+            # rounded up, so that the next world's buckets fit too (see reset)
+            size = max(numel, self._largest)
+            buf = b.full.new_empty(size + (-size % BUFFER_GRAIN))
         self._holders.append(b)
         return buf[:numel]
 
@@ -214,11 +216,25 @@ class StagingPool:
         b.staging = None
 
     def reset(self, largest: int) -> None:
-        """Drop every buffer (after a rebuild); new ones hold ``largest`` elements."""
-        self._free.clear()
+        """After a rebuild: new buffers hold ``largest`` elements. The free buffers that
+        still do are kept (a membership change keeps every bucket's size within a
+        few padding elements, and a buffer taken afresh there is a page fault per
+        4 KiB in the first backward of the new world); held ones are not reused
+        (a backward cut short may still be reducing from them)."""
+        self._free = [buf for buf in self._free if buf.numel() >= largest > 0]
         self._holders.clear()
-        self._count = 0
+        self._count = len(self._free)
         self._largest = largest
+
+    @property
+    def free(self) -> tuple[torch.Tensor, ...]:
+        """The buffers no bucket holds now, for the next to take."""
+        return tuple(self._free)
+
+    @property
+    def largest(self) -> int:
+        """The elements a new buffer holds (the largest bucket of this build)."""
+        return self._largest
 
     @property
     def allocated(self) -> int:

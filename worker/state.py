@@ -196,7 +196,8 @@ class ShardState:
         broadcast from rank 0, as DDP does); otherwise start from zeros, for
         state that a transfer or a checkpoint then fills in.
         """
-        self.release()
+        self.release(keep_buffers=True)
+        comm.inherit_scratch(self.comm)
         self.comm = comm
         if comm.world_size == 1 and self.stage.number > 0:
             logger.warning(
@@ -270,8 +271,10 @@ class ShardState:
         self._module_values = None
         self.build(comm, from_module=True)
 
-    def release(self) -> None:
-        """Drop this rank's buffers and hooks (before building for another world)."""
+    def release(self, *, keep_buffers: bool = False) -> None:
+        """Drop this rank's buffers and hooks (before building for another world).
+        ``keep_buffers``: keep the free transient ones (gradient staging) for the
+        next build to reuse."""
         self.whole = False
         self.params.detach()
         # a backward cut short (a lost peer) can leave a gradient the engine never
@@ -280,7 +283,7 @@ class ShardState:
         for p in self.inventory.params.values():
             p.grad = None
         self.buckets, self.bucket_of = [], {}
-        self.pool.reset(0)
+        self.pool.reset(self.pool.largest if keep_buffers else 0)
         if isinstance(self.reducer, OffloadedGrads):
             self.reducer.release()
         self.optimizer = ShardOptimizer(

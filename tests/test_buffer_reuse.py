@@ -1,0 +1,90 @@
+"""Transient bucket-sized buffers are reused, not made anew at every step or
+membership change: gloo's reduce-scatter receive buffer (worker/collectives.py
+[Note: a reduce-scatter's receive buffer is reused]) and the stage 2-3 gradient
+staging buffers across a rebuild for another world size (worker/stages.py
+StagingPool.reset). Results are checked against sums computed here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import worker
+from tests.reference import OPTIMIZERS, VOCAB, seeded_model
+from worker.collectives import BUFFER_GRAIN, Collectives
+
+
+def _input(rank: int, it: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * it + rank))
+
+
+def _reduce_scatter_reuses(sizes: list[int]) -> dict:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = Collectives(None)
+    seen: list[set[int]] = []
+    for it, n in enumerate(sizes):
+        numel = n * world
+        out = torch.empty(n)
+        comm.reduce_scatter(out, _input(rank, it, numel), async_op=True).wait()
+        want = sum(_input(r, it, numel) for r in range(world)).view(world, -1)[rank]
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+        seen.append({b.data_ptr() for b in comm._scratch})
+    # three in flight at once need three buffers; two are kept afterwards
+    outs = [torch.empty(sizes[0]) for _ in range(3)]
+    handles = [
+        comm.reduce_scatter(o, _input(rank, 90 + i, sizes[0] * world), async_op=True)
+        for i, o in enumerate(outs)
+    ]
+    for h in handles:
+        h.wait()
+    for i, o in enumerate(outs):
+        want = sum(_input(r, 90 + i, sizes[0] * world) for r in range(world))
+        torch.testing.assert_close(o, want.view(world, -1)[rank], rtol=0, atol=1e-5)
+    kept = len(comm._scratch)
+    # the next generation's Collectives takes the free buffers over
+    before = {b.data_ptr() for b in comm._scratch}
+    nxt = Collectives(None)
+    nxt.inherit_scratch(comm)
+    out = torch.empty(sizes[0])
+    nxt.reduce_scatter(out, _input(rank, 99, sizes[0] * world), async_op=True).wait()
+    return {
+        "seen": seen,
+        "kept": kept,
+        "inherited": {b.data_ptr() for b in nxt._scratch} == before and not comm._scratch,
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_reduce_scatter_reuses_its_receive_buffer(pools, world: int) -> None:
+    # a large one, the same again, a smaller one (a view of the first), the large again
+    sizes = [3 * BUFFER_GRAIN + 5, 3 * BUFFER_GRAIN + 5, 1000, 3 * BUFFER_GRAIN + 5]
+    for rank, got in enumerate(pools(world).run(_reduce_scatter_reuses, sizes)):
+        first = got["seen"][0]
+        assert len(first) == 1, got
+        assert all(s == first for s in got["seen"]), f"rank {rank} made new buffers: {got}"
+        assert got["kept"] == 2, got
+        assert got["inherited"], got
+
+
+def test_a_rebuild_for_another_world_keeps_the_staging_buffers() -> None:
+    model = seeded_model()
+    engine = worker.initialize(
+        model, OPTIMIZERS["adamw"](model), config=worker.ZeroConfig(stage=2, bucket_numel=4096)
+    )
+    idx = torch.randint(0, VOCAB, (2, 8))
+    engine.backward(engine(idx, idx, True))
+    engine.step()
+    pool = engine.state.pool
+    before = {b.data_ptr() for b in pool.free}
+    assert before and all(b.numel() % BUFFER_GRAIN == 0 for b in pool.free)
+    # as a newcomer's build for rank 1 of 3 (worker/session.py [Note: a newcomer builds
+    # ahead]): the buckets are padded for three ranks now, and still fit
+    engine.state.build(Collectives.ahead(1, 3, "gloo"), from_module=False)
+    assert max(b.spec.padded_numel for b in engine.buckets) <= pool.largest
+    assert {b.data_ptr() for b in pool.free} == before
+    assert pool.allocated == len(before)
+    # a release that is not for a rebuild (a leaver's) frees them
+    engine.state.release()
+    assert not pool.free
