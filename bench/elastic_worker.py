@@ -192,7 +192,9 @@ def main() -> None:
         rows = torch.stack([data[i * t : i * t + t + 1] for i in mine]).long()
         try:
             loss = engine(rows[:, :-1], rows[:, 1:])
+            forward_done = time.time()
             engine.backward(loss)
+            backward_done = time.time()
             engine.step()
         except worker.StepAborted:
             # a peer died; the engine re-formed the job and rolled back to its checkpoint
@@ -202,10 +204,13 @@ def main() -> None:
             # after SIGTERM (elastic) the engine hands this rank's shards over and exits 0
             emit("left", step=engine.global_steps)
             raise
-        # world: the world size the step was computed at; after: once engine.step() returned
+        # world: the world size the step was computed at; after: once engine.step() returned;
+        # fwd/bwd: when the forward and the backward returned (where a slow step went)
         emit(
             "step",
             t0=t0,
+            fwd=forward_done,
+            bwd=backward_done,
             done=done[0],
             step=engine.global_steps,
             world=world,

@@ -88,3 +88,22 @@ def test_a_rebuild_for_another_world_keeps_the_staging_buffers() -> None:
     # a release that is not for a rebuild (a leaver's) frees them
     engine.state.release()
     assert not pool.free
+
+
+def test_a_newcomer_built_ahead_writes_its_first_backwards_buffers_once() -> None:
+    model = seeded_model()
+    engine = worker.initialize(
+        model, OPTIMIZERS["adamw"](model), config=worker.ZeroConfig(stage=2, bucket_numel=4096)
+    )
+    ahead = Collectives.ahead(1, 3, "gloo")
+    engine.state.build(ahead, from_module=False)
+    assert not engine.state.pool.free and not ahead._scratch
+    engine.state.warm()
+    largest = max(b.spec.padded_numel for b in engine.buckets)
+    assert len(engine.state.pool.free) == 2 == engine.state.pool.allocated
+    assert len(ahead._scratch) == 2
+    assert all(b.numel() >= largest for b in (*engine.state.pool.free, *ahead._scratch))
+    # the group that forms takes the receive buffers over
+    formed = Collectives.ahead(1, 3, "gloo")
+    engine.state.rebind(formed)
+    assert len(formed._scratch) == 2 and not ahead._scratch

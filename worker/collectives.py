@@ -279,6 +279,14 @@ class Collectives:
         self._scratch.sort(key=lambda t: t.numel(), reverse=True)
         del self._scratch[_SCRATCH_KEPT:]
 
+    def warm_scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Make the receive buffers of two reduce-scatters of ``numel`` elements now,
+        written once (on gloo; other backends receive in place)."""
+        if self.backend != "gloo" or not self.distributed:
+            return
+        n = numel + (-numel % BUFFER_GRAIN)
+        self._give_scratch(*(torch.zeros(n, dtype=dtype, device=device) for _ in range(2)))
+
     def inherit_scratch(self, old: Collectives) -> None:
         """Take the free receive buffers of ``old``, the group this one replaces (a
         new generation's buckets are the old ones' size within a few elements)."""

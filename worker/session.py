@@ -525,6 +525,7 @@ class ElasticSession(_FinalReport):
             )
 
         engine: ZeroEngine | None = None
+        warming: threading.Thread | None = None
         try:
             control = ControlPlane.join(
                 address,
@@ -544,12 +545,28 @@ class ElasticSession(_FinalReport):
                 # newcomer spends building after they arrive is a second they wait
                 # in the exchange. The group that forms may be a newer generation
                 # (a superseded rendezvous): with another rank or size, it rebuilds.
+                # It also writes once the transient buffers of its first backward
+                # (ShardState.warm), while it meets the members: in bench/elastic.py
+                # that backward, which every member waits for, took 0.5-0.8 s against
+                # 0.15-0.2 s for the next. Written before meeting, they delayed its
+                # arrival on a new machine by more than that; while meeting, the
+                # writes ran 0.15-0.4 s past the group's forming there (fresh pages
+                # are slow on that machine), and its first backward took no longer
+                # than the next.
                 engine = build(
                     planned,
                     control.rank,
                     Collectives.ahead(control.rank, planned.world_size, control.backend),
                 )
-            control.init_process_group()  # the generation formed may be newer than the first
+                warming = threading.Thread(
+                    target=engine.state.warm, name="zeroplane-warm", daemon=True
+                )
+                warming.start()
+            try:
+                control.init_process_group()  # the generation formed may be newer
+            finally:
+                if warming is not None:
+                    warming.join()  # before anything else touches the state
         except LeftBeforeAdmission as exc:
             if isinstance(exc, JobFinished):
                 logger.info("the job finished before this worker joined it: nothing to do")

@@ -215,6 +215,14 @@ class StagingPool:
         self._free.append(base)
         b.staging = None
 
+    def warm(self, like: torch.Tensor) -> None:
+        """Make the pool's buffers now, written once, as ``like``'s dtype and device:
+        a backward then takes them without a page fault per 4 KiB."""
+        while self._largest and self._count < self.size:
+            size = self._largest + (-self._largest % BUFFER_GRAIN)
+            self._free.append(like.new_zeros(size))
+            self._count += 1
+
     def reset(self, largest: int) -> None:
         """After a rebuild: new buffers hold ``largest`` elements. The free buffers that
         still do are kept (a membership change keeps every bucket's size within a

@@ -51,6 +51,7 @@ from worker.stages import (
     Compressed,
     GradReducer,
     ParamStorage,
+    ReduceScatterStaging,
     ShardedParams,
     Stage,
     StagingPool,
@@ -225,8 +226,22 @@ class ShardState:
                 f"built for rank {self.comm.rank} of {self.comm.world_size}, "
                 f"not rank {comm.rank} of {comm.world_size}"
             )
+        comm.inherit_scratch(self.comm)
         self.comm = comm
         self.params.attach(self.buckets, comm, self.inventory.unit_modules)
+
+    def warm(self) -> None:
+        """Make now, written once, the transient buffers a stage 2-3 backward takes
+        (gradient staging; gloo's receive buffers): a newcomer does while it waits
+        for its group (worker/session.py [Note: a newcomer builds ahead]), where its
+        first backward, which every member waits for, would fault them in."""
+        if not isinstance(self.reducer, ReduceScatterStaging) or not self.buckets:
+            return
+        largest = max(self.buckets, key=lambda b: b.spec.padded_numel)
+        self.pool.warm(largest.full)
+        self.comm.warm_scratch(
+            largest.spec.padded_numel, self.reducer.reduce_dtype, largest.full.device
+        )
 
     def shard_optimizer(
         self, shards: list[tuple[Bucket, list[SlotShard], torch.Tensor]]
