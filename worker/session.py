@@ -547,7 +547,7 @@ class ElasticSession(_FinalReport):
                 # (a superseded rendezvous): with another rank or size, it rebuilds.
                 # It also writes once the transient buffers of its first backward
                 # (ShardState.warm), while it meets the members: in bench/elastic.py
-                # that backward, which every member waits for, took 0.5-0.8 s against
+                # that backward, which every member waits for, took 0.5-1.0 s against
                 # 0.15-0.2 s for the next. Written before meeting, they delayed its
                 # arrival on a new machine by more than that; while meeting, the
                 # writes ran 0.15-0.4 s past the group's forming there (fresh pages
