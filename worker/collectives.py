@@ -150,6 +150,11 @@ _SCRATCH_KEPT = 2
 BUFFER_GRAIN = 1 << 16
 
 
+def grained(numel: int) -> int:
+    """``numel`` rounded up to a multiple of :data:`BUFFER_GRAIN`."""
+    return numel + (-numel % BUFFER_GRAIN)
+
+
 @dataclass
 class Collectives:
     """Collectives over one process group (``None`` = the default group).
@@ -272,7 +277,7 @@ class Collectives:
             if buf.numel() >= n and buf.dtype == like.dtype and buf.device == like.device:
                 return self._scratch.pop(i)[:n].view(like.shape)
         # rounded up, so that a next generation's buckets fit too (inherit_scratch)
-        made = torch.empty(n + (-n % BUFFER_GRAIN), dtype=like.dtype, device=like.device)
+        made = torch.empty(grained(n), dtype=like.dtype, device=like.device)
         return made[:n].view(like.shape)
 
     def _give_scratch(self, *used: torch.Tensor) -> None:
@@ -286,7 +291,7 @@ class Collectives:
         written once (on gloo; other backends receive in place)."""
         if self.backend != "gloo" or not self.distributed:
             return
-        n = numel + (-numel % BUFFER_GRAIN)
+        n = grained(numel)
         self._give_scratch(*(torch.zeros(n, dtype=dtype, device=device) for _ in range(2)))
 
     def inherit_scratch(self, old: Collectives) -> None:

@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
-from worker.collectives import BUFFER_GRAIN, Collectives, Handle
+from worker.collectives import Collectives, Handle, grained
 from worker.compression import Codec, WireBuffers, start_all_gather, start_reduce_scatter
 from worker.flat import BucketState, FlatBucket, GatherUnit, LiveElements, UnitState
 from worker.sharded import mark_sharded, name_params, reads_data
@@ -202,8 +202,7 @@ class StagingPool:
             if self._count > self.size:
                 logger.debug("staging pool grew to %d buffers", self._count)
             # rounded up, so that the next world's buckets fit too (see reset)
-            size = max(numel, self._largest)
-            buf = b.full.new_empty(size + (-size % BUFFER_GRAIN))
+            buf = b.full.new_empty(grained(max(numel, self._largest)))
         self._holders.append(b)
         return buf[:numel]
 
@@ -219,8 +218,7 @@ class StagingPool:
         """Make the pool's buffers now, written once, as ``like``'s dtype and device:
         a backward then takes them without a page fault per 4 KiB."""
         while self._largest and self._count < self.size:
-            size = self._largest + (-self._largest % BUFFER_GRAIN)
-            self._free.append(like.new_zeros(size))
+            self._free.append(like.new_zeros(grained(self._largest)))
             self._count += 1
 
     def reset(self, largest: int) -> None:
