@@ -28,7 +28,9 @@ along; restart: rank 0 of each launch). For a change from a to b ranks:
 
 * ``pause = t(first step computed at b ranks) - t(last step computed at a ranks
   before it) - median step time at b ranks``: the time training stood still
-  beyond one ordinary step;
+  beyond one ordinary step; a periodic checkpoint save that falls between the
+  two is taken out (it happens with or without the change; a restart's save at
+  the stop is part of the restart and stays in);
 * ``lost = t(first step at b ranks numbered past the last step done at a ranks)
   - t(that last step) - median step at b``: the pause plus the replay of the
   steps rolled back to the checkpoint (equal to the pause when none were);
@@ -88,7 +90,8 @@ step done    when a step's optimizer step finished (before any membership work
 step a/b     median gap between consecutive steps at a / b ranks, same process,
              no checkpoint save, rollback or membership change in between
 pause        t(first step computed at b ranks) - t(last step at a ranks before it)
-             - step b: how long training stood still beyond one ordinary step
+             - step b - any periodic save in between: how long training stood
+             still beyond one ordinary step
 lost         t(first step at b ranks numbered past the last step done at a ranks)
              - t(that step) - step b: pause plus replaying the rolled-back steps
 replayed     steps done before the change and done again after it
@@ -528,6 +531,15 @@ def measure(run: Run) -> dict[str, Any]:
             for e in all_steps
             if e["done"] >= first["done"] and e["world"] == c.b and e["step"] > last["step"]
         )
+        # a periodic save that fell inside the change is no part of it: the job saves
+        # there with or without a change (a restart's save at the stop is)
+        saving = sum(
+            e["t"] - e["t0"]
+            for e in run.observed()
+            if e["ev"] == "saved"
+            and e.get("why") == "periodic"
+            and last["done"] < e["t0"] < first["done"]
+        )
         row: dict[str, Any] = {
             "label": c.label,
             "kind": c.kind,
@@ -539,8 +551,9 @@ def measure(run: Run) -> dict[str, Any]:
             "first_step_after": first["step"],
             "first_step_after_t": first["done"],
             "gap_s": first["done"] - last["done"],
-            "pause_s": first["done"] - last["done"] - step_b,
-            "lost_s": caught["done"] - last["done"] - step_b,
+            "periodic_save_s": saving,
+            "pause_s": first["done"] - last["done"] - step_b - saving,
+            "lost_s": caught["done"] - last["done"] - step_b - saving,
             "replayed": last["step"] - (first["step"] - 1),
             "trigger_to_first_s": first["done"] - c.trigger,
             "marks": [
@@ -550,6 +563,21 @@ def measure(run: Run) -> dict[str, Any]:
         }
         if "registered" in c.extra:
             row["registered_to_first_s"] = first["done"] - c.extra["registered"]
+        formed = next((t for what, t in c.marks if what == "coordinator: new generation"), None)
+        if formed is not None and formed < last["done"]:
+            # the members train on while the ranks prepare ([Note: meeting ahead]):
+            # what the steps from the new generation to the switch took beyond
+            # ordinary ones, on top of the pause, and not counting periodic saves
+            between = [e for e in all_steps if formed < e["done"] <= last["done"]]
+            saves = sum(
+                e["t"] - e["t0"]
+                for e in run.observed()
+                if e["ev"] == "saved"
+                and e.get("why") == "periodic"
+                and formed < e["t0"] < last["done"]
+            )
+            step_a = steps.get(c.a, {}).get("median", NAN)
+            row["preparing_excess_s"] = last["done"] - formed - len(between) * step_a - saves
         if "newcomer_first_step" in c.extra:
             row["newcomer_spawn_to_first_step_s"] = c.extra["newcomer_first_step"] - c.trigger
         changes.append(row)
@@ -639,7 +667,9 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace) -> list[dict
                 print(
                     f"  zeroplane {a['label']}: newcomer registered → first 3-rank step "
                     f"{fmt_cell(a['registered_to_first_s'])} s; newcomer spawned → its first step "
-                    f"{fmt_cell(a.get('newcomer_spawn_to_first_step_s'))} s"
+                    f"{fmt_cell(a.get('newcomer_spawn_to_first_step_s'))} s; "
+                    "steps while the ranks prepared took "
+                    f"{fmt_cell(a.get('preparing_excess_s'))} s beyond ordinary ones"
                 )
         print(f"\nstage {stage}: milestones, seconds after the trigger")
         for r in runs:

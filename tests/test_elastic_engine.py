@@ -171,7 +171,7 @@ class LoggingMember:
     def __init__(self) -> None:
         self.log = GradientLog()
 
-    def vote(self) -> BoundaryVote:
+    def vote(self, engine) -> BoundaryVote:
         return BoundaryVote()
 
     def log_gradients(self, engine, grads, used) -> Handle:

@@ -9,12 +9,15 @@ waited on in ``step()``, so it overlaps backward:
   micro-step of the window. A parameter no rank used keeps its value and
   optimizer state, as in torch.optim (worker/engine.py [Note: unused
   parameters]);
-* three slots for the membership vote (:class:`BoundaryVote`): the newest
+* four slots for the membership vote (:class:`BoundaryVote`): the newest
   generation id any rank has heard of, 1 + the rank of a worker asking to
-  leave (0: none), and 1 if this rank stays (so the maximum says whether
+  leave (0: none), 1 if this rank stays (so the maximum says whether
   anyone does: when every rank was told to leave, nobody is left to hand
-  over to). Every rank thus learns the same thing at the same step boundary
-  and changes membership together (worker/session.py).
+  over to), and 1 if this rank knows of a newer generation whose ranks are
+  not all ready for it yet (so the maximum says whether anyone waits: the
+  switch waits for the slowest, worker/control.py [Note: meeting ahead]).
+  Every rank thus learns the same thing at the same step boundary and
+  changes membership together (worker/session.py).
 """
 
 from __future__ import annotations
@@ -34,26 +37,34 @@ class BoundaryVote:
     all-reduce, what the ranks agreed (the maximum of each field).
 
     ``staying``: this rank was not asked to leave; agreed, whether any rank
-    stays. A rank asking to leave proposes itself as ``leaving_rank``."""
+    stays. A rank asking to leave proposes itself as ``leaving_rank``.
+    ``waiting``: this rank knows of a newer generation that is not ready to
+    switch to; agreed, whether any rank does."""
 
     generation: int = 0
     leaving_rank: int | None = None
     staying: bool = True
+    waiting: bool = False
 
-    SLOTS = 3
+    SLOTS = 4
 
     @property
     def everyone_leaving(self) -> bool:
         """Every rank was asked to leave at this boundary: nobody can take a hand-over."""
         return self.leaving_rank is not None and not self.staying
 
-    def encode(self) -> tuple[int, int, int]:
+    def encode(self) -> tuple[int, int, int, int]:
         leaving = 0 if self.leaving_rank is None else self.leaving_rank + 1
-        return self.generation, leaving, int(self.staying)
+        return self.generation, leaving, int(self.staying), int(self.waiting)
 
     @classmethod
-    def decode(cls, generation: int, leaving: int, staying: int) -> BoundaryVote:
-        return cls(generation, None if leaving == 0 else leaving - 1, bool(staying))
+    def decode(cls, generation: int, leaving: int, staying: int, waiting: int) -> BoundaryVote:
+        return cls(generation, None if leaving == 0 else leaving - 1, bool(staying), bool(waiting))
+
+    def switches_to_newer(self, current: int) -> bool:
+        """Agreed: move to the newest generation at this boundary (every rank that
+        knows of it is ready)."""
+        return self.generation > current and not self.waiting
 
 
 class Ballot:

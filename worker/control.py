@@ -84,10 +84,10 @@ _STOP_POLL_S = 0.2
 _WAIT_REPORT_S = 30.0
 # how often a rank meeting the others at a generation's store looks again: soon
 # at first (the ranks of a membership change arrive within milliseconds of each
-# other, at one step boundary), then backing off to the longest interval; while
-# rank 0 does not host the store yet, at most _MEET_PROBE_S apart (a probe is a
-# refused connect the kernel answers: it costs rank 0 nothing), and from the
-# first interval again once connected ([Note: a newcomer waits at the store])
+# other, at one step boundary), then backing off to at most _MEET_PROBE_S apart
+# (for the store, a refused connect the kernel answers; then a small request to
+# rank 0's store), and from the first interval again once connected ([Note: a
+# newcomer waits at the store]); a store request gives up after _MEET_POLL_S * 10
 _MEET_FIRST_POLL_S = 0.002
 _MEET_PROBE_S = 0.01
 _MEET_POLL_S = 0.1
@@ -105,6 +105,19 @@ class JobFinished(LeftBeforeAdmission):
 
 
 @dataclass
+class _Ahead:
+    """A generation's store, connected before this rank switches to it."""
+
+    generation: int
+    store: dist.Store
+    marked: bool = False  # this rank counted itself ready
+
+
+def _ready_key(gen: Generation) -> str:
+    return f"zeroplane/{gen.id}/ready"
+
+
+@dataclass
 class ControlPlane:
     client: CoordinatorClient
     generation: Generation
@@ -113,6 +126,8 @@ class ControlPlane:
     # how long wait_to_re_form waits ($ZEROPLANE_MEMBERSHIP_WAIT_S)
     patience_s: float = 600.0
     _reported_at: float = -1e9
+    # the store of a generation this rank switches to soon ([Note: meeting ahead])
+    _ahead: _Ahead | None = None
 
     @classmethod
     def join(
@@ -187,8 +202,9 @@ class ControlPlane:
         assert rank is not None
         return rank
 
-    def init_process_group(self) -> None:
-        """Form the default process group of this generation, or of the newest one.
+    def init_process_group(self, ready: Callable[[], bool] | None = None) -> None:
+        """Form the default process group of this generation, or of the newest one;
+        ``ready`` as for :meth:`_meet`.
 
         [Note: superseded rendezvous]
         A generation's rendezvous can fail to complete: a member died after the
@@ -212,7 +228,7 @@ class ControlPlane:
                 gen.world_size,
                 gen.rendezvous_endpoint,
             )
-            store = self._meet(gen, deadline)
+            store = self._meet(gen, deadline, ready)
             if store is None:
                 continue  # superseded: self.generation is the newer one
             try:
@@ -247,50 +263,52 @@ class ControlPlane:
             )
         return latest
 
-    def _meet(self, gen: Generation, deadline: float) -> dist.Store | None:
+    def _meet(
+        self, gen: Generation, deadline: float, ready: Callable[[], bool] | None = None
+    ) -> dist.Store | None:
         """Meet every rank of ``gen`` at its store (rank 0 hosts it); None when a newer
         generation for this rank superseded it first ([Note: superseded rendezvous]).
+        ``ready``: polled while waiting; once true, this rank counts itself ready for
+        the members' switch ([Note: meeting ahead]). A store connected ahead for
+        ``gen`` (:meth:`prepare`) is the one met at.
 
         [Note: a newcomer waits at the store]
         A newcomer reaches a running job's rendezvous a step or more before the
         members, who arrive together at a step boundary, rank 0 opening the store
         as it arrives. Polling with one backoff, the newcomer looked for the store
         every 100 ms by then: in bench/elastic.py, 0.10 s of a 0.36 s scale-up
-        (rank 0 from "joining" to "grew") went to that meeting. Now the look for
-        the store is at most ``_MEET_PROBE_S`` apart (a refused connect, which
-        costs rank 0 nothing) and a rank's backoff starts again once connected.
-        Three processes, the newcomer 6 s early, 6 meetings each: the last rank
-        met 8-105 ms (median 68) after the members arrived before, 3-13 ms
-        (median 5) now.
+        (rank 0 from "joining" to "grew") went to that meeting. Now a rank looks
+        at most ``_MEET_PROBE_S`` apart, for the store (a refused connect, which
+        costs rank 0 nothing) and then for the others' arrival (a small request to
+        rank 0's store). Three processes, the newcomer 6 s early, 6 meetings each:
+        the last rank met 8-105 ms (median 68) after the members arrived before,
+        3-13 ms (median 5) with the look for the store capped.
         """
-        host, port = gen.rendezvous_endpoint.rsplit(":", 1)
-        host = host.strip("[]")
-        rank, key = self.rank, f"zeroplane/{gen.id}/arrived"
-        store: dist.Store | None = None
+        ahead, self._ahead = self._ahead, None
+        store = ahead.store if ahead is not None and ahead.generation == gen.id else None
+        marked = ahead is not None and store is not None and ahead.marked
+        key = f"zeroplane/{gen.id}/arrived"
         counted = False
         poll = _MEET_FIRST_POLL_S
         while True:
             try:
-                if store is None and (rank == 0 or _listening(host, int(port))):
-                    store = dist.TCPStore(
-                        host,
-                        int(port),
-                        gen.world_size,
-                        is_master=rank == 0,
-                        timeout=timedelta(seconds=_MEET_POLL_S * 10),
-                        wait_for_workers=False,
-                    )
+                if store is None:
+                    store = self._open_store(gen)
                     poll = _MEET_FIRST_POLL_S  # the others are arriving now
                 if store is not None:
                     if not counted:
                         store.add(key, 1)
                         counted = True
+                    if not marked and ready is not None and ready():
+                        store.add(_ready_key(gen), 1)
+                        marked = True
                     if store.add(key, 0) >= gen.world_size:
                         store.set_timeout(self.timeout)
                         return store
             except (RuntimeError, dist.DistError) as exc:  # no store (yet), or it went away
                 logger.debug("generation %d: meeting at its store: %s", gen.id, exc)
-                store, counted = (None, False) if rank != 0 else (store, counted)
+                if self.rank != 0:
+                    store, counted, marked = None, False, False
             if self.client.job_finished:
                 self.client.close(leave=True, reason="the job finished before it formed a group")
                 raise JobFinished(self.client.worker_id)
@@ -305,7 +323,71 @@ class ControlPlane:
                     f"(${MEMBERSHIP_WAIT_ENV}): not every rank met at {gen.rendezvous_endpoint}"
                 )
             time.sleep(poll)
-            poll = min(poll * 1.5, _MEET_POLL_S if store is not None else _MEET_PROBE_S)
+            poll = min(poll * 1.5, _MEET_PROBE_S)
+
+    def _open_store(self, gen: Generation) -> dist.Store | None:
+        """``gen``'s store: opened on its rank 0, connected elsewhere; None while rank
+        0 does not host it yet (a quiet probe first, see :func:`_listening`)."""
+        host, port = gen.rendezvous_endpoint.rsplit(":", 1)
+        host = host.strip("[]")
+        rank = gen.rank_of(self.client.worker_id)
+        if rank != 0 and not _listening(host, int(port)):
+            return None
+        return dist.TCPStore(
+            host,
+            int(port),
+            gen.world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=_MEET_POLL_S * 10),
+            wait_for_workers=False,
+        )
+
+    def prepare(self, gen: Generation, *, ready: bool = True) -> bool:
+        """While training in the current generation, connect to ``gen``'s store (rank
+        0 opens it) and, once ``ready``, count this rank ready for the switch; whether
+        every rank of ``gen`` is ([Note: meeting ahead]). It never waits for a peer:
+        a store that is not up yet is looked for again at the next call.
+
+        [Note: meeting ahead]
+        A scale-up used to switch at the first step boundary after the members
+        heard of the new generation, whether the newcomer had finished building
+        ahead or not: in bench/elastic.py the members then waited 0.15-0.35 s in
+        the hand-over's first collective for the newcomer's buffers. Now the
+        members connect to the new generation's store while they train (rank 0
+        opens it at once), every rank adds itself to its ``ready`` count once it
+        has prepared (in a thread, beside training: a member writes the new
+        layout's buffers, the optimizer state it will import and the hand-over's
+        send and receive buffers; a newcomer, built ahead, its transient buffers,
+        optimizer state and receive buffer; worker/state.py [Note: a build from
+        buffers written ahead]), and the members keep training in the old group,
+        voting "waiting" (worker/ballot.py), until the count is whole. At the
+        switch the members add themselves to the ``arrived`` count of the store
+        they already hold, and the group forms at once. A rank that has not heard
+        of the generation yet does not vote "waiting"; it switches when the others
+        do, unprepared. After ``_AHEAD_PATIENCE_S`` (worker/session.py) the
+        members switch anyway, and the meeting deals with a newcomer that never
+        came, as before.
+
+        Measured (bench/elastic.py --stages 2, first scale-up on a new 2-core
+        machine): the members' preparation took 1.5-2.2 s of fresh memory beside
+        training; the pause fell from 1.4-1.7 s to 0.23-0.24 s.
+        """
+        ahead = self._ahead
+        try:
+            if ahead is None or ahead.generation != gen.id:
+                self._ahead = ahead = None
+                store = self._open_store(gen)
+                if store is None:
+                    return False
+                self._ahead = ahead = _Ahead(gen.id, store)
+            if ready and not ahead.marked:
+                ahead.store.add(_ready_key(gen), 1)
+                ahead.marked = True
+            return ahead.store.add(_ready_key(gen), 0) >= gen.world_size
+        except (RuntimeError, dist.DistError) as exc:  # rank 0's store went away
+            logger.debug("generation %d: connecting ahead: %s", gen.id, exc)
+            self._ahead = None
+            return False
 
     @property
     def latest_id(self) -> int:

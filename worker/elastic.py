@@ -187,6 +187,7 @@ def exchange(
     new_members: Sequence[int],
     entries: Entries | None = None,
     counters: Counters | None = None,
+    buffers: ExchangeBuffers | None = None,
 ) -> Handover:
     """Send what this rank holds to its new owners; receive what it will own.
 
@@ -195,6 +196,8 @@ def exchange(
     rank not among them is leaving and receives nothing. ``holds_state``: an
     old member (a newcomer holds nothing yet). ``entries``/``counters``: send
     these (a replica's snapshot) instead of the engine's live state.
+    ``buffers``: written ahead, to pack into and receive into where they are large
+    enough (worker/control.py [Note: meeting ahead]).
     """
     via_comm = Collectives(via)
     new_world = len(new_members)
@@ -246,8 +249,8 @@ def exchange(
     incoming: Entries = {}
     if via_comm.distributed:
         incoming, parts[via_comm.rank] = parts[via_comm.rank], {}
-    sizes, send = _packed_sends(parts, _wire_device(via_comm))
-    bufs = _exchange(via_comm, send, sizes)
+    sizes, send = _packed_sends(parts, wire_device(via_comm), into=buffers and buffers.send)
+    bufs = _exchange(via_comm, send, sizes, into=buffers and buffers.recv)
     for buf in bufs:
         # views into the received buffer, which nothing else holds
         for key, entry in unpack_entries(buf.cpu(), copy=False).items():
@@ -280,17 +283,20 @@ def adopt(state: ShardState, handover: Handover, comm: Collectives | None) -> No
     state.sync_unsharded(handover.unsharded_from)
 
 
-def _wire_device(comm: Collectives) -> torch.device:
+def wire_device(comm: Collectives) -> torch.device:
     return torch.device("cuda") if comm.backend == "nccl" else torch.device("cpu")
 
 
-def _packed_sends(parts: Sequence[Entries], device: torch.device) -> tuple[list[int], torch.Tensor]:
+def _packed_sends(
+    parts: Sequence[Entries], device: torch.device, into: torch.Tensor | None = None
+) -> tuple[list[int], torch.Tensor]:
     """Byte counts per destination and one buffer with every part packed in order;
-    a destination with nothing to receive gets no bytes at all."""
+    a destination with nothing to receive gets no bytes at all. ``into``: a buffer
+    to pack into when it is large enough."""
     filled = [i for i, part in enumerate(parts) if part]
     packings = {i: _Packing.of(parts[i]) for i in filled}
     sizes = [packings[i].nbytes if i in packings else 0 for i in range(len(parts))]
-    send = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    send = _bytes(sum(sizes), device, into)
     start = 0
     for i in filled:
         packings[i].write(send[start : start + sizes[i]])
@@ -298,26 +304,71 @@ def _packed_sends(parts: Sequence[Entries], device: torch.device) -> tuple[list[
     return sizes, send
 
 
-def _exchange(comm: Collectives, send: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+def _exchange(
+    comm: Collectives, send: torch.Tensor, sizes: list[int], into: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """All-to-all of variable-size byte buffers: ``send`` holds ``sizes[d]`` bytes for
     each rank ``d`` in order; the sizes go first, then the bytes."""
-    parts, handle = _start_exchange(comm, send, sizes)
+    parts, handle = _start_exchange(comm, send, sizes, into)
     handle.wait()
     return parts
 
 
+def _bytes(n: int, device: torch.device, into: torch.Tensor | None) -> torch.Tensor:
+    """``n`` bytes: the first of ``into`` when it is large enough and on ``device``."""
+    if into is not None and into.numel() >= n and into.device.type == device.type:
+        return into[:n]
+    return torch.empty(n, dtype=torch.uint8, device=device)
+
+
+@dataclass
+class ExchangeBuffers:
+    """Host or device byte buffers written ahead for one exchange: to pack what
+    this rank sends into, and to receive into."""
+
+    send: torch.Tensor
+    recv: torch.Tensor
+
+    @classmethod
+    def make(cls, send_bytes: int, recv_bytes: int, device: torch.device) -> ExchangeBuffers:
+        return cls(
+            torch.zeros(send_bytes, dtype=torch.uint8, device=device),
+            torch.zeros(recv_bytes, dtype=torch.uint8, device=device),
+        )
+
+
+def packed_bound(state: ShardState, rank: int, world_size: int) -> int:
+    """At least as many bytes as the state ``rank`` of ``world_size`` owns takes
+    packed (:func:`pack_entries`), however it is split into entries: its master
+    values and per-element optimizer state, every tensor's alignment, and a
+    generous allowance for the header and the scalar state."""
+    fields = state.state_fields()
+    per_element = 4 + sum(torch.empty((), dtype=d).element_size() for d in fields.values())
+    tensors = 1 + len(fields) + 2  # the master, the fields, scalar tensors (Adam's step)
+    ranges = owned_ranges(
+        state.layout_for(world_size), rank, partitioned=state.stage.optimizer_sharded
+    )
+    entries = len(ranges) + world_size  # a range split at each destination's boundary
+    return (
+        sum(r.numel for r in ranges) * per_element
+        + entries * tensors * (_ALIGN + 128)
+        + entries * 256
+        + 4096
+    )
+
+
 def _start_exchange(
-    comm: Collectives, send: torch.Tensor, sizes: list[int]
+    comm: Collectives, send: torch.Tensor, sizes: list[int], into: torch.Tensor | None = None
 ) -> tuple[list[torch.Tensor], Handle]:
     """:func:`_exchange` with the bytes still moving: the parts are valid once the
-    handle is waited on."""
+    handle is waited on. ``into``: a buffer to receive into when it is large enough."""
     if not comm.distributed:
         return list(torch.split(send, sizes)), Handle(None, None, 0.0)
-    device = _wire_device(comm)
+    device = wire_device(comm)
     counts = torch.tensor(sizes, dtype=torch.int64, device=device)
     recv_counts = torch.empty_like(counts)
     comm.all_to_all(recv_counts, counts, as_op="control")
-    recv = torch.empty(int(recv_counts.sum()), dtype=torch.uint8, device=device)
+    recv = _bytes(int(recv_counts.sum()), device, into)
     handle = comm.all_to_all(
         recv,
         send.to(device),

@@ -100,7 +100,7 @@ OptimizerArg = torch.optim.Optimizer | Callable[[list[dict]], torch.optim.Optimi
 class Membership(Protocol):
     """What the engine asks of an elastic session (worker/session.py) at its seams."""
 
-    def vote(self) -> BoundaryVote:
+    def vote(self, engine: ZeroEngine) -> BoundaryVote:
         """This rank's membership proposal for the coming step boundary."""
         ...
 
@@ -453,7 +453,7 @@ class ZeroEngine:
                 b.grad_views()
 
     def _cast_ballot(self) -> None:
-        vote = self.membership.vote() if self.membership is not None else BoundaryVote()
+        vote = self.membership.vote(self) if self.membership is not None else BoundaryVote()
         self.ballot.start(self.state.comm, vote)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:

@@ -39,7 +39,50 @@ from worker.compression import (
 )
 from worker.sharded import mark_gathered, mark_sharded
 
-__all__ = ["BucketState", "FlatBucket", "GatherUnit", "LiveElements", "UnitState"]
+__all__ = [
+    "BucketState",
+    "FlatBucket",
+    "GatherUnit",
+    "LiveElements",
+    "Reserve",
+    "UnitState",
+    "Zeros",
+]
+
+# makes a zeroed 1-D tensor: (numel, dtype, device)
+Zeros = Callable[[int, torch.dtype, torch.device], torch.Tensor]
+
+
+class Reserve:
+    """Zeroed tensors made ahead of a build, which the build takes instead of
+    allocating, matched by size, dtype and device (worker/state.py [Note: a
+    build from buffers written ahead]). What a build does not take is dropped
+    once it is done."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    @classmethod
+    def make(cls, requests: list[tuple[int, torch.dtype, torch.device]]) -> Reserve:
+        """Every tensor of ``requests`` made and written now (its pages faulted in)."""
+        reserve = cls()
+        for numel, dtype, device in requests:
+            t = torch.zeros(numel, dtype=dtype, device=device)
+            reserve._free.setdefault((numel, dtype, t.device), []).append(t)
+        return reserve
+
+    def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A reserved tensor of this size, dtype and device, else a new one."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        free = self._free.get((numel, dtype, device))
+        if free:
+            return free.pop()
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
 
 
 class BucketState(enum.Enum):

@@ -56,9 +56,10 @@ from typing import Literal
 import torch
 from torch import nn
 
+from coordinator.layout import Bucket
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
-from worker.flat import BucketState, FlatBucket
+from worker.flat import BucketState, FlatBucket, Zeros
 from worker.stages import GradReducer
 
 __all__ = ["HOST", "Location", "OffloadedGrads", "Placement"]
@@ -114,18 +115,26 @@ class Placement:
         t = torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin_memory)
         return t.zero_()
 
-    def zeros(self, numel: int, dtype: torch.dtype, location: Location) -> torch.Tensor:
+    def zeros(
+        self, numel: int, dtype: torch.dtype, location: Location, device_zeros: Zeros | None = None
+    ) -> torch.Tensor:
+        """Zeros at ``location``; on the device made by ``device_zeros`` when given
+        (worker/state.py [Note: a build from buffers written ahead])."""
         if location == "host":
             return self.host_zeros(numel, dtype)
+        if device_zeros is not None:
+            return device_zeros(numel, dtype, self.device)
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
-    def new_master(self, numel: int) -> torch.Tensor:
+    def new_master(self, numel: int, device_zeros: Zeros | None = None) -> torch.Tensor:
         """This rank's fp32 master partition, zeroed, where the optimizer runs."""
-        return self.zeros(numel, torch.float32, self.master_location)
+        return self.zeros(numel, torch.float32, self.master_location, device_zeros)
 
-    def new_shard(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def new_shard(
+        self, master: torch.Tensor, dtype: torch.dtype, device_zeros: Zeros | None = None
+    ) -> torch.Tensor:
         """A stage-3 parameter shard holding ``master``'s values in ``dtype``."""
-        shard = self.zeros(master.numel(), dtype, self.shard_location)
+        shard = self.zeros(master.numel(), dtype, self.shard_location, device_zeros)
         shard.copy_(master)
         return shard
 
@@ -184,8 +193,11 @@ class OffloadedGrads(GradReducer):
         self.host: dict[int, torch.Tensor] = {}
         self.copies: dict[int, torch.cuda.Event | None] = {}
 
-    def allocate(self, b: FlatBucket, dtype: torch.dtype) -> None:
-        self.inner.allocate(b, dtype)
+    def grad_numel(self, spec: Bucket) -> int:
+        return self.inner.grad_numel(spec)
+
+    def allocate(self, b: FlatBucket, dtype: torch.dtype, zeros: Zeros) -> None:
+        self.inner.allocate(b, dtype, zeros)
         self.host[b.spec.index] = self.placement.host_zeros(b.hi - b.lo, torch.float32)
         self.copies.pop(b.spec.index, None)
 

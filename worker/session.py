@@ -68,6 +68,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -89,8 +90,10 @@ from worker.engine import (
     module_device,
     resolve_optimizer,
 )
+from worker.flat import Reserve
 from worker.metrics import SnapshotBoard, start_metrics
 from worker.schedule import SchedulerArg, resolve_scheduler
+from worker.state import ShardState
 
 __all__ = ["AttachedSession", "ElasticSession", "PeerLost", "Phase", "StepAborted", "initialize"]
 
@@ -102,6 +105,9 @@ class StepAborted(RuntimeError):
     ``engine.global_steps``: carry on with the training loop from that step."""
 
 
+# how long members train on waiting for a scale-up's ranks to be ready before
+# switching anyway ([Note: meeting ahead] in worker/control.py)
+_AHEAD_PATIENCE_S = 30.0
 _NO_GENERATION = "asked to leave while waiting for a generation, and the job is over"
 
 
@@ -289,6 +295,67 @@ def _report_at_exit(
             control.close(leave=True, reason=FINISHED)
 
 
+@dataclass
+class _Ahead:
+    """A scale-up a member prepares for while it trains ([Note: meeting ahead] in
+    worker/control.py): the generation, since when, this rank's place in it, and
+    the thread writing its buffers: the build's (worker/state.py [Note: a build
+    from buffers written ahead]) and the exchange's."""
+
+    generation: int
+    since: float
+    rank: int
+    world_size: int
+    thread: threading.Thread | None = None
+    wire: elastic.ExchangeBuffers | None = None
+
+    def start(self, state: ShardState) -> None:
+        # what to make is read here, beside the step; the thread only allocates
+        send = elastic.packed_bound(state, state.rank, state.world_size)
+        recv = elastic.packed_bound(state, self.rank, self.world_size)
+        plan = state.reserve_plan(self.rank, self.world_size)
+        device = elastic.wire_device(state.comm)
+
+        def write() -> None:
+            try:
+                state.reserve = Reserve.make(plan)
+                self.wire = elastic.ExchangeBuffers.make(send, recv, device)
+            except Exception as exc:  # out of memory, say: the change allocates as before
+                logger.warning("writing the buffers of generation %d ahead failed: %s",
+                               self.generation, exc)  # fmt: skip
+
+        self.thread = threading.Thread(target=write, name="zeroplane-prepare", daemon=True)
+        self.thread.start()
+
+    @property
+    def written(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
+
+
+def _warm(engine: ZeroEngine, wire: list[elastic.ExchangeBuffers]) -> None:
+    """A newcomer built ahead, while it meets the members: the transient buffers
+    of its first backward (ShardState.warm), the optimizer state its import
+    makes and a buffer to receive its shards into (worker/state.py [Note: a
+    build from buffers written ahead]); appended to ``wire``."""
+    state = engine.state
+    state.warm()
+    try:
+        plan = state.reserve_plan(state.rank, state.world_size, buffers=False)
+        state.reserve = Reserve.make(plan)
+        recv = elastic.packed_bound(state, state.rank, state.world_size)
+        wire.append(elastic.ExchangeBuffers.make(0, recv, elastic.wire_device(state.comm)))
+    except Exception as exc:  # out of memory, say: the import allocates as before
+        logger.warning("writing the newcomer's buffers ahead failed: %s", exc)
+
+
+def _grows(old: Generation, gen: Generation) -> bool:
+    """Whether ``gen`` only adds ranks to ``old``: its first ranks are ``old``'s
+    members, in order, and nobody left or was lost."""
+    old_ids = [m.worker_id for m in old.members]
+    lost = gen.reshard is not None and (gen.reshard.lost_ranks or gen.reshard.left_ranks)
+    return not lost and [m.worker_id for m in gen.members[: len(old_ids)]] == old_ids
+
+
 def _after_loss(gen: Generation) -> bool:
     """Whether ``gen`` replaces lost ranks: its members restore together, newcomers
     included, rather than exchange."""
@@ -472,6 +539,8 @@ class ElasticSession(_FinalReport):
         # between the two exchanges of a leave and a join in one generation: what
         # this survivor was handed (the whole job, over the survivors) and its id
         self.handed: tuple[elastic.StateId, elastic.Handover] | None = None
+        # the scale-up this member prepares for ([Note: meeting ahead])
+        self.ahead: _Ahead | None = None
 
     def _to(self, phase: Phase) -> None:
         if phase not in _TRANSITIONS[self.phase]:
@@ -526,6 +595,7 @@ class ElasticSession(_FinalReport):
 
         engine: ZeroEngine | None = None
         warming: threading.Thread | None = None
+        wire: list[elastic.ExchangeBuffers] = []  # what the warm thread writes to receive into
         try:
             control = ControlPlane.join(
                 address,
@@ -559,11 +629,13 @@ class ElasticSession(_FinalReport):
                     Collectives.ahead(control.rank, planned.world_size, control.backend),
                 )
                 warming = threading.Thread(
-                    target=engine.state.warm, name="zeroplane-warm", daemon=True
+                    target=_warm, args=(engine, wire), name="zeroplane-warm", daemon=True
                 )
                 warming.start()
             try:
-                control.init_process_group()  # the generation formed may be newer
+                # the generation formed may be newer; the members switch once this
+                # rank's buffers are written ([Note: meeting ahead] in worker/control.py)
+                control.init_process_group(ready=lambda: warming is None or not warming.is_alive())
             finally:
                 if warming is not None:
                     warming.join()  # before anything else touches the state
@@ -603,6 +675,7 @@ class ElasticSession(_FinalReport):
                 holds_state=False,
                 via=None,
                 new_members=list(range(gen.world_size)),
+                buffers=wire[0] if wire else None,
             )
             if handover.nobody_held:
                 # the generation this worker was admitted to superseded the job's first
@@ -622,13 +695,49 @@ class ElasticSession(_FinalReport):
 
     # ------------------------------------------------------------ the engine's seams
 
-    def vote(self) -> BoundaryVote:
-        assert self.control is not None
+    def vote(self, engine: ZeroEngine) -> BoundaryVote:
+        control = self.control
+        assert control is not None
+        generation, waiting = control.latest_id, False
+        newest = control.client.generation
+        if (
+            newest is not None
+            and newest.id > control.generation.id
+            and _grows(control.generation, newest)
+            and not self._ready_for(engine, newest)
+        ):
+            generation, waiting = control.generation.id, True
         return BoundaryVote(
-            generation=self.control.latest_id,
-            leaving_rank=self.control.rank if self.leave_requested else None,
+            generation=generation,
+            leaving_rank=control.rank if self.leave_requested else None,
             staying=not self.leave_requested,
+            waiting=waiting,
         )
+
+    def _ready_for(self, engine: ZeroEngine, gen: Generation) -> bool:
+        """Whether every rank of ``gen``, a scale-up of this one, is ready to switch
+        ([Note: meeting ahead] in worker/control.py): polled at each step boundary
+        while the members train on, for at most ``_AHEAD_PATIENCE_S``; after that the
+        switch goes ahead, and the meeting handles a newcomer that never came. This
+        rank is ready once it has written its buffers for ``gen`` (worker/state.py
+        [Note: a build from buffers written ahead]), in a thread started here."""
+        control = self.control
+        assert control is not None
+        ahead = self.ahead
+        if ahead is None or ahead.generation != gen.id:
+            self._join_ahead()
+            rank = gen.rank_of(control.client.worker_id)
+            assert rank is not None
+            self.ahead = ahead = _Ahead(gen.id, time.monotonic(), rank, gen.world_size)
+            ahead.start(engine.state)
+        if time.monotonic() - ahead.since > _AHEAD_PATIENCE_S:
+            return True
+        return control.prepare(gen, ready=ahead.written)
+
+    def _join_ahead(self) -> None:
+        """Before anything builds: the thread writing buffers ahead is done."""
+        if self.ahead is not None and self.ahead.thread is not None:
+            self.ahead.thread.join()
 
     def generation_id(self) -> int:
         return 0 if self.control is None else self.control.generation.id
@@ -681,7 +790,7 @@ class ElasticSession(_FinalReport):
         changing = (
             agreed.everyone_leaving
             or agreed.leaving_rank is not None
-            or agreed.generation > control.generation.id
+            or agreed.switches_to_newer(control.generation.id)
         )
         if stepped:
             interval = engine.config.replica_interval
@@ -690,12 +799,14 @@ class ElasticSession(_FinalReport):
             if control.report_due():
                 _report(control, engine)
         start = time.perf_counter()
+        if changing:
+            self._join_ahead()
         if agreed.everyone_leaving:
             self._leave_holding_state(engine, "every member was asked to leave at this step")
         if agreed.leaving_rank is not None:
             self._hand_over(engine, agreed.leaving_rank)
             engine.stats.record_pause("scale_down", time.perf_counter() - start)
-        elif agreed.generation > control.generation.id:
+        elif agreed.switches_to_newer(control.generation.id):
             gen = control.wait_newer()
             while gen.id < agreed.generation:
                 control.generation, gen = gen, control.wait_newer()
@@ -767,6 +878,7 @@ class ElasticSession(_FinalReport):
         control = self.control
         assert control is not None
         self._to(Phase.RECOVERING)
+        self._join_ahead()
         self._drop_refresh(wait=False)  # its group is broken
         if engine.state.whole:
             # the gradients from the left of the last step, or of the step whose go
@@ -809,6 +921,7 @@ class ElasticSession(_FinalReport):
 
     def close(self) -> None:
         member = self.phase is Phase.MEMBER
+        self._join_ahead()
         self.settle()
         self._forget_exit(send=member)
         if self.phase is not Phase.LEFT and self.control is not None:
@@ -896,18 +1009,23 @@ class ElasticSession(_FinalReport):
         control = self.control
         assert control is not None
         old = control.generation
-        old_ids = [m.worker_id for m in old.members]
-        lost = gen.reshard is not None and (gen.reshard.lost_ranks or gen.reshard.left_ranks)
-        if lost or [m.worker_id for m in gen.members[: len(old_ids)]] != old_ids:
+        if not _grows(old, gen):
             # a member vanished without a graceful hand-over: recover like a crash
             raise PeerLost(f"generation {gen.id} lost members of generation {old.id}")
+
         control.move_to(gen)
         if control.generation.id != gen.id and _after_loss(control.generation):
             self._recover_in_formed(engine, gen)
         gen = control.generation
+        ahead, self.ahead = self.ahead, None
+        wire = ahead.wire if ahead is not None and ahead.generation == gen.id else None
         # the exchange exports from the old layout and rank, which the state still holds
         handover = elastic.exchange(
-            engine.state, holds_state=True, via=None, new_members=list(range(gen.world_size))
+            engine.state,
+            holds_state=True,
+            via=None,
+            new_members=list(range(gen.world_size)),
+            buffers=wire,
         )
         self._adopt(engine, handover, Collectives(None))
         self.held_generation = gen.id

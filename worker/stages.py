@@ -41,9 +41,10 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
+from coordinator.layout import Bucket
 from worker.collectives import Collectives, Handle, grained
 from worker.compression import Codec, WireBuffers, start_all_gather, start_reduce_scatter
-from worker.flat import BucketState, FlatBucket, GatherUnit, LiveElements, UnitState
+from worker.flat import BucketState, FlatBucket, GatherUnit, LiveElements, UnitState, Zeros
 from worker.sharded import mark_sharded, name_params, reads_data
 
 __all__ = [
@@ -89,9 +90,13 @@ class GradReducer:
     def __init__(self, reduce_dtype: torch.dtype) -> None:
         self.reduce_dtype = reduce_dtype
 
-    def allocate(self, b: FlatBucket, dtype: torch.dtype) -> None:
-        """Create the bucket's persistent gradient buffer."""
-        b.grad_full = b.full.new_zeros(b.spec.padded_numel, dtype=dtype)
+    def grad_numel(self, spec: Bucket) -> int:
+        """Elements of a bucket's persistent gradient buffer (on the device)."""
+        return spec.padded_numel
+
+    def allocate(self, b: FlatBucket, dtype: torch.dtype, zeros: Zeros) -> None:
+        """Create the bucket's persistent gradient buffer (with ``zeros``)."""
+        b.grad_full = zeros(self.grad_numel(b.spec), dtype, b.full.device)
         b.grad_views()
 
     def on_grad(self, b: FlatBucket, pos: int, p: nn.Parameter) -> None:
@@ -263,8 +268,11 @@ class ReduceScatterStaging(GradReducer):
         self.pool = pool
         self._finish = finish
 
-    def allocate(self, b: FlatBucket, dtype: torch.dtype) -> None:
-        b.grad_shard = b.full.new_zeros(b.spec.shard_numel, dtype=dtype)
+    def grad_numel(self, spec: Bucket) -> int:
+        return spec.shard_numel
+
+    def allocate(self, b: FlatBucket, dtype: torch.dtype, zeros: Zeros) -> None:
+        b.grad_shard = zeros(self.grad_numel(b.spec), dtype, b.full.device)
 
     def _staging(self, b: FlatBucket) -> torch.Tensor:
         """``b``'s staging buffer for this backward, taken from the pool on first use."""
@@ -347,8 +355,11 @@ class Compressed(GradReducer):
         self.every_micro_step = inner.every_micro_step  # type: ignore[misc]
         self.result = inner.result  # type: ignore[misc]
 
-    def allocate(self, b: FlatBucket, dtype: torch.dtype) -> None:
-        self.inner.allocate(b, dtype)
+    def grad_numel(self, spec: Bucket) -> int:
+        return self.inner.grad_numel(spec)
+
+    def allocate(self, b: FlatBucket, dtype: torch.dtype, zeros: Zeros) -> None:
+        self.inner.allocate(b, dtype, zeros)
         b.wire = WireBuffers()
 
     def on_grad(self, b: FlatBucket, pos: int, p: nn.Parameter) -> None:
@@ -416,8 +427,9 @@ class ParamStorage:
     def __init__(self, dtype: torch.dtype, master_apart: bool) -> None:
         self.dtype, self.master_apart = dtype, master_apart
 
-    def place(self, b: FlatBucket) -> None:
-        """Set up ``b``'s compute parameters once its master values are in."""
+    def place(self, b: FlatBucket, zeros: Zeros | None = None) -> None:
+        """Set up ``b``'s compute parameters once its master values are in (a buffer
+        it makes, with ``zeros``)."""
         b.param_views()
         if not self.master_apart:
             b.master = b.full[b.lo : b.hi]
@@ -562,10 +574,10 @@ class ShardedParams(ParamStorage):
         # gathered until its gradients are reduced, and nothing is prefetched ahead
         self._in_backward = False
 
-    def place(self, b: FlatBucket) -> None:
+    def place(self, b: FlatBucket, zeros: Zeros | None = None) -> None:
         b.param_views()
         name_params(b.params, (s.name for s in b.spec.slots))
-        b.shard = self.home.new_shard(b.master, self.dtype)
+        b.shard = self.home.new_shard(b.master, self.dtype, zeros)
         if not self.master_apart:
             b.master = b.shard
         b.full.untyped_storage().resize_(0)

@@ -27,6 +27,7 @@ peer is lost (worker/elastic.py [Note: recovery sources]).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ from coordinator.ranges import Range, RangeIndex, owned_ranges
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compression import make_codec
 from worker.config import ZeroConfig
-from worker.flat import BucketState, FlatBucket, GatherUnit
+from worker.flat import BucketState, FlatBucket, GatherUnit, Reserve
 from worker.inventory import Inventory, persistent_buffers
 from worker.offload import HOST, Location, OffloadedGrads, Placement
 from worker.optim import Piece, ShardOptimizer
@@ -124,6 +125,9 @@ class ShardState:
         # until it is a member: if no peer holds anything, the job starts from them
         self._module_values: dict[str, torch.Tensor] | None = None
         self._publish_chunks: list[set[int]] = []
+        # buffers written ahead for the next build and import ([Note: a build from
+        # buffers written ahead]); :meth:`prepare` fills it, the build takes from it
+        self.reserve = Reserve()
 
     def _make_reducer(self, reduce_dtype: torch.dtype) -> GradReducer:
         cls = self.stage.reducer
@@ -210,6 +214,8 @@ class ShardState:
             self._broadcast_module_states()
         self.layout = self.layout_for(comm.world_size)
         self.buckets = [self._build_bucket(spec, from_module) for spec in self.layout.buckets]
+        if from_module:  # no import follows, which would take the optimizer state's
+            self.reserve = Reserve()
         self.bucket_of = {p: (b, pos) for b in self.buckets for pos, p in enumerate(b.params)}
         self.pool.reset(max((b.spec.padded_numel for b in self.buckets), default=0))
         self.optimizer = self.shard_optimizer([(b.spec, b.pieces, b.master) for b in self.buckets])
@@ -337,20 +343,26 @@ class ShardState:
 
     def _build_bucket(self, spec, from_module: bool) -> FlatBucket:
         params = [self.inventory.params[s.name] for s in spec.slots]
-        lo, hi = (
-            spec.shard_range(self.rank) if self.stage.optimizer_sharded else (0, spec.padded_numel)
-        )
+        lo, hi = self._shard_range(spec, self.rank)
         pieces = spec.pieces(lo, hi)
-        # fp32 master values come from the original parameters, before any cast.
-        master = self.placement.new_master(hi - lo)
-        full = torch.zeros(spec.padded_numel, dtype=self.dtype, device=self.device)
+        zeros = self.reserve.zeros
+        sharded = self.stage.params.sharded
+        if sharded:
+            # stage 3: resharded once placed (worker/flat.py [Note: stage-3 storage])
+            full = torch.empty(spec.padded_numel, dtype=self.dtype, device=self.device)
+        else:
+            full = zeros(spec.padded_numel, self.dtype, self.device)
+        # fp32 master values come from the original parameters, before any cast;
+        # stages 0-2 without a master apart keep them in ``full`` itself
+        apart = self.params.master_apart
+        master = self.placement.new_master(hi - lo, zeros) if apart or sharded else full[lo:hi]
         with torch.no_grad():
-            for piece in pieces if from_module else ():
+            for piece in pieces if from_module and (apart or sharded) else ():
                 src = params[spec.slots.index(piece.slot)].detach().reshape(-1)
                 master[piece.shard_start : piece.shard_start + piece.numel] = src[
                     piece.param_start : piece.param_start + piece.numel
                 ]
-            if from_module and not self.stage.params.sharded:
+            if from_module and not sharded:
                 for p, slot in zip(params, spec.slots, strict=True):
                     full[slot.offset : slot.offset + slot.numel] = p.detach().reshape(-1)
         bucket = FlatBucket(
@@ -363,9 +375,72 @@ class ShardState:
             full=full,
             master=master,
         )
-        self.params.place(bucket)
-        self.reducer.allocate(bucket, self.dtype)
+        self.params.place(bucket, zeros)
+        self.reducer.allocate(bucket, self.dtype, zeros)
         return bucket
+
+    def _shard_range(self, spec: Bucket, rank: int) -> tuple[int, int]:
+        """The elements of bucket ``spec`` whose optimizer state ``rank`` holds."""
+        return spec.shard_range(rank) if self.stage.optimizer_sharded else (0, spec.padded_numel)
+
+    def reserve_plan(
+        self, rank: int, world_size: int, *, buffers: bool = True
+    ) -> list[tuple[int, torch.dtype, torch.device]]:
+        """What :meth:`build` and :meth:`import_ranges` make on the device for ``rank``
+        of ``world_size``: (numel, dtype, device) per tensor; without ``buffers``,
+        only the optimizer state's (a newcomer built its buffers already). Read
+        beside training; making them is safe in another thread.
+
+        [Note: a build from buffers written ahead]
+        A membership change builds every buffer of the new layout (``full``, the
+        master partition, the gradient buffer) and the import makes the optimizer
+        state, while every rank waits. Fresh memory costs a page fault per 4 KiB,
+        and on two cores shared by three ranks far more than the copy into it:
+        in bench/elastic.py a member's build and import took 0.37 s and 0.16 s
+        at the first scale-up. A member that knows of a scale-up before switching
+        (worker/control.py [Note: meeting ahead]) writes them in a thread while
+        it trains: :meth:`reserve_plan` lists what the build and the import would
+        make (by size, dtype and device; the optimizer state's fields as this
+        rank's optimizer holds them now), a thread makes them
+        (:meth:`Reserve.make`) and puts them in :attr:`reserve`, and the build and
+        the import take these instead. A build
+        for another rank or world just finds fewer matches. Host buffers (with
+        offload) are not reserved. The cost: the new layout's buffers exist from
+        the vote to the switch, a step or a few earlier than they would.
+        """
+        out: list[tuple[int, torch.dtype, torch.device]] = []
+        on_device = not self.placement.optimizer_on_host
+        fields = self.state_fields() if on_device else {}
+        for spec in self.layout_for(world_size).buckets:
+            lo, hi = self._shard_range(spec, rank)
+            sharded = self.stage.params.sharded
+            if buffers and not sharded:
+                out.append((spec.padded_numel, self.dtype, self.device))
+            if buffers and (self.params.master_apart or sharded) and on_device:
+                out.append((hi - lo, torch.float32, self.device))
+            if buffers and sharded and not self.placement.params_on_host:
+                out.append((hi - lo, self.dtype, self.device))  # the parameter shard
+            if buffers:
+                out.append((self.reducer.grad_numel(spec), self.dtype, self.device))
+            for piece in spec.pieces(lo, hi):
+                out += [(piece.numel, dtype, self.device) for dtype in fields.values()]
+        return out
+
+    def state_fields(self) -> dict[str, torch.dtype]:
+        """The optimizer state's per-element fields and their dtypes (Adam's two
+        moments, say), as this rank's optimizer holds them now; holding none yet
+        (a newcomer), as one step of a fresh optimizer of its class makes them."""
+        state = self.optimizer.inner.state
+        for piece in self.optimizer.pieces:
+            held = state.get(piece.view)
+            if held:
+                n = piece.view.numel()
+                return {
+                    k: v.dtype
+                    for k, v in held.items()
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n
+                }
+        return _probe_state_fields(self.user_optimizer, self.master_device)
 
     # ------------------------------------------------------------ the step's last phases
 
@@ -542,12 +617,13 @@ class ShardState:
                         if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == have.numel:
                             if k not in state:
                                 # zeros where a source has no such state (never stepped)
-                                state[k] = torch.zeros(want.numel, dtype=v.dtype, device=home)
+                                state[k] = self.reserve.zeros(want.numel, v.dtype, home)
                             state[k][dst] = v[src]
                         else:
                             state.setdefault(k, v.clone() if isinstance(v, torch.Tensor) else v)
                 if state:
                     new_state[piece.view] = state
+        self.reserve = Reserve()  # what the build and this import did not take
         inner = self.optimizer.inner
         inner.state.clear()
         for view, state in new_state.items():
@@ -627,6 +703,33 @@ class ShardState:
         host["master"] = master if master_host else 0
         host["optimizer"] = optimizer if master_host else 0
         return {"device": device, "host": host}
+
+
+def _probe_state_fields(
+    optimizer: torch.optim.Optimizer, device: torch.device
+) -> dict[str, torch.dtype]:
+    """The per-element state fields ``optimizer``'s class makes, from one step of a
+    fresh instance (its defaults, those its constructor takes) on a 2x3 zero
+    parameter with a zero gradient; {} when that fails (a class that takes other
+    arguments). Only a hint of what to write ahead: a wrong one finds no match."""
+    p = torch.zeros(2, 3, device=device, requires_grad=True)
+    p.grad = torch.zeros_like(p)
+    cls = type(optimizer)
+    try:
+        takes = inspect.signature(cls.__init__).parameters
+        if any(a.kind is inspect.Parameter.VAR_KEYWORD for a in takes.values()):
+            kwargs = dict(optimizer.defaults)
+        else:  # torch's AdamW lists Adam's decoupled_weight_decay, which it does not take
+            kwargs = {k: v for k, v in optimizer.defaults.items() if k in takes}
+        probe = cls([p], **kwargs)
+        probe.step()
+    except Exception:  # any failure only means nothing is written ahead
+        return {}
+    return {
+        k: v.dtype
+        for k, v in probe.state.get(p, {}).items()
+        if isinstance(v, torch.Tensor) and v.shape == p.shape
+    }
 
 
 def _slice_state(value: Any, lo: int, hi: int, view: torch.Tensor, copy: bool = True) -> Any:
