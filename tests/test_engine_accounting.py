@@ -107,9 +107,9 @@ def test_comm_report_matches_theory(pools, stage: int, dtype: str) -> None:
     p, numel, padded = ELT[dtype], case["numel"], case["padded"]
     got = {op: v["bytes"] for op, v in case["delta"].items() if v["calls"]}
     # one MAX all-reduce of the used-parameter flags (int32, one per trainable parameter)
-    # with the three membership slots riding on it (generation, leaving rank, staying),
-    # and the step's loss summed over the ranks (two float64)
-    want = {"control": 4 * (case["trainable"] + 3) + 2 * 8}
+    # with the four membership slots riding on it (generation, leaving rank, staying,
+    # waiting), and the step's loss summed over the ranks (two float64)
+    want = {"control": 4 * (case["trainable"] + 4) + 2 * 8}
     if stage == 0:
         want["all_reduce"] = p * numel
     elif stage in (1, 2):

@@ -487,7 +487,7 @@ class AttachedSession(_FinalReport):
 
     # ------------------------------------------------------------ the engine's seams
 
-    def vote(self) -> BoundaryVote:
+    def vote(self, engine: ZeroEngine) -> BoundaryVote:
         return BoundaryVote(generation=self.control.generation.id)
 
     def generation_id(self) -> int:
@@ -734,10 +734,14 @@ class ElasticSession(_FinalReport):
             return True
         return control.prepare(gen, ready=ahead.written)
 
-    def _join_ahead(self) -> None:
-        """Before anything builds: the thread writing buffers ahead is done."""
+    def _join_ahead(self, *, drop: bool = False) -> None:
+        """Before anything builds: the thread writing buffers ahead is done;
+        ``drop``: the change it prepared for will not come (what the build does
+        not take of them goes with the build)."""
         if self.ahead is not None and self.ahead.thread is not None:
             self.ahead.thread.join()
+        if drop:
+            self.ahead = None
 
     def generation_id(self) -> int:
         return 0 if self.control is None else self.control.generation.id
@@ -800,7 +804,7 @@ class ElasticSession(_FinalReport):
                 _report(control, engine)
         start = time.perf_counter()
         if changing:
-            self._join_ahead()
+            self._join_ahead(drop=not agreed.switches_to_newer(control.generation.id))
         if agreed.everyone_leaving:
             self._leave_holding_state(engine, "every member was asked to leave at this step")
         if agreed.leaving_rank is not None:
@@ -878,7 +882,7 @@ class ElasticSession(_FinalReport):
         control = self.control
         assert control is not None
         self._to(Phase.RECOVERING)
-        self._join_ahead()
+        self._join_ahead(drop=True)
         self._drop_refresh(wait=False)  # its group is broken
         if engine.state.whole:
             # the gradients from the left of the last step, or of the step whose go
