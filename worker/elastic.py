@@ -337,12 +337,15 @@ class ExchangeBuffers:
         )
 
 
-def packed_bound(state: ShardState, rank: int, world_size: int) -> int:
+def packed_bound(
+    state: ShardState, rank: int, world_size: int, fields: dict[str, torch.dtype] | None = None
+) -> int:
     """At least as many bytes as the state ``rank`` of ``world_size`` owns takes
     packed (:func:`pack_entries`), however it is split into entries: its master
     values and per-element optimizer state, every tensor's alignment, and a
-    generous allowance for the header and the scalar state."""
-    fields = state.state_fields()
+    generous allowance for the header and the scalar state. ``fields``: the
+    optimizer state's, when the caller has them (else read, or probed, here)."""
+    fields = state.state_fields() if fields is None else fields
     per_element = 4 + sum(torch.empty((), dtype=d).element_size() for d in fields.values())
     tensors = 1 + len(fields) + 2  # the master, the fields, scalar tensors (Adam's step)
     ranges = owned_ranges(

@@ -340,9 +340,10 @@ def _warm(engine: ZeroEngine, wire: list[elastic.ExchangeBuffers]) -> None:
     state = engine.state
     state.warm()
     try:
-        plan = state.reserve_plan(state.rank, state.world_size, buffers=False)
+        fields = state.state_fields()  # a probe: found once for both
+        plan = state.reserve_plan(state.rank, state.world_size, buffers=False, fields=fields)
         state.reserve = Reserve.make(plan)
-        recv = elastic.packed_bound(state, state.rank, state.world_size)
+        recv = elastic.packed_bound(state, state.rank, state.world_size, fields)
         wire.append(elastic.ExchangeBuffers.make(0, recv, elastic.wire_device(state.comm)))
     except Exception as exc:  # out of memory, say: the import allocates as before
         logger.warning("writing the newcomer's buffers ahead failed: %s", exc)

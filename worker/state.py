@@ -384,7 +384,12 @@ class ShardState:
         return spec.shard_range(rank) if self.stage.optimizer_sharded else (0, spec.padded_numel)
 
     def reserve_plan(
-        self, rank: int, world_size: int, *, buffers: bool = True
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        buffers: bool = True,
+        fields: dict[str, torch.dtype] | None = None,
     ) -> list[tuple[int, torch.dtype, torch.device]]:
         """What :meth:`build` and :meth:`import_ranges` make on the device for ``rank``
         of ``world_size``: (numel, dtype, device) per tensor; without ``buffers``,
@@ -410,7 +415,10 @@ class ShardState:
         """
         out: list[tuple[int, torch.dtype, torch.device]] = []
         on_device = not self.placement.optimizer_on_host
-        fields = self.state_fields() if on_device else {}
+        if not on_device:
+            fields = {}
+        elif fields is None:
+            fields = self.state_fields()
         for spec in self.layout_for(world_size).buckets:
             lo, hi = self._shard_range(spec, rank)
             sharded = self.stage.params.sharded
