@@ -200,6 +200,10 @@ def test_grow_2_to_3_then_sigterm_back_to_2(job_factory, stage: int, flags) -> N
     assert {n: job.workers[n].pid for n in ("w0", "w1")} == pids
     assert "grew to 3 ranks" in job.log("w0")
     assert "handed over" in job.log("w2")
+    # announced first, then handed over once the survivors wrote their buffers
+    # (worker/session.py [Note: a leave prepared ahead])
+    for name in ("w0", "w1"):
+        assert "of 2 (prepared ahead)" in job.log(name), job.log(name)[-3000:]
     assert_matches_reference(job.tmp / "final.pt")
 
 
@@ -297,6 +301,36 @@ def test_a_leave_and_a_join_in_one_generation(job_factory) -> None:
     assert "recovered" not in logs and logs.count(f"rank {leaver} left; now rank") == 2, logs[
         -3000:
     ]
+    assert_matches_reference(job.tmp / "final.pt")
+
+
+@pytest.mark.timeout(240)
+def test_a_leave_while_a_scale_up_is_pending_goes_first(job_factory, monkeypatch) -> None:
+    """A newcomer was admitted and the members train on until it is ready to switch
+    (worker/control.py [Note: meeting ahead]) when a member is told to stop. The
+    leave goes first (worker/session.py [Note: a leave prepared ahead]). The
+    generation the newcomer was admitted to still holds the leaver, so the survivor
+    waits for the next one, which the newcomer joins. Nothing is recovered."""
+    job = job_factory(1, max_workers=3)
+    job.spawn("w0")
+    job.spawn("w1")
+    job.wait_until("two ranks training", lambda: job.world_size() == 2 and job.step() >= 4)
+    proceed = job.tmp / "proceed"
+    monkeypatch.setenv("ZEROPLANE_TEST_PROCEED", str(proceed))
+    job.spawn("w2", script=ROOT / "tests" / "scripts" / "slow_to_prepare.py")
+    job.wait_until("w2 admitted", lambda: job.world_size() == 3)
+    assert job.step() < STEPS - 10, "the job is too fast for this test to resize it"
+    leaver = job.server.status().worker("w1").rank
+    job.workers["w1"].send_signal(signal.SIGTERM)
+    job.wait_until("w1 gone", lambda: job.workers["w1"].poll() is not None)
+    proceed.touch()
+    codes = job.finish()
+    assert codes == {"w0": 0, "w1": 0, "w2": 0}, codes
+    assert "handed over" in job.log("w1")
+    assert "joined at step" in job.log("w2")
+    log = job.log("w0")
+    assert "recovered" not in log, log[-3000:]
+    assert f"rank {leaver} left; now rank 0 of 2 (prepared ahead)" in log, log[-3000:]
     assert_matches_reference(job.tmp / "final.pt")
 
 

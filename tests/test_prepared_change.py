@@ -18,7 +18,15 @@ from tests.test_elastic_engine import STEPS, matches_reference, pair_then_newcom
 from worker.ballot import BoundaryVote
 from worker.collectives import Collectives
 from worker.control import ControlPlane
-from worker.elastic import ExchangeBuffers, exchange, pack_entries, packed_bound, wire_device
+from worker.elastic import (
+    ExchangeBuffers,
+    _Packing,
+    exchange,
+    pack_entries,
+    packed_bound,
+    sent_bound,
+    wire_device,
+)
 from worker.flat import Reserve
 from worker.state import _probe_state_fields
 
@@ -44,7 +52,7 @@ def join_prepared(stage: int) -> dict:
     state = engine.state
     if rank < 2:
         plan = state.reserve_plan(rank, 3)
-        send = packed_bound(state, rank, 2)
+        send = sent_bound(state, rank, 3)
     else:
         state.rebind(Collectives(None))
         plan = state.reserve_plan(rank, 3, buffers=False)
@@ -125,6 +133,48 @@ def test_the_packed_bound_covers_every_split_of_a_ranks_share(stage: int) -> Non
             for cuts in (0, world):
                 packed = pack_entries(_entries(ranges, fields, cuts, gen))
                 assert packed.numel() <= bound, (world, rank, cuts, packed.numel(), bound)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_sent_bound_covers_what_a_rank_sends_and_no_more_than_it_owns(stage: int) -> None:
+    """Scale-ups and scale-downs (the last ranks leave): what each old rank packs
+    for every other new rank, as worker/elastic.py ``exchange`` slices it."""
+    import types
+
+    from coordinator.ranges import Range, RangeIndex, owned_ranges
+    from tests.test_elastic_engine import make
+
+    engine = make(stage)
+    train(engine, range(0, 1))
+    state = engine.state
+    fields = state.state_fields()
+    partitioned = state.stage.optimizer_sharded
+    gen = torch.Generator().manual_seed(stage)
+    for old_world, new_world in ((2, 3), (3, 2), (3, 4), (4, 2), (2, 1)):
+        for rank in range(old_world):
+            new_rank = rank if rank < new_world else None
+            view = types.SimpleNamespace(
+                stage=state.stage,
+                rank=rank,
+                layout=state.layout_for(old_world),
+                layout_for=state.layout_for,
+                state_fields=lambda: fields,
+            )
+            held = owned_ranges(view.layout, rank, partitioned=partitioned)
+            index = RangeIndex((r, "") for r in held)
+            sent = 0
+            for d in range(new_world):
+                if d == new_rank:
+                    continue
+                wanted = owned_ranges(state.layout_for(new_world), d, partitioned=partitioned)
+                parts = [Range(w.name, a, b) for w in wanted for _, a, b, _ in index.overlapping(w)]
+                if parts:
+                    sent += _Packing.of(_entries(parts, fields, 0, gen)).nbytes
+            bound = sent_bound(view, new_rank, new_world)
+            case = (old_world, new_world, rank, sent, bound)
+            assert sent <= bound, case
+            if partitioned and new_rank == 0 and new_world < old_world:
+                assert sent == 0 and bound < 64 * 1024, case  # it keeps all it owns
 
 
 class _NeedsArgs(torch.optim.Optimizer):

@@ -345,19 +345,40 @@ def packed_bound(
     values and per-element optimizer state, every tensor's alignment, and a
     generous allowance for the header and the scalar state. ``fields``: the
     optimizer state's, when the caller has them (else read, or probed, here)."""
-    fields = state.state_fields() if fields is None else fields
-    per_element = 4 + sum(torch.empty((), dtype=d).element_size() for d in fields.values())
-    tensors = 1 + len(fields) + 2  # the master, the fields, scalar tensors (Adam's step)
     ranges = owned_ranges(
         state.layout_for(world_size), rank, partitioned=state.stage.optimizer_sharded
     )
-    entries = len(ranges) + world_size  # a range split at each destination's boundary
-    return (
-        sum(r.numel for r in ranges) * per_element
-        + entries * tensors * (_ALIGN + 128)
-        + entries * 256
-        + 4096
-    )
+    return _packed_bytes(state, sum(r.numel for r in ranges), len(ranges) + world_size, fields)
+
+
+def sent_bound(state: ShardState, new_rank: int | None, new_world: int) -> int:
+    """At least as many bytes as this rank packs to send in the exchange to
+    ``new_world`` ranks, where it becomes ``new_rank`` (None: it leaves): what it
+    owns now less what it keeps. Sized so, a scale-down's first survivor, which
+    keeps all it owns, writes no send buffer ahead (with :func:`packed_bound`,
+    its whole share)."""
+    partitioned = state.stage.optimizer_sharded
+    held = owned_ranges(state.layout, state.rank, partitioned=partitioned)
+    numel = sum(r.numel for r in held)
+    if not partitioned:  # every other new rank gets everything
+        others = new_world - (new_rank is not None)
+        return _packed_bytes(state, numel * others, (len(held) + new_world) * others)
+    kept = 0
+    if new_rank is not None:
+        index = RangeIndex((r, "") for r in held)
+        for want in owned_ranges(state.layout_for(new_world), new_rank, partitioned=True):
+            kept += sum(b - a for _, a, b, _ in index.overlapping(want))
+    return _packed_bytes(state, numel - kept, len(held) + new_world)
+
+
+def _packed_bytes(
+    state: ShardState, numel: int, entries: int, fields: dict[str, torch.dtype] | None = None
+) -> int:
+    """:func:`packed_bound` of ``numel`` elements in at most ``entries`` entries."""
+    fields = state.state_fields() if fields is None else fields
+    per_element = 4 + sum(torch.empty((), dtype=d).element_size() for d in fields.values())
+    tensors = 1 + len(fields) + 2  # the master, the fields, scalar tensors (Adam's step)
+    return numel * per_element + entries * tensors * (_ALIGN + 128) + entries * 256 + 4096
 
 
 def _start_exchange(

@@ -55,6 +55,7 @@ rank has heard of and the rank of a worker that got SIGTERM. After the step:
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -63,6 +64,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -108,6 +110,11 @@ class StepAborted(RuntimeError):
 # how long members train on waiting for a scale-up's ranks to be ready before
 # switching anyway ([Note: meeting ahead] in worker/control.py)
 _AHEAD_PATIENCE_S = 30.0
+# [Note: a leave prepared ahead]: a rank asked to leave announces it first only
+# when its steps are this short (the announcement costs it a step before it can
+# hand over); the survivors hand over after preparing this long at most
+_ANNOUNCE_MAX_STEP_S = 2.0
+_LEAVE_PATIENCE_S = 4.0
 _NO_GENERATION = "asked to leave while waiting for a generation, and the job is over"
 
 
@@ -297,28 +304,34 @@ def _report_at_exit(
 
 @dataclass
 class _Ahead:
-    """A scale-up a member prepares for while it trains ([Note: meeting ahead] in
-    worker/control.py): the generation, since when, this rank's place in it, and
-    the thread writing its buffers: the build's (worker/state.py [Note: a build
-    from buffers written ahead]) and the exchange's."""
+    """A membership change a member prepares for while it trains: a scale-up
+    ([Note: meeting ahead] in worker/control.py) or, with ``leaver`` (that rank
+    of the current generation), a leave ([Note: a leave prepared ahead]). The
+    generation (for a leave, the current one), since when, this rank's place
+    after the change (None: it is the leaver), and the thread writing its
+    buffers: the build's (worker/state.py [Note: a build from buffers written
+    ahead]) and the exchange's."""
 
     generation: int
     since: float
-    rank: int
+    rank: int | None
     world_size: int
+    leaver: int | None = None
     thread: threading.Thread | None = None
     wire: elastic.ExchangeBuffers | None = None
 
     def start(self, state: ShardState) -> None:
         # what to make is read here, beside the step; the thread only allocates
-        send = elastic.packed_bound(state, state.rank, state.world_size)
-        recv = elastic.packed_bound(state, self.rank, self.world_size)
-        plan = state.reserve_plan(self.rank, self.world_size)
+        send = elastic.sent_bound(state, self.rank, self.world_size)
+        stays = self.rank is not None
+        recv = elastic.packed_bound(state, self.rank, self.world_size) if stays else 0
+        plan = state.reserve_plan(self.rank, self.world_size) if stays else []
         device = elastic.wire_device(state.comm)
 
         def write() -> None:
             try:
-                state.reserve = Reserve.make(plan)
+                if plan:
+                    state.reserve = Reserve.make(plan)
                 self.wire = elastic.ExchangeBuffers.make(send, recv, device)
             except Exception as exc:  # out of memory, say: the change allocates as before
                 logger.warning("writing the buffers of generation %d ahead failed: %s",
@@ -330,6 +343,11 @@ class _Ahead:
     @property
     def written(self) -> bool:
         return self.thread is not None and not self.thread.is_alive()
+
+    def ready(self, patience_s: float) -> bool:
+        """Written, or prepared for longer than ``patience_s`` (then the change
+        goes ahead with what is written, as it would unprepared)."""
+        return self.written or time.monotonic() - self.since > patience_s
 
 
 def _warm(engine: ZeroEngine, wire: list[elastic.ExchangeBuffers]) -> None:
@@ -540,8 +558,12 @@ class ElasticSession(_FinalReport):
         # between the two exchanges of a leave and a join in one generation: what
         # this survivor was handed (the whole job, over the survivors) and its id
         self.handed: tuple[elastic.StateId, elastic.Handover] | None = None
-        # the scale-up this member prepares for ([Note: meeting ahead])
+        # the scale-up or leave this member prepares for ([Note: meeting ahead],
+        # [Note: a leave prepared ahead])
         self.ahead: _Ahead | None = None
+        # the last step boundary (monotonic) and the times between the last few
+        self._boundary_at: float | None = None
+        self._gaps: collections.deque[float] = collections.deque(maxlen=5)
 
     def _to(self, phase: Phase) -> None:
         if phase not in _TRANSITIONS[self.phase]:
@@ -691,6 +713,7 @@ class ElasticSession(_FinalReport):
         session.held_generation = gen.id
         engine.state.drop_module_values()
         session._to(Phase.MEMBER)
+        session._boundary_at = time.monotonic()  # its first step is timed from here
         _report(control, engine)
         return engine
 
@@ -701,7 +724,14 @@ class ElasticSession(_FinalReport):
         assert control is not None
         generation, waiting = control.latest_id, False
         newest = control.client.generation
-        if (
+        ahead = self.ahead
+        if ahead is not None and ahead.leaver is not None:
+            # a leave was announced: hand over once every survivor has prepared
+            waiting = ahead.rank is not None and not ahead.ready(_LEAVE_PATIENCE_S)
+        elif self.leave_requested:
+            # announce the leave first, where a step is short enough to afford it
+            waiting = bool(self._gaps) and statistics.median(self._gaps) <= _ANNOUNCE_MAX_STEP_S
+        elif (
             newest is not None
             and newest.id > control.generation.id
             and _grows(control.generation, newest)
@@ -791,12 +821,17 @@ class ElasticSession(_FinalReport):
         assert control is not None
         if stepped:
             self.log.commit(engine.global_steps)
+        now = time.monotonic()
+        if self._boundary_at is not None:
+            self._gaps.append(now - self._boundary_at)
+        self._boundary_at = now
         self._confirm_refresh(engine)  # before anything changes the membership
-        changing = (
-            agreed.everyone_leaving
-            or agreed.leaving_rank is not None
-            or agreed.switches_to_newer(control.generation.id)
-        )
+        leaving = None if agreed.everyone_leaving else agreed.leaving_rank
+        if leaving is not None and agreed.waiting:
+            self._prepare_leave(engine, leaving)  # announced: hand over once prepared
+            leaving = None
+        switching = agreed.switches_to_newer(control.generation.id)
+        changing = agreed.everyone_leaving or leaving is not None or switching
         if stepped:
             interval = engine.config.replica_interval
             if interval and engine.global_steps % interval == 0 and not changing:
@@ -805,13 +840,13 @@ class ElasticSession(_FinalReport):
                 _report(control, engine)
         start = time.perf_counter()
         if changing:
-            self._join_ahead(drop=not agreed.switches_to_newer(control.generation.id))
+            self._join_ahead(drop=not (switching or leaving is not None))
         if agreed.everyone_leaving:
             self._leave_holding_state(engine, "every member was asked to leave at this step")
-        if agreed.leaving_rank is not None:
-            self._hand_over(engine, agreed.leaving_rank)
+        if leaving is not None:
+            self._hand_over(engine, leaving)
             engine.stats.record_pause("scale_down", time.perf_counter() - start)
-        elif agreed.switches_to_newer(control.generation.id):
+        elif switching:
             gen = control.wait_newer()
             while gen.id < agreed.generation:
                 control.generation, gen = gen, control.wait_newer()
@@ -936,13 +971,55 @@ class ElasticSession(_FinalReport):
 
     # ------------------------------------------------------------ membership changes
 
+    def _prepare_leave(self, engine: ZeroEngine, leaving: int) -> None:
+        """Rank ``leaving`` announced its leave ([Note: a leave prepared ahead]):
+        write the buffers of the generation without it, in a thread."""
+        assert self.control is not None
+        current = self.control.generation.id
+        ahead = self.ahead
+        if ahead is not None and (ahead.generation, ahead.leaver) == (current, leaving):
+            return
+        self._join_ahead(drop=True)  # a scale-up's preparation gives way
+        survivors = [r for r in range(engine.world_size) if r != leaving]
+        rank = None if engine.rank == leaving else survivors.index(engine.rank)
+        self.ahead = _Ahead(current, time.monotonic(), rank, len(survivors), leaver=leaving)
+        self.ahead.start(engine.state)
+
     def _hand_over(self, engine: ZeroEngine, leaving: int) -> None:
+        """[Note: a leave prepared ahead]
+        A leave used to be heard at the boundary it handed over at: the survivors
+        then built the new layout's buffers, the optimizer state and the
+        hand-over's buffers while everyone waited, and faulted the rest in during
+        their first step at the new size (bench/elastic.py, 3→2: 0.41 s of pause,
+        0.15 s of it in that step). Now a rank asked to leave votes "waiting" at
+        its first boundary, which announces the leave without making it; every
+        rank then writes what it will need in a thread (``_Ahead`` with
+        ``leaver``: the survivors their buffers for the generation without it,
+        the leaver its send buffer) and votes "waiting" until written, at most
+        ``_LEAVE_PATIENCE_S``; the hand-over is made at the first boundary nobody
+        waits at. The announcement costs the leaver one step, so a rank whose
+        steps take longer than ``_ANNOUNCE_MAX_STEP_S`` (the median of its last
+        five) hands over unannounced, as before: its grace period is finite. A
+        scale-up pending meanwhile waits for the leave; the generation it formed
+        still holds the leaver, so the survivors wait for the next one (before,
+        they took it for a lost member and recovered, or hung). The send buffer
+        is sized to what a rank sends (``elastic.sent_bound``): a scale-down's
+        first survivor keeps all it owns and writes none."""
         control = self.control
         assert control is not None
+        ahead, self.ahead = self.ahead, None
+        wire = None
+        if ahead is not None and (ahead.generation, ahead.leaver) == (
+            control.generation.id,
+            leaving,
+        ):
+            wire = ahead.wire
         survivors = [r for r in range(engine.world_size) if r != leaving]
         if engine.rank == leaving:
             self._to(Phase.LEAVING)
-        handover = elastic.exchange(engine.state, holds_state=True, via=None, new_members=survivors)
+        handover = elastic.exchange(
+            engine.state, holds_state=True, via=None, new_members=survivors, buffers=wire
+        )
         if engine.rank == leaving:
             engine.state.release()
             dist.destroy_process_group()
@@ -953,6 +1030,11 @@ class ElasticSession(_FinalReport):
             raise SystemExit(0)
         old = control.generation
         gen = control.wait_to_re_form(stop=lambda: self.leave_requested)
+        while gen is not None and _grows(old, gen):
+            # a scale-up formed before the leave (the leaver is in it, and its
+            # newcomers wait for it): the coordinator forms the next without the leaver
+            control.generation = gen
+            gen = control.wait_to_re_form(stop=lambda: self.leave_requested)
         if gen is None:
             self._leave_holding_state(engine, _NO_GENERATION)
         survivor_ids = [m.worker_id for m in old.members if m.rank != leaving]
@@ -982,7 +1064,13 @@ class ElasticSession(_FinalReport):
         self._adopt(engine, handover, Collectives(None))
         self.held_generation, self.handed = gen.id, None
         self._refresh_replica(engine)  # newcomers, at the end of their join, too
-        logger.info("rank %d left; now rank %d of %d", leaving, engine.rank, engine.world_size)
+        logger.info(
+            "rank %d left; now rank %d of %d%s",
+            leaving,
+            engine.rank,
+            engine.world_size,
+            "" if wire is None else " (prepared ahead)",
+        )
 
     def _leave_holding_state(
         self, engine: ZeroEngine, why: str, *, broken: bool = False
