@@ -190,7 +190,13 @@ def test_grow_2_to_3_then_sigterm_back_to_2(job_factory, stage: int, flags) -> N
     job.spawn("w2", *flags)
     job.wait_until("three ranks", lambda: job.world_size() == 3)
     joined = job.step()
-    job.wait_until("three ranks training", lambda: job.step() >= joined + 3)
+
+    def newcomer_step() -> int:
+        report = job.server.status().worker("w2").report
+        return 0 if report is None else report.step
+
+    # w2's own report: it has timed its steps, so it announces its leave
+    job.wait_until("three ranks training", lambda: newcomer_step() >= joined + 3)
     assert job.step() < STEPS - 10, "the job is too fast for this test to resize it"
     job.workers["w2"].send_signal(signal.SIGTERM)
     job.wait_until("back to two", lambda: job.world_size() == 2)

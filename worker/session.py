@@ -62,6 +62,7 @@ import enum
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import statistics
@@ -730,7 +731,7 @@ class ElasticSession(_FinalReport):
             waiting = ahead.rank is not None and not ahead.ready(_LEAVE_PATIENCE_S)
         elif self.leave_requested:
             # announce the leave first, where a step is short enough to afford it
-            waiting = bool(self._gaps) and statistics.median(self._gaps) <= _ANNOUNCE_MAX_STEP_S
+            waiting = self._step_estimate() <= _ANNOUNCE_MAX_STEP_S
         elif (
             newest is not None
             and newest.id > control.generation.id
@@ -744,6 +745,15 @@ class ElasticSession(_FinalReport):
             staying=not self.leave_requested,
             waiting=waiting,
         )
+
+    def _step_estimate(self) -> float:
+        """How long this rank's steps take: the median of the last few; before any
+        was timed (a newcomer told to leave in its first step), this one so far."""
+        if self._gaps:
+            return statistics.median(self._gaps)
+        if self._boundary_at is None:
+            return math.inf
+        return time.monotonic() - self._boundary_at
 
     def _ready_for(self, engine: ZeroEngine, gen: Generation) -> bool:
         """Whether every rank of ``gen``, a scale-up of this one, is ready to switch
