@@ -345,6 +345,10 @@ class _Ahead:
     def written(self) -> bool:
         return self.thread is not None and not self.thread.is_alive()
 
+    def prepares_leave(self, generation: int, leaver: int) -> bool:
+        """Whether this prepares ``leaver``'s leave from ``generation``."""
+        return (self.generation, self.leaver) == (generation, leaver)
+
     def ready(self, patience_s: float) -> bool:
         """Written, or prepared for longer than ``patience_s`` (then the change
         goes ahead with what is written, as it would unprepared)."""
@@ -986,8 +990,7 @@ class ElasticSession(_FinalReport):
         write the buffers of the generation without it, in a thread."""
         assert self.control is not None
         current = self.control.generation.id
-        ahead = self.ahead
-        if ahead is not None and (ahead.generation, ahead.leaver) == (current, leaving):
+        if self.ahead is not None and self.ahead.prepares_leave(current, leaving):
             return
         self._join_ahead(drop=True)  # a scale-up's preparation gives way
         survivors = [r for r in range(engine.world_size) if r != leaving]
@@ -1018,12 +1021,8 @@ class ElasticSession(_FinalReport):
         control = self.control
         assert control is not None
         ahead, self.ahead = self.ahead, None
-        wire = None
-        if ahead is not None and (ahead.generation, ahead.leaver) == (
-            control.generation.id,
-            leaving,
-        ):
-            wire = ahead.wire
+        prepared = ahead is not None and ahead.prepares_leave(control.generation.id, leaving)
+        wire = ahead.wire if prepared else None
         survivors = [r for r in range(engine.world_size) if r != leaving]
         if engine.rank == leaving:
             self._to(Phase.LEAVING)
