@@ -3,7 +3,7 @@
     python bench/autotune.py                       # 2 ranks, the tiny GPT, ~2 min on 2 idle cores
     python bench/autotune.py --gpt 2,64,2,32 --micro-batches 1,2,4,8,16 --json out/tune.json
 
-One pool of ranks (coordinator/trials.py) measures every candidate of the
+One pool of ranks (coordinator/tuning/trial_pool.py) measures every candidate of the
 space that the memory model lets fit (the grid, ``--repeat`` times, keeping
 each candidate's median), then the tuner searches the same space twice: on
 the grid's recorded measurements (the search logic on real numbers, no new
@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.autotune import Candidate, Measurement, MemoryModel, TuneSpace, tune
 from coordinator.commands.tune import profile_model
-from coordinator.planner import parse_bytes
-from coordinator.trials import TrialPool, TrialSettings
+from coordinator.core.planner import parse_bytes
+from coordinator.tuning.autotune import Candidate, Measurement, MemoryModel, TuneSpace, tune
+from coordinator.tuning.trial_pool import TrialPool, TrialSettings
 
 
 def _ints(text: str) -> tuple[int, ...]:

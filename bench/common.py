@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from coordinator import ports
+from coordinator.core import ports
 
 T = TypeVar("T")
 

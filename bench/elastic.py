@@ -72,13 +72,13 @@ from bench.common import (  # noqa: E402
     rel_iqr,
     stop_processes,
 )
-from coordinator.config import (  # noqa: E402
+from coordinator.control.server import CoordinatorServer, create_server  # noqa: E402
+from coordinator.core.settings import (  # noqa: E402
     CoordinatorConfig,
     MembershipConfig,
     PlanConfig,
     ServerConfig,
 )
-from coordinator.server import CoordinatorServer, create_server  # noqa: E402
 
 NAN = float("nan")
 WORKER = Path(__file__).with_name("elastic_worker.py")

@@ -5,7 +5,7 @@ One job (the ≈20M-parameter GPT of bench/elastic_worker.py, or ``--model small
 Per ``--every`` N, one worker is SIGKILLed about every N steps, and the job is run as:
 
 * **zeroplane**, elastic as ``zeroplane run --nproc P --min-nproc P-1 --max-nproc P
-  --max-restarts K`` runs it: :class:`coordinator.launch.LocalJob` with an embedded
+  --max-restarts K`` runs it: :class:`coordinator.launchers.local.LocalJob` with an embedded
   coordinator. The survivors recover from the in-memory replicas (``--replica-every``)
   or the last checkpoint and train on; the launcher starts a replacement, which joins
   live;
@@ -59,14 +59,14 @@ if str(REPO) not in sys.path:
 
 from bench.common import exit_on_sigterm, fmt_cell, ratio  # noqa: E402
 from bench.elastic import WORKER, RestartRun, no_nan, read_jsonl  # noqa: E402
-from coordinator.config import (  # noqa: E402
+from coordinator.control.server import EmbeddedCoordinator  # noqa: E402
+from coordinator.core.settings import (  # noqa: E402
     CoordinatorConfig,
     MembershipConfig,
     PlanConfig,
     ServerConfig,
 )
-from coordinator.launch import LaunchSpec, LocalJob  # noqa: E402
-from coordinator.server import EmbeddedCoordinator  # noqa: E402
+from coordinator.launchers.local import LaunchSpec, LocalJob  # noqa: E402
 
 NAN = float("nan")
 DEFINITIONS = """\

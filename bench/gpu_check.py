@@ -3,7 +3,7 @@
 For each stage: median step time, tokens/s, MFU (6·N·tokens/s over the H200's dense
 bf16 peak of 989 TFLOP/s; attention FLOPs are left out, as in the usual 6N rule),
 ``torch.cuda.max_memory_allocated()`` beside the model-state prediction of
-``coordinator.memory.model_state_bytes`` and the engine's own ``memory_report()``,
+``coordinator.core.memory.model_state_bytes`` and the engine's own ``memory_report()``,
 and the single-card cost of stages 1-3 against stage 0 (on one rank no stage can
 save memory; each only adds work, which this measures).
 
@@ -19,7 +19,7 @@ check the script without a GPU; its MFU column means nothing.
 
 1. step time of optimizer offload against none, stage 2, on the ≈1B model
    (``--offload-stage``), with ``max_memory_allocated`` beside the planner's
-   device bytes (``coordinator.memory.offloaded_state_bytes``);
+   device bytes (``coordinator.core.memory.offloaded_state_bytes``);
 2. a model that does not fit at stage 3 without offload: the card is capped to
    ``--offload-cap-gib`` (``torch.cuda.set_per_process_memory_fraction``), a
    ≈2.6B GPT (16 bytes per parameter: 42 GB) is tried at stage 3 without
@@ -53,9 +53,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from coordinator.memory import model_state_bytes, offloaded_state_bytes  # noqa: E402
-from coordinator.planner import PlanConfig, choose_stage  # noqa: E402
-from coordinator.ports import free_port  # noqa: E402
+from coordinator.core.memory import model_state_bytes, offloaded_state_bytes  # noqa: E402
+from coordinator.core.planner import PlanConfig, choose_stage  # noqa: E402
+from coordinator.core.ports import free_port  # noqa: E402
 from worker.models import GPT, GPTConfig  # noqa: E402
 
 H200_BF16_DENSE_PEAK = 989e12  # FLOP/s, dense (no sparsity), from NVIDIA's H200 datasheet

@@ -68,7 +68,7 @@ from bench.common import (  # noqa: E402
     rel_iqr,
     timed_step,
 )
-from coordinator.memory import model_state_bytes  # noqa: E402
+from coordinator.core.memory import model_state_bytes  # noqa: E402
 from worker.models import GPT, MLP, GPTConfig  # noqa: E402
 
 LR = 1e-3

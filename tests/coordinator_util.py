@@ -15,11 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from coordinator.client import ClientConfig, CoordinatorClient
-from coordinator.config import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
-from coordinator.layout import ParamSpec
-from coordinator.messages import WorkerInfo, param_to_proto
-from coordinator.server import CoordinatorServer, create_server
+from coordinator.control.client import ClientConfig, CoordinatorClient
+from coordinator.control.server import CoordinatorServer, create_server
+from coordinator.core.layout import ParamSpec
+from coordinator.core.messages import WorkerInfo, param_to_proto
+from coordinator.core.settings import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
 
 T = TypeVar("T")
 

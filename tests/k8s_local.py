@@ -210,7 +210,7 @@ class Pod:
 
 
 class LocalCluster:
-    """Pods of ``objects`` (as ``coordinator.k8s.render`` makes them) on this machine."""
+    """Pods of ``objects`` (as ``coordinator.launchers.k8s.render`` makes them) on this machine."""
 
     def __init__(self, objects: Sequence[Mapping[str, Any]], workdir: Path) -> None:
         self.objects = [dict(o) for o in objects]

@@ -1,4 +1,4 @@
-"""The autotuner (coordinator/autotune.py, zeroplane tune).
+"""The autotuner (coordinator/tuning/autotune.py, zeroplane tune).
 
 The search is checked against deterministic synthetic cost models, where the
 exhaustive grid is cheap and its best is known: the tuner must find a
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.autotune import (
+from coordinator.core.memory import model_state_bytes
+from coordinator.tuning.autotune import (
     Candidate,
     Measurement,
     MemoryModel,
@@ -32,7 +33,6 @@ from coordinator.autotune import (
     render_trials,
     tune,
 )
-from coordinator.memory import model_state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from coordinator.ports import free_port
+from coordinator.core.ports import free_port
 
 TIMEOUT = timedelta(seconds=60)
 

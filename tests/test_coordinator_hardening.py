@@ -19,13 +19,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator import server as server_module
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from coordinator.config import HttpConfig
-from coordinator.layout import ParamSpec
-from coordinator.messages import WorkerInfo, param_to_proto
-from coordinator.statefile import load_snapshot, save_snapshot
+from coordinator.control import server as server_module
+from coordinator.control.statefile import load_snapshot, save_snapshot
+from coordinator.core.layout import ParamSpec
+from coordinator.core.messages import WorkerInfo, param_to_proto
+from coordinator.core.settings import HttpConfig
 from tests.coordinator_util import (
     AUTH,
     TOKEN,
@@ -273,16 +273,16 @@ def test_a_100k_parameter_inventory_registers_without_blocking_health(tmp_path) 
 
 
 def test_a_generation_serialized_in_pieces_parses_to_the_whole() -> None:
-    from coordinator.layout import compute_layout
-    from coordinator.messages import (
+    from coordinator.core.layout import compute_layout
+    from coordinator.core.messages import (
         Generation,
         Member,
         generation_from_proto,
         generation_to_proto,
         serialize_steps,
     )
-    from coordinator.reshard import ReshardSchedule, reshard_schedule
-    from coordinator.steps import finish
+    from coordinator.core.reshard import ReshardSchedule, reshard_schedule
+    from coordinator.core.steps import finish
 
     specs = big_inventory(3000)
     before = compute_layout(specs, 2, bucket_numel=10_000, align=2)
@@ -315,9 +315,9 @@ def test_a_generation_serialized_in_pieces_parses_to_the_whole() -> None:
 def test_a_format_1_state_file_still_loads(tmp_path) -> None:
     from google.protobuf import json_format
 
-    from coordinator.config import MembershipConfig, PlanConfig
-    from coordinator.membership import Membership
-    from coordinator.messages import generation_to_proto, worker_to_proto
+    from coordinator.control.membership import Membership
+    from coordinator.core.messages import generation_to_proto, worker_to_proto
+    from coordinator.core.settings import MembershipConfig, PlanConfig
 
     m = Membership(MembershipConfig(min_workers=2, max_workers=2), PlanConfig(bucket_numel=100))
     m.register(worker("a"), inventory())
@@ -420,7 +420,7 @@ def test_a_leave_reason_cannot_forge_log_lines(caplog) -> None:
     caplog.set_level(logging.INFO)
     with running(config()) as server, client(server) as a:
         a.register(worker("a"), inventory())
-        a.leave("done\n2030-01-01 00:00:00 INFO coordinator.membership: forged\x1b[2J")
+        a.leave("done\n2030-01-01 00:00:00 INFO coordinator.control.membership: forged\x1b[2J")
         wait_until(lambda: server.status().generation_id == 1)
     lines = [r.getMessage() for r in caplog.records if "left a" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0] and "\x1b" not in lines[0], lines
@@ -643,8 +643,8 @@ def test_a_bad_number_in_a_flag_is_refused_naming_the_flag(argv, flag, capsys) -
 
 
 def test_the_config_classes_refuse_nan(tmp_path) -> None:
-    from coordinator.client import ClientConfig
-    from coordinator.config import MembershipConfig, PlanConfig, ServerConfig
+    from coordinator.control.client import ClientConfig
+    from coordinator.core.settings import MembershipConfig, PlanConfig, ServerConfig
 
     nan = float("nan")
     for make in (
@@ -663,16 +663,16 @@ def test_the_config_classes_refuse_nan(tmp_path) -> None:
 
 
 def test_a_token_file_others_can_read_is_warned_about(tmp_path, caplog) -> None:
-    from coordinator.config import load_token
+    from coordinator.core.settings import load_token
 
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     token.chmod(0o600)
-    with caplog.at_level(logging.WARNING, logger="coordinator.config"):
+    with caplog.at_level(logging.WARNING, logger="coordinator.core.settings"):
         assert load_token(token) == "s3cret"
     assert not caplog.records
     token.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="coordinator.config"):
+    with caplog.at_level(logging.WARNING, logger="coordinator.core.settings"):
         assert load_token(token) == "s3cret"
     assert len(caplog.records) == 1 and str(token) in caplog.records[0].getMessage()
     assert "0644" in caplog.records[0].getMessage()

@@ -6,17 +6,17 @@ import dataclasses
 
 import pytest
 
-from coordinator.config import MembershipConfig, PlanConfig
-from coordinator.membership import (
+from coordinator.control.membership import (
     InvalidRequest,
     InventoryMismatch,
     Membership,
     StaleGeneration,
     UnknownWorker,
 )
-from coordinator.messages import FINISHED, STOPPED, WorkerReport
-from coordinator.reshard import moves_for_rank
-from coordinator.statefile import load_snapshot, save_snapshot
+from coordinator.control.statefile import load_snapshot, save_snapshot
+from coordinator.core.messages import FINISHED, STOPPED, WorkerReport
+from coordinator.core.reshard import moves_for_rank
+from coordinator.core.settings import MembershipConfig, PlanConfig
 from tests.coordinator_util import inventory, worker
 
 pytestmark = pytest.mark.timeout(30)
@@ -281,7 +281,7 @@ def test_snapshot_survives_the_state_file(tmp_path) -> None:
     path = tmp_path / "state.json"
     save_snapshot(path, m.snapshot())
     # no temp file left; the inventory once, beside the state
-    # (coordinator/statefile.py [Note: state file format])
+    # (coordinator/control/statefile.py [Note: state file format])
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["state.json", f"state.json.inventory-{m.digest[:16]}.binpb"]
 

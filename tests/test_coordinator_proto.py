@@ -43,8 +43,10 @@ def test_generated_modules_are_not_stale(tmp_path: Path) -> None:
 def test_coordinator_never_imports_torch() -> None:
     code = """
 import sys
-import coordinator.cli, coordinator.client, coordinator.server, coordinator.planner
-import coordinator.reshard, coordinator.membership, coordinator.statefile
+import coordinator.cli, coordinator.control.client, coordinator.control.server
+import coordinator.core.planner
+import coordinator.core.reshard, coordinator.control.membership
+import coordinator.control.statefile
 import coordinator.commands.plan, coordinator.commands.status, coordinator.commands.coordinator
 coordinator.cli.build_parser()
 loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))

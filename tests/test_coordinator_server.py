@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.cli import main
-from coordinator.client import (
+from coordinator.control.client import (
     ClientConfig,
     CoordinatorAuthError,
     CoordinatorClient,
@@ -29,10 +29,10 @@ from coordinator.client import (
     RequestRejectedError,
     StaleGenerationError,
 )
-from coordinator.config import CoordinatorConfig
-from coordinator.layout import ParamSpec
-from coordinator.messages import GENERATION_METADATA_KEY, WorkerReport
-from coordinator.server import EmbeddedCoordinator, create_server
+from coordinator.control.server import EmbeddedCoordinator, create_server
+from coordinator.core.layout import ParamSpec
+from coordinator.core.messages import GENERATION_METADATA_KEY, WorkerReport
+from coordinator.core.settings import CoordinatorConfig
 from tests.coordinator_util import (
     AUTH,
     TOKEN,

@@ -20,7 +20,7 @@ from coordinator.commands.demo import (
     render_table,
     run_demo,
 )
-from coordinator.memory import model_state_bytes
+from coordinator.core.memory import model_state_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 

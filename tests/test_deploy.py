@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator import metrics as coordinator_metrics
+from coordinator.control import telemetry as coordinator_metrics
 from worker import metrics as worker_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.config import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
-from coordinator.forkserver import SERVER_MODULE
-from coordinator.server import CoordinatorServer, create_server
+from coordinator.control.server import CoordinatorServer, create_server
+from coordinator.core.settings import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
+from coordinator.launchers.spawner import SERVER_MODULE
 from tests.test_run_e2e import EXAMPLE, ROOT, reference
 
 STEPS = 60
@@ -542,7 +542,7 @@ class LauncherRun:
     def story(self, limit: int = 6000) -> str:
         """What happened, for a failure message: the membership, launcher and recovery
         lines (tracebacks cut to their last line), then the end of the log."""
-        keep = ("coordinator.membership", "coordinator.launch", "worker.control",
+        keep = ("coordinator.control.membership", "coordinator.launchers.local", "worker.control",
                 "worker.session", "Error:", "zeroplane run:")  # fmt: skip
         lines = [ln[:240] for ln in self.text().splitlines() if any(k in ln for k in keep)]
         return "\n".join(lines)[-limit:] + "\n--- the log's end ---\n" + self.text()[-2000:]
@@ -557,7 +557,7 @@ class LauncherRun:
 
     def workers(self) -> list[int]:
         """The launcher's worker processes, oldest first: its children, and the
-        children of its fork server in its place (coordinator/forkserver.py)."""
+        children of its fork server in its place (coordinator/launchers/spawner.py)."""
 
         def children(pid: int) -> list[int]:
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import worker
-from coordinator.memory import model_state_bytes
+from coordinator.core.memory import model_state_bytes
 from worker.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=18)

@@ -132,3 +132,78 @@ def test_session_phases_move_only_as_documented() -> None:
     session._to(Phase.LEFT)
     with pytest.raises(RuntimeError, match="no transition"):
         session._to(Phase.JOINING)
+
+
+# ---- the packages' boundaries (coordinator/__init__.py states them)
+
+COORDINATOR = WORKER.parent / "coordinator"
+# coordinator's subpackages in layer order: each imports only those before it
+COORDINATOR_LAYERS = ("core", "control", "launchers", "tuning", "commands")
+
+
+def _dotted_imports(path: Path) -> set[str]:
+    """Every module name ``path`` imports, TYPE_CHECKING blocks and functions included."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def _sources(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if "_proto" not in p.parts)
+
+
+def test_worker_imports_only_coordinators_core_and_client() -> None:
+    # worker/hpo.py re-exports the search a script may start (`worker.hpo.search`)
+    allowed = ("coordinator.core", "coordinator.control.client")
+    offenders = []
+    for path in _sources(WORKER):
+        for name in _dotted_imports(path):
+            if name == "coordinator" or not name.startswith("coordinator."):
+                continue
+            if name.startswith(allowed) or name.startswith("coordinator._proto"):
+                continue
+            if path.name == "hpo.py" and name.startswith("coordinator.tuning.search"):
+                continue
+            offenders.append(f"{path.relative_to(WORKER.parent)}: {name}")
+    assert not offenders, offenders
+
+
+def test_coordinator_subpackages_import_only_the_layers_before_them() -> None:
+    offenders = []
+    for path in _sources(COORDINATOR):
+        rel = path.relative_to(COORDINATOR).parts
+        if len(rel) == 1:
+            continue  # coordinator/cli.py, the entry, may import anything
+        layer = COORDINATOR_LAYERS.index(rel[0])
+        for name in _dotted_imports(path):
+            parts = name.split(".")
+            # a subcommand that needs torch (checkpoint export) imports it when it runs;
+            # test_coordinator_proto.py checks that the CLI itself loads none
+            if parts[0] in ("worker", "torch") and rel[0] != "commands":
+                offenders.append(f"{'/'.join(rel)}: {name}")
+            if parts[0] != "coordinator" or len(parts) < 2 or parts[1] == "_proto":
+                continue
+            if parts[1] in COORDINATOR_LAYERS and COORDINATOR_LAYERS.index(parts[1]) > layer:
+                offenders.append(f"{'/'.join(rel)}: {name}")
+    assert not offenders, offenders
+    # and every module lives in one of them
+    loose = {p.name for p in COORDINATOR.glob("*.py")} - {"__init__.py", "cli.py"}
+    assert not loose, loose
+
+
+def test_no_module_name_is_in_both_packages() -> None:
+    # coordinator/commands/ names each module for its subcommand; the rest is unique
+    def names(root: Path, skip: tuple[str, ...] = ()) -> set[str]:
+        return {
+            p.stem
+            for p in _sources(root)
+            if p.stem != "__init__" and not set(p.relative_to(root).parts[:-1]) & set(skip)
+        }
+
+    both = names(WORKER) & names(COORDINATOR, skip=("commands",))
+    assert not both, sorted(both)

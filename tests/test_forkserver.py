@@ -1,4 +1,5 @@
-"""Workers forked by the fork server run as `python script.py` would (coordinator/forkserver.py)."""
+"""Workers forked by the fork server run as `python script.py` would
+(coordinator/launchers/spawner.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.forkserver import SERVER_MODULE, ForkServer, forkable
-from coordinator.launch import LaunchSpec, LocalJob
+from coordinator.launchers.local import LaunchSpec, LocalJob
+from coordinator.launchers.spawner import SERVER_MODULE, ForkServer, forkable
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 

@@ -21,7 +21,7 @@ if importlib.util.find_spec("ray") is None:
         raise RuntimeError("CI must run the Ray tests: pip install -e '.[test]'")
     pytest.skip("ray is not installed (pip install -e '.[hpo]')", allow_module_level=True)
 
-from coordinator.hpo import HpoSpec, parse_space, search
+from coordinator.tuning.search import HpoSpec, parse_space, search
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "hpo_train.py"

@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from coordinator.cli import COMMANDS, build_parser
-from coordinator.jobspec import FORMATS, JobSpecError, load_job_spec, parse_job_spec
-from coordinator.k8s import (
+from coordinator.launchers.jobspec import FORMATS, JobSpecError, load_job_spec, parse_job_spec
+from coordinator.launchers.k8s import (
     KUBERNETES_VERSIONS,
     find_dashboard,
     kustomize_tree,
@@ -606,7 +606,8 @@ def test_k8s_directory_is_the_example_job_rendered(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     fresh = {str(p.relative_to(out)): p.read_text() for p in sorted(out.rglob("*")) if p.is_file()}
     assert fresh == committed_tree(), (
-        "k8s/ has drifted from examples/job.yaml and coordinator/k8s.py: regenerate it with "
+        "k8s/ has drifted from examples/job.yaml and coordinator/launchers/k8s.py: "
+        "regenerate it with "
         "`zeroplane submit examples/job.yaml --out k8s --no-apply`"
     )
 
@@ -845,7 +846,7 @@ def test_every_container_runs_a_zeroplane_command_that_parses() -> None:
 
 
 def test_readiness_probe_names_the_service_the_coordinator_reports() -> None:
-    from coordinator.server import SERVICE_NAME
+    from coordinator.control.server import SERVICE_NAME
 
     objs = by_key(render(load_job_spec(EXAMPLE), token=TOKEN))
     (container,) = objs[("Deployment", "gpt-coordinator")]["spec"]["template"]["spec"]["containers"]

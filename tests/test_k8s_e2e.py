@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.jobspec import JobSpec, Workers
-from coordinator.k8s import render
+from coordinator.launchers.jobspec import JobSpec, Workers
+from coordinator.launchers.k8s import render
 from tests.k8s_local import LocalCluster, Pod, available
 from tests.test_run_e2e import reference
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.launch import LaunchSpec, LocalJob, find_free_port, prefix_lines
+from coordinator.launchers.local import LaunchSpec, LocalJob, find_free_port, prefix_lines
 
 REPO = Path(__file__).resolve().parents[1]
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux")
@@ -431,7 +431,8 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
 @pytest.mark.timeout(30)
 def test_launcher_and_commands_do_not_import_torch():
     code = (
-        "import sys, coordinator.launch, coordinator.commands.run, coordinator.commands.demo\n"
+        "import sys, coordinator.launchers.local, coordinator.commands.run\n"
+        "import coordinator.commands.demo\n"
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     proc = subprocess.run(

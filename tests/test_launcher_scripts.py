@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.ports import free_port
+from coordinator.core.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "own_group.py"

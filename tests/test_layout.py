@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.layout import ParamSpec, compute_layout
+from coordinator.core.layout import ParamSpec, compute_layout
 
 
 def spec(name: str, *shape: int, group: int = 0, unit: int = 0, grad: bool = True) -> ParamSpec:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import worker
-from coordinator.mesh import MeshChangeRefused, MeshCoords, MeshShape, check_resize
+from coordinator.core.meshplan import MeshChangeRefused, MeshCoords, MeshShape, check_resize
 from worker.mesh import ParallelConfig, check_combination
 from worker.tp import TPSlice
 
@@ -164,8 +164,8 @@ def train_tp(model_kind: str, stage: int, tp: int, clip: float = 0.0) -> dict:
 
 def _check_accounting(case: dict, model_kind: str, stage: int, tp: int, dp: int) -> None:
     """Per-rank model state and ZeRO bytes per step equal the README's mesh formulas."""
-    from coordinator.memory import model_parallel_numel, model_state_bytes
-    from coordinator.mesh import tp_sharded_numel
+    from coordinator.core.memory import model_parallel_numel, model_state_bytes
+    from coordinator.core.meshplan import tp_sharded_numel
 
     model = _gpt() if model_kind == "gpt" else _llama()
     unique = dict.fromkeys(model.parameters())
@@ -429,8 +429,8 @@ def test_pp2_tp2_gpt_matches_reference(pools) -> None:
 
 
 def test_planner_prefers_zero_alone_then_the_smallest_group() -> None:
-    from coordinator.mesh import choose_mesh
-    from coordinator.planner import ActivationShape, PlanConfig
+    from coordinator.core.meshplan import choose_mesh
+    from coordinator.core.planner import ActivationShape, PlanConfig
 
     act = ActivationShape(layers=32, hidden=4096, seq=2048, micro_batch=1, heads=32)
     config = PlanConfig(activations=act)
@@ -463,7 +463,7 @@ def test_planner_prefers_zero_alone_then_the_smallest_group() -> None:
 
 
 def test_activation_formulas_under_tp_and_pp() -> None:
-    from coordinator.planner import ActivationShape
+    from coordinator.core.planner import ActivationShape
 
     act = ActivationShape(layers=8, hidden=512, seq=256, micro_batch=8, heads=8)
     assert act.mesh_layer_bytes("bf16", 1) == pytest.approx(act.layer_bytes("bf16"))
@@ -505,8 +505,8 @@ def test_run_refuses_a_mesh_the_workers_cannot_fill(capsys) -> None:
 
 
 def test_job_spec_takes_the_mesh_and_exports_it() -> None:
-    from coordinator.jobspec import JobSpecError, parse_job_spec
-    from coordinator.k8s import render
+    from coordinator.launchers.jobspec import JobSpecError, parse_job_spec
+    from coordinator.launchers.k8s import render
 
     base = {
         "name": "gpt",

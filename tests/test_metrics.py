@@ -16,12 +16,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import worker
-from coordinator import metrics as coordinator_metrics
-from coordinator.client import CoordinatorAuthError
-from coordinator.config import METRICS_PORT_ENV, HttpConfig
-from coordinator.memory import model_state_bytes
-from coordinator.messages import WorkerReport
-from coordinator.observe import RankSample, figures, parse_sample
+from coordinator.control import telemetry as coordinator_metrics
+from coordinator.control.client import CoordinatorAuthError
+from coordinator.control.observe import RankSample, figures, parse_sample
+from coordinator.core.memory import model_state_bytes
+from coordinator.core.messages import WorkerReport
+from coordinator.core.settings import METRICS_PORT_ENV, HttpConfig
 from tests.coordinator_util import client, config, inventory, running, wait_until
 from tests.coordinator_util import worker as info
 from worker import metrics as worker_metrics

@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.launch import find_free_port
-from coordinator.memory import model_state_bytes
+from coordinator.core.memory import model_state_bytes
+from coordinator.launchers.local import find_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "paced_train.py"
@@ -463,7 +463,7 @@ def test_zeroplane_status_shows_the_dashboard_figures(observed: Observed) -> Non
             assert math.isclose(held_now, r["state_total"]) and math.isclose(
                 base, r["baseline_total"]
             )
-            from coordinator.planner import format_bytes
+            from coordinator.core.planner import format_bytes
 
             assert format_bytes(held_now) in line and format_bytes(base) in line
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import worker
-from coordinator.memory import offload_transfer_bytes, offloaded_state_bytes
-from coordinator.planner import PCIE_BYTES_PER_S, PlanConfig, choose_stage
+from coordinator.core.memory import offload_transfer_bytes, offloaded_state_bytes
+from coordinator.core.planner import PCIE_BYTES_PER_S, PlanConfig, choose_stage
 from tests.reference import (
     OPTIMIZERS,
     Schedule,
@@ -236,7 +236,7 @@ def test_placement_puts_offloaded_buffers_on_the_host_and_fetches_to_the_device(
 
 
 def metrics_by_location() -> dict[str, float]:
-    from coordinator.observe import figures, parse_sample
+    from coordinator.control.observe import figures, parse_sample
     from worker.metrics import metrics_text
 
     config = ZeroConfig(stage=3, bucket_numel=97, stage3_min_unit_numel=1, offload_optimizer="cpu")
@@ -541,8 +541,8 @@ def test_cli_plan_shows_the_offload(capsys) -> None:
 
 
 def test_stage_auto_names_the_offload_but_plans_without_it() -> None:
-    from coordinator.config import MembershipConfig
-    from coordinator.membership import Membership
+    from coordinator.control.membership import Membership
+    from coordinator.core.settings import MembershipConfig
     from tests.coordinator_util import inventory, worker
 
     m = Membership(

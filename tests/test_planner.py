@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from coordinator.cli import main
-from coordinator.planner import (
+from coordinator.core.planner import (
     ActivationShape,
     PlanConfig,
     choose_stage,

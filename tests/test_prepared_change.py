@@ -115,7 +115,7 @@ def _entries(ranges, fields: dict[str, torch.dtype], cuts: int, gen: torch.Gener
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_packed_bound_covers_every_split_of_a_ranks_share(stage: int) -> None:
-    from coordinator.ranges import owned_ranges
+    from coordinator.core.ranges import owned_ranges
     from tests.test_elastic_engine import make
 
     engine = make(stage)
@@ -141,7 +141,7 @@ def test_the_sent_bound_covers_what_a_rank_sends_and_no_more_than_it_owns(stage:
     for every other new rank, as worker/elastic.py ``exchange`` slices it."""
     import types
 
-    from coordinator.ranges import Range, RangeIndex, owned_ranges
+    from coordinator.core.ranges import Range, RangeIndex, owned_ranges
     from tests.test_elastic_engine import make
 
     engine = make(stage)

@@ -1,4 +1,4 @@
-"""The progress display (coordinator/progress.py): figures from the coordinator's
+"""The progress display (coordinator/launchers/progress.py): figures from the coordinator's
 reports, plain periodic lines off a terminal, a live rich line on one, and the
 total steps a script announces reaching the launcher over the wire."""
 
@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from coordinator.config import MembershipConfig
-from coordinator.messages import (
+from coordinator.core.messages import (
     Event,
     StatusReport,
     WorkerInfo,
@@ -24,7 +23,8 @@ from coordinator.messages import (
     report_from_proto,
     report_to_proto,
 )
-from coordinator.progress import ProgressDisplay, ProgressSample, ProgressTracker, follow
+from coordinator.core.settings import MembershipConfig
+from coordinator.launchers.progress import ProgressDisplay, ProgressSample, ProgressTracker, follow
 
 ROOT = Path(__file__).resolve().parents[1]
 

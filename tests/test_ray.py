@@ -103,7 +103,7 @@ def test_ray_launcher_scales_on_signals_and_matches_single_process(tmp_path: Pat
 
 @pytest.fixture
 def ray_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., object]]:
-    from coordinator.launch_ray import RayJob, RaySpec
+    from coordinator.launchers.ray_cluster import RayJob, RaySpec
 
     for k, v in RAY_ENV.items():
         monkeypatch.setenv(k, v)
@@ -184,7 +184,7 @@ def test_ray_crash_recovery(ray_job, tmp_path: Path) -> None:
 def test_ray_job_fails_after_its_restarts_and_tears_down(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
-    from coordinator.launch_ray import RayJob, RaySpec
+    from coordinator.launchers.ray_cluster import RayJob, RaySpec
 
     for k, v in RAY_ENV.items():
         monkeypatch.setenv(k, v)

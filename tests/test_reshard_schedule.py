@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.layout import Layout, ParamSpec, compute_layout
-from coordinator.reshard import moves_for_rank, reshard_schedule
+from coordinator.core.layout import Layout, ParamSpec, compute_layout
+from coordinator.core.reshard import moves_for_rank, reshard_schedule
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,7 +22,7 @@ holds, so a loader at any world size reads only the files that overlap the
 ranges it owns. Files load with ``torch.load(weights_only=True)``. The
 manifest carries its own ``checksum``: ``sha256:`` and the SHA-256 of the
 canonical JSON (sorted keys, no spaces, ASCII) of every other field
-(coordinator/checkpoints.py ``manifest_checksum``). Manifests written before
+(coordinator/core/manifest.py ``manifest_checksum``). Manifests written before
 the checksum existed have none; they still load, checked structurally only
 (``validate_manifest``), which finds every inconsistent edit but not a
 consistent one such as another loss scale.
@@ -65,7 +65,7 @@ from typing import Any, Protocol
 
 import torch
 
-from coordinator.checkpoints import (
+from coordinator.core.manifest import (
     FORMAT,
     CheckpointError,
     index_ranges,
@@ -74,7 +74,7 @@ from coordinator.checkpoints import (
     read_manifest,
     resolve,
 )
-from coordinator.ranges import Range
+from coordinator.core.ranges import Range
 from worker.inventory import dtype_name, persistent_buffers
 from worker.state import MissingRange, ShardState
 

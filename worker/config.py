@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from coordinator.dsjson import to_deepspeed
+from coordinator.core.dsjson import to_deepspeed
 
 __all__ = ["Precision", "ZeroConfig"]
 
@@ -365,7 +365,7 @@ class ZeroConfig:
     ) -> dict[str, Any]:
         """This config as a DeepSpeed JSON config; ``from_deepspeed`` reads it back to
         an equal ZeroConfig. Fields DeepSpeed has no key for (compression, ...) go in
-        a ``"zeroplane"`` section that DeepSpeed does not read (coordinator/dsjson.py).
+        a ``"zeroplane"`` section that DeepSpeed does not read (coordinator/core/dsjson.py).
         ``micro_batch`` (and ``world_size``) add DeepSpeed's batch-size keys."""
         fields_ = {"stage": self.stage, "dtype": self.dtype} | self.as_dict(changed_only=True)
         return to_deepspeed(fields_, micro_batch=micro_batch, world_size=world_size)

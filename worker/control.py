@@ -27,9 +27,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from coordinator.client import ClientConfig, CoordinatorClient, CoordinatorError
-from coordinator.config import ADDRESS_ENV, WORKER_ID_ENV
-from coordinator.messages import Generation, WorkerInfo, WorkerReport
+from coordinator.control.client import ClientConfig, CoordinatorClient, CoordinatorError
+from coordinator.core.messages import Generation, WorkerInfo, WorkerReport
+from coordinator.core.settings import ADDRESS_ENV, WORKER_ID_ENV
 from worker.compat import abort_default_group, backend_for
 from worker.inventory import Inventory
 
@@ -100,7 +100,7 @@ class LeftBeforeAdmission(Exception):
 
 class JobFinished(LeftBeforeAdmission):
     """The job's members ended training before this worker formed a group with
-    them ([Note: a finishing job] in coordinator/membership.py): it left, and has
+    them ([Note: a finishing job] in coordinator/control/membership.py): it left, and has
     nothing to do."""
 
 

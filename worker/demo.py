@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import worker
-from coordinator.config import ADDRESS_ENV
+from coordinator.core.settings import ADDRESS_ENV
 from worker.config import stage_from_env
 from worker.data import LoaderConfig, PackedTokens, StepLoader
 from worker.models import GPT, GPTConfig

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from coordinator.ranges import Range, RangeIndex, owned_ranges
+from coordinator.core.ranges import Range, RangeIndex, owned_ranges
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.state import Counters, Entries, MissingRange, ShardState
 

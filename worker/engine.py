@@ -12,7 +12,7 @@ Where the state lives and how it is rebuilt for another world is
 worker/state.py; mixed precision is worker/precision.py; joining a
 coordinator's job and following its membership is worker/session.py.
 
-See ``coordinator/layout.py`` [Note: shard layout], ``worker/flat.py``
+See ``coordinator/core/layout.py`` [Note: shard layout], ``worker/flat.py``
 [Note: flat buffers] and ``worker/optim.py`` [Note: per-parameter shard views].
 
 [Note: bucket order]
@@ -67,7 +67,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.profiler import record_function
 from torch.utils._pytree import tree_map
 
-from coordinator.layout import Layout
+from coordinator.core.layout import Layout
 from worker import checkpoint, elastic
 from worker.activations import SavedBytes, checkpoint_modules, choose_modules, unwrap
 from worker.ballot import Ballot, BoundaryVote

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from coordinator.layout import Bucket, SlotShard
+from coordinator.core.layout import Bucket, SlotShard
 from worker.collectives import Collectives, Handle
 from worker.compression import (
     Codec,

@@ -1,6 +1,6 @@
 """The fork server: imports torch once, then forks one worker per request.
 
-Run by the launcher as ``python -m worker.forkserver FD`` (coordinator/forkserver.py
+Run by the launcher as ``python -m worker.forkserver FD`` (coordinator/launchers/spawner.py
 [Note: fork server] says why and what is kept safe). The server imports, then
 only waits, forks and reaps: it runs no user code and no torch operation.
 A forked child leaves :func:`serve` with its request and becomes the worker in
@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.forkserver import recv, send
+from coordinator.core.wire import recv, send
 
 # what the workers import before anything else; one that fails to import is skipped
 # (a job whose scripts do not use torch still runs)

@@ -1,4 +1,5 @@
-"""A training script's side of a hyperparameter search (``zeroplane hpo``, coordinator/hpo.py).
+"""A training script's side of a hyperparameter search (``zeroplane hpo``,
+coordinator/tuning/search.py).
 
     import worker, worker.hpo
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.hpo import CHECKPOINT_ENV, HPARAMS_ENV, RESUME_ENV, HpoSpec, search
+from coordinator.tuning.search import CHECKPOINT_ENV, HPARAMS_ENV, RESUME_ENV, HpoSpec, search
 
 __all__ = ["HpoSpec", "Trial", "search", "trial"]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from coordinator.layout import ParamSpec
+from coordinator.core.layout import ParamSpec
 
 __all__ = ["Inventory", "build_inventory", "dtype_name", "persistent_buffers"]
 

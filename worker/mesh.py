@@ -13,7 +13,7 @@ composes, as torchtitan's ``parallelize`` does, over one ``DeviceMesh``:
   tensor-parallel rank, and shard those across the ``dp`` ranks that hold the
   same ones.
 
-The mesh's rank order is coordinator/mesh.py's [Note: mesh rank order].
+The mesh's rank order is coordinator/core/meshplan.py's [Note: mesh rank order].
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from coordinator.mesh import PP_ENV, TP_ENV, MeshCoords, MeshShape
+from coordinator.core.meshplan import PP_ENV, TP_ENV, MeshCoords, MeshShape
 from worker import tp_checkpoint
 from worker.collectives import Collectives
 from worker.config import ZeroConfig

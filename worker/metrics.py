@@ -16,7 +16,7 @@ coordinator's service discovery sets ``job`` to the zeroplane job's name).
 [Note: stage-0 baseline]
 ``zeroplane_model_state_baseline_bytes{kind}`` is what this rank would hold
 for the same model, precision, optimizer and world size at stage 0, from the
-ZeRO formulas (coordinator/memory.py) plus the frozen parameters and buffers
+ZeRO formulas (coordinator/core/memory.py) plus the frozen parameters and buffers
 that no stage shards. So ``zeroplane_model_state_bytes /
 zeroplane_model_state_baseline_bytes`` is the fraction each stage keeps, by
 kind and rank, in one division. The optimizer's per-element state count is
@@ -50,8 +50,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from coordinator.config import METRICS_HOST_ENV, METRICS_PORT_ENV
-from coordinator.memory import model_state_bytes
+from coordinator.core.memory import model_state_bytes
+from coordinator.core.settings import METRICS_HOST_ENV, METRICS_PORT_ENV
 from worker.config import ZeroConfig
 
 __all__ = [

@@ -56,7 +56,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from coordinator.layout import Bucket
+from coordinator.core.layout import Bucket
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.flat import BucketState, FlatBucket, Zeros

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from coordinator.mesh import MeshCoords, MeshShape
+from coordinator.core.meshplan import MeshCoords, MeshShape
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device

@@ -79,7 +79,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from coordinator.messages import FINISHED, STOPPED, Generation
+from coordinator.core.messages import FINISHED, STOPPED, Generation
 from worker import ds_sections, elastic
 from worker.ballot import BoundaryVote
 from worker.collectives import CollectiveError, Collectives, Handle

@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
-from coordinator.layout import Bucket
+from coordinator.core.layout import Bucket
 from worker.collectives import Collectives, Handle, grained
 from worker.compression import Codec, WireBuffers, start_all_gather, start_reduce_scatter
 from worker.flat import BucketState, FlatBucket, GatherUnit, LiveElements, UnitState, Zeros

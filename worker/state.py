@@ -10,7 +10,7 @@ engine (worker/engine.py) drives it through a step; checkpoints
 * :meth:`publish_params` (master partition → compute parameters) and
   :meth:`zero_grads`;
 * :meth:`export_ranges` / :meth:`import_ranges`: state addressed by
-  (parameter name, element range), see coordinator/ranges.py
+  (parameter name, element range), see coordinator/core/ranges.py
   [Note: element ranges];
 * :meth:`counters` / :meth:`restore_counters`, :meth:`memory_report` and
   :meth:`memory_by_location`.
@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from coordinator.layout import Bucket, Layout, SlotShard, compute_layout
-from coordinator.ranges import Range, RangeIndex, owned_ranges
+from coordinator.core.layout import Bucket, Layout, SlotShard, compute_layout
+from coordinator.core.ranges import Range, RangeIndex, owned_ranges
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compression import make_codec
 from worker.config import ZeroConfig

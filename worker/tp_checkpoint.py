@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from coordinator.ranges import Range, RangeIndex
+from coordinator.core.ranges import Range, RangeIndex
 from worker import checkpoint
 from worker.collectives import Collectives
 from worker.inventory import Inventory

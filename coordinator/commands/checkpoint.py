@@ -8,8 +8,8 @@ import math
 import sys
 from pathlib import Path
 
-from coordinator.checkpoints import CheckpointError, read_manifest, resolve
-from coordinator.planner import parse_bytes
+from coordinator.core.manifest import CheckpointError, read_manifest, resolve
+from coordinator.core.planner import parse_bytes
 
 __all__ = ["add_parser"]
 

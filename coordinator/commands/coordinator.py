@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from coordinator.commands.args import fraction, seconds, wait_seconds
-from coordinator.config import (
+from coordinator.core.planner import parse_count
+from coordinator.core.settings import (
     TOKEN_ENV,
     CoordinatorConfig,
     HttpConfig,
@@ -16,7 +17,6 @@ from coordinator.config import (
     ServerConfig,
     load_token,
 )
-from coordinator.planner import parse_count
 
 __all__ = ["DEFAULT_PORT", "add_parser", "coordinator"]
 
@@ -116,7 +116,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def coordinator(args: argparse.Namespace) -> int:
-    from coordinator.server import serve
+    from coordinator.control.server import serve
 
     if args.state_file is not None and not args.state_file.parent.is_dir():
         print(

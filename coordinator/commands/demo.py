@@ -1,12 +1,12 @@
 """``zeroplane demo``: train a small GPT on the shipped corpus at each ZeRO stage.
 
 For each stage in turn it launches ``--nproc`` local workers of
-``python -m worker.demo`` through :class:`~coordinator.launch.LocalJob`, shows
-their progress with the display ``zeroplane run`` uses (coordinator/progress.py:
+``python -m worker.demo`` through :class:`~coordinator.launchers.local.LocalJob`, shows
+their progress with the display ``zeroplane run`` uses (coordinator/launchers/progress.py:
 step / total, loss, tokens/s, step time, ETA, read from the workers' reports to
 the stage's embedded coordinator), and ends with a table that puts the
 model-state bytes each rank measured (``engine.memory_report()``) beside the
-planner's prediction (:func:`coordinator.memory.model_state_bytes`) and the
+planner's prediction (:func:`coordinator.core.memory.model_state_bytes`) and the
 stage-0 baseline. Every stage uses the same seed, so the losses are comparable.
 
 Workers leave their final reports as JSON files in a temporary directory; this
@@ -28,9 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from coordinator.launch import JobResult, LaunchSpec, LocalJob, forward_signals, prefix_lines
-from coordinator.memory import model_state_bytes
-from coordinator.progress import ProgressDisplay, ProgressSample, ProgressTracker
+from coordinator.core.memory import model_state_bytes
+from coordinator.launchers.local import (
+    JobResult,
+    LaunchSpec,
+    LocalJob,
+    forward_signals,
+    prefix_lines,
+)
+from coordinator.launchers.progress import ProgressDisplay, ProgressSample, ProgressTracker
 
 __all__ = [
     "DemoError",
@@ -205,7 +211,7 @@ def _run_stage(
     )
     t0 = time.monotonic()
     # imported here: the gRPC server is only needed when this process hosts it
-    from coordinator.server import EmbeddedCoordinator
+    from coordinator.control.server import EmbeddedCoordinator
 
     coordinator = EmbeddedCoordinator.for_local_job(options.nproc, stage)
     job = LocalJob(spec, on_line=on_line, services=(coordinator,))
@@ -214,8 +220,8 @@ def _run_stage(
     def show() -> None:
         # the coordinator's view now, or its last one once the stage is over
         view = coordinator.final
-        if view is None and coordinator.server is not None:
-            view = (coordinator.server.status(), coordinator.server.last_reports())
+        if view is None and coordinator.control.server is not None:
+            view = (coordinator.control.server.status(), coordinator.control.server.last_reports())
         if on_progress is not None and view is not None:
             on_progress(tracker.observe(*view)[0])
 

@@ -4,7 +4,7 @@
         --param lr=loguniform:1e-4:1e-1 --param warmup=choice:0,50 \\
         examples/hpo_train.py --steps 200
 
-coordinator/hpo.py has how it works; the script reads its point with
+coordinator/tuning/search.py has how it works; the script reads its point with
 ``worker.hpo.trial()``.
 """
 
@@ -61,7 +61,7 @@ def hpo(args: argparse.Namespace) -> int:
     except ImportError:
         print("zeroplane hpo needs Ray Tune: pip install 'zeroplane[hpo]'", file=sys.stderr)
         return 2
-    from coordinator.hpo import HpoSpec, parse_space, search
+    from coordinator.tuning.search import HpoSpec, parse_space, search
 
     try:
         spec = HpoSpec(

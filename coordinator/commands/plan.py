@@ -15,9 +15,9 @@ import sys
 from decimal import ROUND_HALF_UP, Decimal
 
 from coordinator.commands.args import counts, fraction
-from coordinator.layout import ParamSpec
-from coordinator.mesh import MeshChoice, choose_mesh, tp_sharded_numel
-from coordinator.planner import (
+from coordinator.core.layout import ParamSpec
+from coordinator.core.meshplan import MeshChoice, choose_mesh, tp_sharded_numel
+from coordinator.core.planner import (
     PCIE_BYTES_PER_S,
     STAGES,
     ActivationShape,
@@ -123,7 +123,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     mesh = parser.add_argument_group(
         "device mesh",
         "the recommended (pp, dp, tp) mesh and ZeRO stage per world size "
-        "(coordinator/mesh.py choose_mesh): ZeRO alone first, tensor or pipeline "
+        "(coordinator/core/meshplan.py choose_mesh): ZeRO alone first, tensor or pipeline "
         "parallelism only when it does not fit",
     )
     mesh.add_argument(

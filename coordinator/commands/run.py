@@ -14,12 +14,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from coordinator.commands.args import non_negative, seconds
-from coordinator.config import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
-from coordinator.launch import STAGE_CHOICES, JobResult, LaunchSpec, LocalJob, forward_signals
-from coordinator.mesh import PP_ENV, TP_ENV, MeshChangeRefused, MeshShape, check_resize
-from coordinator.messages import STOPPED, StatusReport, WorkerReport
-from coordinator.progress import ProgressDisplay, ProgressTracker, follow
-from coordinator.summary import JobSummary
+from coordinator.core.meshplan import PP_ENV, TP_ENV, MeshChangeRefused, MeshShape, check_resize
+from coordinator.core.messages import STOPPED, StatusReport, WorkerReport
+from coordinator.core.settings import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
+from coordinator.launchers.local import (
+    STAGE_CHOICES,
+    JobResult,
+    LaunchSpec,
+    LocalJob,
+    forward_signals,
+)
+from coordinator.launchers.progress import ProgressDisplay, ProgressTracker, follow
+from coordinator.launchers.summary import JobSummary
 
 __all__ = ["add_parser", "run"]
 
@@ -209,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         services = ()
     else:
         # imported here: the gRPC server is only needed when this process hosts it
-        from coordinator.server import EmbeddedCoordinator
+        from coordinator.control.server import EmbeddedCoordinator
 
         try:
             embedded = EmbeddedCoordinator.for_local_job(
@@ -297,7 +303,7 @@ def _follow(
         yield lambda: None
         return
     # membership events reach the terminal as the coordinator's log lines already
-    events = not logging.getLogger("coordinator.membership").isEnabledFor(logging.INFO)
+    events = not logging.getLogger("coordinator.control.membership").isEnabledFor(logging.INFO)
     with follow(display, ProgressTracker("job"), read, events=events) as tick:
         yield tick
 
@@ -334,7 +340,7 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
     if low != high:
         raise ValueError(
             "an elastic mesh job is not supported yet: resizing dp by whole model-parallel "
-            f"groups of {shape.group_size} is planned (coordinator/mesh.py check_resize) "
+            f"groups of {shape.group_size} is planned (coordinator/core/meshplan.py check_resize) "
             "but the workers cannot re-form a mesh live; give --min-nproc = --max-nproc"
         )
     return {TP_ENV: str(args.tp), PP_ENV: str(args.pp)}
@@ -483,7 +489,7 @@ def _wait_scaling(
 
 def _run_on_ray(args: argparse.Namespace, command: tuple[str, ...]) -> int:
     # imported here: ray is an optional extra, and heavy
-    from coordinator.launch_ray import RayJob, RaySpec
+    from coordinator.launchers.ray_cluster import RayJob, RaySpec
 
     try:
         import ray  # noqa: F401

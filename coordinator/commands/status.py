@@ -5,7 +5,7 @@ memory by kind as the workers report it in their heartbeats. Then, from the
 workers' metrics endpoints, the figures the Grafana dashboard and the
 coordinator's status page show: model state against the stage-0 baseline,
 collective bandwidth by op, compression ratio, step time and throughput (see
-coordinator/observe.py). ``--http HOST:PORT`` reads them from the
+coordinator/control/observe.py). ``--http HOST:PORT`` reads them from the
 coordinator's HTTP port instead (what ``zeroplane run`` prints), which needs
 no token.
 """
@@ -23,13 +23,13 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from coordinator.client import ClientConfig, CoordinatorClient, CoordinatorError
 from coordinator.commands.args import seconds, wait_seconds
-from coordinator.config import ADDRESS_ENV, TOKEN_ENV, load_token
-from coordinator.messages import StatusReport
-from coordinator.observe import Sampler
-from coordinator.planner import format_bytes
-from coordinator.web import api_status
+from coordinator.control.client import ClientConfig, CoordinatorClient, CoordinatorError
+from coordinator.control.observe import Sampler
+from coordinator.control.web import api_status
+from coordinator.core.messages import StatusReport
+from coordinator.core.planner import format_bytes
+from coordinator.core.settings import ADDRESS_ENV, TOKEN_ENV, load_token
 
 __all__ = ["DEFAULT_ADDRESS", "add_parser", "format_figures", "format_status", "status"]
 

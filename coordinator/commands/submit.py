@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coordinator.jobspec import FORMATS, JobSpec, JobSpecError, load_job_spec
-from coordinator.k8s import (
+from coordinator.launchers.jobspec import FORMATS, JobSpec, JobSpecError, load_job_spec
+from coordinator.launchers.k8s import (
     COORDINATOR_PORT,
     GENERATED,
     dump_yaml,

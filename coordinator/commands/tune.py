@@ -1,10 +1,10 @@
 """``zeroplane tune``: find the fastest configuration of a model by short measured runs.
 
-Starts a pool of ``--nproc`` local workers (coordinator/trials.py, worker/trials.py),
+Starts a pool of ``--nproc`` local workers (coordinator/tuning/trial_pool.py, worker/trials.py),
 profiles the model with the first runs (its size, and what backward keeps per
 sample with and without activation checkpointing), then searches stage x
 micro-batch x gradient accumulation x activation checkpointing x bucket size x
-compression x units kept into backward at stage 3 (coordinator/autotune.py),
+compression x units kept into backward at stage 3 (coordinator/tuning/autotune.py),
 never running what the memory model says cannot fit. Prints each trial as it
 ends beside the progress line, then the table, and writes the best
 configuration as a ZeroConfig JSON and a DeepSpeed JSON (plus every trial as
@@ -20,7 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.autotune import (
+from coordinator.commands.args import seconds
+from coordinator.core.dsjson import to_deepspeed
+from coordinator.core.planner import format_bytes, parse_bytes, parse_count
+from coordinator.launchers.progress import ProgressDisplay, ProgressSample
+from coordinator.tuning.autotune import (
     COMPRESSIONS,
     Candidate,
     Measurement,
@@ -32,11 +36,7 @@ from coordinator.autotune import (
     render_trials,
     tune,
 )
-from coordinator.commands.args import seconds
-from coordinator.dsjson import to_deepspeed
-from coordinator.planner import format_bytes, parse_bytes, parse_count
-from coordinator.progress import ProgressDisplay, ProgressSample
-from coordinator.trials import TrialPool, TrialSettings
+from coordinator.tuning.trial_pool import TrialPool, TrialSettings
 
 __all__ = ["add_parser", "profile_model", "run_tune", "write_outputs"]
 

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from coordinator.ranges import Range, RangeIndex
+from coordinator.core.ranges import Range, RangeIndex
 
 __all__ = [
     "DTYPES",

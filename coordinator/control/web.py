@@ -1,10 +1,10 @@
 """The coordinator's HTTP side: metrics, Prometheus service discovery, a status page.
 
 ============  ===============================================================
-``/metrics``  the coordinator's Prometheus metrics (coordinator/metrics.py)
+``/metrics``  the coordinator's Prometheus metrics (coordinator/control/telemetry.py)
 ``/sd``       the live workers' metrics endpoints in Prometheus' ``http_sd``
               format, so a plain Prometheus follows an elastic job
-``/api/status``  JSON: the job, its workers, per-rank figures (coordinator/observe.py)
+``/api/status``  JSON: the job, its workers, per-rank figures (coordinator/control/observe.py)
 ``/``         a self-contained status page over ``/api/status`` (no external
               assets: it works offline)
 ``/healthz``  ``ok``
@@ -38,9 +38,9 @@ from urllib.parse import urlparse
 
 from prometheus_client.exposition import choose_encoder
 
-from coordinator.messages import StatusReport, WorkerStatus
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.observe import Sampler
+from coordinator.control.observe import Sampler
+from coordinator.control.telemetry import CoordinatorMetrics
+from coordinator.core.messages import StatusReport, WorkerStatus
 
 __all__ = ["CoordinatorHttp", "api_status", "sd_targets"]
 

@@ -10,7 +10,7 @@
     args: ["--steps", "1000"]
     workers: {min: 2, max: 4, replicas: 4} # worker pods; replicas defaults to max
     stage: auto                            # or 0-3
-    tensor_parallel: 1                     # tp and pp: the mesh (coordinator/mesh.py)
+    tensor_parallel: 1                     # tp and pp: the mesh (coordinator/core/meshplan.py)
     pipeline_parallel: 1
     device: {kind: cpu, count: 1}          # or cuda; processes (and GPUs) per pod
     resources: {cpu: "2", memory: 8Gi}     # per worker pod
@@ -34,8 +34,8 @@ from typing import Any, Literal
 
 import yaml
 
-from coordinator.config import ADDRESS_ENV, METRICS_PORT_ENV, TOKEN_ENV, WORKER_ID_ENV
-from coordinator.mesh import PP_ENV, TP_ENV
+from coordinator.core.meshplan import PP_ENV, TP_ENV
+from coordinator.core.settings import ADDRESS_ENV, METRICS_PORT_ENV, TOKEN_ENV, WORKER_ID_ENV
 
 __all__ = [
     "COMPRESSION_ENV",
@@ -51,7 +51,7 @@ __all__ = [
     "parse_job_spec",
 ]
 
-# What the manifests set in every worker (coordinator/k8s.py).
+# What the manifests set in every worker (coordinator/launchers/k8s.py).
 HOST_ENV = "ZEROPLANE_HOST"
 COMPRESSION_ENV = "ZEROPLANE_COMPRESSION"
 
@@ -59,7 +59,7 @@ STAGES = ("auto", "0", "1", "2", "3")
 COMPRESSIONS = ("none", "bf16", "fp16", "int8", "onebit")
 DEVICE_KINDS = ("cpu", "cuda")
 # How the workers are run: a Kubernetes Indexed Job, a Kubeflow Trainer v2 TrainJob,
-# or a Kubeflow training-operator v1 PyTorchJob (coordinator/k8s.py).
+# or a Kubeflow training-operator v1 PyTorchJob (coordinator/launchers/k8s.py).
 FORMATS = ("job", "trainjob", "pytorchjob")
 # prometheus-operator: a PodMonitor, which needs the Prometheus Operator's CRDs.
 MONITORING = ("none", "prometheus-operator")

@@ -35,7 +35,7 @@ What makes it safe:
   dies unasked takes its workers with it, and the job fails saying so.
 
 :class:`ForkServer` starts the server and forks; :class:`ForkedProcess` is the
-``subprocess.Popen`` subset :class:`coordinator.launch.LocalJob` uses (``pid``,
+``subprocess.Popen`` subset :class:`coordinator.launchers.local.LocalJob` uses (``pid``,
 ``poll``, ``wait``, ``returncode``, ``stdout``, ``stderr``). The wire format is one
 JSON object per ``SOCK_SEQPACKET`` message over a socketpair; a fork request
 carries the child's stdout and stderr pipes as file descriptors.
@@ -44,7 +44,6 @@ carries the child's stdout and stderr pipes as file descriptors.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -56,32 +55,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from coordinator.core.wire import recv, send
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["SERVER_MODULE", "ForkServer", "ForkedProcess", "forkable", "recv", "send"]
+__all__ = ["SERVER_MODULE", "ForkServer", "ForkedProcess", "forkable"]
 
 SERVER_MODULE = "worker.forkserver"
-# the largest message: a fork request carries a whole environment
-MAX_MESSAGE = 1 << 20
 # a child's return code when the server died before it could report one
 LOST_WITH_SERVER = -int(signal.SIGKILL)
-
-
-def send(sock: socket.socket, message: Mapping[str, Any], fds: Sequence[int] = ()) -> None:
-    data = json.dumps(message).encode()
-    if len(data) > MAX_MESSAGE:
-        raise ValueError(f"fork server message of {len(data)} bytes (at most {MAX_MESSAGE})")
-    socket.send_fds(sock, [data], list(fds))
-
-
-def recv(sock: socket.socket, maxfds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
-    """The next message and the descriptors it carried; (None, []) once the peer is gone."""
-    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, maxfds)
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None, []
-    return json.loads(data), fds
 
 
 def forkable(command: Sequence[str]) -> bool:

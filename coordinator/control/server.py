@@ -42,19 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
-from coordinator.config import (
-    ADDRESS_ENV,
-    METRICS_HOST_ENV,
-    METRICS_PORT_ENV,
-    TOKEN_ENV,
-    CoordinatorConfig,
-    HttpConfig,
-    MembershipConfig,
-    PlanConfig,
-    ServerConfig,
-)
-from coordinator.layout import ParamSpec
-from coordinator.membership import (
+from coordinator.control.membership import (
     InvalidRequest,
     InventoryMismatch,
     Membership,
@@ -64,7 +52,11 @@ from coordinator.membership import (
     build_steps,
     first_difference,
 )
-from coordinator.messages import (
+from coordinator.control.statefile import StateStore, load_snapshot
+from coordinator.control.telemetry import CoordinatorMetrics, RpcMetricsInterceptor
+from coordinator.control.web import CoordinatorHttp
+from coordinator.core.layout import ParamSpec
+from coordinator.core.messages import (
     GENERATION_METADATA_KEY,
     Generation,
     StatusReport,
@@ -84,10 +76,18 @@ from coordinator.messages import (
     status_to_proto,
     worker_from_proto,
 )
-from coordinator.metrics import CoordinatorMetrics, RpcMetricsInterceptor
-from coordinator.statefile import StateStore, load_snapshot
-from coordinator.steps import Steps, finish_async
-from coordinator.web import CoordinatorHttp
+from coordinator.core.settings import (
+    ADDRESS_ENV,
+    METRICS_HOST_ENV,
+    METRICS_PORT_ENV,
+    TOKEN_ENV,
+    CoordinatorConfig,
+    HttpConfig,
+    MembershipConfig,
+    PlanConfig,
+    ServerConfig,
+)
+from coordinator.core.steps import Steps, finish_async
 
 __all__ = [
     "SERVICE_NAME",
@@ -387,7 +387,7 @@ class _Servicer:
         if expire:
             self.metrics.on_expired(len(self.m.expire()))
         async with self._forming:
-            # see coordinator/membership.py [Note: atomic formation]
+            # see coordinator/control/membership.py [Note: atomic formation]
             while (proposal := self.m.propose()) is not None:
                 try:
                     generation, data = await finish_async(_build_steps(proposal))
@@ -436,7 +436,7 @@ class _Servicer:
         self, request: pb.RegisterRequest
     ) -> tuple[tuple[ParamSpec, ...], str, bytes]:
         """The request's inventory, checked against the job's (the job's own tuple when
-        equal); linear, in steps (coordinator/steps.py [Note: steps])."""
+        equal); linear, in steps (coordinator/core/steps.py [Note: steps])."""
         job, digest = self.m.inventory, self.m.digest
         limit = self.config.server.max_params
         return await finish_async(_inventory_steps(request, job, digest, limit))
@@ -474,7 +474,7 @@ class _Servicer:
             return self._stopping or (self._published is not None and self._published[0] > after)
 
         # ends on cancellation too: a worker's process dying closes its stream
-        # (see coordinator/membership.py [Note: disconnects])
+        # (see coordinator/control/membership.py [Note: disconnects])
         token = self.m.watch_opened(request.worker_id)
         try:
             while True:
@@ -567,7 +567,7 @@ def _inventory_steps(
 
 
 def _build_steps(proposal: Proposal) -> Steps[tuple[Generation, bytes]]:
-    """A proposal's generation and its wire form (see coordinator/membership.py
+    """A proposal's generation and its wire form (see coordinator/control/membership.py
     [Note: atomic formation])."""
     generation = yield from build_steps(proposal)
     msg = yield from generation_steps(generation)
@@ -757,7 +757,8 @@ class CoordinatorServer:
 
 
 class EmbeddedCoordinator:
-    """A coordinator run by a launcher beside its workers (``coordinator.launch.JobService``).
+    """A coordinator run by a launcher beside its workers
+    (``coordinator.launchers.local.JobService``).
 
     ``start`` returns the environment that ``ClientConfig.from_env`` reads in the workers.
     """

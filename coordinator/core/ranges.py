@@ -6,7 +6,7 @@ flattened parameter), never by rank: a checkpoint file, a live hand-over
 between world sizes and an in-memory replica all hold entries keyed
 ``name[start:stop]``. Moving state is then always the same question: which
 of the ranges held somewhere overlap the ranges a rank now owns. The
-coordinator's reshard schedule (``coordinator/reshard.py``), the workers'
+coordinator's reshard schedule (``coordinator/core/reshard.py``), the workers'
 live exchange (``worker/elastic.py``) and checkpoint loading
 (``worker/checkpoint.py``) all answer it with this module. Torch-free.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from coordinator.layout import Layout
+from coordinator.core.layout import Layout
 
 __all__ = ["Range", "RangeIndex", "overlap", "owned_ranges"]
 

@@ -1,7 +1,7 @@
 """Hyperparameter search on Ray Tune: each trial a zeroplane job of N workers.
 
     from ray import tune
-    from coordinator.hpo import HpoSpec, search
+    from coordinator.tuning.search import HpoSpec, search
 
     result = search(HpoSpec(
         script="train.py", nproc=2, max_steps=200,
@@ -14,7 +14,7 @@
 
 * **A trial is a zeroplane job.** Tune runs :func:`run_trial` for each point of
   the space; it starts the script on ``nproc`` Ray actors through the Ray
-  launcher (:class:`~coordinator.launch_ray.RayJob`: a placement group, the
+  launcher (:class:`~coordinator.launchers.ray_cluster.RayJob`: a placement group, the
   job's own coordinator in the trial's process), with the point in
   ``$ZEROPLANE_HPARAMS`` (the script reads it with ``worker.hpo.trial()``).
 * **Metrics come from the engine.** Every rank's heartbeat already carries its
@@ -242,7 +242,7 @@ def run_trial(config: dict[str, Any], spec: HpoSpec) -> None:
     """Tune's trainable: one trial as a zeroplane job on Ray actors (see the module notes)."""
     from ray import tune
 
-    from coordinator.launch_ray import RayJob, RaySpec
+    from coordinator.launchers.ray_cluster import RayJob, RaySpec
 
     context = tune.get_context()
     trial_id = context.get_trial_id() or "trial"

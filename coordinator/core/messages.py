@@ -16,10 +16,10 @@ from urllib.parse import urlsplit
 from google.protobuf.message import Message
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
-from coordinator.config import MembershipConfig
-from coordinator.layout import Bucket, Layout, ParamSpec, Slot
-from coordinator.reshard import Move, ReshardSchedule
-from coordinator.steps import STEP, Steps, finish
+from coordinator.core.layout import Bucket, Layout, ParamSpec, Slot
+from coordinator.core.reshard import Move, ReshardSchedule
+from coordinator.core.settings import MembershipConfig
+from coordinator.core.steps import STEP, Steps, finish
 
 __all__ = [
     "FINISHED",
@@ -411,7 +411,7 @@ def inventory_wire(msgs: Sequence[pb.ParamInfo]) -> bytes:
 
 
 def inventory_wire_steps(inventory: Sequence[ParamSpec | pb.ParamInfo]) -> Steps[bytes]:
-    """``inventory_wire``, in steps (coordinator/steps.py), of a decoded inventory too."""
+    """``inventory_wire``, in steps (coordinator/core/steps.py), of a decoded inventory too."""
     wire = pb.PersistedInventory()
     for i in range(0, len(inventory), STEP):
         part = inventory[i : i + STEP]
@@ -437,7 +437,7 @@ def inventory_from_proto(msgs: Sequence[pb.ParamInfo], *, max_params: int) -> tu
 def inventory_steps(
     msgs: Sequence[pb.ParamInfo], *, max_params: int
 ) -> Steps[tuple[ParamSpec, ...]]:
-    """``inventory_from_proto`` in steps (coordinator/steps.py [Note: steps])."""
+    """``inventory_from_proto`` in steps (coordinator/core/steps.py [Note: steps])."""
     if len(msgs) > max_params:
         raise ValueError(f"inventory has {len(msgs)} parameters, over the limit of {max_params}")
     specs: list[ParamSpec] = []
@@ -582,7 +582,7 @@ def generation_to_proto(gen: Generation) -> pb.Generation:
 
 
 def generation_steps(gen: Generation) -> Steps[pb.Generation]:
-    """``generation_to_proto`` in steps (coordinator/steps.py [Note: steps])."""
+    """``generation_to_proto`` in steps (coordinator/core/steps.py [Note: steps])."""
     msg = pb.Generation(
         id=gen.id,
         members=[
@@ -625,7 +625,7 @@ def generation_steps(gen: Generation) -> Steps[pb.Generation]:
 
 
 def serialize_steps(msg: pb.Generation) -> Steps[bytes]:
-    """``msg.SerializeToString()`` in steps (coordinator/steps.py): its layout's buckets
+    """``msg.SerializeToString()`` in steps (coordinator/core/steps.py): its layout's buckets
     and its reshard moves go out in pieces, each a ``Generation`` holding a few of them.
     Parsing concatenated messages merges them (a message field merges, a repeated field
     appends), so the bytes parse to ``msg``; the pieces just never take long."""

@@ -58,9 +58,8 @@ import grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from coordinator.config import ADDRESS_ENV, load_token
-from coordinator.layout import ParamSpec
-from coordinator.messages import (
+from coordinator.core.layout import ParamSpec
+from coordinator.core.messages import (
     GENERATION_METADATA_KEY,
     Generation,
     StatusReport,
@@ -72,7 +71,8 @@ from coordinator.messages import (
     status_from_proto,
     worker_to_proto,
 )
-from coordinator.ports import free_ports
+from coordinator.core.ports import free_ports
+from coordinator.core.settings import ADDRESS_ENV, load_token
 
 __all__ = [
     "ClientConfig",

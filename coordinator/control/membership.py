@@ -19,7 +19,7 @@ Forming a generation is three steps: ``propose`` decides who is in it and
 where its rendezvous is (cheap, reads the state), ``build_generation``
 computes its layout and reshard schedule from that proposal alone (pure,
 linear in the inventory, so the server runs it in steps, see
-coordinator/steps.py, while other requests go on), and
+coordinator/core/steps.py, while other requests go on), and
 ``commit`` publishes it only if the proposal still holds (no proposed worker
 went away meanwhile; else the server proposes again). A server that cannot
 encode a built generation calls ``refuse`` instead: nothing changes, the
@@ -37,9 +37,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.config import MembershipConfig
-from coordinator.layout import ParamSpec, layout_steps
-from coordinator.messages import (
+from coordinator.core.layout import ParamSpec, layout_steps
+from coordinator.core.messages import (
     FINISHED,
     STOPPED,
     Event,
@@ -52,10 +51,11 @@ from coordinator.messages import (
     inventory_digest,
     metrics_target,
 )
-from coordinator.planner import PlanConfig, StageChoice, choose_stage
-from coordinator.ports import free_port
-from coordinator.reshard import ReshardSchedule, reshard_steps
-from coordinator.steps import Steps, finish
+from coordinator.core.planner import PlanConfig, StageChoice, choose_stage
+from coordinator.core.ports import free_port
+from coordinator.core.reshard import ReshardSchedule, reshard_steps
+from coordinator.core.settings import MembershipConfig
+from coordinator.core.steps import Steps, finish
 
 __all__ = [
     "InvalidRequest",
@@ -157,7 +157,7 @@ def build_generation(p: Proposal) -> Generation:
 
 
 def build_steps(p: Proposal) -> Steps[Generation]:
-    """``build_generation`` in steps (coordinator/steps.py [Note: steps])."""
+    """``build_generation`` in steps (coordinator/core/steps.py [Note: steps])."""
     layout = yield from layout_steps(
         p.inventory,
         len(p.infos),

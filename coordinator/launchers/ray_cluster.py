@@ -10,11 +10,11 @@
   the job either gets all its resources or waits for them, and a worker's
   resources stay reserved while it restarts.
 * Each actor runs one worker process of the command through
-  :class:`coordinator.launch.LocalJob` (nproc 1), so the process dies with its
+  :class:`coordinator.launchers.local.LocalJob` (nproc 1), so the process dies with its
   actor (PR_SET_PDEATHSIG) and its output reaches the driver through Ray's log
   forwarding, prefixed with the worker's name.
 * The coordinator runs in the driver's process (an
-  :class:`~coordinator.server.EmbeddedCoordinator` listening on all interfaces
+  :class:`~coordinator.control.server.EmbeddedCoordinator` listening on all interfaces
   and advertised at the driver node's address); workers register with it as
   under ``zeroplane run`` and take their rank from its generations. Crash
   recovery is the same as with local processes: a worker process that fails is
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from coordinator.config import (
+from coordinator.core.settings import (
     ADDRESS_ENV,
     WORKER_ID_ENV,
     CoordinatorConfig,
@@ -153,7 +153,7 @@ class _WorkerActor:
         """Run the worker to its end; its exit code (128 + signal when killed)."""
         import sys
 
-        from coordinator.launch import LaunchSpec, LocalJob
+        from coordinator.launchers.local import LaunchSpec, LocalJob
 
         def line(_rank: int, stream: str, text: str) -> None:
             # The actor's own stdout/stderr: Ray forwards them to the driver.
@@ -214,7 +214,7 @@ class RayJob:
     def start(self) -> RayJob:
         import ray
 
-        from coordinator.server import EmbeddedCoordinator
+        from coordinator.control.server import EmbeddedCoordinator
 
         self._ray = ray
         spec = self.spec

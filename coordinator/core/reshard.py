@@ -15,8 +15,8 @@ never moves: it is not part of any parameter.
 At stage 0 nothing is partitioned, so the owners are nominal: every rank
 holds every element and any survivor can serve any range.
 
-All offsets come from ``coordinator.layout``; this module only intersects
-runs (with ``coordinator.ranges``, see [Note: element ranges]).
+All offsets come from ``coordinator.core.layout``; this module only intersects
+runs (with ``coordinator.core.ranges``, see [Note: element ranges]).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from coordinator.layout import Layout
-from coordinator.ranges import overlap
-from coordinator.steps import STEP, Steps, finish
+from coordinator.core.layout import Layout
+from coordinator.core.ranges import overlap
+from coordinator.core.steps import STEP, Steps, finish
 
 __all__ = [
     "Move",
@@ -86,7 +86,7 @@ def reshard_schedule(old: Layout, new: Layout) -> list[Move]:
 
 
 def reshard_steps(old: Layout, new: Layout) -> Steps[list[Move]]:
-    """``reshard_schedule`` in steps (coordinator/steps.py [Note: steps])."""
+    """``reshard_schedule`` in steps (coordinator/core/steps.py [Note: steps])."""
     old_names = yield from _names_steps(old)
     new_names = yield from _names_steps(new)
     if set(old_names) != set(new_names):

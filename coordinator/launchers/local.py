@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import IO, Protocol
 
-from coordinator.config import WORKER_ID_ENV
-from coordinator.forkserver import ForkedProcess, ForkServer, forkable
-from coordinator.ports import free_port
+from coordinator.core.ports import free_port
+from coordinator.core.settings import WORKER_ID_ENV
+from coordinator.launchers.spawner import ForkedProcess, ForkServer, forkable
 
 __all__ = [
     "STAGE_CHOICES",
@@ -115,7 +115,7 @@ class LaunchSpec:
     grace_s: how long workers get between SIGTERM (or a forwarded signal) and
         SIGKILL.
     fork_server: fork the workers from one process that imported torch once
-        (coordinator/forkserver.py [Note: fork server]) when ``command`` is this
+        (coordinator/launchers/spawner.py [Note: fork server]) when ``command`` is this
         interpreter running a script or ``-m module``; Linux only.
     """
 

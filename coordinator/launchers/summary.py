@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from coordinator.messages import StatusReport, WorkerReport
+from coordinator.core.messages import StatusReport, WorkerReport
 
 __all__ = ["JobSummary", "format_duration"]
 

@@ -1,6 +1,6 @@
 """The planner: memory per rank for each ZeRO stage, and the stage to run.
 
-Model states come from ``coordinator.memory`` (the ZeRO paper's formulas).
+Model states come from ``coordinator.core.memory`` (the ZeRO paper's formulas).
 Activations are not derivable from a parameter inventory, so they enter as a
 stated per-rank term (``PlanConfig.activation_bytes``), or are estimated
 from the transformer's shape (``PlanConfig.activations``, see
@@ -33,7 +33,7 @@ says why.
 When no stage fits the device, with activation checkpointing or without, the
 planner proposes offload (worker/offload.py), in this order: optimizer
 offload at stage 1, 2, then 3, then optimizer and parameter offload at stage
-3; the first whose device bytes fit (coordinator/memory.py [Note: offloaded
+3; the first whose device bytes fit (coordinator/core/memory.py [Note: offloaded
 state bytes]) and, where the host memory is known
 (``PlanConfig.host_memory_bytes``), whose host bytes fit it too. It states
 the host memory needed and the step-time cost of the copies: the bytes each
@@ -53,7 +53,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from coordinator.memory import (
+from coordinator.core.memory import (
     DTYPE_BYTES,
     ModelStateBytes,
     Offload,

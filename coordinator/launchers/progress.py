@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
-from coordinator.messages import Event, StatusReport, WorkerReport
-from coordinator.summary import format_duration
+from coordinator.core.messages import Event, StatusReport, WorkerReport
+from coordinator.launchers.summary import format_duration
 
 __all__ = ["ProgressDisplay", "ProgressSample", "ProgressTracker", "describe_event"]
 

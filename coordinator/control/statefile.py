@@ -31,9 +31,9 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
-from coordinator.layout import Layout, ParamSpec, compute_layout
-from coordinator.membership import Snapshot
-from coordinator.messages import (
+from coordinator.control.membership import Snapshot
+from coordinator.core.layout import Layout, ParamSpec, compute_layout
+from coordinator.core.messages import (
     Generation,
     generation_from_proto,
     generation_to_proto,
@@ -44,7 +44,7 @@ from coordinator.messages import (
     worker_from_proto,
     worker_to_proto,
 )
-from coordinator.reshard import reshard_schedule
+from coordinator.core.reshard import reshard_schedule
 
 __all__ = ["FORMAT_VERSION", "StateStore", "inventory_path", "load_snapshot", "save_snapshot"]
 

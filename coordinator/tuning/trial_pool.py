@@ -1,7 +1,7 @@
 """The tuner's side of the measured runs: a pool of local worker processes.
 
 :class:`TrialPool` starts ``nproc`` workers of ``python -m worker.trials``
-(worker/trials.py has the protocol) through :class:`~coordinator.launch.LocalJob`
+(worker/trials.py has the protocol) through :class:`~coordinator.launchers.local.LocalJob`
 once, and measures a candidate by writing its request and waiting for rank 0's
 result. A trial that fails ends the pool (its process group may be broken);
 the next trial starts a fresh one. Torch-free.
@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from coordinator.autotune import Candidate, Measurement
-from coordinator.launch import LaunchSpec, LocalJob
+from coordinator.launchers.local import LaunchSpec, LocalJob
+from coordinator.tuning.autotune import Candidate, Measurement
 
 __all__ = ["TrialPool", "TrialSettings"]
 

@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.steps import STEP, Steps, finish
+from coordinator.core.steps import STEP, Steps, finish
 
 __all__ = [
     "Bucket",
@@ -225,7 +225,7 @@ def layout_steps(
     align: int = 1,
     by_unit: bool = False,
 ) -> Steps[Layout]:
-    """``compute_layout`` in steps (coordinator/steps.py [Note: steps])."""
+    """``compute_layout`` in steps (coordinator/core/steps.py [Note: steps])."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_numel < 1:

@@ -45,8 +45,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from coordinator.memory import DTYPE_BYTES
-from coordinator.planner import PlanConfig, estimate_memory, format_bytes
+from coordinator.core.memory import DTYPE_BYTES
+from coordinator.core.planner import PlanConfig, estimate_memory, format_bytes
 
 __all__ = [
     "COMPRESSIONS",

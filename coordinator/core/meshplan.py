@@ -18,8 +18,13 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from coordinator.memory import DTYPE_BYTES, ModelStateBytes, model_parallel_numel, model_state_bytes
-from coordinator.planner import PlanConfig, format_bytes
+from coordinator.core.memory import (
+    DTYPE_BYTES,
+    ModelStateBytes,
+    model_parallel_numel,
+    model_state_bytes,
+)
+from coordinator.core.planner import PlanConfig, format_bytes
 
 __all__ = [
     "PP_ENV",

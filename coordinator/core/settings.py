@@ -2,7 +2,7 @@
 
 * ``ServerConfig``: where it listens, authentication, TLS, the state file, limits;
 * ``MembershipConfig``: how many workers, the join window, leases;
-* ``PlanConfig`` (from ``coordinator.planner``): stage choice and layout;
+* ``PlanConfig`` (from ``coordinator.core.planner``): stage choice and layout;
 * ``HttpConfig``: the HTTP port for metrics, service discovery and the status page.
 
 The bearer token is read from a file (a mounted Kubernetes Secret) or an
@@ -19,7 +19,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.planner import PlanConfig
+from coordinator.core.planner import PlanConfig
 
 __all__ = [
     "ADDRESS_ENV",
@@ -127,7 +127,7 @@ class MembershipConfig:
     heartbeat_interval_s: float = 2.0
     # A worker whose connection closed (its generation stream ended) and did not
     # come back within this is dropped without waiting out its lease
-    # (coordinator/membership.py [Note: disconnects]). None: one heartbeat
+    # (coordinator/control/membership.py [Note: disconnects]). None: one heartbeat
     # interval; lease_timeout_s: leases alone decide.
     disconnect_grace_s: float | None = None
     # Added to the first lease of members restored from the state file: time for
@@ -179,7 +179,7 @@ class MembershipConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class HttpConfig:
-    """The coordinator's HTTP side (coordinator/web.py): ``/metrics``, ``/sd``, ``/``.
+    """The coordinator's HTTP side (coordinator/control/web.py): ``/metrics``, ``/sd``, ``/``.
 
     port: None serves no HTTP at all; 0 picks a free port.
     host: address to bind; None: the gRPC server's host.
