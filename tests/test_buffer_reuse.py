@@ -79,8 +79,8 @@ def test_a_rebuild_for_another_world_keeps_the_staging_buffers() -> None:
     pool = engine.state.pool
     before = {b.data_ptr() for b in pool.free}
     assert before and all(b.numel() % BUFFER_GRAIN == 0 for b in pool.free)
-    # as a newcomer's build for rank 1 of 3 (worker/session.py [Note: a newcomer builds
-    # ahead]): the buckets are padded for three ranks now, and still fit
+    # as a newcomer's build for rank 1 of 3 (worker/elastic/joining.py [Note: a newcomer
+    # builds ahead]): the buckets are padded for three ranks now, and still fit
     engine.state.build(Collectives.ahead(1, 3, "gloo"), from_module=False)
     assert max(b.spec.padded_numel for b in engine.buckets) <= pool.largest
     assert {b.data_ptr() for b in pool.free} == before

@@ -98,3 +98,44 @@ def test_from_deepspeed_bad_stage_names_the_field() -> None:
 def test_from_deepspeed_both_precisions() -> None:
     with pytest.raises(ValueError, match="both"):
         ZeroConfig.from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+
+
+def test_sections_hold_every_field_once_and_check_it() -> None:
+    from dataclasses import fields
+
+    from worker.config_sections import SECTIONS
+
+    held = [f.name for section in SECTIONS for f in fields(section)]
+    assert sorted(held) == sorted(f.name for f in fields(ZeroConfig))
+    assert len(held) == len(set(held))
+    cfg = ZeroConfig(stage=3, dtype="fp16", hysteresis=2, offload_params="cpu")
+    assert cfg.stage3.stage3_prefetch == 1
+    assert cfg.loss_scaling.hysteresis == 2
+    assert cfg.offload.offload_params == "cpu"
+    assert (cfg.precision.dtype, cfg.sharding.stage) == ("fp16", 3)
+    with pytest.raises(ValueError, match=r"ZeroConfig\.hysteresis must be an integer >= 1"):
+        type(cfg.loss_scaling)(**{**vars(cfg.loss_scaling), "hysteresis": 0})
+
+
+def test_with_plan_turns_off_what_the_planned_stage_does_not_run() -> None:
+    cfg = ZeroConfig(
+        stage=3,
+        stage3_gather_compression="int8",
+        offload_params="cpu",
+        offload_optimizer="cpu",
+        compression="int8",
+    )
+    two = cfg.with_plan(stage=2, bucket_numel=1024)
+    assert two == cfg.replace(
+        stage=2, bucket_numel=1024, stage3_gather_compression="none", offload_params="none"
+    )
+    assert two.offload_optimizer == "cpu" and two.compression == "int8"
+    zero = cfg.with_plan(stage=0, bucket_numel=1024)
+    assert zero == ZeroConfig(stage=0, bucket_numel=1024, compression="int8")
+    # the same stage: only the bucket size changes
+    assert cfg.with_plan(stage=3, bucket_numel=1024) == cfg.replace(bucket_numel=1024)
+    # planned up, nothing is turned on or off
+    low = ZeroConfig(stage=1, offload_optimizer="cpu")
+    assert low.with_plan(stage=3, bucket_numel=64) == low.replace(stage=3, bucket_numel=64)
+    with pytest.raises(ValueError, match=r"ZeroConfig\.bucket_numel must be"):
+        cfg.with_plan(stage=2, bucket_numel=0)

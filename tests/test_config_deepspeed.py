@@ -181,7 +181,7 @@ def test_hf_templates_unresolved_name_every_auto_key(name: str, keys: list[str])
 
 
 def test_hf_template_logs_auto_optimizer_and_batch_sizes_as_ignored(caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="worker.config"):
+    with caplog.at_level(logging.WARNING, logger="worker.ds_config"):
         ZeroConfig.from_deepspeed(
             load("hf_zero3_auto.json"), **HF_RESOLVE, dtype="bf16", hidden_size=64
         )
@@ -643,7 +643,7 @@ def test_deepspeed_activation_section_turns_units_on(caplog) -> None:
         "profile": False,
         "cpu_checkpointing": False,
     }
-    with caplog.at_level(logging.WARNING, logger="worker.config"):
+    with caplog.at_level(logging.WARNING, logger="worker.ds_config"):
         cfg = ZeroConfig.from_deepspeed({"activation_checkpointing": section})
     assert cfg == ZeroConfig(activation_checkpointing="units")
     for key in section:

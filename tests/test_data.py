@@ -305,3 +305,30 @@ def test_hf_tokenizer_packs_and_names_its_vocabulary(tmp_path: Path) -> None:
     other = word_level({**words, "dog": 5})
     assert other.identity != tok.identity
     assert not pack_documents(docs, other, seq_len=3, cache_dir=tmp_path).cache_hit
+
+
+class _EngineOn:
+    """What a loader reads of an engine, on a device of our choosing."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.global_steps, self.rank, self.world_size = 0, 0, 1
+        self.registered: dict[str, object] = {}
+
+    def register_state(self, name: str, obj: object) -> None:
+        self.registered[name] = obj
+
+    def set_gradient_accumulation_steps(self, n: int) -> None:
+        pass
+
+
+def test_an_attached_loader_delivers_to_the_engines_device() -> None:
+    # the meta device stands in for a GPU here: batches go where the engine trains
+    data = torch.arange(24.0).reshape(12, 2)
+    config = LoaderConfig(global_batch=4, num_workers=0, prefetch=0)
+    with StepLoader(data, config) as loader:
+        (batch,) = loader.attach(_EngineOn("meta")).current()
+        assert batch.device.type == "meta"
+    with StepLoader(data, config, device="cpu") as loader:  # an explicit device wins
+        (batch,) = loader.attach(_EngineOn("meta")).current()
+        assert batch.device.type == "cpu"

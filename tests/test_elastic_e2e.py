@@ -207,7 +207,7 @@ def test_grow_2_to_3_then_sigterm_back_to_2(job_factory, stage: int, flags) -> N
     assert "grew to 3 ranks" in job.log("w0")
     assert "handed over" in job.log("w2")
     # announced first, then handed over once the survivors wrote their buffers
-    # (worker/session.py [Note: a leave prepared ahead])
+    # (worker/elastic/change.py [Note: a leave prepared ahead])
     for name in ("w0", "w1"):
         assert "of 2 (prepared ahead)" in job.log(name), job.log(name)[-3000:]
     assert_matches_reference(job.tmp / "final.pt")
@@ -314,7 +314,7 @@ def test_a_leave_and_a_join_in_one_generation(job_factory) -> None:
 def test_a_leave_while_a_scale_up_is_pending_goes_first(job_factory, monkeypatch) -> None:
     """A newcomer was admitted and the members train on until it is ready to switch
     (worker/control.py [Note: meeting ahead]) when a member is told to stop. The
-    leave goes first (worker/session.py [Note: a leave prepared ahead]). The
+    leave goes first (worker/elastic/change.py [Note: a leave prepared ahead]). The
     generation the newcomer was admitted to still holds the leaver, so the survivor
     waits for the next one, which the newcomer joins. Nothing is recovered."""
     job = job_factory(1, max_workers=3)
@@ -543,7 +543,7 @@ class LauncherRun:
         """What happened, for a failure message: the membership, launcher and recovery
         lines (tracebacks cut to their last line), then the end of the log."""
         keep = ("coordinator.control.membership", "coordinator.launchers.local", "worker.control",
-                "worker.session", "Error:", "zeroplane run:")  # fmt: skip
+                "worker.elastic", "worker.reporting", "Error:", "zeroplane run:")  # fmt: skip
         lines = [ln[:240] for ln in self.text().splitlines() if any(k in ln for k in keep)]
         return "\n".join(lines)[-limit:] + "\n--- the log's end ---\n" + self.text()[-2000:]
 

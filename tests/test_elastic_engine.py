@@ -100,7 +100,7 @@ def test_resize_2_3_2_matches_uninterrupted_training(pools, stage: int) -> None:
 
 def join_built_ahead(stage: int, planned_rank: int) -> float | None:
     """Ranks 0-1 train; rank 2 built its buffers ahead for rank ``planned_rank`` of 3
-    (worker/session.py [Note: a newcomer builds ahead]), then joins as rank 2."""
+    (worker/elastic/joining.py [Note: a newcomer builds ahead]), then joins as rank 2."""
     ahead = Collectives.ahead(planned_rank, 3, "gloo")
     rank, _, engine = pair_then_newcomer(stage, build_for=ahead)
     if rank == 2:
@@ -296,7 +296,7 @@ def session_reuses_buffers(stage: int) -> bool:
     retires a replica, the next snapshot goes into that replica's buffer."""
     from types import SimpleNamespace
 
-    from worker.session import ElasticSession
+    from worker.elastic.session import ElasticSession
 
     rank, _, engine = pair_then_newcomer(stage, replica_interval=1)
     session = ElasticSession()
@@ -327,7 +327,7 @@ def session_reuses_buffers(stage: int) -> bool:
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_session_snapshots_into_buffers_nothing_reads(pools, stage: int) -> None:
-    """[Note: a snapshot into the last one's buffer] in worker/elastic.py."""
+    """[Note: a snapshot into the last one's buffer] in worker/elastic/replicas.py."""
     assert all(pools(3).run(session_reuses_buffers, stage))
 
 

@@ -1,4 +1,5 @@
-"""memory_report() and comm_report() against the ZeRO formulas of DESIGN.md."""
+"""memory_report() and comm_report() against the ZeRO formulas of docs/design.md
+("Model-state bytes per rank", "Words moved per step")."""
 
 from __future__ import annotations
 

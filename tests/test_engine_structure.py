@@ -18,8 +18,20 @@ from tests.reference import OPTIMIZERS, VOCAB, seeded_model
 WORKER = Path(worker.__file__).parent
 
 
+def _module_name(path: Path) -> str:
+    """``path``'s module under worker/, dotted: ``engine``, ``elastic.session``, ``elastic``."""
+    parts = path.relative_to(WORKER).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(dotted: str) -> bool:
+    path = WORKER.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
 def _imports(path: Path) -> set[str]:
-    """worker modules ``path`` imports anywhere, TYPE_CHECKING blocks and functions included."""
+    """worker modules ``path`` imports anywhere, TYPE_CHECKING blocks and functions
+    included, dotted below worker (a package's own ``__init__`` by its name)."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -30,13 +42,17 @@ def _imports(path: Path) -> set[str]:
             continue
         for name in names:
             parts = name.split(".")
-            if parts[0] == "worker" and len(parts) > 1 and (WORKER / f"{parts[1]}.py").exists():
-                out.add(parts[1])
+            if parts[0] == "worker" and len(parts) > 1 and _is_module(".".join(parts[1:])):
+                out.add(".".join(parts[1:]))
     return out
 
 
 def test_the_worker_import_graph_has_no_cycle() -> None:
-    graph = {p.stem: _imports(p) - {p.stem} for p in WORKER.glob("*.py") if p.stem != "__init__"}
+    graph = {
+        _module_name(p): _imports(p) - {_module_name(p)}
+        for p in WORKER.rglob("*.py")
+        if p != WORKER / "__init__.py"
+    }
     state: dict[str, str] = {}
 
     def visit(node: str, path: list[str]) -> None:
@@ -52,17 +68,22 @@ def test_the_worker_import_graph_has_no_cycle() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
-    # the layering DESIGN.md states: session -> engine -> state -> collectives
-    assert "session" not in graph["engine"] and "engine" not in graph["state"]
-    assert {"engine"} <= graph["session"] and {"state"} <= graph["engine"]
+    # the layering docs/design.md states ("The layering the tests enforce"):
+    # session -> engine -> state -> collectives
+    session = "elastic.session"
+    assert session not in graph["engine"] and "engine" not in graph["state"]
+    assert {"engine"} <= graph[session] and {"state"} <= graph["engine"]
+    assert {"engine"} <= graph["attached"] and "attached" not in graph["engine"]
+    # the elastic package's parts import downwards only: its __init__ never the session
+    assert not {session, "elastic.joining", "elastic.change"} & graph["elastic"]
 
 
 def test_no_module_reaches_into_the_engines_private_members() -> None:
     private = re.compile(r"\bengine\._[a-z]")
     offenders = [
         f"{p.name}:{n}"
-        for p in sorted(WORKER.glob("*.py"))
-        if p.name != "engine.py"
+        for p in sorted(WORKER.rglob("*.py"))
+        if p != WORKER / "engine.py"
         for n, line in enumerate(p.read_text().splitlines(), 1)
         if private.search(line)
     ]
@@ -121,7 +142,7 @@ def test_stage2_staging_buffers_come_from_a_pool_of_two() -> None:
 
 
 def test_session_phases_move_only_as_documented() -> None:
-    from worker.session import ElasticSession, Phase
+    from worker.elastic.session import ElasticSession, Phase
 
     session = ElasticSession()
     assert session.phase is Phase.JOINING

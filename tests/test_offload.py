@@ -422,7 +422,7 @@ def test_from_deepspeed_refuses_nvme_naming_the_key() -> None:
 
 
 def test_from_deepspeed_logs_ignored_offload_tuning(caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="worker.config"):
+    with caplog.at_level(logging.WARNING, logger="worker.ds_config"):
         ZeroConfig.from_deepspeed(
             zero(stage=2, offload_optimizer={"device": "cpu", "ratio": 0.3, "fast_init": False})
         )

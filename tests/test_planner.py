@@ -190,3 +190,16 @@ def test_cli_plan_with_a_transformer_shape(capsys) -> None:
     assert "--seq needs --layers and --hidden" in capsys.readouterr().err
     assert main([*argv, "--layers", "32"]) == 2
     assert "need --seq" in capsys.readouterr().err
+
+
+def test_birth_bytes_floor_the_ordinary_path_and_fall_with_n_on_the_meta_path() -> None:
+    from coordinator.core.memory import birth_bytes
+
+    psi, unit = 10_000_000, 250_000
+    for n in (1, 2, 8, 64):
+        b = birth_bytes(psi, stage=3, world_size=n, dtype="fp32", unit_numel=unit)
+        # stage 3, fp32: parameter and gradient shards (the optimizer's states come later)
+        assert b.meta == 8 * psi / n + 8 * unit
+        assert b.ordinary == 8 * psi / n + 4 * psi  # the whole fp32 model, at every N
+    mixed = birth_bytes(psi, stage=2, world_size=4, dtype="bf16")
+    assert mixed.meta == 2 * psi + 2 * psi / 4 + 4 * psi / 4

@@ -47,7 +47,7 @@ def _state_tensors(engine) -> list[torch.Tensor]:
 def join_prepared(stage: int) -> dict:
     """Ranks 0-1 train; each writes ahead what a switch to rank r of 3 needs; rank 2,
     built ahead, writes the optimizer state it will import and a receive buffer,
-    as worker/session.py does; then the join exchange, and training on."""
+    as worker/elastic/joining.py does; then the join exchange, and training on."""
     rank, _, engine = pair_then_newcomer(stage, build_for=Collectives.ahead(2, 3, "gloo"))
     state = engine.state
     if rank < 2:
@@ -138,7 +138,7 @@ def test_the_packed_bound_covers_every_split_of_a_ranks_share(stage: int) -> Non
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_sent_bound_covers_what_a_rank_sends_and_no_more_than_it_owns(stage: int) -> None:
     """Scale-ups and scale-downs (the last ranks leave): what each old rank packs
-    for every other new rank, as worker/elastic.py ``exchange`` slices it."""
+    for every other new rank, as worker/elastic/live_exchange.py ``exchange`` slices it."""
     import types
 
     from coordinator.core.ranges import Range, RangeIndex, owned_ranges

@@ -3,11 +3,27 @@
 import worker
 engine = worker.initialize(model, optimizer, config=worker.ZeroConfig(stage=2))
 loss = engine(batch); engine.backward(loss); engine.step()
+
+A model larger than one rank comes to life sharded: build it under
+``torch.device("meta")`` or ``worker.meta_parameters()``, or load a Hugging Face
+checkpoint with ``worker.from_pretrained(path, optimizer, config=...)``.
 """
 
 from worker import models
+from worker.birth import meta_parameters, skip_init
 from worker.config import ZeroConfig
+from worker.elastic.phases import StepAborted
 from worker.engine import ZeroEngine
-from worker.session import StepAborted, initialize
+from worker.entry import initialize
+from worker.hf import from_pretrained
 
-__all__ = ["StepAborted", "ZeroConfig", "ZeroEngine", "initialize", "models"]
+__all__ = [
+    "StepAborted",
+    "ZeroConfig",
+    "ZeroEngine",
+    "from_pretrained",
+    "initialize",
+    "meta_parameters",
+    "models",
+    "skip_init",
+]

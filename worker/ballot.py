@@ -17,7 +17,7 @@ waited on in ``step()``, so it overlaps backward:
   not all ready for it yet (so the maximum says whether anyone waits: the
   switch waits for the slowest, worker/control.py [Note: meeting ahead]).
   Every rank thus learns the same thing at the same step boundary and
-  changes membership together (worker/session.py).
+  changes membership together (worker/elastic/session.py).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -79,13 +79,16 @@ from worker.inventory import dtype_name, persistent_buffers
 from worker.state import MissingRange, ShardState
 
 __all__ = [
+    "DEFAULT_SHARD_BYTES",
     "FORMAT",
     "CheckpointError",
+    "Planned",
     "export_consolidated",
     "load_checkpoint",
     "persistent_buffers",
     "resolve",
     "save_checkpoint",
+    "write_safetensors_shards",
 ]
 
 logger = logging.getLogger(__name__)
@@ -518,7 +521,7 @@ DEFAULT_SHARD_BYTES = 5 * 10**9  # "5GB", where transformers' save_pretrained sp
 
 
 @dataclass(frozen=True)
-class _Planned:
+class Planned:
     """One tensor of an export: its name, its size there and how to make it."""
 
     name: str
@@ -548,7 +551,26 @@ def export_consolidated(
     manifest = read_manifest(step_dir)
     files = _read_files(step_dir, manifest, sorted(manifest["files"]))
     plan = _plan_export(manifest, files, dtype)
-    shards: list[list[_Planned]] = [[]]
+    metadata = {"format": "pt", "global_steps": str(manifest["global_steps"])}
+    return len(plan), write_safetensors_shards(plan, out, metadata, max_shard_bytes)
+
+
+def write_safetensors_shards(
+    plan: Sequence[Planned],
+    out: str | os.PathLike,
+    metadata: dict[str, str],
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    *,
+    write: bool = True,
+) -> list[Path]:
+    """Write ``plan``'s tensors as safetensors, as transformers' ``save_pretrained``
+    lays them out: up to ``max_shard_bytes`` the one file ``out``; beyond,
+    ``{stem}-00001-of-0000N.safetensors`` beside it and an index
+    ``{out}.index.json``. Each file's tensors are made (``Planned.make``) just
+    before it is written, so memory is bounded by one file. ``write=False``: make
+    every tensor in the same order but write nothing (the other ranks of a
+    collective export, whose ``make`` calls meet rank 0's); returns the files."""
+    shards: list[list[Planned]] = [[]]
     size = 0
     for item in plan:
         if shards[-1] and size + item.nbytes > max_shard_bytes:
@@ -566,24 +588,29 @@ def export_consolidated(
         if n == 1
         else [target.with_name(f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors") for i in range(n)]
     )
-    metadata = {"format": "pt", "global_steps": str(manifest["global_steps"])}
     for shard, file in zip(shards, targets, strict=True):
-        _write_safetensors(shard, file, metadata)
+        if write:
+            _write_safetensors(shard, file, metadata)
+        else:
+            for item in shard:
+                item.make()
+    if not write:
+        return targets if n == 1 else [*targets, index_file]
     if n == 1:
         index_file.unlink(missing_ok=True)  # from an earlier, larger export
-        return len(plan), targets
+        return targets
     weight_map = {
         item.name: f.name for shard, f in zip(shards, targets, strict=True) for item in shard
     }
     body = {"metadata": {"total_size": sum(i.nbytes for i in plan)}, "weight_map": weight_map}
     _write_durably(index_file, lambda f: f.write(json.dumps(body, indent=2).encode()))
     target.unlink(missing_ok=True)  # a single file from an earlier export would win
-    return len(plan), [*targets, index_file]
+    return [*targets, index_file]
 
 
 def _plan_export(
     manifest: dict, files: dict[str, dict], dtype: torch.dtype | None
-) -> list[_Planned]:
+) -> list[Planned]:
     """Every tensor of the export in order: parameters, aliases (repeating their
     parameter) and the saved buffers (persistent ones only, since they are all
     that is saved)."""
@@ -600,10 +627,10 @@ def _plan_export(
             flat[a:b] = files[file]["entries"][have.key]["master"]
         return cast(flat.view(shape))
 
-    def planned(name: str, like: torch.Tensor, numel: int, make) -> _Planned:
-        return _Planned(name, numel * cast(like.new_empty(())).element_size(), make)
+    def planned(name: str, like: torch.Tensor, numel: int, make) -> Planned:
+        return Planned(name, numel * cast(like.new_empty(())).element_size(), make)
 
-    plan: dict[str, _Planned] = {}
+    plan: dict[str, Planned] = {}
     for name, info in manifest["params"].items():
         numel = math.prod(info["shape"])
         if info["requires_grad"]:
@@ -613,13 +640,13 @@ def _plan_export(
             like = unsharded["frozen"][name]
             plan[name] = planned(name, like, numel, functools.partial(cast, like))
     for alias, name in manifest.get("aliases", {}).items():
-        plan[alias] = _Planned(alias, plan[name].nbytes, plan[name].make)
+        plan[alias] = Planned(alias, plan[name].nbytes, plan[name].make)
     for name, t in unsharded["buffers"].items():
         plan[name] = planned(name, t, t.numel(), functools.partial(cast, t))
     return list(plan.values())
 
 
-def _write_safetensors(shard: list[_Planned], file: Path, metadata: dict[str, str]) -> None:
+def _write_safetensors(shard: list[Planned], file: Path, metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}

@@ -182,7 +182,7 @@ class Collectives:
     @classmethod
     def ahead(cls, rank: int, world_size: int, backend: str) -> Collectives:
         """Stand-in for the default group of a generation that has not formed yet:
-        its rank and size, to build buffers for (worker/session.py [Note: a newcomer
+        its rank and size, to build buffers for (worker/elastic/joining.py [Note: a newcomer
         builds ahead]). No collective may run on it; once the group has formed,
         :meth:`ShardState.rebind` swaps in the real one."""
         comm = cls()

@@ -364,7 +364,7 @@ class ControlPlane:
         switch the members add themselves to the ``arrived`` count of the store
         they already hold, and the group forms at once. A rank that has not heard
         of the generation yet does not vote "waiting"; it switches when the others
-        do, unprepared. After ``_AHEAD_PATIENCE_S`` (worker/session.py) the
+        do, unprepared. After ``_AHEAD_PATIENCE_S`` (worker/elastic/change.py) the
         members switch anyway, and the meeting deals with a newcomer that never
         came, as before.
 

@@ -10,7 +10,7 @@ What differs between stages is which pieces the shard state was built with
 of ``STAGES`` per stage); this module drives them the same way for all.
 Where the state lives and how it is rebuilt for another world is
 worker/state.py; mixed precision is worker/precision.py; joining a
-coordinator's job and following its membership is worker/session.py.
+coordinator's job and following its membership is worker/elastic/session.py.
 
 See ``coordinator/core/layout.py`` [Note: shard layout], ``worker/flat.py``
 [Note: flat buffers] and ``worker/optim.py`` [Note: per-parameter shard views].
@@ -68,9 +68,10 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_map
 
 from coordinator.core.layout import Layout
-from worker import checkpoint, elastic
+from worker import checkpoint, elastic, pretrained
 from worker.activations import SavedBytes, checkpoint_modules, choose_modules, unwrap
 from worker.ballot import Ballot, BoundaryVote
+from worker.birth import Init, default_device, place_module
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.config import ZeroConfig
 from worker.flat import BucketState, FlatBucket, GatherUnit
@@ -98,7 +99,7 @@ OptimizerArg = torch.optim.Optimizer | Callable[[list[dict]], torch.optim.Optimi
 
 
 class Membership(Protocol):
-    """What the engine asks of an elastic session (worker/session.py) at its seams."""
+    """What the engine asks of an elastic session (worker/elastic/session.py) at its seams."""
 
     def vote(self, engine: ZeroEngine) -> BoundaryVote:
         """This rank's membership proposal for the coming step boundary."""
@@ -109,7 +110,7 @@ class Membership(Protocol):
     ) -> Handle | None:
         """Before the optimizer step: start sending this step's final partition
         gradients to the neighbour that keeps this rank's replica; the engine waits
-        on the handle before it steps (worker/elastic.py [Note: rolling a lost rank
+        on the handle before it steps (worker/elastic/replicas.py [Note: rolling a lost rank
         forward])."""
         ...
 
@@ -176,10 +177,14 @@ class ZeroEngine:
     ``initial_state``: ``"module"`` takes the module's values (rank 0's,
     broadcast); ``"peers"`` builds empty buffers for a transfer from the
     ranks that hold the state (a worker joining a running job; see
-    :meth:`reconfigure` and worker/session.py). ``inventory``, ``align`` and
+    :meth:`reconfigure` and worker/elastic/session.py). ``inventory``, ``align`` and
     ``metrics`` let a session pass what it prepared before the group existed;
     ``build_for`` builds the buffers for a rank of a group still to form
     (:meth:`Collectives.ahead`, bound with ``state.rebind`` once it has).
+    ``device``: where to train (worker/birth.py :func:`place_module` when None).
+    ``init``: how a module built on the meta device is initialized, ``init(module)``
+    for each module in order (its ``reset_parameters()`` when None; worker/birth.py
+    [Note: birth on the meta device]).
     """
 
     def __init__(
@@ -195,6 +200,8 @@ class ZeroEngine:
         metrics: MetricsServer | None = None,
         lr_scheduler: SchedulerArg | None = None,
         build_for: Collectives | None = None,
+        device: torch.device | str | None = None,
+        init: Init | None = None,
     ) -> None:
         if initial_state not in ("module", "peers"):
             raise ValueError(f"initial_state must be 'module' or 'peers', got {initial_state!r}")
@@ -203,8 +210,9 @@ class ZeroEngine:
         self.precision = MixedPrecision.from_config(config)
         self.user_optimizer = resolve_optimizer(module, optimizer)
         self.inventory = inventory or build_inventory_for(module, self.user_optimizer, config)
-        self.device = module_device(module)
-        self.precision.cast_model(module, self.inventory)
+        # worker/birth.py: an explicit device, the launcher's GPU, or where the model is
+        self.device = place_module(module, device)
+        self.precision.cast_model(module)
         # [Note: activation checkpointing] in worker/activations.py
         self.checkpointed = choose_modules(
             module, self.inventory, getattr(config, "activation_checkpointing", "none")
@@ -220,6 +228,7 @@ class ZeroEngine:
             reduce_dtype=self.precision.reduce_dtype,
             device=self.device,
             align=align,
+            init=init,
         )
         self.ballot = Ballot(len(self.state.index), self.device)
         self.membership: Membership | None = None
@@ -523,7 +532,7 @@ class ZeroEngine:
             logged.wait()
         # the step's loss summed over the ranks, overlapping the optimizer step; with
         # the log, it is also the step's go: no rank steps before every rank's log is
-        # delivered (worker/elastic.py [Note: rolling a lost rank forward])
+        # delivered (worker/elastic/replicas.py [Note: rolling a lost rank forward])
         loss_pair = self.stats.close_window_loss(st.device)
         loss_sum = st.comm.all_reduce(loss_pair, async_op=True, control=True)
         if logged is not None:
@@ -712,6 +721,39 @@ class ZeroEngine:
         self.after_restore()
         return state
 
+    def load_weights(self, path: str | os.PathLike) -> None:
+        """Pretrained weights into this engine before it trains: a safetensors or
+        torch file, or a directory that ``save_pretrained`` (or ``zeroplane
+        checkpoint export``) wrote, one file or sharded. Each rank reads only the
+        elements it owns (worker/pretrained.py [Note: weights by range]); dtypes
+        are converted; a missing, unexpected or misshapen name is an error naming
+        it, with nothing changed. Every rank calls it."""
+        if self.global_steps or self.optimizer.inner.state:
+            raise RuntimeError(
+                f"load_weights sets the weights of a model that has not trained; this one "
+                f"is at step {self.global_steps}: load_checkpoint resumes training"
+            )
+        pretrained.load_weights(self.state, self.module, path)
+        if self.membership is not None:
+            self.membership.after_load(self)
+        self.after_restore()
+
+    def save_pretrained(
+        self,
+        out: str | os.PathLike,
+        *,
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int = checkpoint.DEFAULT_SHARD_BYTES,
+    ) -> list[Path]:
+        """The trained weights in the directory ``out``, as ``save_pretrained`` writes
+        them (safetensors, sharded past ``max_shard_bytes``; a Hugging Face model's
+        ``config.json``), for ``from_pretrained`` or :meth:`load_weights`. Gathered a
+        bucket at a time: no rank holds the whole model. Every rank calls it; rank 0
+        writes. ``dtype``: cast floating tensors (fp32 masters by default)."""
+        return pretrained.save_weights(
+            self.state, self.module, out, dtype=dtype, max_shard_bytes=max_shard_bytes
+        )
+
     def after_restore(self) -> None:
         """The state was just replaced (a hand-over, a checkpoint in any format): put
         the LR scheduler at its step (by replay, when the checkpoint did not hold it)
@@ -750,7 +792,7 @@ class ZeroEngine:
         of ``via`` in new-rank order; a newcomer built its engine with
         ``initial_state="peers"`` and passes ``holds_state=False``) and any
         leaving ranks (not in ``new_members``; their engine ends detached). See
-        worker/elastic.py [Note: live reshard]. With a coordinator, the session
+        worker/elastic/live_exchange.py [Note: live reshard]. With a coordinator, the session
         does this by itself when the coordinator changes the membership.
         """
         if self.state.micro_in_step:
@@ -803,12 +845,16 @@ def _fp32(g: torch.Tensor) -> torch.Tensor:
 
 
 def module_device(module: nn.Module) -> torch.device:
-    devices = {p.device for p in module.parameters()}
+    """Where ``module``'s parameters are; for a model built on the meta device, where
+    it will come to life (worker/birth.py :func:`default_device`)."""
+    devices = {p.device for p in module.parameters() if not p.is_meta}
     if len(devices) > 1:
         raise ValueError(
             f"the model's parameters are on several devices: {sorted(map(str, devices))}"
         )
-    return devices.pop() if devices else torch.device("cpu")
+    if devices:
+        return devices.pop()
+    return default_device() if any(True for _ in module.parameters()) else torch.device("cpu")
 
 
 def resolve_optimizer(module: nn.Module, optimizer: OptimizerArg) -> torch.optim.Optimizer:

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from worker.config import ZeroConfig
-from worker.inventory import Inventory
 
 __all__ = ["TORCH_DTYPES", "LossScaler", "MixedPrecision"]
 
@@ -46,7 +45,7 @@ class MixedPrecision:
     def enabled(self) -> bool:
         return self.param_dtype != torch.float32
 
-    def cast_model(self, module: nn.Module, inventory: Inventory) -> None:
+    def cast_model(self, module: nn.Module) -> None:
         """Cast frozen parameters to the compute dtype; trainable parameters get it
         from their bucket.
 
@@ -55,17 +54,23 @@ class MixedPrecision:
         change the model. The one exception is batch norm's running statistics,
         which torch's ``batch_norm`` requires in its weight's dtype.
         """
+        for m in module.modules():
+            self.cast_module(m)
+
+    def cast_module(self, m: nn.Module) -> None:
+        """:meth:`cast_model` for ``m``'s own tensors. Meta tensors are left as they
+        are: a module built on the meta device is cast once initialized in its
+        original dtype (worker/birth.py), as an ordinary construction is."""
         if not self.enabled:
             return
         with torch.no_grad():
-            for p in inventory.params.values():
-                if not p.requires_grad and p.is_floating_point():
+            for p in m.parameters(recurse=False):
+                if not p.requires_grad and p.is_floating_point() and not p.is_meta:
                     p.data = p.data.to(self.param_dtype)
-            for m in module.modules():
-                if isinstance(m, nn.modules.batchnorm._NormBase) and m.affine:
-                    for b in m.buffers(recurse=False):
-                        if b.is_floating_point():
-                            b.data = b.data.to(self.param_dtype)
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.affine:
+                for b in m.buffers(recurse=False):
+                    if b.is_floating_point() and not b.is_meta:
+                        b.data = b.data.to(self.param_dtype)
 
     def cast_input(self, x: Any) -> Any:
         if self.enabled and isinstance(x, torch.Tensor) and x.is_floating_point():

@@ -1,6 +1,6 @@
 """The pieces a ZeRO stage is made of, and the table that puts them together.
 
-A stage is three choices (DESIGN.md, "ZeRO, stated correctly"):
+A stage is three choices (docs/design.md, "ZeRO, stated correctly"):
 
 * whether the optimizer's fp32 master weights and state are partitioned
   (stages 1–3) or whole on every rank (stage 0);
@@ -840,7 +840,8 @@ class _DiscoverReads(TorchFunctionMode):
 
 @dataclass(frozen=True)
 class Stage:
-    """One row of DESIGN.md's stage table, as the pieces that implement it."""
+    """One row of docs/design.md's stage table ("Stages as composition"), as the pieces
+    that implement it."""
 
     number: int
     optimizer_sharded: bool

@@ -3,7 +3,7 @@
 :class:`ShardState` is the one owner of what a rank holds between steps. The
 engine (worker/engine.py) drives it through a step; checkpoints
 (worker/checkpoint.py), the live exchange between world sizes
-(worker/elastic.py) and the metrics exporter use only its public methods:
+(worker/elastic/live_exchange.py) and the metrics exporter use only its public methods:
 
 * :meth:`build` for a world (``Collectives``), from the module's values or
   empty for a transfer to fill; :meth:`release` before building again;
@@ -22,11 +22,12 @@ name and element range wherever it lives.
 
 ``whole`` says whether the state is complete at a step boundary (not half
 stepped, not half rebuilt): only then is it a source for recovery after a
-peer is lost (worker/elastic.py [Note: recovery sources]).
+peer is lost (worker/elastic/restore_plan.py [Note: recovery sources]).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from torch.profiler import record_function
 
 from coordinator.core.layout import Bucket, Layout, SlotShard, compute_layout
 from coordinator.core.ranges import Range, RangeIndex, owned_ranges
+from worker.birth import Birth, Init, materialize_empty, meta_names
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compression import make_codec
 from worker.config import ZeroConfig
@@ -101,8 +103,11 @@ class ShardState:
         reduce_dtype: torch.dtype,
         device: torch.device,
         align: int = 1,
+        init: Init | None = None,
     ) -> None:
         self.module, self.user_optimizer, self.inventory = module, user_optimizer, inventory
+        # how a module built on the meta device is initialized (worker/birth.py)
+        self.init = init
         self.config, self.dtype, self.device, self.align = config, dtype, device, align
         self.stage: Stage = STAGES[config.stage]
         self.placement = Placement.from_config(config, device)
@@ -210,10 +215,18 @@ class ShardState:
                 "stage 0 with mixed precision or activation checkpointing is the lever here",
                 self.stage.number,
             )
+        birth = self._birth() if from_module else None
+        if not from_module:
+            materialize_empty(self.module, self.device)  # values come from peers or a file
         if from_module:
             self._broadcast_module_states()
         self.layout = self.layout_for(comm.world_size)
-        self.buckets = [self._build_bucket(spec, from_module) for spec in self.layout.buckets]
+        if birth is None:
+            self.buckets = [self._build_bucket(s, from_module) for s in self.layout.buckets]
+        else:
+            self.buckets = birth.build(
+                self.layout.buckets, self._bucket_params, lambda s: self._build_bucket(s, True)
+            )
         if from_module:  # no import follows, which would take the optimizer state's
             self.reserve = Reserve()
         self.bucket_of = {p: (b, pos) for b in self.buckets for pos, p in enumerate(b.params)}
@@ -239,7 +252,7 @@ class ShardState:
     def warm(self) -> None:
         """Make now, written once, the transient buffers a stage 2-3 backward takes
         (gradient staging; gloo's receive buffers): a newcomer does while it waits
-        for its group (worker/session.py [Note: a newcomer builds ahead]), where its
+        for its group (worker/elastic/joining.py [Note: a newcomer builds ahead]), where its
         first backward, which every member waits for, would fault them in."""
         if not isinstance(self.reducer, ReduceScatterStaging) or not self.buckets:
             return
@@ -288,7 +301,11 @@ class ShardState:
         mark_gathered(params.values())  # stage 3 marked them sharded: they hold values again
         with torch.no_grad():
             for name, p in params.items():
-                p.data = self._module_values[name]
+                kept = self._module_values[name]
+                if kept.is_meta:  # a model built on meta comes to life again (worker/birth.py)
+                    torch.utils.swap_tensors(p, nn.Parameter(kept, requires_grad=p.requires_grad))
+                else:
+                    p.data = kept
         self._module_values = None
         self.build(comm, from_module=True)
 
@@ -311,8 +328,27 @@ class ShardState:
             self.user_optimizer, [[] for _ in self.user_optimizer.param_groups]
         )
 
+    def _birth(self) -> Birth | None:
+        """How the module's meta tensors come to life as the buckets are built; None
+        when it has none ([Note: birth on the meta device] in worker/birth.py)."""
+        if not meta_names(self.module):
+            return None
+        return Birth(
+            self.module,
+            device=self.device,
+            init=self.init,
+            broadcast=functools.partial(self._broadcast, src=0),
+            cast=MixedPrecision.from_config(self.config).cast_module,
+        )
+
     def _broadcast_module_states(self) -> None:
-        self._broadcast([*self.module.parameters(), *self.module.buffers()], src=0)
+        """Rank 0's values of the module's parameters and buffers on every rank (those
+        with values: a meta tensor gets rank 0's when it comes to life)."""
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        self._broadcast([t for t in tensors if not t.is_meta], src=0)
+
+    def _bucket_params(self, spec: Bucket) -> list[nn.Parameter]:
+        return [self.inventory.params[s.name] for s in spec.slots]
 
     def sync_unsharded(self, source: int | None) -> None:
         """Give every rank ``source``'s frozen parameters and persistent module
@@ -342,7 +378,7 @@ class ShardState:
                     offset += t.numel()
 
     def _build_bucket(self, spec, from_module: bool) -> FlatBucket:
-        params = [self.inventory.params[s.name] for s in spec.slots]
+        params = self._bucket_params(spec)
         lo, hi = self._shard_range(spec, self.rank)
         pieces = spec.pieces(lo, hi)
         zeros = self.reserve.zeros
@@ -647,7 +683,7 @@ class ShardState:
         where they exist; identical on every rank. A collective."""
         values: dict[str, torch.Tensor] = {}
         for b in self.buckets:
-            full = self._gather_master(b)
+            full = self.gather_master(b)
             for slot in b.spec.slots:
                 values[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
         out = {}
@@ -658,7 +694,8 @@ class ShardState:
                 out[name] = self.inventory.params[first].detach().clone()
         return out
 
-    def _gather_master(self, b: FlatBucket) -> torch.Tensor:
+    def gather_master(self, b: FlatBucket) -> torch.Tensor:
+        """Bucket ``b``'s fp32 master values, whole, on every rank (a collective)."""
         if not self.stage.optimizer_sharded:
             return b.master.detach()
         if not self.stage.params.sharded and not self.master_apart:

@@ -220,8 +220,8 @@ def _run_stage(
     def show() -> None:
         # the coordinator's view now, or its last one once the stage is over
         view = coordinator.final
-        if view is None and coordinator.control.server is not None:
-            view = (coordinator.control.server.status(), coordinator.control.server.last_reports())
+        if view is None and coordinator.server is not None:
+            view = (coordinator.server.status(), coordinator.server.last_reports())
         if on_progress is not None and view is not None:
             on_progress(tracker.observe(*view)[0])
 

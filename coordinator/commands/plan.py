@@ -16,6 +16,7 @@ from decimal import ROUND_HALF_UP, Decimal
 
 from coordinator.commands.args import counts, fraction
 from coordinator.core.layout import ParamSpec
+from coordinator.core.memory import BirthBytes, birth_bytes
 from coordinator.core.meshplan import MeshChoice, choose_mesh, tp_sharded_numel
 from coordinator.core.planner import (
     PCIE_BYTES_PER_S,
@@ -287,6 +288,10 @@ def plan(args: argparse.Namespace) -> int:
         )
         for n in world_sizes
     ]
+    layers = args.layers if args.layers is not None else shape.get("layers")
+    hidden = args.hidden if args.hidden is not None else shape.get("hidden")
+    # a transformer layer (4h² attention, 8h² MLP): the largest unit of such models
+    unit_numel = 12 * hidden**2 if layers and hidden else 0
     if args.json:
         out = {
             "trainable_params": numel,
@@ -320,6 +325,7 @@ def plan(args: argparse.Namespace) -> int:
                         }
                         for e in c.estimates
                     },
+                    "birth_bytes_per_rank": vars(_birth(numel, c.stage, n, config, unit_numel)),
                 }
                 for n, c in zip(world_sizes, choices, strict=True)
             ],
@@ -380,6 +386,24 @@ def plan(args: argparse.Namespace) -> int:
     for n, c in zip(world_sizes, choices, strict=True):
         print(f"N={n}: stage {c.stage}: {c.reason}")
     print()
+    unit_note = (
+        f"a gather unit of {unit_numel:,} elements"
+        if unit_numel
+        else "gather units not known (--layers and --hidden give them)"
+    )
+    print(
+        "birth, per rank: the peak while the engine is built, before the first step "
+        f"(recommended stage; {unit_note}): an ordinary construction holds the whole "
+        "fp32 model beside it, a model built on the meta device one unit"
+    )
+    for n, c in zip(world_sizes, choices, strict=True):
+        b = _birth(numel, c.stage, n, config, unit_numel)
+        training = c.estimates[c.stage].total
+        print(
+            f"N={n}: ordinary {_cell(b.ordinary, scale)} {unit}, meta "
+            f"{_cell(b.meta, scale)} {unit}; training {_cell(training, scale)} {unit}"
+        )
+    print()
     print(
         f"mesh (pp x dp x tp) and stage: tensor parallelism splits {sharded:,} of the "
         f"{numel:,} parameters; pipeline activations for {args.microbatches} micro-batches, "
@@ -389,6 +413,12 @@ def plan(args: argparse.Namespace) -> int:
         star = "" if m.fits else " (does not fit)"
         print(f"N={m.world_size}: {m.reason}{star}")
     return 0
+
+
+def _birth(numel: int, stage: int, world_size: int, config: PlanConfig, unit: int) -> BirthBytes:
+    return birth_bytes(
+        numel, stage=stage, world_size=world_size, dtype=config.precision, unit_numel=unit
+    )
 
 
 def _sharded_share(args: argparse.Namespace, numel: int) -> int:

@@ -40,8 +40,10 @@ from typing import Literal
 __all__ = [
     "DTYPE_BYTES",
     "OFFLOADS",
+    "BirthBytes",
     "ModelStateBytes",
     "Offload",
+    "birth_bytes",
     "model_state_bytes",
     "offload_transfer_bytes",
     "offloaded_state_bytes",
@@ -101,6 +103,37 @@ def model_state_bytes(
         master=0 if dtype == "fp32" else 4 * (shard if stage >= 1 else numel),
         optimizer=4 * optimizer_states * (shard if stage >= 1 else numel),
     )
+
+
+@dataclass(frozen=True)
+class BirthBytes:
+    """Peak bytes one rank holds while its engine is built, before the first step
+    ([Note: birth peak]): from an ordinary construction, and from the meta device."""
+
+    ordinary: float
+    meta: float
+
+
+def birth_bytes(
+    numel: int,
+    *,
+    stage: int,
+    world_size: int,
+    dtype: Precision = "bf16",
+    unit_numel: int = 0,
+) -> BirthBytes:
+    """[Note: birth peak]
+    The build allocates the model state of :func:`model_state_bytes` but the
+    optimizer's own states (made at the first step). An ordinary construction
+    also holds the whole model as the script built it, in fp32 (4Ψ), until the
+    build has taken its values: a floor that does not fall with N. A model built
+    on the meta device (worker/birth.py) holds, beside the build, at most a gather
+    unit's fp32 values and the buffer that broadcasts rank 0's (2 · 4 · unit);
+    ``unit_numel`` is the largest unit's elements (0: not known, not counted)."""
+    states = model_state_bytes(
+        numel, stage=stage, world_size=world_size, dtype=dtype, optimizer_states=0
+    )
+    return BirthBytes(ordinary=states.total + 4 * numel, meta=states.total + 8 * unit_numel)
 
 
 def _check_offload(offload: str, stage: int) -> tuple[bool, bool]:

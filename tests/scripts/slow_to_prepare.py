@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import worker.session
+import worker.elastic.joining
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
-_warm = worker.session._warm
+_warm = worker.elastic.joining._warm
 
 
 def slow_warm(*args: object) -> None:
@@ -25,6 +25,6 @@ def slow_warm(*args: object) -> None:
     _warm(*args)
 
 
-worker.session._warm = slow_warm
+worker.elastic.joining._warm = slow_warm
 sys.argv = [str(EXAMPLE), *sys.argv[1:]]
 runpy.run_path(str(EXAMPLE), run_name="__main__")

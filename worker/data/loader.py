@@ -196,14 +196,23 @@ class FollowsEngine:
     and keep their position in its checkpoints."""
 
     _engine: Any = None
+    config: LoaderConfig
+    device: torch.device | None = None
+    pin: bool = False
 
     def batches(self, step: int, rank: int, world_size: int) -> list[Any]:
         raise NotImplementedError
 
     def attach(self, engine: Any, name: str = "data") -> Self:
         """Follow ``engine``: :meth:`current` reads its step, rank and world size, and
-        the loader's position is saved in its checkpoints and checked on load."""
+        the loader's position is saved in its checkpoints and checked on load. A
+        loader given no device delivers to the engine's from then on (pinned on the
+        way to a GPU, unless ``LoaderConfig.pin_memory`` says otherwise)."""
         engine.register_state(name, self)
+        device = getattr(engine, "device", None)
+        if self.device is None and device is not None and device.type != "cpu":
+            self.device = torch.device(device)
+            self.pin = resolve_pin(self.config, self.device)
         self._engine = engine
         return self
 

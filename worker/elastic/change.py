@@ -1,0 +1,257 @@
+"""A member's membership changes: the prepared scale-up (``ready_for``,
+``grow_to``), the prepared leave (``prepare_leave``, ``hand_over``, [Note: a leave
+prepared ahead]), and a leave with nobody to take the shards
+(``leave_holding_state``). worker/elastic/session.py decides at each step boundary
+which applies ([Note: membership changes]); worker/elastic/prepared.py holds what a
+member wrote ahead for one.
+
+[Note: leaving with nobody to hand over to]
+A hand-over needs someone to take the shards. When every member was asked to
+leave at the same boundary (a launcher or an operator stopping the whole
+job: its SIGTERM reaches every worker), or a member asked to leave is
+waiting for a generation while the coordinator says the job is over (its
+launcher is stopping it), the members leave without one, saying which
+checkpoint the job's state goes back to, and exit 0 with the leave reason
+"stopped"; the coordinator then forms no generation and tells everyone
+still waiting that the job is over, as after a finish. A member asked to
+leave while the job goes on keeps waiting (a replacement may be starting)
+and hands over in the generation that forms. Before, the members handed
+the state to each other one boundary after another until the last one had
+nobody to give it to and crashed (or waited for a generation that never
+formed until it was killed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import NoReturn
+
+import torch.distributed as dist
+
+from coordinator.core.messages import STOPPED, Generation
+from worker import elastic
+from worker.collectives import Collectives
+from worker.compat import abort_default_group
+from worker.elastic.phases import Handed, PeerLost, Phase, Session, admitted
+from worker.elastic.prepared import PreparedLeave, PreparedScaleUp
+from worker.engine import ZeroEngine
+
+__all__ = [
+    "NO_GENERATION",
+    "after_loss",
+    "grow_to",
+    "grows",
+    "hand_over",
+    "join_ahead",
+    "leave_holding_state",
+    "prepare_leave",
+    "ready_for",
+]
+
+logger = logging.getLogger(__name__)
+
+# how long members train on waiting for a scale-up's ranks to be ready before
+# switching anyway ([Note: meeting ahead] in worker/control.py)
+_AHEAD_PATIENCE_S = 30.0
+NO_GENERATION = "asked to leave while waiting for a generation, and the job is over"
+
+
+def grows(old: Generation, gen: Generation) -> bool:
+    """Whether ``gen`` only adds ranks to ``old``: its first ranks are ``old``'s
+    members, in order, and nobody left or was lost."""
+    old_ids = [m.worker_id for m in old.members]
+    lost = gen.reshard is not None and (gen.reshard.lost_ranks or gen.reshard.left_ranks)
+    return not lost and [m.worker_id for m in gen.members[: len(old_ids)]] == old_ids
+
+
+def after_loss(gen: Generation) -> bool:
+    """Whether ``gen`` replaces lost ranks: its members restore together, newcomers
+    included, rather than exchange."""
+    return gen.reshard is not None and bool(gen.reshard.lost_ranks)
+
+
+# ------------------------------------------------------------ preparing
+
+
+def ready_for(session: Session, engine: ZeroEngine, gen: Generation) -> bool:
+    """Whether every rank of ``gen``, a scale-up of this one, is ready to switch
+    ([Note: meeting ahead] in worker/control.py): polled at each step boundary
+    while the members train on, for at most ``_AHEAD_PATIENCE_S``; after that the
+    switch goes ahead, and the meeting handles a newcomer that never came. This
+    rank is ready once it has written its buffers for ``gen`` (worker/state.py
+    [Note: a build from buffers written ahead]), in a thread started here."""
+    control = admitted(session)
+    ahead = session.ahead
+    if not isinstance(ahead, PreparedScaleUp) or ahead.generation != gen.id:
+        join_ahead(session)
+        rank = gen.rank_of(control.client.worker_id)
+        assert rank is not None
+        session.ahead = ahead = PreparedScaleUp(gen.id, time.monotonic(), rank, gen.world_size)
+        ahead.start(engine.state)
+    if time.monotonic() - ahead.since > _AHEAD_PATIENCE_S:
+        return True
+    return control.prepare(gen, ready=ahead.written)
+
+
+def join_ahead(session: Session, *, drop: bool = False) -> None:
+    """Before anything builds: the thread writing buffers ahead is done;
+    ``drop``: the change it prepared for will not come (what the build does
+    not take of them goes with the build)."""
+    if session.ahead is not None and session.ahead.thread is not None:
+        session.ahead.thread.join()
+    if drop:
+        session.ahead = None
+
+
+def prepare_leave(session: Session, engine: ZeroEngine, leaving: int) -> None:
+    """Rank ``leaving`` announced its leave ([Note: a leave prepared ahead]):
+    write the buffers of the generation without it, in a thread."""
+    current = admitted(session).generation.id
+    ahead = session.ahead
+    if isinstance(ahead, PreparedLeave) and ahead.prepares_leave(current, leaving):
+        return
+    join_ahead(session, drop=True)  # a scale-up's preparation gives way
+    survivors = [r for r in range(engine.world_size) if r != leaving]
+    rank = None if engine.rank == leaving else survivors.index(engine.rank)
+    session.ahead = PreparedLeave(current, time.monotonic(), rank, len(survivors), leaver=leaving)
+    session.ahead.start(engine.state)
+
+
+# ------------------------------------------------------------ changing
+
+
+def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
+    """[Note: a leave prepared ahead]
+    A leave used to be heard at the boundary it handed over at: the survivors
+    then built the new layout's buffers, the optimizer state and the
+    hand-over's buffers while everyone waited, and faulted the rest in during
+    their first step at the new size (bench/elastic.py, 3→2: 0.41 s of pause,
+    0.15 s of it in that step). Now a rank asked to leave votes "waiting" at
+    its first boundary, which announces the leave without making it; every
+    rank then writes what it will need in a thread (a ``PreparedLeave``: the
+    survivors their buffers for the generation without it, the leaver its
+    send buffer) and votes "waiting" until written, at most
+    ``_LEAVE_PATIENCE_S`` (worker/elastic/session.py); the hand-over is made at
+    the first boundary nobody waits at. The announcement costs the leaver one
+    step, so a rank whose steps take longer than ``_ANNOUNCE_MAX_STEP_S`` (the
+    median of its last five) hands over unannounced, as before: its grace
+    period is finite. A scale-up pending meanwhile waits for the leave; the
+    generation it formed still holds the leaver, so the survivors wait for the
+    next one (before, they took it for a lost member and recovered, or hung).
+    The send buffer is sized to what a rank sends (``elastic.sent_bound``): a
+    scale-down's first survivor keeps all it owns and writes none."""
+    control = admitted(session)
+    ahead, session.ahead = session.ahead, None
+    current = control.generation.id
+    prepared = isinstance(ahead, PreparedLeave) and ahead.prepares_leave(current, leaving)
+    wire = ahead.wire if prepared else None
+    survivors = [r for r in range(engine.world_size) if r != leaving]
+    if engine.rank == leaving:
+        session._to(Phase.LEAVING)
+    handover = elastic.exchange(
+        engine.state, holds_state=True, via=None, new_members=survivors, buffers=wire
+    )
+    if engine.rank == leaving:
+        engine.state.release()
+        dist.destroy_process_group()
+        session._forget_exit()
+        control.close(leave=True)
+        session._to(Phase.LEFT)
+        logger.info("handed over at step %d; leaving", handover.counters.global_steps)
+        raise SystemExit(0)
+    old = control.generation
+    gen = control.wait_to_re_form(stop=lambda: session.leave_requested)
+    while gen is not None and grows(old, gen):
+        # a scale-up formed before the leave (the leaver is in it, and its
+        # newcomers wait for it): the coordinator forms the next without the leaver
+        control.generation = gen
+        gen = control.wait_to_re_form(stop=lambda: session.leave_requested)
+    if gen is None:
+        leave_holding_state(session, engine, NO_GENERATION)
+    survivor_ids = [m.worker_id for m in old.members if m.rank != leaving]
+    others_lost = gen.reshard is not None and set(gen.reshard.lost_ranks) - {leaving}
+    if others_lost or [m.worker_id for m in gen.members[: len(survivor_ids)]] != survivor_ids:
+        # another member vanished meanwhile: recover like a crash
+        raise PeerLost(f"generation {gen.id} lost more of generation {old.id} than rank {leaving}")
+    control.move_to(gen)
+    if control.generation.id != gen.id:
+        session._recover_in_formed(engine, gen)
+    if gen.world_size > len(survivor_ids):
+        # workers admitted in the same generation: pass them their shards of what
+        # the survivors were just handed (they run the join exchange). Should a
+        # newcomer die meanwhile, that hand-over is whole: recovery starts from it.
+        me = survivors.index(engine.rank)
+        session.held.handed = Handed((gen.id, me, len(survivors)), handover)
+        handover = elastic.exchange(
+            engine.state,
+            holds_state=True,
+            via=None,
+            new_members=list(range(gen.world_size)),
+            entries=handover.entries,
+            counters=handover.counters,
+        )
+    session._adopt(engine, handover, Collectives(None))
+    session.held.generation, session.held.handed = gen.id, None
+    session._refresh_replica(engine)  # newcomers, at the end of their join, too
+    logger.info(
+        "rank %d left; now rank %d of %d%s",
+        leaving,
+        engine.rank,
+        engine.world_size,
+        "" if wire is None else " (prepared ahead)",
+    )
+
+
+def leave_holding_state(
+    session: Session, engine: ZeroEngine, why: str, *, broken: bool = False
+) -> NoReturn:
+    """Leave without a hand-over: nobody is left to take this rank's shards
+    ([Note: leaving with nobody to hand over to])."""
+    control = admitted(session)
+    kept = engine.last_checkpoint
+    logger.warning(
+        "%s: leaving at step %d with nobody to hand the shards over to; the job "
+        "stops, and what it trained after %s is not kept",
+        why,
+        engine.global_steps,
+        f"the checkpoint {kept}" if kept is not None else "its start",
+    )
+    session._to(Phase.LEAVING)
+    session.keeper.drop_refresh(wait=False)
+    engine.state.release()
+    if broken:
+        abort_default_group(control.timeout)
+    elif dist.is_initialized():
+        dist.destroy_process_group()
+    session._forget_exit()
+    control.close(leave=True, reason=STOPPED)
+    session._to(Phase.LEFT)
+    raise SystemExit(0)
+
+
+def grow_to(session: Session, engine: ZeroEngine, gen: Generation) -> None:
+    control = admitted(session)
+    old = control.generation
+    if not grows(old, gen):
+        # a member vanished without a graceful hand-over: recover like a crash
+        raise PeerLost(f"generation {gen.id} lost members of generation {old.id}")
+
+    control.move_to(gen)
+    if control.generation.id != gen.id and after_loss(control.generation):
+        session._recover_in_formed(engine, gen)
+    gen = control.generation
+    ahead, session.ahead = session.ahead, None
+    wire = ahead.wire if ahead is not None and ahead.generation == gen.id else None
+    # the exchange exports from the old layout and rank, which the state still holds
+    handover = elastic.exchange(
+        engine.state,
+        holds_state=True,
+        via=None,
+        new_members=list(range(gen.world_size)),
+        buffers=wire,
+    )
+    session._adopt(engine, handover, Collectives(None))
+    session.held.generation = gen.id
+    session._refresh_replica(engine)  # the newcomers, at the end of their join, too
+    logger.info("grew to %d ranks at step %d", engine.world_size, engine.global_steps)

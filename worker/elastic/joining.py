@@ -1,0 +1,195 @@
+"""Joining: a worker registers with the coordinator, waits for a rank, forms the
+generation's group and builds its engine: from the module's values in a new job,
+from the members' shards when it joins a running one ([Note: a newcomer builds
+ahead]), or with the survivors' restore when its generation replaces a lost rank."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import torch
+from torch import nn
+
+from coordinator.core.messages import Generation
+from worker import elastic
+from worker.birth import Init
+from worker.collectives import Collectives
+from worker.config import ZeroConfig
+from worker.control import ControlPlane, JobFinished, LeftBeforeAdmission
+from worker.elastic.change import after_loss
+from worker.elastic.phases import Phase, Session
+from worker.elastic.recovery import restore
+from worker.engine import (
+    OptimizerArg,
+    ZeroEngine,
+    build_inventory_for,
+    resolve_optimizer,
+)
+from worker.flat import Reserve
+from worker.metrics import SnapshotBoard, start_metrics
+from worker.reporting import planned_config, report
+from worker.schedule import SchedulerArg, resolve_scheduler
+
+__all__ = ["join"]
+
+logger = logging.getLogger(__name__)
+
+
+def join(
+    session: Session,
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    *,
+    config: ZeroConfig,
+    address: str,
+    scheduler: SchedulerArg | None = None,
+    device: torch.device,
+    init: Init | None = None,
+) -> ZeroEngine:
+    """Register ``session`` at ``address``, wait for a rank, form the generation's
+    group and build the engine for it: from the module's values in a new job, from
+    the members' shards when joining a running one."""
+    user_optimizer = resolve_optimizer(model, optimizer)
+    scheduler = resolve_scheduler(scheduler, user_optimizer)
+    inventory = build_inventory_for(model, user_optimizer, config)
+    metrics = start_metrics(config, SnapshotBoard())
+    if threading.current_thread() is threading.main_thread():
+        # before registering: a SIGTERM while joining (a pod deleted as it
+        # starts) is then a graceful leave at the first step boundary
+        signal.signal(signal.SIGTERM, session._on_sigterm)
+
+    def build(gen: Generation, rank: int, comm: Collectives | None) -> ZeroEngine:
+        return ZeroEngine(
+            model,
+            user_optimizer,
+            config=planned_config(config, gen, rank),
+            # after the job's first generation a new process holds nothing
+            initial_state="peers" if gen.reshard is not None else "module",
+            inventory=inventory,
+            align=gen.align,
+            metrics=metrics,
+            lr_scheduler=scheduler,
+            build_for=comm,
+            device=device,
+            init=init,
+        )
+
+    engine: ZeroEngine | None = None
+    warming: threading.Thread | None = None
+    wire: list[elastic.ExchangeBuffers] = []  # what the warm thread writes to receive into
+    try:
+        control = ControlPlane.join(
+            address,
+            inventory,
+            device=device,
+            metrics_port=None if metrics is None else metrics.port,
+            stop=lambda: session.leave_requested,
+            stage=config.stage,
+        )
+        session.control = control
+        planned = control.generation
+        if planned.reshard is not None:
+            # [Note: a newcomer builds ahead]
+            # A newcomer to a running job builds its (empty) buffers for its rank
+            # before the group forms: the members reach the step boundary a step
+            # after the coordinator formed the generation, and every second the
+            # newcomer spends building after they arrive is a second they wait
+            # in the exchange. The group that forms may be a newer generation
+            # (a superseded rendezvous): with another rank or size, it rebuilds.
+            # It also writes once the transient buffers of its first backward
+            # (ShardState.warm), while it meets the members: in bench/elastic.py
+            # that backward, which every member waits for, took 0.5-1.0 s against
+            # 0.15-0.2 s for the next. Written before meeting, they delayed its
+            # arrival on a new machine by more than that; while meeting, the
+            # writes ran 0.15-0.4 s past the group's forming there (fresh pages
+            # are slow on that machine), and its first backward took no longer
+            # than the next.
+            engine = build(
+                planned,
+                control.rank,
+                Collectives.ahead(control.rank, planned.world_size, control.backend),
+            )
+            warming = threading.Thread(
+                target=_warm, args=(engine, wire), name="zeroplane-warm", daemon=True
+            )
+            warming.start()
+        try:
+            # the generation formed may be newer; the members switch once this
+            # rank's buffers are written ([Note: meeting ahead] in worker/control.py)
+            control.init_process_group(ready=lambda: warming is None or not warming.is_alive())
+        finally:
+            if warming is not None:
+                warming.join()  # before anything else touches the state
+    except LeftBeforeAdmission as exc:
+        if isinstance(exc, JobFinished):
+            logger.info("the job finished before this worker joined it: nothing to do")
+        else:
+            logger.info("SIGTERM before this worker was given a rank: left the job")
+        if metrics is not None:
+            metrics.close()
+        session._to(Phase.LEFT)
+        raise SystemExit(0) from None
+    gen = control.generation
+    newcomer = gen.reshard is not None
+    if engine is None:
+        engine = build(gen, control.rank, None)
+    elif (engine.rank, engine.world_size) == (control.rank, gen.world_size):
+        engine.state.rebind(Collectives(None))
+    else:
+        engine.state.build(Collectives(None), from_module=False)
+    engine.membership = session
+    session.report_at_exit(engine)
+    if engine.layout != gen.layout:
+        raise RuntimeError(
+            "the coordinator's bucket layout differs from this worker's: "
+            "are all workers running the same model and zeroplane version?"
+        )
+    if newcomer and after_loss(gen):
+        # joining in a generation that replaces a lost rank (e.g. a restarted pod
+        # under its old name): restore with the survivors, holding nothing
+        session._to(Phase.RECOVERING)
+        restore(session, engine, gen, holds_state=False)
+    elif newcomer:
+        # joining a running job: the members hand this rank its shards
+        handover = elastic.exchange(
+            engine.state,
+            holds_state=False,
+            via=None,
+            new_members=list(range(gen.world_size)),
+            buffers=wire[0] if wire else None,
+        )
+        if handover.nobody_held:
+            # the generation this worker was admitted to superseded the job's first
+            # before it formed: nobody trained yet, every rank starts from the module
+            engine.state.build_from_kept_module(Collectives(None))
+            engine.publish_snapshot()
+            logger.info("the job starts in generation %d as rank %d", gen.id, engine.rank)
+        else:
+            session._adopt(engine, handover, None)
+            logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
+        session._refresh_replica(engine)  # as the members do after the exchange
+    session.held.generation = gen.id
+    engine.state.drop_module_values()
+    session._to(Phase.MEMBER)
+    session.clock.start()  # its first step is timed from here
+    report(control, engine)
+    return engine
+
+
+def _warm(engine: ZeroEngine, wire: list[elastic.ExchangeBuffers]) -> None:
+    """A newcomer built ahead, while it meets the members: the transient buffers
+    of its first backward (ShardState.warm), the optimizer state its import
+    makes and a buffer to receive its shards into (worker/state.py [Note: a
+    build from buffers written ahead]); appended to ``wire``."""
+    state = engine.state
+    state.warm()
+    try:
+        fields = state.state_fields()  # a probe: found once for both
+        plan = state.reserve_plan(state.rank, state.world_size, buffers=False, fields=fields)
+        state.reserve = Reserve.make(plan)
+        recv = elastic.packed_bound(state, state.rank, state.world_size, fields)
+        wire.append(elastic.ExchangeBuffers.make(0, recv, elastic.wire_device(state.comm)))
+    except Exception as exc:  # out of memory, say: the import allocates as before
+        logger.warning("writing the newcomer's buffers ahead failed: %s", exc)

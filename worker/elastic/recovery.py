@@ -1,0 +1,267 @@
+"""Recovery: a peer was lost mid-step (a collective failed). The session forms the
+coordinator's next generation without it, the ranks share what each holds, and
+every rank restores one consistent state from the source the plan picks
+(worker/elastic/restore_plan.py [Note: recovery sources]): one function per
+:class:`RestoreSource`. Then :class:`StepAborted` tells the training loop to carry on
+from ``engine.global_steps``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from coordinator.core.messages import Generation
+from worker import elastic
+from worker.collectives import CollectiveError, Collectives
+from worker.elastic.change import NO_GENERATION, join_ahead, leave_holding_state
+from worker.elastic.phases import Phase, RecoveryTiming, Session, StepAborted, admitted
+from worker.engine import ZeroEngine
+from worker.reporting import report
+from worker.state import Entries
+
+__all__ = ["recover", "recover_in_formed", "restore"]
+
+logger = logging.getLogger(__name__)
+
+
+def recover(session: Session, engine: ZeroEngine, exc: CollectiveError) -> NoReturn:
+    """A peer is gone: form the coordinator's next generation and restore."""
+    control = admitted(session)
+    session._to(Phase.RECOVERING)
+    join_ahead(session, drop=True)
+    session.keeper.drop_refresh(wait=False)  # its group is broken
+    if engine.state.whole:
+        # the gradients from the left of the last step, or of the step whose go
+        # failed, if they arrived before the loss
+        session.keeper.log.commit(engine.global_steps)
+    logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
+    start = time.perf_counter()
+    gen = control.wait_to_re_form(stop=lambda: session.leave_requested)
+    if gen is None:
+        leave_holding_state(session, engine, NO_GENERATION, broken=True)
+    heard = time.perf_counter()
+    control.move_to(gen, broken=True)
+    timing = RecoveryTiming(heard - start, time.perf_counter() - heard)
+    restore(session, engine, control.generation, holds_state=True, timing=timing)
+    engine.stats.record_pause("crash", time.perf_counter() - start)
+    session._to(Phase.MEMBER)
+    engine.publish_snapshot()
+    raise StepAborted(
+        f"step abandoned after a lost peer; resume at step {engine.global_steps}"
+    ) from exc
+
+
+def recover_in_formed(session: Session, engine: ZeroEngine, intended: Generation) -> NoReturn:
+    """The rendezvous of ``intended`` was superseded by a generation that lost
+    ranks: restore in the one formed, as every rank of it does
+    ([Note: superseded rendezvous])."""
+    control = admitted(session)
+    session._to(Phase.RECOVERING)
+    formed = control.generation
+    logger.warning(
+        "generation %d was superseded by %d, which lost members: restoring",
+        intended.id,
+        formed.id,
+    )
+    restore(session, engine, formed, holds_state=True)
+    session._to(Phase.MEMBER)
+    engine.publish_snapshot()
+    raise StepAborted(
+        f"a membership change overlapped a loss; resume at step {engine.global_steps}"
+    )
+
+
+def _live(session: Session, engine: ZeroEngine) -> elastic.StateId | None:
+    """Whose state this rank's shards are, while whole ([Note: recovery sources])."""
+    held = session.held
+    if held.handed is not None:
+        return held.handed.ident
+    if held.generation is None or not engine.state.whole:
+        return None
+    return (held.generation, engine.rank, engine.world_size)
+
+
+def restore(
+    session: Session,
+    engine: ZeroEngine,
+    gen: Generation,
+    *,
+    holds_state: bool,
+    timing: RecoveryTiming | None = None,
+) -> None:
+    """Bring every rank of ``gen`` to one consistent state after a loss, from the
+    best source the group holds (worker/elastic/restore_plan.py [Note: recovery
+    sources]). A collective of the new group; a worker that joins in the same
+    generation (a restarted pod under its old name) takes part holding nothing
+    (``holds_state=False``)."""
+    control = admitted(session)
+    keeper = session.keeper
+    started = time.perf_counter()
+    reached = engine.global_steps
+    replicas, keeper.replicas = (keeper.replicas if holds_state else []), []
+    log, keeper.log = keeper.log, elastic.GradientLog()
+    live = _live(session, engine) if holds_state else None
+    mine = elastic.Holding(
+        live=live,
+        replicas=tuple(r.ident for r in replicas),
+        holds_state=holds_state,
+        checkpoint=None if engine.last_checkpoint is None else str(engine.last_checkpoint),
+        live_step=engine.global_steps if live is not None else -1,
+        log=log.coverage() if holds_state else None,
+    )
+    table = torch.zeros(gen.world_size, mine.WIDTH, dtype=torch.int64, device=engine.device)
+    table[control.rank] = mine.encode()
+    comm = Collectives(None)
+    comm.all_reduce(table, op="sum", control=True)
+    holdings = [elastic.Holding.decode(row) for row in table.cpu()]
+    plan = elastic.plan_restore(holdings)
+    logger.info(
+        "recovery plan %s (generation %s, step %s, lost %s) from %s",
+        plan.source, plan.generation, plan.step, sorted(plan.lost),
+        "; ".join(f"live {h.live} at {h.live_step}, log {h.log}, replicas {h.replicas}"
+                  for h in holdings),
+    )  # fmt: skip
+    restoring = _Restoring(
+        session, engine, plan, live, replicas, log, list(range(gen.world_size)), comm, holds_state
+    )
+    source = _RESTORE_FROM[plan.source](restoring)
+    engine.mark_restored()
+    session.held.generation = gen.id
+    keeper.retire(replicas)  # adopted: nothing reads them now
+    # a second loss before the next interval must find this generation's replicas
+    session._refresh_replica(engine)
+    report(control, engine)  # the coordinator admits newcomers once all applied it
+    took = "" if timing is None else f"; {timing.describe(time.perf_counter() - started)}"
+    logger.warning(
+        "recovered as rank %d of %d at step %d (from %s; this rank had reached step %d%s)",
+        engine.rank,
+        engine.world_size,
+        engine.global_steps,
+        source,
+        reached,
+        took,
+    )
+
+
+# ------------------------------------------------------------ one function per source
+
+
+@dataclasses.dataclass(frozen=True)
+class _Restoring:
+    """What a restore source's function works from: the plan every rank agreed on,
+    what this rank holds (``live``, ``replicas``, ``log``), the new group's
+    ``members`` and collectives."""
+
+    session: Session
+    engine: ZeroEngine
+    plan: elastic.RestorePlan
+    live: elastic.StateId | None
+    replicas: list[elastic.Replica]
+    log: elastic.GradientLog
+    members: list[int]
+    comm: Collectives
+    holds_state: bool
+
+
+def _from_live(ctx: _Restoring) -> str:
+    engine, plan, live, held = ctx.engine, ctx.plan, ctx.live, ctx.session.held
+    sends = live is not None and live[0] == plan.generation
+    handed, held.handed = held.handed, None
+    entries: Entries | None = None if sends else {}
+    if sends and handed is not None:  # a hand-over this rank had not adopted yet
+        entries = handed.handover.entries
+    handover = elastic.exchange(
+        engine.state,
+        holds_state=sends,
+        via=None,
+        new_members=ctx.members,
+        entries=entries,
+        counters=None if handed is None else handed.handover.counters,
+    )
+    ctx.session._adopt(engine, handover, ctx.comm)
+    return "live state, nothing rolled back"
+
+
+def _from_forward(ctx: _Restoring) -> str:
+    engine, plan, live, log = ctx.engine, ctx.plan, ctx.live, ctx.log
+    # survivors keep their state; each lost rank's comes from its right neighbour
+    entries = engine.state.export_ranges(copy=False) if live is not None else {}
+    left = (engine.rank - 1) % engine.world_size
+    replayed = 0
+    if live is not None and left in plan.lost:
+        replica = max(
+            (
+                r
+                for r in ctx.replicas
+                if r.generation == plan.generation
+                and log.after <= r.counters.global_steps <= (plan.step or 0)
+            ),
+            key=lambda r: r.counters.global_steps,
+        )
+        steps = log.between(replica.counters.global_steps, plan.step or 0)
+        entries.update(elastic.roll_forward(engine.state, left, replica.neighbour, steps))
+        replayed = len(steps)
+    handover = elastic.exchange(
+        engine.state,
+        holds_state=live is not None,
+        via=None,
+        new_members=ctx.members,
+        entries=entries,
+    )
+    ctx.session._adopt(engine, handover, ctx.comm)
+    return (
+        f"live state; lost rank(s) {sorted(plan.lost)} brought forward from their "
+        f"replicas and logged gradients ({replayed} step(s) here), nothing rolled back"
+    )
+
+
+def _from_replica(ctx: _Restoring) -> str:
+    engine, plan = ctx.engine, ctx.plan
+    entries: Entries = {}
+    wanted = (plan.generation, plan.step)
+    replica = next((r for r in ctx.replicas if r.ident[:2] == wanted), None)
+    if replica is not None:
+        entries = dict(replica.own)
+        if replica.neighbour_rank in plan.lost:
+            entries.update(replica.neighbour)
+    handover = elastic.exchange(
+        engine.state,
+        holds_state=ctx.holds_state,
+        via=None,
+        new_members=ctx.members,
+        entries=entries,
+        counters=None if replica is None else replica.counters,
+    )
+    ctx.session._adopt(engine, handover, ctx.comm)
+    return "in-memory replicas"
+
+
+def _from_module(ctx: _Restoring) -> str:
+    ctx.engine.state.build_from_kept_module(ctx.comm)
+    ctx.engine.publish_snapshot()
+    return "nothing: every holder of the job's state was lost, it starts again"
+
+
+def _from_checkpoint(ctx: _Restoring) -> str:
+    engine = ctx.engine
+    checkpoint_dir = Path(ctx.plan.checkpoint or "")
+    engine.state.build(ctx.comm, from_module=False)  # torn until the checkpoint is in
+    engine.load_checkpoint(checkpoint_dir)
+    engine.last_checkpoint = checkpoint_dir
+    return str(checkpoint_dir)
+
+
+# what each source restores from, and what the log says it was
+_RESTORE_FROM: dict[elastic.RestoreSource, Callable[[_Restoring], str]] = {
+    elastic.RestoreSource.LIVE: _from_live,
+    elastic.RestoreSource.FORWARD: _from_forward,
+    elastic.RestoreSource.REPLICA: _from_replica,
+    elastic.RestoreSource.MODULE: _from_module,
+    elastic.RestoreSource.CHECKPOINT: _from_checkpoint,
+}

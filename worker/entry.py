@@ -1,0 +1,171 @@
+"""``worker.initialize``: a ZeRO engine for a script, alone, under a launcher, or in
+a coordinator's job (as an attached or an elastic session), from a ZeroConfig or a
+DeepSpeed config."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from worker import ds_sections
+from worker.attached import AttachedSession
+from worker.birth import Init, place_module
+from worker.compat import backend_for
+from worker.config import ZeroConfig
+from worker.control import coordinator_address
+from worker.elastic.session import ElasticSession
+from worker.engine import OptimizerArg, ZeroEngine
+from worker.schedule import SchedulerArg
+
+__all__ = ["initialize"]
+
+logger = logging.getLogger(__name__)
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: OptimizerArg | None = None,
+    *,
+    config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+    group: dist.ProcessGroup | None = None,
+    coordinator: str | None = None,
+    lr_scheduler: SchedulerArg | None = None,
+    device: torch.device | str | None = None,
+    init: Init | None = None,
+) -> ZeroEngine:
+    """Wrap ``model`` and ``optimizer`` in a ZeRO engine over ``group``.
+
+    ``model`` must be identical on every rank (rank 0's values are broadcast
+    regardless). ``optimizer`` is an optimizer over the model's parameters with
+    no state yet, or a callable that takes param groups and returns one.
+    ``lr_scheduler``: a torch LR scheduler of that optimizer, or a callable that
+    builds one from it. The engine steps it after every optimizer step (do not
+    step it yourself), saves it in checkpoints and keeps it at the engine's step
+    when workers join, leave or crash (worker/schedule.py).
+
+    ``config``: a :class:`ZeroConfig`, or a DeepSpeed config (a dict, or the
+    path of its JSON file) read by :meth:`ZeroConfig.from_deepspeed`. As
+    ``deepspeed.initialize`` does, its ``optimizer`` and ``scheduler`` sections
+    build the optimizer and the LR schedule when the script passes none
+    (worker/ds_sections.py); passing one and configuring one is an error.
+
+    With a coordinator (``coordinator="host:port"`` or ``$ZEROPLANE_COORDINATOR``)
+    and torch.distributed not yet initialized, the worker registers, is given
+    a rank, and forms the process group itself; the coordinator's stage and
+    layout apply. Otherwise torch.distributed must be initialized already (as
+    under torchrun), or not at all for one process.
+
+    ``device``: where the model trains. By default a model on the CPU moves to
+    ``cuda:$LOCAL_RANK`` when a launcher named a local rank and CUDA is there (as
+    ``deepspeed.initialize`` does), a model on another device stays there, and a
+    model built on the meta device comes to life on the local rank's GPU or the
+    CPU (worker/birth.py). The process group's backend follows it (NCCL on CUDA).
+
+    A model built under ``torch.device("meta")`` (or :func:`worker.meta_parameters`)
+    comes to life sharded, one module at a time, never whole on a rank: each
+    module's ``reset_parameters()`` initializes it, or ``init(module)`` when given
+    (in ``model.apply``'s order; ``worker.birth.skip_init`` for weights that
+    ``engine.load_weights`` brings next). See worker/birth.py [Note: birth on the
+    meta device].
+    """
+    config, optimizer, lr_scheduler = _resolve_config(config, optimizer, lr_scheduler)
+    device = place_module(model, device)
+    address = coordinator_address(coordinator)
+    if address is None and group is None:
+        _init_from_launcher_env(device)
+    own_group = group is not None or (dist.is_available() and dist.is_initialized())
+    born = {"device": device, "init": init}
+    if address is None:
+        return ZeroEngine(
+            model, optimizer, config=config, group=group, lr_scheduler=lr_scheduler, **born
+        )
+    if own_group:
+        return AttachedSession.attach(
+            model,
+            optimizer,
+            config=config,
+            address=address,
+            group=group,
+            scheduler=lr_scheduler,
+            **born,
+        )
+    return ElasticSession.join(
+        model, optimizer, config=config, address=address, scheduler=lr_scheduler, **born
+    )
+
+
+def _resolve_config(
+    config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None,
+    optimizer: OptimizerArg | None,
+    lr_scheduler: SchedulerArg | None,
+) -> tuple[ZeroConfig, OptimizerArg, SchedulerArg | None]:
+    """The ZeroConfig, optimizer and scheduler that :func:`initialize` was given or
+    that a DeepSpeed config's sections describe."""
+    if config is None or isinstance(config, ZeroConfig):
+        if optimizer is None:
+            raise ValueError(
+                "worker.initialize needs an optimizer, or a DeepSpeed config with an "
+                "'optimizer' section"
+            )
+        return config or ZeroConfig(), optimizer, lr_scheduler
+    if isinstance(config, str | os.PathLike):
+        path = Path(config)
+        try:
+            ds = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read the DeepSpeed config {path}: {exc}") from exc
+    else:
+        ds = config
+    if not isinstance(ds, Mapping):
+        raise ValueError(f"a DeepSpeed config is a JSON object, got {type(ds).__name__}")
+    ds = dict(ds)
+    optimizer_section, scheduler_section = ds.pop("optimizer", None), ds.pop("scheduler", None)
+    for given, section, what in (
+        (optimizer, optimizer_section, "optimizer"),
+        (lr_scheduler, scheduler_section, "scheduler"),
+    ):
+        if given is not None and section is not None:
+            raise ValueError(
+                f"a {what} was passed to worker.initialize and the DeepSpeed config has a "
+                f"{what!r} section: give one of them"
+            )
+    if optimizer is None:
+        if optimizer_section is None:
+            raise ValueError(
+                "worker.initialize needs an optimizer: pass one, or give the DeepSpeed "
+                "config an 'optimizer' section"
+            )
+        ds_sections.optimizer_from_deepspeed(optimizer_section, [torch.zeros(1)])  # checked now
+        optimizer = functools.partial(ds_sections.optimizer_from_deepspeed, optimizer_section)
+    if scheduler_section is not None:
+        lr_scheduler = ds_sections.scheduler_from_deepspeed(scheduler_section)
+    return ZeroConfig.from_deepspeed(ds), optimizer, lr_scheduler
+
+
+def _init_from_launcher_env(device: torch.device) -> None:
+    """Under torchrun (or any launcher that sets ``WORLD_SIZE`` > 1 and
+    ``MASTER_ADDR``) with no process group yet, form the default group from that
+    environment, as ``deepspeed.initialize`` does: a script that forgot
+    ``dist.init_process_group`` must not silently train ``WORLD_SIZE`` separate
+    copies of the model."""
+    if not dist.is_available() or dist.is_initialized():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+        return
+    backend = backend_for(device)
+    dist.init_process_group(backend)
+    logger.info(
+        "formed the process group from the launcher's environment (%s, rank %d of %d)",
+        backend,
+        dist.get_rank(),
+        dist.get_world_size(),
+    )

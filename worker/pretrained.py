@@ -1,0 +1,340 @@
+"""Pretrained weights into a sharded model: each rank reads only the elements it owns.
+
+[Note: weights by range]
+A checkpoint of a model larger than one rank cannot be loaded whole on each
+rank and sharded afterwards. :func:`load_weights` asks the shard state which
+element ranges of each flattened parameter this rank's optimizer owns
+(``ShardState.owned``, the same ranges checkpoints and hand-overs use) and
+reads just those from the files: safetensors' lazy slices read the rows that
+hold a range (a range of a flattened ``[rows, ...]`` tensor lies in
+consecutive rows, at most two of them partly), and a torch file is
+memory-mapped, so only the pages of the range are read. Peak memory is the
+rank's share plus one range's worth of I/O buffer. Frozen parameters and
+persistent buffers are replicated, so every rank reads them whole.
+
+Names are matched before anything changes: a tied parameter needs one of its
+names in the files (Hugging Face saves the first), a prefix that the files and
+the model disagree on (a ``LlamaModel``'s weights into a ``LlamaForCausalLM``,
+or the other way round) is found once for every name, and a name the model
+needs and the files lack, a name the files hold and the model does not, or a
+shape that differs is an error naming it, with the model untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from coordinator.core.ranges import Range
+from worker.checkpoint import DEFAULT_SHARD_BYTES, Planned, write_safetensors_shards
+from worker.inventory import persistent_buffers
+
+__all__ = ["WeightFiles", "WeightsError", "load_weights", "save_weights"]
+
+logger = logging.getLogger(__name__)
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_TORCH_INDEX = "pytorch_model.bin.index.json"
+_TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+class WeightsError(ValueError):
+    """Pretrained weights that do not fit the model: names, shapes or files."""
+
+
+class _Tensors(Protocol):
+    def names(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def whole(self, name: str) -> torch.Tensor: ...
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+
+
+class _SafetensorsFile:
+    def __init__(self, path: Path, stack: ExitStack) -> None:
+        from safetensors import safe_open
+
+        self.file = stack.enter_context(safe_open(str(path), framework="pt"))
+
+    def names(self) -> list[str]:
+        return list(self.file.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.file.get_slice(name).get_shape())
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self.file.get_tensor(name)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.file.get_slice(name)[start:stop]
+
+
+class _TorchFile:
+    def __init__(self, path: Path) -> None:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # a pickle that is not a state dict, a torn file
+            raise WeightsError(f"cannot read {path} as a torch state dict: {exc}") from exc
+        if not isinstance(state, Mapping):
+            raise WeightsError(f"{path} holds a {type(state).__name__}, not a state dict")
+        self.state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+    def names(self) -> list[str]:
+        return list(self.state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self.state[name]
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.state[name][start:stop]
+
+
+class WeightFiles:
+    """The tensors of a checkpoint by name, read lazily: a safetensors file, a torch
+    state-dict file (``.bin``/``.pt``/``.pth``), or a directory holding either, one
+    file or sharded with its index (``model.safetensors.index.json``,
+    ``pytorch_model.bin.index.json``), as ``save_pretrained`` and
+    ``zeroplane checkpoint export`` write them. Local files only."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._stack = ExitStack()
+        self._where: dict[str, _Tensors] = {}
+        try:
+            for file in self._files():
+                opened: _Tensors = (
+                    _SafetensorsFile(file, self._stack)
+                    if file.suffix == ".safetensors"
+                    else _TorchFile(file)
+                )
+                for key in opened.names():
+                    self._where.setdefault(key, opened)
+        except Exception:
+            self._stack.close()
+            raise
+
+    def _files(self) -> list[Path]:
+        path = self.path
+        if not path.exists():
+            raise WeightsError(
+                f"no weights at {path}: give a local safetensors or torch file, or a "
+                "directory that save_pretrained wrote (downloads are not made here)"
+            )
+        if path.is_file():
+            if path.suffix == ".safetensors" or path.suffix in _TORCH_SUFFIXES:
+                return [path]
+            raise WeightsError(f"{path}: not a .safetensors, .bin, .pt or .pth file")
+        for index in (_SAFETENSORS_INDEX, _TORCH_INDEX):
+            if (path / index).is_file():
+                try:
+                    weight_map = json.loads((path / index).read_text())["weight_map"]
+                except (OSError, ValueError, KeyError, TypeError) as exc:
+                    raise WeightsError(f"cannot read the index {path / index}: {exc}") from exc
+                files = [path / name for name in dict.fromkeys(weight_map.values())]
+                lost = [str(f) for f in files if not f.is_file()]
+                if lost:
+                    raise WeightsError(f"{path / index} names files that are not there: {lost}")
+                return files
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            if (path / single).is_file():
+                return [path / single]
+        found = sorted(path.glob("*.safetensors"))
+        if found:
+            return found
+        raise WeightsError(
+            f"{path} holds no model.safetensors, pytorch_model.bin or index of either"
+        )
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> WeightFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name].shape(name)
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self._where[name].whole(name)
+
+    def flat_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened tensor ``name``, reading only
+        the rows that hold them."""
+        shape = self.shape(name)
+        if len(shape) <= 1:
+            return self._where[name].rows(name, start, stop).reshape(-1)
+        row = math.prod(shape[1:])
+        first, last = start // row, (stop - 1) // row + 1
+        rows = self._where[name].rows(name, first, last).reshape(-1)
+        return rows[start - first * row : stop - first * row]
+
+
+def _match(wanted: list[list[str]], available: set[str]) -> tuple[str, str]:
+    """The prefix to strip from the model's names and the one to add to find them
+    in ``available`` (``("", "")`` when they agree): ``wanted`` lists each tensor's
+    names (a tied parameter has several), one of which must be there."""
+
+    def hits(strip: str, add: str) -> int:
+        return sum(
+            any(n.startswith(strip) and add + n[len(strip) :] in available for n in names)
+            for names in wanted
+        )
+
+    heads = {n.split(".", 1)[0] + "." for names in wanted for n in names if "." in n}
+    heads |= {k.split(".", 1)[0] + "." for k in available if "." in k}
+    choices = [("", "")] + [(h, "") for h in sorted(heads)] + [("", h) for h in sorted(heads)]
+    return max(choices, key=lambda c: hits(*c))
+
+
+def load_weights(state: Any, module: nn.Module, path: str | os.PathLike) -> None:
+    """Load the weights at ``path`` into a built shard state (``engine.load_weights``):
+    master values of this rank's owned ranges, frozen parameters and persistent
+    buffers whole ([Note: weights by range]). Converts dtypes on the way in. Every
+    name and shape is checked before anything changes."""
+    inventory = state.inventory
+    names_of: dict[str, list[str]] = {}
+    for name, first in inventory.aliases.items():
+        names_of.setdefault(first, []).append(name)
+    buffers = persistent_buffers(module)
+    with WeightFiles(path) as files:
+        available = set(files.names())
+        wanted = [names_of[first] for first in inventory.params] + [[b] for b in buffers]
+        strip, add = _match(wanted, available)
+
+        def key_for(names: list[str]) -> str | None:
+            for n in names:
+                if n.startswith(strip) and add + n[len(strip) :] in available:
+                    return add + n[len(strip) :]
+            return None
+
+        keys: dict[str, str] = {}  # model name (a parameter's first, or a buffer's) -> file key
+        missing = []
+        for first, names in [*names_of.items(), *((b, [b]) for b in buffers)]:
+            key = key_for(names)
+            if key is None:
+                missing.append(first)
+            else:
+                keys[first] = key
+        # a tied parameter saved under several of its names is expected under each
+        expected = {k for names in names_of.values() for n in names if (k := key_for([n]))}
+        unexpected = sorted(available - set(keys.values()) - expected)
+        if missing or unexpected:
+            raise WeightsError(
+                f"the weights at {path} do not fit the model: "
+                + "; ".join(
+                    part
+                    for part in (
+                        f"missing {missing[:10]}" if missing else "",
+                        f"unexpected {unexpected[:10]}" if unexpected else "",
+                    )
+                    if part
+                )
+            )
+        tensors = {**inventory.params, **buffers}
+        for first, key in keys.items():
+            want, have = tuple(tensors[first].shape), files.shape(key)
+            if want != have:
+                raise WeightsError(
+                    f"{key!r} in {path} has shape {list(have)}, the model's {first!r} {list(want)}"
+                )
+
+        entries: dict[str, dict[str, Any]] = {}
+        owned: list[Range] = state.owned()
+        for rng in owned:
+            values = files.flat_range(keys[rng.name], rng.start, rng.stop)
+            entries[rng.key] = {"master": values, "state": {}}
+        state.import_ranges(entries)
+        trainable = set(inventory.trainable)
+        with torch.no_grad():
+            for first, p in inventory.params.items():
+                if first not in trainable:
+                    p.data = files.whole(keys[first]).to(dtype=p.dtype, device=p.device)
+            for name, b in buffers.items():
+                b.copy_(files.whole(keys[name]))
+    logger.info("loaded %d tensors from %s (%d ranges on this rank)", len(keys), path, len(owned))
+
+
+def save_weights(
+    state: Any,
+    module: nn.Module,
+    out: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> list[Path]:
+    """Write the model's weights into the directory ``out`` as ``save_pretrained``
+    does (``model.safetensors``, or shards and their index; a Hugging Face model's
+    ``config.json`` beside them), so that ``from_pretrained`` loads it strictly; a
+    collective (``engine.save_pretrained``).
+
+    No rank holds the whole model: the buckets are gathered one at a time as the
+    files are written, and rank 0, which writes, holds one output file and one
+    bucket at most. fp32 masters, cast to ``dtype`` if given; every name of a tied
+    parameter; frozen parameters and persistent buffers as this rank has them."""
+    directory = Path(out)
+    rank = state.comm.rank
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().cpu()
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    size = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+    gathered: dict[int, torch.Tensor] = {}
+
+    def value(bucket: Any, slot: Any) -> torch.Tensor:
+        if bucket.spec.index not in gathered:
+            gathered.clear()  # one bucket at a time
+            gathered[bucket.spec.index] = state.gather_master(bucket)
+        full = gathered[bucket.spec.index]
+        return cast(full[slot.offset : slot.offset + slot.numel].view(slot.shape))
+
+    names_of: dict[str, list[str]] = {}
+    for name, first in state.inventory.aliases.items():
+        names_of.setdefault(first, []).append(name)
+    plan: list[Planned] = []
+    for bucket in state.buckets:
+        for slot in bucket.spec.slots:
+            nbytes = slot.numel * (size or 4)
+            make = functools.partial(value, bucket, slot)
+            plan += [Planned(name, nbytes, make) for name in names_of[slot.name]]
+    trainable = set(state.inventory.trainable)
+    for first, p in state.inventory.params.items():
+        if first not in trainable:
+            nbytes = p.numel() * (size or p.element_size())
+            make = functools.partial(cast, p)
+            plan += [Planned(name, nbytes, make) for name in names_of[first]]
+    for name, b in persistent_buffers(module).items():
+        nbytes = b.numel() * (size if size and b.is_floating_point() else b.element_size())
+        plan.append(Planned(name, nbytes, functools.partial(cast, b)))
+    metadata = {"format": "pt", "global_steps": str(state.global_steps)}
+    files = write_safetensors_shards(
+        plan, directory / "model.safetensors", metadata, max_shard_bytes, write=rank == 0
+    )
+    config = getattr(module, "config", None)
+    if rank == 0 and hasattr(config, "save_pretrained"):
+        config.save_pretrained(directory)
+    logger.info("wrote %d tensors to %s", len(plan), directory)
+    return files
