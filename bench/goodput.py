@@ -59,7 +59,7 @@ if str(REPO) not in sys.path:
 
 from bench.common import exit_on_sigterm, fmt_cell, ratio  # noqa: E402
 from bench.elastic import WORKER, RestartRun, no_nan, read_jsonl  # noqa: E402
-from coordinator.control.server import EmbeddedCoordinator  # noqa: E402
+from coordinator.control.embedded import EmbeddedCoordinator  # noqa: E402
 from coordinator.core.settings import (  # noqa: E402
     CoordinatorConfig,
     MembershipConfig,

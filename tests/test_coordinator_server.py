@@ -25,11 +25,13 @@ from coordinator.control.client import (
     ClientConfig,
     CoordinatorAuthError,
     CoordinatorClient,
+    CoordinatorTlsError,
     CoordinatorUnavailableError,
     RequestRejectedError,
     StaleGenerationError,
 )
-from coordinator.control.server import EmbeddedCoordinator, create_server
+from coordinator.control.embedded import EmbeddedCoordinator
+from coordinator.control.server import create_server
 from coordinator.core.layout import ParamSpec
 from coordinator.core.messages import GENERATION_METADATA_KEY, WorkerReport
 from coordinator.core.settings import CoordinatorConfig
@@ -447,7 +449,8 @@ def test_tls_with_token(tmp_path: Path) -> None:
         with tls:
             assert tls.register(worker("a"), inventory()).worker_id == "a"
         plaintext = client(server, connect_timeout_s=0.5)
-        with plaintext, pytest.raises(CoordinatorUnavailableError):
+        # refused at once, saying why (tests/test_tls.py has the other mismatches)
+        with plaintext, pytest.raises(CoordinatorTlsError, match="speaks TLS"):
             plaintext.register(worker("b"), inventory())
 
 

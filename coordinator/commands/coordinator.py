@@ -49,6 +49,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     net.add_argument("--tls-cert", metavar="FILE", type=Path, help="PEM certificate chain")
     net.add_argument("--tls-key", metavar="FILE", type=Path, help="PEM private key")
     net.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        type=Path,
+        help="mutual TLS: admit only clients whose certificate this PEM authority signed "
+        "(workers set $ZEROPLANE_TLS_CLIENT_CERT and $ZEROPLANE_TLS_CLIENT_KEY)",
+    )
+    net.add_argument(
         "--state-file",
         metavar="FILE",
         type=Path,
@@ -134,6 +141,7 @@ def coordinator(args: argparse.Namespace) -> int:
                 token=load_token(args.token_file),
                 tls_cert_file=args.tls_cert,
                 tls_key_file=args.tls_key,
+                tls_client_ca_file=args.tls_client_ca,
                 state_file=args.state_file,
                 grace_s=args.grace,
             ),

@@ -211,7 +211,7 @@ def _run_stage(
     )
     t0 = time.monotonic()
     # imported here: the gRPC server is only needed when this process hosts it
-    from coordinator.control.server import EmbeddedCoordinator
+    from coordinator.control.embedded import EmbeddedCoordinator
 
     coordinator = EmbeddedCoordinator.for_local_job(options.nproc, stage)
     job = LocalJob(spec, on_line=on_line, services=(coordinator,))

@@ -120,6 +120,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(its token from $ZEROPLANE_TOKEN or $ZEROPLANE_TOKEN_FILE)",
     )
     parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="the embedded coordinator serves TLS with a certificate made for this run "
+        "(self-signed, for 127.0.0.1), which its workers trust; with --coordinator, the "
+        "workers read $ZEROPLANE_TLS_ROOT_CERT as always",
+    )
+    parser.add_argument(
         "--http-port",
         type=int,
         default=0,
@@ -205,6 +212,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.launcher == "ray":
         return _run_on_ray(args, command)
+    if args.coordinator and args.tls:
+        print(
+            "zeroplane run: --tls makes the embedded coordinator's certificate; for "
+            "--coordinator, set $ZEROPLANE_TLS_ROOT_CERT to the roots that sign its own",
+            file=sys.stderr,
+        )
+        return 2
     if args.coordinator:
         env = {**spec.env, ADDRESS_ENV: args.coordinator}
         # the coordinator lists each worker's /metrics endpoint for Prometheus; a port
@@ -215,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         services = ()
     else:
         # imported here: the gRPC server is only needed when this process hosts it
-        from coordinator.control.server import EmbeddedCoordinator
+        from coordinator.control.embedded import EmbeddedCoordinator
 
         try:
             embedded = EmbeddedCoordinator.for_local_job(
@@ -225,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
                 max_workers=args.max_nproc,
                 http_port=None if args.no_http else args.http_port,
                 job_name=args.job_name,
+                tls=args.tls,
             )
         except ValueError as exc:
             print(f"zeroplane run: {exc}", file=sys.stderr)

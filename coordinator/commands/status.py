@@ -52,7 +52,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--token-file", metavar="FILE", help=f"bearer token file (default: ${TOKEN_ENV})"
     )
-    parser.add_argument("--tls", action="store_true", help="connect with TLS")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect with TLS, trusting the system's roots (default: as $ZEROPLANE_TLS_ROOT_CERT "
+        "says; $ZEROPLANE_TLS_CLIENT_CERT/KEY for mutual TLS)",
+    )
     parser.add_argument("--tls-ca", metavar="FILE", help="PEM roots to trust (implies --tls)")
     parser.add_argument(
         "--timeout", type=wait_seconds, default=5.0, metavar="SECONDS", help="default 5"
@@ -80,13 +85,15 @@ def status(args: argparse.Namespace) -> int:
     if args.http:
         return _status_over_http(args)
     try:
+        tls = ClientConfig.tls_from_env()  # $ZEROPLANE_TLS_*, as the workers read them
+        if args.tls or args.tls_ca is not None:
+            tls.update(tls=True, tls_root_cert_file=args.tls_ca)
         config = ClientConfig(
             address=args.coordinator,
             token=load_token(args.token_file),
-            tls=args.tls or args.tls_ca is not None,
-            tls_root_cert_file=args.tls_ca,
             connect_timeout_s=args.timeout,
             rpc_timeout_s=args.timeout,
+            **tls,
         )
     except ValueError as exc:
         print(f"zeroplane status: {exc}", file=sys.stderr)

@@ -58,6 +58,7 @@ import grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.control.tls import TlsMismatch, probe
 from coordinator.core.layout import ParamSpec
 from coordinator.core.messages import (
     GENERATION_METADATA_KEY,
@@ -72,13 +73,21 @@ from coordinator.core.messages import (
     worker_to_proto,
 )
 from coordinator.core.ports import free_ports
-from coordinator.core.settings import ADDRESS_ENV, load_token
+from coordinator.core.settings import (
+    ADDRESS_ENV,
+    TLS_CLIENT_CERT_ENV,
+    TLS_CLIENT_KEY_ENV,
+    TLS_ROOT_CERT_ENV,
+    TLS_SERVER_NAME_ENV,
+    load_token,
+)
 
 __all__ = [
     "ClientConfig",
     "CoordinatorAuthError",
     "CoordinatorClient",
     "CoordinatorError",
+    "CoordinatorTlsError",
     "CoordinatorUnavailableError",
     "LeaseLostError",
     "Registration",
@@ -100,6 +109,10 @@ class CoordinatorUnavailableError(CoordinatorError):
 
 class CoordinatorAuthError(CoordinatorError):
     """The coordinator rejected the bearer token."""
+
+
+class CoordinatorTlsError(CoordinatorError):
+    """This client's TLS settings and the coordinator's disagree (coordinator/control/tls.py)."""
 
 
 class RequestRejectedError(CoordinatorError):
@@ -126,6 +139,9 @@ class ClientConfig:
     tls_root_cert_file: Path | None = None
     # Expected name in the server's certificate, when it is not the address's host.
     tls_server_name: str | None = None
+    # Mutual TLS: this client's certificate chain and private key (PEM), both or neither.
+    tls_client_cert_file: Path | None = None
+    tls_client_key_file: Path | None = None
     # How long register/status keep trying an unreachable coordinator.
     connect_timeout_s: float = 30.0
     rpc_timeout_s: float = 10.0
@@ -137,12 +153,42 @@ class ClientConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> ClientConfig:
         """Address from ``$ZEROPLANE_COORDINATOR``, token from ``$ZEROPLANE_TOKEN_FILE`` or
-        ``$ZEROPLANE_TOKEN`` (what ``EmbeddedCoordinator`` exports to local workers)."""
+        ``$ZEROPLANE_TOKEN`` (what ``EmbeddedCoordinator`` exports to local workers),
+        TLS from :meth:`tls_from_env`."""
         address = os.environ.get(ADDRESS_ENV)
         if not address and "address" not in overrides:
             raise ValueError(f"${ADDRESS_ENV} is not set: where is the coordinator?")
         fields: dict[str, object] = {"address": address, "token": load_token()}
-        return cls(**{**fields, **overrides})
+        return cls(**{**fields, **cls.tls_from_env(), **overrides})
+
+    @staticmethod
+    def tls_from_env() -> dict[str, object]:
+        """The TLS fields ``$ZEROPLANE_TLS_*`` ask for: ``$ZEROPLANE_TLS_ROOT_CERT`` (a PEM
+        file of the roots to trust, or ``system``) turns TLS on;
+        ``$ZEROPLANE_TLS_SERVER_NAME`` is the name the certificate must carry when it
+        is not the address's host; ``$ZEROPLANE_TLS_CLIENT_CERT`` and
+        ``$ZEROPLANE_TLS_CLIENT_KEY`` are this client's for mutual TLS."""
+        out: dict[str, object] = {}
+        root = os.environ.get(TLS_ROOT_CERT_ENV, "").strip()
+        if root:
+            out["tls"] = True
+            out["tls_root_cert_file"] = None if root == "system" else Path(root)
+        name = os.environ.get(TLS_SERVER_NAME_ENV, "").strip()
+        if name:
+            out["tls_server_name"] = name
+        for env, key in (
+            (TLS_CLIENT_CERT_ENV, "tls_client_cert_file"),
+            (TLS_CLIENT_KEY_ENV, "tls_client_key_file"),
+        ):
+            value = os.environ.get(env, "").strip()
+            if value:
+                out[key] = Path(value)
+        if ("tls_client_cert_file" in out or "tls_server_name" in out) and "tls" not in out:
+            raise ValueError(
+                f"${TLS_CLIENT_CERT_ENV} and ${TLS_SERVER_NAME_ENV} need ${TLS_ROOT_CERT_ENV} "
+                "(a PEM file of the roots to trust, or 'system')"
+            )
+        return out
 
     def __post_init__(self) -> None:
         host, sep, port = self.address.rpartition(":")
@@ -150,10 +196,16 @@ class ClientConfig:
             raise ValueError(f"ClientConfig.address must be host:port, got {self.address!r}")
         if self.token is not None and not self.token.strip():
             raise ValueError("ClientConfig.token must be None or non-empty")
-        if self.tls_root_cert_file is not None and not Path(self.tls_root_cert_file).is_file():
+        for name in ("tls_root_cert_file", "tls_client_cert_file", "tls_client_key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"ClientConfig.{name} {str(path)!r} is not a file")
+        if (self.tls_client_cert_file is None) != (self.tls_client_key_file is None):
             raise ValueError(
-                f"ClientConfig.tls_root_cert_file {str(self.tls_root_cert_file)!r} is not a file"
+                "ClientConfig.tls_client_cert_file and tls_client_key_file go together"
             )
+        if not self.tls and (self.tls_client_cert_file or self.tls_root_cert_file):
+            raise ValueError("ClientConfig: TLS files given with tls=False")
         for name in ("connect_timeout_s", "rpc_timeout_s", "backoff_initial_s", "backoff_max_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -225,7 +277,13 @@ class CoordinatorClient:
                 roots = Path(config.tls_root_cert_file).read_bytes()
             if config.tls_server_name:
                 options.append(("grpc.ssl_target_name_override", config.tls_server_name))
-            credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+            cert = key = None
+            if config.tls_client_cert_file is not None:
+                cert = Path(config.tls_client_cert_file).read_bytes()
+                key = Path(config.tls_client_key_file).read_bytes()
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=roots, private_key=key, certificate_chain=cert
+            )
             self._channel = grpc.secure_channel(config.address, credentials, options)
         else:
             self._channel = grpc.insecure_channel(config.address, options)
@@ -233,6 +291,7 @@ class CoordinatorClient:
         self._metadata = (
             () if config.token is None else (("authorization", f"Bearer {config.token}"),)
         )
+        self._probed = False  # the TLS settings were checked against the coordinator
         self._cond = threading.Condition()
         self._closed = threading.Event()
         self._stop_heartbeats = threading.Event()
@@ -386,6 +445,8 @@ class CoordinatorClient:
         wait that long for an unreachable coordinator; 0: fail at once, in ``timeout``."""
         if self._closed.is_set():
             raise CoordinatorError("client closed")
+        if wait_s > 0 and not self._probed:
+            self._check_tls()
         try:
             return getattr(self._stub, method)(
                 request,
@@ -394,9 +455,30 @@ class CoordinatorClient:
                 wait_for_ready=wait_s > 0,
             )
         except grpc.RpcError as exc:
+            if wait_s > 0 and exc.code() in _UNREACHABLE and not self._probed:
+                self._check_tls()  # it may have come up meanwhile: say why it failed
             raise self._translate(exc, method, wait_s) from None
         except ValueError as exc:  # the channel was closed under the call
             raise CoordinatorError(f"{method}: {exc}") from None
+
+    def _check_tls(self) -> None:
+        """Fail at once on a TLS mismatch, not after the wait (coordinator/control/tls.py
+        [Note: a TLS mismatch fails at once]); once the coordinator has answered."""
+        c = self.config
+        try:
+            answered = probe(
+                c.address,
+                tls=c.tls,
+                root_cert_file=c.tls_root_cert_file,
+                server_name=c.tls_server_name,
+                client_cert_file=c.tls_client_cert_file,
+                client_key_file=c.tls_client_key_file,
+            )
+        except TlsMismatch as exc:
+            raise CoordinatorTlsError(str(exc)) from None
+        except (OSError, ValueError):
+            return  # unreadable files, a name that does not resolve: the call says
+        self._probed = answered
 
     def _translate(self, exc: grpc.RpcError, method: str, waited: float = 0.0) -> CoordinatorError:
         code, detail = exc.code(), exc.details()

@@ -28,12 +28,11 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-import secrets
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import metadata
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import unquote
 
 import grpc
@@ -77,22 +76,13 @@ from coordinator.core.messages import (
     worker_from_proto,
 )
 from coordinator.core.settings import (
-    ADDRESS_ENV,
-    METRICS_HOST_ENV,
-    METRICS_PORT_ENV,
-    TOKEN_ENV,
     CoordinatorConfig,
-    HttpConfig,
-    MembershipConfig,
-    PlanConfig,
-    ServerConfig,
 )
 from coordinator.core.steps import Steps, finish_async
 
 __all__ = [
     "SERVICE_NAME",
     "CoordinatorServer",
-    "EmbeddedCoordinator",
     "create_server",
     "serve",
 ]
@@ -654,8 +644,11 @@ class CoordinatorServer:
         host = cfg.server.host
         address = f"[{host}]:{cfg.server.port}" if ":" in host else f"{host}:{cfg.server.port}"
         if cfg.server.tls:
+            client_ca = cfg.server.tls_client_ca_file
             credentials = grpc.ssl_server_credentials(
-                [(cfg.server.tls_key_file.read_bytes(), cfg.server.tls_cert_file.read_bytes())]
+                [(cfg.server.tls_key_file.read_bytes(), cfg.server.tls_cert_file.read_bytes())],
+                root_certificates=None if client_ca is None else client_ca.read_bytes(),
+                require_client_auth=client_ca is not None,
             )
             port = self._server.add_secure_port(address, credentials)
         else:
@@ -676,7 +669,9 @@ class CoordinatorServer:
             "coordinator serving on %s:%d (%s)",
             self.config.server.host,
             self.port,
-            "TLS" if self.config.server.tls else "plaintext",
+            ("mutual TLS" if self.config.server.tls_client_ca_file else "TLS")
+            if self.config.server.tls
+            else "plaintext",
         )
 
     async def _start(self) -> None:
@@ -754,92 +749,6 @@ class CoordinatorServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-class EmbeddedCoordinator:
-    """A coordinator run by a launcher beside its workers
-    (``coordinator.launchers.local.JobService``).
-
-    ``start`` returns the environment that ``ClientConfig.from_env`` reads in the workers.
-    """
-
-    def __init__(self, config: CoordinatorConfig) -> None:
-        self.config = config
-        self.server: CoordinatorServer | None = None
-        # the job's status and every worker's last report, read as it stopped
-        self.final: tuple[StatusReport, dict[str, WorkerReport]] | None = None
-
-    @classmethod
-    def for_local_job(
-        cls,
-        nproc: int,
-        stage: int | Literal["auto"] | None,
-        *,
-        http_port: int | None = None,
-        job_name: str = "zeroplane",
-        min_workers: int | None = None,
-        max_workers: int | None = None,
-    ) -> EmbeddedCoordinator:
-        """The coordinator of a one-machine job of ``nproc`` workers (elastic between
-        ``min_workers`` and ``max_workers``, both ``nproc`` by default), a fresh
-        random token, and ``stage``: 0-3, ``"auto"`` (the planner's choice) or
-        None (the stage each worker's ZeroConfig asks for).
-        ``http_port``: serve metrics, service discovery and the status page there
-        (0: a free port), and have the workers serve their metrics too."""
-        low = nproc if min_workers is None else min_workers
-        high = nproc if max_workers is None else max_workers
-        if not low <= nproc <= high:
-            raise ValueError(
-                f"the job's worker range [{low}, {high}] must include its {nproc} workers"
-            )
-        return cls(
-            CoordinatorConfig(
-                server=ServerConfig(token=secrets.token_urlsafe(24)),
-                membership=MembershipConfig(
-                    min_workers=low,
-                    max_workers=high,
-                    # an elastic job still starts with all nproc: give them time to register
-                    join_window_s=0.0 if low == nproc else 3.0,
-                ),
-                plan=PlanConfig(
-                    stage=None if stage in (None, "auto") else int(stage),
-                    stage_from_workers=stage is None,
-                ),
-                http=HttpConfig(port=http_port, job_name=job_name),
-            )
-        )
-
-    def start(self) -> dict[str, str]:
-        self.server, _ = create_server(self.config)
-        self.server.start()
-        env = {ADDRESS_ENV: self.server.address}
-        if self.config.server.token is not None:
-            env[TOKEN_ENV] = self.config.server.token
-        if self.server.http is not None:
-            # each worker serves /metrics on a free local port and reports it
-            env[METRICS_PORT_ENV] = "0"
-            env[METRICS_HOST_ENV] = "127.0.0.1"
-        return env
-
-    def worker_exited(self, worker_id: str, how: str) -> None:
-        """A worker's process exited (the launcher saw it): a crash costs the
-        survivors no wait for its connection to be noticed closed."""
-        if self.server is not None:
-            self.server.worker_exited(worker_id, how)
-
-    def job_stopping(self, why: str) -> None:
-        """The launcher is stopping the job: a member told to leave while it waits for
-        a generation learns that none is coming and leaves at once."""
-        if self.server is not None:
-            self.server.job_stopping(why)
-
-    def stop(self) -> None:
-        if self.server is not None:
-            try:
-                self.final = (self.server.status(), self.server.last_reports())
-            except Exception as exc:  # the job's summary must never fail its stop
-                logger.debug("no final status: %s", exc)
-            self.server.stop()
 
 
 def _local_address(host: str, port: int) -> str:

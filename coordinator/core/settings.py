@@ -46,6 +46,13 @@ WORKER_ID_ENV = "ZEROPLANE_WORKER_ID"
 # Where workers serve /metrics: a port (0: a free one) and the address to bind.
 METRICS_PORT_ENV = "ZEROPLANE_METRICS_PORT"
 METRICS_HOST_ENV = "ZEROPLANE_METRICS_HOST"
+# How clients reach a TLS coordinator: the PEM roots they trust ("system": the
+# system's), the name its certificate carries when it is not the address's host,
+# and for mutual TLS the client's own certificate and key (PEM files).
+TLS_ROOT_CERT_ENV = "ZEROPLANE_TLS_ROOT_CERT"
+TLS_SERVER_NAME_ENV = "ZEROPLANE_TLS_SERVER_NAME"
+TLS_CLIENT_CERT_ENV = "ZEROPLANE_TLS_CLIENT_CERT"
+TLS_CLIENT_KEY_ENV = "ZEROPLANE_TLS_CLIENT_KEY"
 MiB = 1 << 20
 
 
@@ -61,6 +68,8 @@ class ServerConfig:
     # PEM files; both or neither. Without them the server is plaintext.
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
+    # Mutual TLS: only clients holding a certificate this PEM authority signed connect.
+    tls_client_ca_file: Path | None = None
     # Where the current generation and its members survive a restart; None: in memory only.
     state_file: Path | None = None
     # Seconds in-flight RPCs get to finish on stop.
@@ -81,7 +90,12 @@ class ServerConfig:
             raise ValueError("ServerConfig.token must be None or non-empty")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("ServerConfig.tls_cert_file and tls_key_file go together")
-        for name in ("tls_cert_file", "tls_key_file"):
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError(
+                "ServerConfig.tls_client_ca_file needs tls_cert_file and tls_key_file "
+                "(mutual TLS is TLS)"
+            )
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"ServerConfig.{name} {str(path)!r} is not a file")

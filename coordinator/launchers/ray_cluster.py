@@ -14,7 +14,7 @@
   actor (PR_SET_PDEATHSIG) and its output reaches the driver through Ray's log
   forwarding, prefixed with the worker's name.
 * The coordinator runs in the driver's process (an
-  :class:`~coordinator.control.server.EmbeddedCoordinator` listening on all interfaces
+  :class:`~coordinator.control.embedded.EmbeddedCoordinator` listening on all interfaces
   and advertised at the driver node's address); workers register with it as
   under ``zeroplane run`` and take their rank from its generations. Crash
   recovery is the same as with local processes: a worker process that fails is
@@ -214,7 +214,7 @@ class RayJob:
     def start(self) -> RayJob:
         import ray
 
-        from coordinator.control.server import EmbeddedCoordinator
+        from coordinator.control.embedded import EmbeddedCoordinator
 
         self._ray = ray
         spec = self.spec
