@@ -16,7 +16,8 @@ network.
 Taken from the manifests exactly as written: each container's ``command``
 (else the image's ENTRYPOINT, read from deploy/Dockerfile) and ``args`` (else
 CMD), its ``env`` with ``$(VAR)`` expansion, ``secretKeyRef`` (from the
-rendered Secret) and ``fieldRef``, its probes, and the pod's
+rendered Secret) and ``fieldRef``, Secret volumes (their keys as files), its
+gRPC and HTTP probes, and the pod's
 ``terminationGracePeriodSeconds``. An Indexed Job's pods get what its
 controller gives them (the completion-index annotation, the hostname
 ``<job>-<index>`` under the template's ``subdomain``), and the Job's
@@ -420,6 +421,14 @@ class LocalCluster:
                 d = self.workdir / "pods" / pod_name / v["name"]
                 shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True, exist_ok=True)
+            if "secret" in v:  # the Secret's keys as files (``items``: only those)
+                secret = v["secret"]
+                data = self.get("Secret", secret["secretName"])["data"]
+                items = secret.get("items") or [{"key": k, "path": k} for k in data]
+                for item in items:
+                    path = d / item["path"]
+                    path.write_bytes(base64.b64decode(data[item["key"]]))
+                    path.chmod(secret.get("defaultMode", 0o644) & 0o700)
             by_name[v["name"]] = d
         container = spec["containers"][0]
         paths = {m["mountPath"]: by_name[m["name"]] for m in container.get("volumeMounts", [])}
@@ -566,8 +575,23 @@ class LocalCluster:
     def probe(self, pod: Pod, kind: str) -> bool:
         """Run the container's ``readinessProbe`` or ``livenessProbe`` once, as the kubelet does."""
         spec = pod.container[kind]
+        if "httpGet" in spec:
+            http = spec["httpGet"]
+            port = http["port"]
+            if isinstance(port, str):  # a named container port
+                (port,) = [p["containerPort"] for p in pod.container["ports"] if p["name"] == port]
+            get = (
+                "import sys, urllib.request\n"
+                "r = urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2]))\n"
+                "sys.exit(0 if 200 <= r.status < 400 else 1)\n"
+            )
+            url = f"http://{pod.ip}:{port}{http.get('path', '/')}"
+            result = self.node_run(
+                [sys.executable, "-c", get, url, str(spec.get("timeoutSeconds", 1))]
+            )
+            return result.returncode == 0
         if "grpc" not in spec:
-            raise NotImplementedError(f"{kind}: only grpc probes are emulated")
+            raise NotImplementedError(f"{kind}: only grpc and httpGet probes are emulated")
         grpc_probe = spec["grpc"]
         check = (
             "import sys, grpc\n"

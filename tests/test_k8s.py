@@ -852,3 +852,33 @@ def test_readiness_probe_names_the_service_the_coordinator_reports() -> None:
     (container,) = objs[("Deployment", "gpt-coordinator")]["spec"]["template"]["spec"]["containers"]
     assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
     assert "service" not in container["livenessProbe"]["grpc"]  # "": the server as a whole
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_tls_job_mounts_the_secret_and_passes_schema_validation(fmt: str) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    spec = dataclasses.replace(load_job_spec(EXAMPLE), format=fmt, tls_secret="gpt-tls")
+    objects = render(spec, token=TOKEN)
+    coordinator = by_key(objects)[("Deployment", "gpt-coordinator")]
+    pod = coordinator["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][-4:] == ["--tls-cert", "/tls/tls.crt", "--tls-key", "/tls/tls.key"]
+    assert "httpGet" in container["readinessProbe"]  # the kubelet's gRPC probe has no TLS
+    volume = {"name": "tls", "secret": {"secretName": "gpt-tls", "defaultMode": 0o440}}
+    assert volume in pod["volumes"]
+    (template,) = [
+        t
+        for o in objects
+        for t in pod_templates(o)
+        if t["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+    ]
+    env = {e["name"]: e.get("value") for e in worker_container(objects)["env"]}
+    assert env["ZEROPLANE_TLS_ROOT_CERT"] == "/tls/ca.crt"
+    (tls,) = [v for v in template["spec"]["volumes"] if v["name"] == "tls"]
+    assert tls["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # never the key
+    for obj in objects:
+        if obj["apiVersion"] in BUILT_IN:
+            kubernetes_validate.validate(obj, "1.33.0", strict=True)
+        for t in pod_templates(obj) if obj["apiVersion"] not in BUILT_IN else ():
+            wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"}}
+            kubernetes_validate.validate({**wrapped, "template": t}, "1.33.0", strict=True)

@@ -22,6 +22,7 @@ from coordinator.launchers.jobspec import JobSpec, Workers
 from coordinator.launchers.k8s import render
 from tests.k8s_local import LocalCluster, Pod, available
 from tests.test_run_e2e import reference
+from tests.test_tls import tls_secret
 
 why_not = available()
 pytestmark = pytest.mark.skipif(why_not is not None, reason=why_not or "")
@@ -45,12 +46,15 @@ def job(steps: int, **kw: object) -> JobSpec:
     )
 
 
-def status(cluster: LocalCluster, token: str) -> dict:
+def status(cluster: LocalCluster, token: str, ca: Path | None = None) -> dict:
     """``zeroplane status --json`` from the node, through the coordinator's Service name
-    (what a user gets through ``kubectl port-forward``)."""
+    (what a user gets through ``kubectl port-forward``); ``ca``: over TLS, trusting it."""
+    env = {"ZEROPLANE_TOKEN": token}
+    if ca is not None:
+        env["ZEROPLANE_TLS_ROOT_CERT"] = str(ca)
     result = cluster.node_run(
         ["zeroplane", "status", "--coordinator", "e2e-coordinator:50051", "--json"],
-        env={"ZEROPLANE_TOKEN": token},
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -83,8 +87,16 @@ def scrape(cluster: LocalCluster, pod: Pod) -> str:
 
 @pytest.mark.timeout(240)
 def test_manifests_run_as_written_train_and_complete(tmp_path: Path) -> None:
+    # with TLS on: the coordinator serves the Secret's certificate, the workers trust its
+    # ca.crt (what a cert-manager Certificate for <job>-coordinator writes)
     token = secrets.token_hex(16)
-    objects = render(job(steps=8, stage="2"), token=token)
+    secret, ca_pem = tls_secret("e2e-coordinator-tls", ("e2e-coordinator", "localhost"))
+    ca = tmp_path / "ca.crt"
+    ca.write_bytes(ca_pem)
+    objects = [
+        secret,
+        *render(job(steps=8, stage="2", tls_secret="e2e-coordinator-tls"), token=token),
+    ]
     with LocalCluster(objects, tmp_path) as cluster:
         coordinator = cluster.start("Deployment", "e2e-coordinator")
         cluster.wait_for(
@@ -98,7 +110,7 @@ def test_manifests_run_as_written_train_and_complete(tmp_path: Path) -> None:
 
         workers = [cluster.start("Job", "e2e-worker", i) for i in range(2)]
         wait_complete(cluster, workers, [coordinator], 180)
-        report = status(cluster, token)
+        report = status(cluster, token, ca)
         generations = [e for e in report["events"] if e["kind"] == "generation"]
         assert generations and "world size 2, stage 2" in generations[0]["detail"]
         # both pods registered under their pod names, advertising their stable DNS names

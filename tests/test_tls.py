@@ -4,6 +4,7 @@ once, saying why; `zeroplane run --tls` makes its own certificate."""
 
 from __future__ import annotations
 
+import base64
 import datetime
 import ipaddress
 import os
@@ -46,7 +47,16 @@ def _write(path: Path, cert, key) -> tuple[Path, Path]:
     return path.with_suffix(".crt"), key_file
 
 
-def _cert(name: str, key, issuer=None, issuer_key=None, *, ca: bool = False, server: bool = True):
+def _cert(
+    name: str,
+    key,
+    issuer=None,
+    issuer_key=None,
+    *,
+    ca: bool = False,
+    server: bool = True,
+    hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+):
     now = datetime.datetime.now(datetime.UTC)
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     builder = (
@@ -63,9 +73,39 @@ def _cert(name: str, key, issuer=None, issuer_key=None, *, ca: bool = False, ser
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         if server:
-            sans = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            sans: list[x509.GeneralName] = []
+            for host in hosts:
+                try:
+                    sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+                except ValueError:
+                    sans.append(x509.DNSName(host))
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     return builder.sign(issuer_key if issuer_key is not None else key, hashes.SHA256())
+
+
+def tls_secret(name: str, hosts: tuple[str, ...]) -> tuple[dict, bytes]:
+    """A ``kubernetes.io/tls`` Secret as cert-manager writes one (``tls.crt``, ``tls.key``,
+    ``ca.crt``) for ``hosts``, and its authority's PEM certificate."""
+    ca_key, key = _key(), _key()
+    ca = _cert("test CA", ca_key, ca=True)
+    cert = _cert(hosts[0], key, ca, ca_key, hosts=hosts)
+    pem = serialization.Encoding.PEM
+    private = key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    data = {
+        "tls.crt": cert.public_bytes(pem),
+        "tls.key": private,
+        "ca.crt": ca.public_bytes(pem),
+    }
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name},
+        "type": "kubernetes.io/tls",
+        "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+    }
+    return secret, data["ca.crt"]
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,13 @@ from typing import Any, Literal
 import yaml
 
 from coordinator.core.meshplan import PP_ENV, TP_ENV
-from coordinator.core.settings import ADDRESS_ENV, METRICS_PORT_ENV, TOKEN_ENV, WORKER_ID_ENV
+from coordinator.core.settings import (
+    ADDRESS_ENV,
+    METRICS_PORT_ENV,
+    TLS_ROOT_CERT_ENV,
+    TOKEN_ENV,
+    WORKER_ID_ENV,
+)
 
 __all__ = [
     "COMPRESSION_ENV",
@@ -74,6 +80,7 @@ RESERVED_ENV = frozenset(
         METRICS_PORT_ENV,
         TP_ENV,
         PP_ENV,
+        TLS_ROOT_CERT_ENV,
         "POD_NAME",
         "POD_IP",
         "JOB_COMPLETION_INDEX",
@@ -161,6 +168,10 @@ class JobSpec:
         each as a Deployment.
     monitoring: ``prometheus-operator`` adds a PodMonitor (the Prometheus Operator's
         CRD); ``none`` renders only objects every cluster knows.
+    tls_secret: a ``kubernetes.io/tls`` Secret (``tls.crt``, ``tls.key``, ``ca.crt``:
+        what cert-manager's Certificate writes) for the coordinator's name
+        ``<name>-coordinator``: the coordinator serves TLS with it, the workers trust
+        its ``ca.crt`` (and see nothing else of it). None: plaintext.
     """
 
     name: str
@@ -184,6 +195,7 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     format: Literal["job", "trainjob", "pytorchjob"] = "job"
     monitoring: Literal["none", "prometheus-operator"] = "none"
+    tls_secret: str | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -296,6 +308,15 @@ class JobSpec:
         _check(
             self.monitoring in MONITORING, "monitoring", " or ".join(MONITORING), self.monitoring
         )
+        if self.tls_secret is not None:
+            _check(
+                isinstance(self.tls_secret, str)
+                and _NAME.fullmatch(self.tls_secret) is not None
+                and len(self.tls_secret) <= 253,
+                "tls_secret",
+                "the name of a Secret (a lowercase DNS name)",
+                self.tls_secret,
+            )
 
     # ---- derived names ----------------------------------------------------------------
 

@@ -67,7 +67,7 @@ from typing import Any
 import yaml
 
 from coordinator.core.meshplan import PP_ENV, TP_ENV
-from coordinator.core.settings import ADDRESS_ENV, METRICS_PORT_ENV, TOKEN_ENV
+from coordinator.core.settings import ADDRESS_ENV, METRICS_PORT_ENV, TLS_ROOT_CERT_ENV, TOKEN_ENV
 from coordinator.launchers.jobspec import COMPRESSION_ENV, HOST_ENV, WORKER_ID_ENV, JobSpec
 
 __all__ = [
@@ -98,6 +98,9 @@ COORDINATOR_PORT = 50051
 METRICS_PORT = 9400
 STATE_DIR = "/var/lib/zeroplane"
 CHECKPOINT_DIR = "/checkpoints"
+# where JobSpec.tls_secret is mounted: the coordinator's certificate and key, the
+# workers' trusted authority (ca.crt alone)
+TLS_DIR = "/tls"
 TMP_DIR = "/tmp"
 # What the coordinator's health service reports on (coordinator/control/server.py's SERVICE_NAME;
 # not imported from there, which would pull in grpc's server side to render YAML).
@@ -196,7 +199,21 @@ def coordinator_args(spec: JobSpec) -> list[str]:
         # The job label of its metrics, as the PodMonitor gives the workers'.
         "--job-name",
         spec.name,
+        *(
+            ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
+            if spec.tls_secret is not None
+            else []
+        ),
     ]
+
+
+def _tls_volume(spec: JobSpec, *, keys: Sequence[str] | None = None) -> dict[str, Any]:
+    """``spec.tls_secret`` as a volume: ``keys`` only, if given (0440: the pod's group,
+    which fsGroup makes the non-root user's)."""
+    secret: dict[str, Any] = {"secretName": spec.tls_secret, "defaultMode": 0o440}
+    if keys is not None:
+        secret["items"] = [{"key": k, "path": k} for k in keys]
+    return {"name": "tls", "secret": secret}
 
 
 def worker_args(spec: JobSpec) -> list[str]:
@@ -226,7 +243,11 @@ def _coordinator_objects(spec: JobSpec) -> list[dict[str, Any]]:
         claim["storageClassName"] = spec.storage_class
     # Kubernetes' own gRPC probe calls grpc.health.v1.Health/Check: readiness asks
     # for the Coordinator service, liveness for the server as a whole ("").
-    readiness = {"port": COORDINATOR_PORT, "service": SERVICE_NAME}
+    readiness: dict[str, Any] = {"grpc": {"port": COORDINATOR_PORT, "service": SERVICE_NAME}}
+    liveness: dict[str, Any] = {"grpc": {"port": COORDINATOR_PORT}}
+    if spec.tls_secret is not None:
+        # the kubelet's gRPC probe speaks no TLS: the status page's /healthz instead
+        readiness = liveness = {"httpGet": {"path": "/healthz", "port": "metrics"}}
     container = {
         "name": "coordinator",
         "image": spec.coordinator_image,
@@ -236,9 +257,9 @@ def _coordinator_objects(spec: JobSpec) -> list[dict[str, Any]]:
             {"name": "grpc", "containerPort": COORDINATOR_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
-        "readinessProbe": {"grpc": readiness, "periodSeconds": 5, "failureThreshold": 3},
+        "readinessProbe": {**readiness, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {
-            "grpc": {"port": COORDINATOR_PORT},
+            **liveness,
             "initialDelaySeconds": 10,
             "periodSeconds": 10,
             "timeoutSeconds": 5,
@@ -252,6 +273,7 @@ def _coordinator_objects(spec: JobSpec) -> list[dict[str, Any]]:
         "volumeMounts": [
             {"name": "state", "mountPath": STATE_DIR},
             {"name": "tmp", "mountPath": TMP_DIR},
+            *([{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if spec.tls_secret else []),
         ],
     }
     return [
@@ -303,6 +325,7 @@ def _coordinator_objects(spec: JobSpec) -> list[dict[str, Any]]:
                             "persistentVolumeClaim": {"claimName": spec.state_claim},
                         },
                         {"name": "tmp", "emptyDir": {}},
+                        *([_tls_volume(spec)] if spec.tls_secret is not None else []),
                     ],
                     grace_period_s=30,
                 ),
@@ -362,6 +385,8 @@ def _worker_env(spec: JobSpec) -> list[dict[str, Any]]:
         _token_env(spec),
         {"name": HOST_ENV, "value": host},
     ]
+    if spec.tls_secret is not None:
+        env.append({"name": TLS_ROOT_CERT_ENV, "value": f"{TLS_DIR}/ca.crt"})
     if spec.device.count == 1:
         # Several processes per pod fall back to <hostname>-<local rank>; one process
         # is named after its pod alone.
@@ -406,6 +431,10 @@ def _worker_pod(spec: JobSpec, **pod: Any) -> dict[str, Any]:
         volumes.append(
             {"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint_claim}}
         )
+    if spec.tls_secret is not None:
+        # the authority that signed the coordinator's certificate, not its key
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append(_tls_volume(spec, keys=["ca.crt"]))
     if spec.device.kind == "cuda":
         # GPU nodes are commonly tainted so that only GPU workloads land there.
         pod["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
