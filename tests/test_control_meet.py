@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,31 @@ def test_a_newcomer_waiting_for_the_store_looks_often_and_then_meets_at_once(mon
     # before the store is up, the newcomer looks at least every _MEET_PROBE_S (it
     # used to back off to _MEET_POLL_S, and met up to that long after rank 0 arrived)
     assert len(probing) > 10 and max(probing) <= control._MEET_PROBE_S, probing
+
+
+def _listening_on(port: int) -> set[str]:
+    """The local addresses listening on TCP ``port`` (IPv4), from /proc/net/tcp."""
+    out = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # LISTEN
+            out.add(".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+    return out
+
+
+def test_a_served_store_listens_on_the_workers_address_alone() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from coordinator.core.ports import free_port
+    from worker.compat import serving_store
+
+    port = free_port("127.0.0.1")
+    store = serving_store("127.0.0.1", port, 2, timedelta(seconds=5))
+    client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=5))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    # not 0.0.0.0: the store is unauthenticated (README, Security)
+    assert _listening_on(port) == {"127.0.0.1"}

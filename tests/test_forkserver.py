@@ -128,7 +128,7 @@ def test_forkable_commands() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_worker_and_a_killed_server_are_reported(tmp_path: Path) -> None:
+def test_a_killed_worker_is_reported_and_a_killed_server_loses_no_worker(tmp_path: Path) -> None:
     script = tmp_path / "sleep.py"
     script.write_text("import os, time\nprint('up', os.getpid(), flush=True)\ntime.sleep(60)\n")
     server = ForkServer({**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -139,13 +139,18 @@ def test_a_killed_worker_and_a_killed_server_are_reported(tmp_path: Path) -> Non
         os.kill(a.pid, signal.SIGKILL)
         assert a.wait(timeout=10) == -signal.SIGKILL
         assert b.poll() is None
-        # the server dies: its workers die with it, and say so
+        # the server dies: its workers carry on, and their exit is still reported
+        # (this process, a subreaper, adopts them: spawner.py [Note: workers outlive
+        # the fork server])
         os.kill(server.pid, signal.SIGKILL)
-        assert b.wait(timeout=15) == -signal.SIGKILL
         deadline = time.monotonic() + 5
         while server.alive and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not server.alive
+        time.sleep(0.5)
+        assert b.poll() is None, "the worker died with its fork server"
+        os.kill(b.pid, signal.SIGTERM)
+        assert b.wait(timeout=15) == -signal.SIGTERM
         with pytest.raises(OSError, match="fork server"):
             server.fork((sys.executable, str(script)), dict(os.environ))
         with pytest.raises(ValueError, match="cannot run"):
@@ -153,3 +158,59 @@ def test_a_killed_worker_and_a_killed_server_are_reported(tmp_path: Path) -> Non
     finally:
         server.close()
     assert SERVER_MODULE == "worker.forkserver"
+
+
+def _fork_server_of(launcher: int) -> int | None:
+    """The pid of the fork server that ``launcher`` started, from /proc."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == launcher and SERVER_MODULE.encode() in argv:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_job_loses_no_worker_and_no_step_when_its_fork_server_dies(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    import subprocess
+
+    import torch
+
+    from tests.test_run_e2e import EXAMPLE, ROOT, reference
+
+    out, steps = tmp_path / "final.pt", 24
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "run", "--nproc", "2", "--min-nproc", "1",
+         "--max-nproc", "2", "--no-http", "--stage", "2", str(EXAMPLE), "--steps", str(steps),
+         "--optimizer", "sgd", "--step-sleep", "0.2", "--out", str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        server = None
+        while server is None and time.monotonic() < deadline:
+            server = _fork_server_of(launcher.pid)
+            time.sleep(0.1)
+        assert server is not None, "no fork server under the launcher"
+        time.sleep(6)  # training: the workers were forked and have stepped
+        assert launcher.poll() is None
+        os.kill(server, sig)
+        output, _ = launcher.communicate(timeout=200)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, output[-4000:]
+    assert "carry on" in output, output[-4000:]
+    # no worker was lost: one generation of two all along, nothing restored
+    assert "recovered" not in output and "restarting" not in output, output[-4000:]
+    got, want = torch.load(out, weights_only=True), reference(steps, 12, optimizer="sgd")
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -12,12 +14,55 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["abort_default_group", "all_gather_flat", "backend_for", "reduce_scatter_flat"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "abort_default_group",
+    "all_gather_flat",
+    "backend_for",
+    "reduce_scatter_flat",
+    "serving_store",
+]
 
 # torch 2.13 renamed the flat-tensor collectives (`*_single`) and deprecated the
 # old names; older releases only have the old ones.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def serving_store(host: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """A generation's rendezvous store served by this rank, listening on ``host``'s
+    address alone (the one the other ranks connect to), not on every interface.
+    The store owns the listening socket (torch closes it with the store). Where
+    ``host`` is not an address of this machine, or this torch cannot take a
+    listening socket (``master_listen_fd``), it listens on every interface, as
+    torch's own does."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(max(128, world_size))
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+        sock.detach()  # the store's now
+        return store
+    except (OSError, RuntimeError, TypeError, ValueError) as exc:
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+        logger.info("the store listens on every interface (not %s alone: %s)", host, exc)
+    return dist.TCPStore(
+        host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+    )
 
 
 def backend_for(device: torch.device) -> str:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from coordinator.control.client import ClientConfig, CoordinatorClient, CoordinatorError
 from coordinator.core.messages import Generation, WorkerInfo, WorkerReport
 from coordinator.core.settings import ADDRESS_ENV, WORKER_ID_ENV
-from worker.compat import abort_default_group, backend_for
+from worker.compat import abort_default_group, backend_for, serving_store
 from worker.inventory import Inventory
 
 __all__ = ["ControlPlane", "coordinator_address"]
@@ -331,14 +331,19 @@ class ControlPlane:
         host, port = gen.rendezvous_endpoint.rsplit(":", 1)
         host = host.strip("[]")
         rank = gen.rank_of(self.client.worker_id)
-        if rank != 0 and not _listening(host, int(port)):
+        timeout = timedelta(seconds=_MEET_POLL_S * 10)
+        if rank == 0:
+            # on the address the other ranks use, not every interface: the store is
+            # unauthenticated (README, Security)
+            return serving_store(host, int(port), gen.world_size, timeout)
+        if not _listening(host, int(port)):
             return None
         return dist.TCPStore(
             host,
             int(port),
             gen.world_size,
-            is_master=rank == 0,
-            timeout=timedelta(seconds=_MEET_POLL_S * 10),
+            is_master=False,
+            timeout=timeout,
             wait_for_workers=False,
         )
 

@@ -11,7 +11,6 @@ A forked child leaves :func:`serve` with its request and becomes the worker in
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import importlib.util
 import os
@@ -20,6 +19,8 @@ import select
 import signal
 import socket
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +29,10 @@ from coordinator.core.wire import recv, send
 # what the workers import before anything else; one that fails to import is skipped
 # (a job whose scripts do not use torch still runs)
 PRELOAD = ("torch", "worker")
-_PR_SET_PDEATHSIG = 1
 _REAP_EVERY_S = 0.02
+# how often a worker looks whether its launcher is still there (coordinator/launchers/
+# spawner.py [Note: workers outlive the fork server])
+_WATCH_EVERY_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -79,12 +82,18 @@ def serve(sock: socket.socket) -> Request | None:
         send(sock, {"pid": pid})
 
 
-def become(request: Request, server_pid: int) -> None:
-    """In the child: be the worker ``python ARGV...`` would have started."""
+def become(request: Request, server_pid: int, launcher_pid: int) -> None:
+    """In the child: be the worker ``python ARGV...`` would have started. It lives on if
+    the server dies (the launcher, a subreaper, adopts it) and dies with the launcher."""
     os.setsid()
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != server_pid:
-        os._exit(1)  # the server died before prctl took effect
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the server's own, not a worker's
+        signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
+    parents = {server_pid, launcher_pid}
+    if os.getppid() not in parents:
+        os._exit(1)  # the launcher died before this child could watch it
+    threading.Thread(
+        target=_die_with_the_launcher, args=(parents,), name="zeroplane-launcher", daemon=True
+    ).start()
     os.dup2(request.stdout, 1)
     os.dup2(request.stderr, 2)
     _close(request)
@@ -131,6 +140,15 @@ def run(request: Request) -> None:
     runpy.run_path(argv[0], run_name="__main__")
 
 
+def _die_with_the_launcher(parents: set[int]) -> None:
+    """What ``PR_SET_PDEATHSIG`` did when it tied a worker to the server: a parent other
+    than the server or the launcher means the launcher is gone (the worker was
+    handed to init or an outer subreaper), and the worker goes with it."""
+    while os.getppid() in parents:
+        time.sleep(_WATCH_EVERY_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _request(message: dict[str, Any], fds: list[int]) -> Request | None:
     argv, env, cwd = message.get("argv"), message.get("env"), message.get("cwd")
     ok = (
@@ -172,13 +190,20 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
 
 def main(argv: list[str]) -> None:
     sock = socket.socket(fileno=int(argv[1]))
+    launcher_pid = os.getppid()  # the trampoline exec'd this interpreter
+    # a SIGTERM or SIGINT to the server stops new starts, never a running worker
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     preload()
     server_pid = os.getpid()
-    request = serve(sock)
+    try:
+        request = serve(sock)
+    except SystemExit:
+        return  # asked to stop: the launcher adopts the workers
     if request is None:
-        return  # the launcher hung up; any child left dies with this process
+        return  # the launcher hung up
     sock.close()
-    become(request, server_pid)
+    become(request, server_pid, launcher_pid)
     run(request)
 
 

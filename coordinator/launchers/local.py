@@ -310,9 +310,7 @@ class LocalJob:
                 self._started_services.append(service)
             self._extra_env = extra_env
             if spec.fork_server and forkable(spec.command) and sys.platform.startswith("linux"):
-                self._fork_server = ForkServer(
-                    self._worker_env(0, extra_env), launch_prefix=self._trampoline()
-                )
+                self._fork_server = self._new_fork_server()
             for rank in range(spec.nproc):
                 self._spawn(rank, self._worker_env(rank, extra_env))
         except BaseException:
@@ -590,9 +588,22 @@ class LocalJob:
             return []
         return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_TRAMPOLINE, str(os.getpid())]
 
+    def _new_fork_server(self) -> ForkServer:
+        return ForkServer(self._worker_env(0, self._extra_env), launch_prefix=self._trampoline())
+
     def _spawn(self, rank: int, env: dict[str, str]) -> None:
         proc: subprocess.Popen[bytes] | ForkedProcess | None = None
         server = self._fork_server
+        if server is not None and not server.alive:
+            # it died (its workers carry on, spawner.py [Note: workers outlive the fork
+            # server]): the next workers come from a new one
+            logger.warning("the fork server is gone; starting a new one for worker %d", rank)
+            server.close()
+            try:
+                server = self._fork_server = self._new_fork_server()
+            except OSError as e:
+                logger.warning("no new fork server (%s): workers start as fresh processes", e)
+                server = self._fork_server = None
         if server is not None and server.alive:
             try:
                 proc = server.fork(self.spec.command, env)

@@ -29,10 +29,23 @@ What makes it safe:
   launcher starts with the environment every worker shares; a worker's own
   variables (``RANK``, ``WORKER_ID``, ...) are set in the child before the
   script runs;
-- every child dies with the server (``PR_SET_PDEATHSIG``) and the server
-  with the launcher, as the workers did before; the server reports each
-  child's exit status, which only it, the parent, can collect. A server that
-  dies unasked takes its workers with it, and the job fails saying so.
+- the server dies with the launcher (``PR_SET_PDEATHSIG``), and every child
+  dies with the launcher too, but not with the server ([Note: workers
+  outlive the fork server]); the server reports each child's exit status,
+  which only the parent can collect, until it is gone.
+
+[Note: workers outlive the fork server]
+The server is an optimisation of starting, not a part of the job. Its
+children used to die with it (``PR_SET_PDEATHSIG``), so a SIGTERM to the
+wrong pid, or the OOM killer's choice, took every worker of the host and its
+state with it. Now the launcher makes itself a child subreaper
+(``PR_SET_CHILD_SUBREAPER``): when the server dies, its children become the
+launcher's, which waits for them itself (:func:`_adopt`) and so still learns
+each exit status. A child watches its parent instead of a death signal: while
+it is the server or the launcher it runs, and once it is anything else (the
+launcher died, the child went to init) it kills itself, as the death signal
+did. A SIGTERM or SIGINT to the server ends only the server; the launcher
+starts the next workers from a new one.
 
 :class:`ForkServer` starts the server and forks; :class:`ForkedProcess` is the
 ``subprocess.Popen`` subset :class:`coordinator.launchers.local.LocalJob` uses (``pid``,
@@ -44,6 +57,7 @@ carries the child's stdout and stderr pipes as file descriptors.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -64,6 +78,7 @@ __all__ = ["SERVER_MODULE", "ForkServer", "ForkedProcess", "forkable"]
 SERVER_MODULE = "worker.forkserver"
 # a child's return code when the server died before it could report one
 LOST_WITH_SERVER = -int(signal.SIGKILL)
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def forkable(command: Sequence[str]) -> bool:
@@ -118,6 +133,9 @@ class ForkServer:
         launch_prefix: Sequence[str] = (),
         ready_timeout_s: float = 300.0,
     ) -> None:
+        # its children become this process's if it dies ([Note: workers outlive the
+        # fork server])
+        become_subreaper()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         self._ready_timeout_s = ready_timeout_s
@@ -190,8 +208,13 @@ class ForkServer:
                     os.close(fd)
 
     def close(self) -> None:
-        """Stop the server; any child still running dies with it."""
+        """Stop the server and kill what it forked that still runs."""
         self._closing = True
+        with self._replied:
+            running = [c for c in self._children.values() if c.returncode is None]
+        for child in running:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         try:
@@ -245,24 +268,46 @@ class ForkServer:
                 orphans, self._children = list(self._children.values()), {}
                 self._replied.notify_all()
             if orphans and not self._closing:
-                logger.error(
-                    "the fork server (pid %d) exited; its %d worker(s) died with it",
+                logger.warning(
+                    "the fork server (pid %d) exited; its %d worker(s) carry on, adopted "
+                    "by the launcher",
                     self._proc.pid,
                     len(orphans),
                 )
             for child in orphans:
-                _reap_orphan(child)
+                threading.Thread(
+                    target=_adopt, args=(child,), name="zeroplane-adopted", daemon=True
+                ).start()
 
 
-def _reap_orphan(child: ForkedProcess) -> None:
-    """A child whose server is gone: PR_SET_PDEATHSIG kills it; say so once it is."""
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
+def become_subreaper() -> bool:
+    """Make this process the parent of its orphaned descendants (Linux): a fork
+    server's children when it dies ([Note: workers outlive the fork server])."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _adopt(child: ForkedProcess) -> None:
+    """A child whose server is gone: once it is this process's (a subreaper's), wait
+    for it and report its exit status; one that never becomes it (no subreaper) is
+    reported lost when it has gone."""
+    while True:
         try:
-            os.kill(child.pid, 0)
-        except ProcessLookupError:
-            break
-        except PermissionError:
-            break
-        time.sleep(0.05)
-    child._set_exit(LOST_WITH_SERVER)
+            pid, status = os.waitpid(child.pid, 0)
+        except ChildProcessError:
+            try:
+                os.kill(child.pid, 0)
+            except ProcessLookupError:
+                child._set_exit(LOST_WITH_SERVER)  # gone before it was ours
+                return
+            except PermissionError:
+                pass
+            time.sleep(0.02)  # not reparented yet
+            continue
+        if pid == child.pid:
+            child._set_exit(os.waitstatus_to_exitcode(status))
+            return
