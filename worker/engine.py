@@ -722,37 +722,19 @@ class ZeroEngine:
         return state
 
     def load_weights(self, path: str | os.PathLike) -> None:
-        """Pretrained weights into this engine before it trains: a safetensors or
-        torch file, or a directory that ``save_pretrained`` (or ``zeroplane
-        checkpoint export``) wrote, one file or sharded. Each rank reads only the
-        elements it owns (worker/pretrained.py [Note: weights by range]); dtypes
-        are converted; a missing, unexpected or misshapen name is an error naming
-        it, with nothing changed. Every rank calls it."""
-        if self.global_steps or self.optimizer.inner.state:
-            raise RuntimeError(
-                f"load_weights sets the weights of a model that has not trained; this one "
-                f"is at step {self.global_steps}: load_checkpoint resumes training"
-            )
+        """Pretrained weights (safetensors or torch files, what ``save_pretrained``
+        wrote) into this engine before it trains, each rank reading only its ranges
+        (worker/pretrained.py [Note: weights by range]). Every rank calls it."""
         pretrained.load_weights(self.state, self.module, path)
         if self.membership is not None:
             self.membership.after_load(self)
         self.after_restore()
 
-    def save_pretrained(
-        self,
-        out: str | os.PathLike,
-        *,
-        dtype: torch.dtype | None = None,
-        max_shard_bytes: int = checkpoint.DEFAULT_SHARD_BYTES,
-    ) -> list[Path]:
-        """The trained weights in the directory ``out``, as ``save_pretrained`` writes
-        them (safetensors, sharded past ``max_shard_bytes``; a Hugging Face model's
-        ``config.json``), for ``from_pretrained`` or :meth:`load_weights`. Gathered a
-        bucket at a time: no rank holds the whole model. Every rank calls it; rank 0
-        writes. ``dtype``: cast floating tensors (fp32 masters by default)."""
-        return pretrained.save_weights(
-            self.state, self.module, out, dtype=dtype, max_shard_bytes=max_shard_bytes
-        )
+    def save_pretrained(self, out: str | os.PathLike, **options: Any) -> list[Path]:
+        """The weights in the directory ``out`` as ``save_pretrained`` writes them, a
+        bucket at a time (worker/pretrained.py :func:`save_weights`, its ``dtype`` and
+        ``max_shard_bytes``). Every rank calls it; rank 0 writes."""
+        return pretrained.save_weights(self.state, self.module, out, **options)
 
     def after_restore(self) -> None:
         """The state was just replaced (a hand-over, a checkpoint in any format): put

@@ -212,6 +212,11 @@ def load_weights(state: Any, module: nn.Module, path: str | os.PathLike) -> None
     master values of this rank's owned ranges, frozen parameters and persistent
     buffers whole ([Note: weights by range]). Converts dtypes on the way in. Every
     name and shape is checked before anything changes."""
+    if state.global_steps or state.optimizer.inner.state:
+        raise RuntimeError(
+            f"load_weights sets the weights of a model that has not trained; this one "
+            f"is at step {state.global_steps}: load_checkpoint resumes training"
+        )
     inventory = state.inventory
     names_of: dict[str, list[str]] = {}
     for name, first in inventory.aliases.items():

@@ -337,7 +337,7 @@ class ShardState:
             self.module,
             device=self.device,
             init=self.init,
-            broadcast=functools.partial(self._broadcast, src=0),
+            broadcast=functools.partial(broadcast_tensors, self.comm, self.device, src=0),
             cast=MixedPrecision.from_config(self.config).cast_module,
         )
 
@@ -345,7 +345,7 @@ class ShardState:
         """Rank 0's values of the module's parameters and buffers on every rank (those
         with values: a meta tensor gets rank 0's when it comes to life)."""
         tensors = [*self.module.parameters(), *self.module.buffers()]
-        self._broadcast([t for t in tensors if not t.is_meta], src=0)
+        broadcast_tensors(self.comm, self.device, [t for t in tensors if not t.is_meta], src=0)
 
     def _bucket_params(self, spec: Bucket) -> list[nn.Parameter]:
         return [self.inventory.params[s.name] for s in spec.slots]
@@ -359,23 +359,8 @@ class ShardState:
         if source is None:
             return
         frozen = [p for p in self.inventory.params.values() if p not in self.bucket_of]
-        self._broadcast([*frozen, *persistent_buffers(self.module).values()], src=source)
-
-    def _broadcast(self, tensors: list[torch.Tensor], *, src: int) -> None:
-        """``src``'s values of ``tensors`` on every rank (one broadcast per dtype)."""
-        if not self.comm.distributed:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in dict.fromkeys(tensors):  # a tied tensor once
-            by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in group])
-                self.comm.broadcast(flat, src=src)
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        buffers = persistent_buffers(self.module).values()
+        broadcast_tensors(self.comm, self.device, [*frozen, *buffers], src=source)
 
     def _build_bucket(self, spec, from_module: bool) -> FlatBucket:
         params = self._bucket_params(spec)
@@ -748,6 +733,26 @@ class ShardState:
         host["master"] = master if master_host else 0
         host["optimizer"] = optimizer if master_host else 0
         return {"device": device, "host": host}
+
+
+def broadcast_tensors(
+    comm: Collectives, device: torch.device, tensors: list[torch.Tensor], *, src: int
+) -> None:
+    """``src``'s values of ``tensors`` on every rank of ``comm`` (one broadcast per dtype,
+    through ``device``)."""
+    if not comm.distributed:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in dict.fromkeys(tensors):  # a tied tensor once
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
+            comm.broadcast(flat, src=src)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def _probe_state_fields(
