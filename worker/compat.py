@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
@@ -30,6 +31,9 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
 def serving_store(host: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
     """A generation's rendezvous store served by this rank, listening on ``host``'s
     address alone (the one the other ranks connect to), not on every interface.
@@ -40,6 +44,10 @@ def serving_store(host: str, port: int, world_size: int, timeout: timedelta) -> 
     sock = None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        if ipaddress.ip_address(address[0]).is_loopback and host not in _LOOPBACK_NAMES:
+            # a host name this machine maps to itself (Debian's 127.0.1.1) that the
+            # other hosts resolve to its real address: binding loopback would lock them out
+            raise ValueError(f"{host} resolves to the loopback address {address[0]} here")
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
