@@ -35,7 +35,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import worker  # noqa: E402
-from worker.data import GlobalBatchSampler  # noqa: E402
+from worker.data import GlobalBatchSampler, share_of  # noqa: E402
 from worker.demo import load_corpus  # noqa: E402
 from worker.models import GPT, GPTConfig  # noqa: E402
 
@@ -187,8 +187,7 @@ def main() -> None:
         t0 = time.time()
         world = engine.world_size
         batch = sampler.batch_at(engine.global_steps)
-        per_rank = args.global_batch // world
-        (mine,) = sampler.micro_batches(batch, engine.rank, world, per_rank)
+        (mine,) = share_of(batch, engine)
         rows = torch.stack([data[i * t : i * t + t + 1] for i in mine]).long()
         try:
             loss = engine(rows[:, :-1], rows[:, 1:])

@@ -24,7 +24,7 @@ import torch
 
 import worker
 import worker.hpo
-from worker.data import GlobalBatchSampler
+from worker.data import GlobalBatchSampler, share_of
 from worker.demo import load_corpus
 from worker.models import GPT, GPTConfig
 
@@ -66,8 +66,7 @@ def main() -> None:
             if engine.global_steps >= args.steps:
                 break
             batch = sampler.batch_at(engine.global_steps)
-            per_rank = args.global_batch // engine.world_size
-            (mine,) = sampler.micro_batches(batch, engine.rank, engine.world_size, per_rank)
+            (mine,) = share_of(batch, engine)  # at any world size
             # linear warm-up: the engine re-reads the optimizer's param groups every step
             for group in opt.param_groups:
                 group["lr"] = hp["lr"] * min(1.0, (engine.global_steps + 1) / (warmup + 1))

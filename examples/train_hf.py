@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import worker
 from worker.config import stage_from_env
-from worker.data import GlobalBatchSampler
+from worker.data import GlobalBatchSampler, share_of
 from worker.demo import load_corpus
 
 SEQ = 32
@@ -88,8 +88,10 @@ def main() -> None:
         if engine.global_steps >= args.steps:
             break
         batch = sampler.batch_at(engine.global_steps)
-        per_rank = args.global_batch // engine.world_size
-        (mine,) = sampler.micro_batches(batch, engine.rank, engine.world_size, per_rank)
+        # this rank's share as one micro-batch, at any world size: shares differ by
+        # one sample where the world does not divide the batch, and the engine
+        # weighs each by its size (worker/data/sampler.py [Note: uneven shares])
+        (mine,) = share_of(batch, engine)
         ids = samples(data, mine)
         try:
             loss = engine(input_ids=ids, labels=ids).loss

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import worker
 from tests.reference import OPTIMIZERS, VOCAB, seeded_model
@@ -18,11 +20,40 @@ from worker.data import (
     StreamLoader,
     Tokenizer,
     byte_tokenizer,
+    micro_batch_counts,
     pack_documents,
     pack_text_files,
+    split_global_batch,
 )
 
 N, GLOBAL = 50, 12  # 4 steps an epoch, 2 samples left out of each
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    batch=st.integers(1, 40),
+    world=st.integers(1, 9),
+    micro=st.one_of(st.none(), st.integers(1, 8)),
+)
+def test_any_world_size_takes_every_sample_once(batch: int, world: int, micro) -> None:
+    """worker/data/sampler.py [Note: uneven shares]: the same number of micro-batches
+    on every rank, none over ``micro``, the real ones the batch in order, once each;
+    weights N·count/B that sum to N, and 1/accumulation when the world divides."""
+    samples = list(range(100, 100 + batch))
+    counts = [micro_batch_counts(batch, r, world, micro) for r in range(world)]
+    splits = [split_global_batch(samples, r, world, micro) for r in range(world)]
+    assert len({len(c) for c in counts}) == 1
+    taken = []
+    for c, s in zip(counts, splits, strict=True):
+        assert len(c) == len(s)
+        for n, m in zip(c, s, strict=True):
+            assert (len(m) == n or (n == 0 and len(m) == 1)) and len(m) <= (micro or batch)
+            taken += m if n else []
+    assert taken == samples
+    shares = [sum(c) for c in counts]
+    assert max(shares) - min(shares) <= 1
+    if batch % world == 0 and micro is not None and (batch // world) % micro == 0:
+        assert all(n == micro for c in counts for n in c)
 
 
 class Items:
@@ -111,8 +142,8 @@ def test_bad_configs_name_the_field() -> None:
     with pytest.raises(ValueError, match=r"LoaderConfig\.workers"):
         LoaderConfig(global_batch=4, workers="fork")
     sync = LoaderConfig(global_batch=GLOBAL, num_workers=0, prefetch=0)
-    with StepLoader(Items(N), sync) as loader, pytest.raises(ValueError, match="into 5 ranks"):
-        loader.batches(0, 0, 5)
+    with StepLoader(Items(N), sync) as loader, pytest.raises(ValueError, match=r"\[0, 5\)"):
+        loader.batches(0, 5, 5)
     with pytest.raises(TypeError, match="map-style"):
         StepLoader(iter(range(3)), LoaderConfig(global_batch=2))
     if not torch.cuda.is_available():
@@ -318,7 +349,7 @@ class _EngineOn:
     def register_state(self, name: str, obj: object) -> None:
         self.registered[name] = obj
 
-    def set_gradient_accumulation_steps(self, n: int) -> None:
+    def set_micro_batches(self, counts: list[int], global_batch: int) -> None:
         pass
 
 

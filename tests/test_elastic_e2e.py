@@ -170,18 +170,23 @@ def job_factory(tmp_path: Path) -> Iterator[Callable[..., Job]]:
         job.close()
 
 
-def assert_matches_reference(path: Path, warmup: int = 0) -> None:
+def assert_matches_reference(path: Path, warmup: int = 0, global_batch: int = 12) -> None:
     got = torch.load(path, weights_only=True)
-    want = reference(STEPS, 12, optimizer="sgd", warmup=warmup)
+    want = reference(STEPS, global_batch, optimizer="sgd", warmup=warmup)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst < 1e-5, f"elastic run differs from the uninterrupted reference by {worst:.3g}"
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("stage", "flags"), [(1, ()), (3, ("--replica-every", "1"))])
+@pytest.mark.parametrize(
+    ("stage", "flags"),
+    [(1, ("--global-batch", "10", "--micro-batch", "2")), (3, ("--replica-every", "1"))],
+)
 def test_grow_2_to_3_then_sigterm_back_to_2(job_factory, stage: int, flags) -> None:
     """With a replica refreshed at every step, both changes come at a boundary that
-    would refresh ([Note: a refresh overlaps a step]: the change refreshes instead)."""
+    would refresh ([Note: a refresh overlaps a step]: the change refreshes instead).
+    At stage 1 the global batch is 10, which 3 ranks do not divide: shares of 4, 3
+    and 3 in two micro-batches each (worker/data/sampler.py [Note: uneven shares])."""
     job = job_factory(stage)
     job.spawn("w0", *flags)
     job.spawn("w1", *flags)
@@ -210,7 +215,8 @@ def test_grow_2_to_3_then_sigterm_back_to_2(job_factory, stage: int, flags) -> N
     # (worker/elastic/change.py [Note: a leave prepared ahead])
     for name in ("w0", "w1"):
         assert "of 2 (prepared ahead)" in job.log(name), job.log(name)[-3000:]
-    assert_matches_reference(job.tmp / "final.pt")
+    batch = int(flags[flags.index("--global-batch") + 1]) if "--global-batch" in flags else 12
+    assert_matches_reference(job.tmp / "final.pt", global_batch=batch)
 
 
 @pytest.mark.timeout(240)
@@ -590,7 +596,12 @@ class LauncherRun:
 
 @pytest.mark.timeout(240)
 def test_zeroplane_run_scales_on_signals(tmp_path: Path) -> None:
-    run = LauncherRun(tmp_path, "--nproc", "2", "--min-nproc", "2", "--max-nproc", "3")
+    """Through a world size that does not divide the global batch (7 at 2 and 3 ranks,
+    micro-batches of at most 2: padding on the ranks with the smaller share)."""
+    run = LauncherRun(
+        tmp_path, "--nproc", "2", "--min-nproc", "2", "--max-nproc", "3",
+        script_flags=("--global-batch", "7", "--micro-batch", "2"),
+    )  # fmt: skip
     try:
         run.wait_for("step 10 loss")
         run.proc.send_signal(signal.SIGUSR1)  # one more worker
@@ -600,7 +611,7 @@ def test_zeroplane_run_scales_on_signals(tmp_path: Path) -> None:
     finally:
         code = run.wait()
     assert code == 0, run.story()
-    assert_matches_reference(run.out)
+    assert_matches_reference(run.out, global_batch=7)
 
 
 @pytest.mark.timeout(240)

@@ -506,28 +506,35 @@ def loader_data() -> PackedTokens:
     return PackedTokens(torch.randint(0, VOCAB, (60 * 5 + 1,), generator=g), 5)
 
 
-def loader_reference(steps: int, plan) -> dict[str, torch.Tensor]:
-    """One process, the whole global batch of each step as the loader's plan has it."""
+def loader_reference(steps: int, plan) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, the whole global batch of each step as the loader's plan has it:
+    the final parameters and each step's loss."""
     data, model = loader_data(), seeded_model()
     opt = OPTIMIZERS["adamw"](model)
+    losses = []
     for step in range(steps):
         x, y = default_collate([data[i] for i in plan.batch_at(step)])
-        model(x, y, use_extra(step)).backward()
+        loss = model(x, y, use_extra(step))
+        loss.backward()
+        losses.append(loss.item())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    final = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return final, losses
 
 
-def resize_with_micro_batches(stage: int) -> float | None:
-    """Global batches of 12 in micro-batches of 2: three per rank at 2 ranks, two at
-    3. Ranks 0-1 train (the config says 3, as it must at 2 ranks), rank 2 joins,
-    then leaves."""
+def resize_with_micro_batches(stage: int, global_batch: int, micro: int | None) -> float | None:
+    """Global batches of ``global_batch`` in micro-batches of ``micro``: at 12 and 2,
+    three per rank at 2 ranks, two at 3; at sizes that do not divide the batch the
+    shares differ and padding fills in ([Note: uneven shares]). Ranks 0-1 train
+    (the config says 3), rank 2 joins, then leaves."""
     rank = dist.get_rank()
     pair = dist.new_group([0, 1])
     group = pair if rank < 2 else None
     engine = make(stage, joining=rank == 2, group=group, gradient_accumulation_steps=3)
     loader = StepLoader(
-        loader_data(), LoaderConfig(global_batch=12, micro_batch=2, num_workers=0, prefetch=0)
+        loader_data(),
+        LoaderConfig(global_batch=global_batch, micro_batch=micro, num_workers=0, prefetch=0),
     ).attach(engine)
 
     def train(steps: range) -> None:
@@ -535,25 +542,34 @@ def resize_with_micro_batches(stage: int) -> float | None:
             assert engine.global_steps == step
             for x, y in loader.current():
                 engine.backward(engine(x, y, use_extra(step)))
-                engine.step()
+                engine.step(samples=x.shape[0])
 
     if rank < 2:
         train(range(0, 3))
     engine.reconfigure(None, via=None, new_members=[0, 1, 2], holds_state=rank < 2)
     train(range(3, 6))
+    # the loss it logs is the mean over the global batch, padding or not
+    want, losses = loader_reference(STEPS, loader.plan)
+    assert engine.mean_loss() == pytest.approx(losses[5], rel=1e-5)
     engine.reconfigure(pair if rank < 2 else None, via=None, new_members=[0, 1])
     if rank == 2:
         return None
     train(range(6, STEPS))
-    diff, name = max_diff(engine.full_state_dict(), loader_reference(STEPS, loader.plan))
+    diff, name = max_diff(engine.full_state_dict(), want)
     assert diff < 1e-5, f"{name} differs from the uninterrupted reference by {diff:.3g}"
     return diff
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_accumulation_follows_the_micro_batches_across_world_sizes(pools, stage: int) -> None:
-    """worker/data/loader.py [Note: accumulation that follows the world]."""
-    results = pools(3).run(resize_with_micro_batches, stage)
+@pytest.mark.parametrize(
+    ("stage", "global_batch", "micro"),
+    [(1, 12, 2), (2, 12, 2), (3, 10, 1), (2, 10, 3), (1, 2, None)],
+)
+def test_accumulation_follows_the_micro_batches_across_world_sizes(
+    pools, stage: int, global_batch: int, micro: int | None
+) -> None:
+    """worker/data/loader.py [Note: accumulation that follows the world], and at world
+    sizes that do not divide the batch (10 at 3 ranks; 2 at 3, one rank all padding)."""
+    results = pools(3).run(resize_with_micro_batches, stage, global_batch, micro)
     assert results[2] is None and results[0] == results[1]
 
 

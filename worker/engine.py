@@ -56,7 +56,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol
 
@@ -246,6 +246,10 @@ class ZeroEngine:
             self._extras["lr_scheduler"] = self._schedule
         self._next_bucket = 0
         self._walk_exact = True
+        # the weights of this step's micro-batches when they are not 1/accumulation
+        # (set_micro_batches: shares of different sizes)
+        self._micro_weights: list[float] | None = None
+        self._micro_counts: list[int] = []
         if initial_state == "peers":
             self.state.keep_module_values()
         self.state.build(build_for or Collectives(group), from_module=initial_state == "module")
@@ -394,6 +398,7 @@ class ZeroEngine:
         global batch is constant ([Note: accumulation that follows the world])."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {n!r}")
+        self._micro_weights = None
         if n == self.config.gradient_accumulation_steps:
             return
         if self.state.micro_in_step:
@@ -404,6 +409,36 @@ class ZeroEngine:
             )
         self.config = self.state.config = self.config.replace(gradient_accumulation_steps=n)
 
+    def set_micro_batches(self, counts: Sequence[int], global_batch: int) -> None:
+        """The next optimizer step's micro-batches on this rank: ``counts[j]`` samples
+        in the j-th (0 for a padding one), of a step of ``global_batch`` samples over
+        all ranks. The engine accumulates ``len(counts)`` micro-batches and weighs the
+        j-th by ``world_size * counts[j] / global_batch`` instead of ``1 / len(counts)``,
+        so that shares of different sizes still make the mean over the global batch
+        (worker/data/sampler.py [Note: uneven shares]). Only between optimizer steps;
+        an attached loader calls it at every step."""
+        if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 0
+                             for c in counts):  # fmt: skip
+            raise ValueError(
+                f"set_micro_batches needs one sample count >= 0 per micro-batch, got {counts!r}"
+            )
+        if isinstance(global_batch, bool) or not isinstance(global_batch, int) \
+                or global_batch < max(1, sum(counts)):  # fmt: skip
+            raise ValueError(
+                f"global_batch must be an int >= the {sum(counts)} samples of this rank's "
+                f"micro-batches (and >= 1), got {global_batch!r}"
+            )
+        self.set_gradient_accumulation_steps(len(counts))
+        n = self.state.world_size
+        self._micro_counts = list(counts)
+        self._micro_weights = [n * c / global_batch for c in counts]
+
+    def _micro_weight(self) -> float:
+        """The weight of the micro-batch being trained: its share of the step."""
+        if self._micro_weights is None:
+            return 1.0 / self.config.gradient_accumulation_steps
+        return self._micro_weights[self.state.micro_in_step]
+
     # ---------------------------------------------------- backward: hooks → buckets → reduce
 
     @_guarded
@@ -412,7 +447,8 @@ class ZeroEngine:
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
             raise ValueError("engine.backward expects a loss tensor that requires grad")
         self.stats.begin()
-        self.stats.add_loss(loss)
+        weight = self._micro_weight()
+        self.stats.add_loss(loss, weight)
         st = self.state
         boundary = self.is_accumulation_boundary
         in_graph, self._walk_exact = _params_in_graph(loss.grad_fn)
@@ -435,7 +471,7 @@ class ZeroEngine:
                     b.state = BucketState.READY
             self._launch_ready()
 
-        scale = st.scaler.scale / self.config.gradient_accumulation_steps
+        scale = st.scaler.scale * weight
         st.params.begin_backward()
         try:
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
@@ -509,8 +545,10 @@ class ZeroEngine:
         on an fp16 overflow, which skips the step). ``samples`` and ``tokens``:
         what this rank's micro-batch held, for the throughput metrics.
         """
-        self.stats.record(samples, tokens)
         st = self.state
+        if self._micro_weights is not None and not self._micro_counts[st.micro_in_step]:
+            samples = tokens = 0  # a padding micro-batch: no sample of the step
+        self.stats.record(samples, tokens)
         boundary = self.is_accumulation_boundary
         st.micro_steps += 1
         if not boundary:

@@ -58,7 +58,7 @@ class StepStats:
     # (sum over ranks, ranks) as the engine all-reduced it; detached tensors.
     step_loss: torch.Tensor | None = None
     global_loss: torch.Tensor | None = None
-    _window_losses: list[torch.Tensor] = field(default_factory=list)
+    _window_losses: list[tuple[torch.Tensor, float]] = field(default_factory=list)
     # Step-duration histogram: per-bucket counts (not cumulative) and the sum.
     bucket_counts: list[int] = field(default_factory=lambda: [0] * len(STEP_SECONDS_BUCKETS))
     seconds_sum: float = 0.0
@@ -80,19 +80,25 @@ class StepStats:
         if self._window_start is None:
             self._window_start = time.perf_counter()
 
-    def add_loss(self, loss: torch.Tensor) -> None:
-        """A micro-batch loss given to ``backward`` (no synchronization: kept as a tensor)."""
+    def add_loss(self, loss: torch.Tensor, weight: float) -> None:
+        """A micro-batch loss given to ``backward`` and its weight in the step (no
+        synchronization: kept as a tensor)."""
         self.loss = loss.detach()
-        self._window_losses.append(self.loss.float().mean())
+        self._window_losses.append((self.loss.float().mean(), weight))
 
     def close_window_loss(self, device: torch.device) -> torch.Tensor:
-        """This window's mean loss, and ``[loss, 1.0]`` in float64 to sum over ranks
-        (``[0, 0]`` for a window without a loss)."""
+        """This window's weighted loss and weight, ``[Σ w·loss, Σ w]`` in float64 to sum
+        over ranks (``[0, 0]`` for a window without a loss); the rank's own mean in
+        ``step_loss``. With the engine's weights the sum over ranks is the mean over the
+        global batch (worker/data/sampler.py [Note: uneven shares])."""
         pair = torch.zeros(2, dtype=torch.float64, device=device)
         if self._window_losses:
-            self.step_loss = torch.stack(self._window_losses).mean()
+            losses = torch.stack([loss.to(torch.float64) for loss, _ in self._window_losses])
+            weights = torch.tensor([w for _, w in self._window_losses], dtype=torch.float64)
             self._window_losses.clear()
-            pair[0], pair[1] = self.step_loss.to(torch.float64), 1.0
+            total = weights.sum()
+            pair[0], pair[1] = (losses * weights.to(losses.device)).sum(), total
+            self.step_loss = (pair[0] / total).float() if total > 0 else losses.mean().float()
         return pair
 
     def record(self, samples: int, tokens: int) -> None:

@@ -21,7 +21,13 @@ from worker.data.packing import (
     pack_text_files,
     read_text,
 )
-from worker.data.sampler import BatchPlan, GlobalBatchSampler, split_global_batch
+from worker.data.sampler import (
+    BatchPlan,
+    GlobalBatchSampler,
+    micro_batch_counts,
+    share_of,
+    split_global_batch,
+)
 from worker.data.stream import StreamLoader
 
 __all__ = [
@@ -35,8 +41,10 @@ __all__ = [
     "Tokenizer",
     "byte_tokenizer",
     "hf_tokenizer",
+    "micro_batch_counts",
     "pack_documents",
     "pack_text_files",
     "read_text",
+    "share_of",
     "split_global_batch",
 ]

@@ -15,15 +15,18 @@ workers; a request the guess missed drops the guesses (they cost work, never
 correctness) and refills from the request.
 
 [Note: accumulation that follows the world]
-The global batch is constant and a rank's share of it is ``global_batch /
-world_size``; with ``micro_batch`` set, that share is cut into micro-batches,
+The global batch is constant and a rank's share of it is about ``global_batch /
+world_size`` (worker/data/sampler.py [Note: uneven shares] for sizes that do
+not divide it); with ``micro_batch`` set, that share is cut into micro-batches,
 so their number changes with the world size (12 samples of micro-batches of 2:
-three per rank at 2 ranks, two at 3). ``current()`` therefore sets the attached
-engine's ``gradient_accumulation_steps`` to the number of micro-batches it
-returns, at every step: after a membership change the engine steps after the
-last micro-batch of the step, whatever the world, and the update is the one of
-the whole global batch. A fixed accumulation from the config would have ended
-the optimizer step mid-way through a step's micro-batches, or run into the next.
+three per rank at 2 ranks, two at 3 and at 5). ``current()`` therefore tells
+the attached engine how many micro-batches it returns and how many samples
+each holds (``engine.set_micro_batches``), at every step: after a membership
+change the engine steps after the last micro-batch of the step, whatever the
+world, weighs each by its share of the global batch, and the update is the one
+of the whole global batch. A fixed accumulation from the config would have
+ended the optimizer step mid-way through a step's micro-batches, or run into
+the next.
 
 Workers are threads by default: item reads that wait on I/O, and tensor work,
 release the GIL. ``workers="process"`` runs them in spawned processes for
@@ -53,7 +56,12 @@ from typing import Any, Literal, Self
 import torch
 from torch.utils.data import default_collate
 
-from worker.data.sampler import BatchPlan, GlobalBatchSampler, split_global_batch
+from worker.data.sampler import (
+    BatchPlan,
+    GlobalBatchSampler,
+    micro_batch_counts,
+    split_global_batch,
+)
 
 __all__ = ["LoaderConfig", "LoaderStats", "StepLoader", "map_tensors"]
 
@@ -68,8 +76,9 @@ class LoaderConfig:
 
     global_batch: samples per optimizer step over all ranks; constant when the
         world size changes (each rank takes ``global_batch / world_size``).
-    micro_batch: samples per micro-batch on a rank; None: the rank's whole
-        share as one micro-batch.
+    micro_batch: the most samples in a micro-batch on a rank; None: the rank's
+        whole share as one micro-batch. Any world size works, whether or not it
+        divides the global batch (worker/data/sampler.py [Note: uneven shares]).
     seed: fixes the sample order of every epoch.
     prefetch: steps prepared ahead of the one being trained (0: none).
     num_workers: background workers preparing steps; 0 prepares each step in
@@ -223,7 +232,10 @@ class FollowsEngine:
             raise RuntimeError(f"{type(self).__name__}.current() needs attach(engine) first")
         e = self._engine
         out = self.batches(e.global_steps, e.rank, e.world_size)
-        e.set_gradient_accumulation_steps(len(out))
+        gb = self.config.global_batch
+        e.set_micro_batches(
+            micro_batch_counts(gb, e.rank, e.world_size, self.config.micro_batch), gb
+        )
         return out
 
 

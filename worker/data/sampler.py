@@ -5,16 +5,45 @@ the same computation at any world size. :class:`GlobalBatchSampler` fixes
 the sample order by (seed, epoch) alone and counts its position in samples,
 so a job that resumes, or changes its world size, continues at exactly the
 next sample: rank r of N takes its slice of the same global batch.
+
+[Note: uneven shares]
+A world size need not divide the global batch: an elastic job may grow or
+shrink to any size in ``[min, max]`` and must compute the same step there.
+Rank r of N takes ``B // N`` samples, one more when ``r < B % N``, as a
+contiguous slice in rank order. Every rank runs the same number of
+micro-batches, ``ceil(largest share / micro)``, because stage 3 gathers
+parameters in each forward and stage 2 reduces in each backward: a rank with
+fewer steps would leave the others waiting in a collective. Each share is cut
+into that many pieces as evenly as it goes (none larger than ``micro``); a
+rank whose share is smaller than the count (or empty, when N > B) fills the
+rest with padding micro-batches that repeat a sample and count 0.
+
+The engine then weighs micro-batch j of rank r by ``N · count_j / B`` instead
+of ``1 / accumulation`` (``ZeroEngine.set_micro_batches``): with the sum over
+ranks divided by N, the step's gradient is the mean over the B samples, the
+single-process step on the whole batch, at any N. A padding micro-batch
+weighs 0. With even shares the weight is ``1 / accumulation`` to the bit, so
+a world that divides the batch runs exactly as before. The loss a job logs
+(``mean_loss``) is weighted the same way. What this costs: the padding
+micro-batches' compute, only at sizes that do not divide the batch; and a
+model whose forward changes state (BatchNorm's running statistics) sees the
+padding samples too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["BatchPlan", "GlobalBatchSampler", "split_global_batch"]
+__all__ = [
+    "BatchPlan",
+    "GlobalBatchSampler",
+    "micro_batch_counts",
+    "share_of",
+    "split_global_batch",
+]
 
 
 class BatchPlan(Protocol):
@@ -25,22 +54,53 @@ class BatchPlan(Protocol):
     def state_dict(self) -> dict[str, int]: ...
 
 
+def micro_batch_counts(
+    global_batch: int, rank: int, world_size: int, micro: int | None = None
+) -> list[int]:
+    """How many samples of a ``global_batch`` each of rank ``rank``'s micro-batches
+    takes (0: a padding micro-batch); see [Note: uneven shares]."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if global_batch < 1:
+        raise ValueError(f"the global batch must hold a sample, got {global_batch}")
+    if micro is not None and micro < 1:
+        raise ValueError(f"micro-batches must hold at least one sample, got {micro}")
+    base, rest = divmod(global_batch, world_size)
+    largest = base + (rest > 0)
+    n = 1 if micro is None else -(-largest // micro)
+    share = base + (rank < rest)
+    each, more = divmod(share, n)
+    return [each + (i < more) for i in range(n)]
+
+
 def split_global_batch(
     batch: list[int], rank: int, world_size: int, micro: int | None = None
 ) -> list[list[int]]:
     """Rank ``rank``'s micro-batches of ``batch``: its contiguous share, cut into
-    ``micro``-sized pieces (one piece when ``micro`` is None)."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    per_rank, rest = divmod(len(batch), world_size)
-    micro = per_rank if micro is None else micro
-    if rest or micro < 1 or per_rank % micro:
-        raise ValueError(
-            f"global batch {len(batch)} does not split into {world_size} ranks "
-            f"of micro-batches of {micro}"
-        )
-    mine = batch[rank * per_rank : (rank + 1) * per_rank]
-    return [mine[i : i + micro] for i in range(0, per_rank, micro)]
+    pieces of at most ``micro`` samples (one piece when ``micro`` is None), as many
+    on every rank ([Note: uneven shares]). A padding micro-batch repeats one
+    sample; the engine weighs it 0 (``micro_batch_counts`` says which)."""
+    counts = micro_batch_counts(len(batch), rank, world_size, micro)
+    base, rest = divmod(len(batch), world_size)
+    start = rank * base + min(rank, rest)
+    out = []
+    for count in counts:
+        if count:
+            out.append(batch[start : start + count])
+            start += count
+        else:
+            out.append([batch[min(start, len(batch) - 1)]])
+    return out
+
+
+def share_of(batch: list[int], engine: Any, micro: int | None = None) -> list[list[int]]:
+    """``engine``'s rank's micro-batches of ``batch`` (``split_global_batch`` at its
+    rank and world size), after telling the engine how many samples each holds
+    (``engine.set_micro_batches``): what a loop that slices its global batches itself
+    calls at every step, so that any world size computes the whole batch's step."""
+    rank, world = engine.rank, engine.world_size
+    engine.set_micro_batches(micro_batch_counts(len(batch), rank, world, micro), len(batch))
+    return split_global_batch(batch, rank, world, micro)
 
 
 @dataclass
