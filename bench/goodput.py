@@ -4,7 +4,7 @@ One job (the ≈20M-parameter GPT of bench/elastic_worker.py, or ``--model small
 ``--nproc`` ranks (gloo, one torch thread each) trains ``--steps`` optimizer steps.
 Per ``--every`` N, one worker is SIGKILLed about every N steps, and the job is run as:
 
-* **zeroplane**, elastic as ``zeroplane run --nproc P --min-nproc P-1 --max-nproc P
+* **zeroplane**, elastic as ``zeroplane run --nproc P --min-workers P-1 --max-workers P
   --max-restarts K`` runs it: :class:`coordinator.launchers.local.LocalJob` with an embedded
   coordinator. The survivors recover from the in-memory replicas (``--replica-every``)
   or the last checkpoint and train on; the launcher starts a replacement, which joins
@@ -267,7 +267,7 @@ def worker_flags(opts: argparse.Namespace) -> list[str]:
 
 
 class ZeroplaneRun:
-    """The job as ``zeroplane run --min-nproc P-1 --max-nproc P --max-restarts K`` runs it."""
+    """The job as ``zeroplane run --min-workers P-1 --max-workers P --max-restarts K`` runs it."""
 
     SYSTEM = "zeroplane"
 

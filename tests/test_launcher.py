@@ -478,14 +478,14 @@ class ScalingJob:
 
 @pytest.mark.parametrize(("departed", "retired"), [(set(), [2]), ({"w1"}, [])])
 def test_a_retirement_counts_members_not_processes(departed, retired, capsys):
-    """--min-nproc 2 with three processes: a retire request goes ahead, unless one of
+    """--min-workers 2 with three processes: a retire request goes ahead, unless one of
     the three has handed over already (still exiting): then the job is at 2 members."""
     from argparse import Namespace
 
     from coordinator.commands.run import _wait_scaling
 
     job = ScalingJob()
-    args = Namespace(nproc=3, min_nproc=2, max_nproc=4)
+    args = Namespace(nproc=3, min_workers=2, max_workers=4)
     assert _wait_scaling(job, args, lambda: departed) == "done"
     assert job.retired == retired
     assert ("already at 2 workers" in capsys.readouterr().err) == (not retired)

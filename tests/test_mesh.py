@@ -498,7 +498,7 @@ def test_run_refuses_a_mesh_the_workers_cannot_fill(capsys) -> None:
     assert "not a multiple of tp*pp" in capsys.readouterr().err
     code = main(["run", "--nproc", "4", "--tp", "2", "--min-nproc", "3", "--max-nproc", "4", "x"])
     assert code == 2
-    assert "--min-nproc 3" in capsys.readouterr().err
+    assert "--min-workers 3" in capsys.readouterr().err
     code = main(["run", "--nproc", "4", "--tp", "2", "--min-nproc", "2", "--max-nproc", "4", "x"])
     assert code == 2
     assert "elastic mesh job is not supported yet" in capsys.readouterr().err

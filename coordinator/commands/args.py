@@ -1,17 +1,52 @@
-"""Argument types for the subcommands' numeric flags.
+"""What the subcommands' arguments share: types, the precision names, old spellings.
 
-Each is an argparse ``type=``: a bad value is refused while parsing, with a
+The types are argparse ``type=``s: a bad value is refused while parsing, with a
 message argparse prefixes with the flag's name (``argument --grace: ...``),
 before any command starts anything. NaN and infinity are refused wherever a
 time or a ratio means something finite.
+
+One name per idea across commands: an option that was renamed keeps its old
+spelling as a hidden alias (:func:`add_alias`), so existing scripts still parse.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from typing import get_args
 
-__all__ = ["counts", "fraction", "non_negative", "seconds", "wait_seconds"]
+from coordinator.core.planner import Precision
+
+__all__ = [
+    "PRECISIONS",
+    "add_alias",
+    "counts",
+    "fraction",
+    "non_negative",
+    "seconds",
+    "wait_seconds",
+]
+
+# ZeroConfig's dtype values, the one vocabulary of every --precision
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+
+def add_alias(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *old: str,
+    to: argparse.Action,
+) -> None:
+    """Parse the retired option strings ``old`` as ``to``'s option: same dest, type and
+    choices, but left out of ``--help`` and the usage line. The default stays ``to``'s."""
+    parser.add_argument(
+        *old,
+        dest=to.dest,
+        type=to.type,
+        choices=to.choices,
+        metavar=to.metavar,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
 
 
 def _number(text: str) -> float:

@@ -8,12 +8,11 @@ import math
 import sys
 from pathlib import Path
 
+from coordinator.commands.args import PRECISIONS, add_alias
 from coordinator.core.manifest import CheckpointError, read_manifest, resolve
 from coordinator.core.planner import parse_bytes
 
 __all__ = ["add_parser"]
-
-DTYPES = ("fp32", "bf16", "fp16")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -36,12 +35,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     export.add_argument("path", type=Path, help="checkpoint directory (or one of its step-N)")
     export.add_argument("out", type=Path, help="output file, e.g. model.safetensors")
-    export.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        help="cast every floating tensor to this dtype (default: fp32 master weights, "
+    precision = export.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="cast every floating tensor to this precision (default: fp32 master weights, "
         "frozen parameters and buffers as saved)",
     )
+    add_alias(export, "--dtype", to=precision)
     export.add_argument(
         "--max-shard-size",
         type=_shard_size,
@@ -49,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="SIZE",
         help="largest output file before splitting: 5GB, 500MB, 2GiB, ... (default 5GB)",
     )
-    export.set_defaults(func=_export)
+    export.set_defaults(func=_export, needs="torch")
     return parser
 
 
@@ -99,7 +99,9 @@ def _export(args: argparse.Namespace) -> int:
 
     from worker.checkpoint import export_consolidated
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        args.precision
+    )
     try:
         count, files = export_consolidated(
             args.path, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size

@@ -6,10 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from coordinator.commands.args import fraction, seconds, wait_seconds
+from coordinator.commands.args import PRECISIONS, add_alias, fraction, seconds, wait_seconds
 from coordinator.core.planner import parse_count
 from coordinator.core.settings import (
     TOKEN_ENV,
+    TOKEN_FILE_ENV,
     CoordinatorConfig,
     HttpConfig,
     MembershipConfig,
@@ -39,12 +40,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--port",
         type=int,
         default=DEFAULT_PORT,
-        help=f"0 picks a free port (default {DEFAULT_PORT})",
+        help=f"gRPC port; 0 picks a free one (default {DEFAULT_PORT})",
     )
     net.add_argument(
         "--token-file",
         metavar="FILE",
-        help=f"bearer token file, e.g. a mounted Secret (default: ${TOKEN_ENV}; none: no auth)",
+        help="bearer token file, e.g. a mounted Secret "
+        f"(default: ${TOKEN_FILE_ENV}, else ${TOKEN_ENV}; neither: no auth)",
     )
     net.add_argument("--tls-cert", metavar="FILE", type=Path, help="PEM certificate chain")
     net.add_argument("--tls-key", metavar="FILE", type=Path, help="PEM private key")
@@ -61,7 +63,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=Path,
         help="persist the current generation here, so a restart keeps the job",
     )
-    net.add_argument("--grace", type=seconds, default=5.0, metavar="SECONDS", help="stop grace")
+    net.add_argument(
+        "--grace",
+        type=seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGTERM, time the calls in flight get to finish (default 5)",
+    )
     net.add_argument(
         "--http-port",
         type=int,
@@ -70,16 +78,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="serve /metrics, Prometheus service discovery (/sd) and a status page (/) on "
         "this port (0: a free one; default: no HTTP)",
     )
-    net.add_argument("--http-host", default=None, help="address for HTTP (default: --host)")
+    net.add_argument(
+        "--http-host", default=None, metavar="HOST", help="address for HTTP (default: --host)"
+    )
     net.add_argument(
         "--job-name",
         default="zeroplane",
+        metavar="NAME",
         help="the job label /sd gives the workers' series (default zeroplane)",
     )
 
     members = parser.add_argument_group("membership")
-    members.add_argument("--min-workers", type=int, default=1, metavar="N")
-    members.add_argument("--max-workers", type=int, default=4096, metavar="N")
+    members.add_argument(
+        "--min-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the job runs with at least N workers (default 1)",
+    )
+    members.add_argument(
+        "--max-workers",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="admit at most N workers (default 4096)",
+    )
     members.add_argument(
         "--join-window",
         type=seconds,
@@ -108,16 +131,41 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default="auto",
         help="ZeRO stage; auto picks the lowest that fits the smallest worker (default)",
     )
-    plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
-    plan.add_argument("--optimizer-states", type=int, default=2, metavar="K")
-    plan.add_argument("--headroom", type=fraction, default=0.1, metavar="FRACTION")
+    precision = plan.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="bf16",
+        help="training precision the planner counts bytes for, as ZeroConfig(dtype=...) "
+        "(default bf16)",
+    )
+    add_alias(plan, "--dtype", to=precision)
+    plan.add_argument(
+        "--optimizer-states",
+        type=int,
+        default=2,
+        metavar="K",
+        help="fp32 states per parameter the optimizer keeps (Adam 2, momentum SGD 1; default 2)",
+    )
+    plan.add_argument(
+        "--headroom",
+        type=fraction,
+        default=0.1,
+        metavar="FRACTION",
+        help="fraction of device memory kept free (default 0.1)",
+    )
     plan.add_argument(
         "--bucket-numel",
         default=str(PlanConfig().bucket_numel),
         metavar="N",
         help="elements per bucket (default 2**24)",
     )
-    plan.add_argument("--align", type=int, default=1, metavar="N", help="shard alignment")
+    plan.add_argument(
+        "--align",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard lengths a multiple of N elements (buckets padded to world size x N; default 1)",
+    )
     parser.set_defaults(func=coordinator)
     return parser
 

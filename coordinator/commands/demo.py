@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from coordinator.commands.args import add_alias
 from coordinator.core.memory import model_state_bytes
 from coordinator.launchers.local import (
     JobResult,
@@ -368,33 +369,49 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         ),
     )
     parser.add_argument(
-        "--nproc", type=int, default=default.nproc, help="local workers (default %(default)s)"
+        "--nproc",
+        type=int,
+        default=default.nproc,
+        metavar="N",
+        help="local workers (default %(default)s)",
     )
     parser.add_argument(
-        "--steps", type=int, default=default.steps, help="steps per stage (default %(default)s)"
+        "--steps",
+        type=int,
+        default=default.steps,
+        metavar="N",
+        help="steps per stage (default %(default)s)",
     )
     parser.add_argument(
         "--stages",
         type=_parse_stages,
         default=default.stages,
+        metavar="S,S,...",
         help="comma-separated ZeRO stages to run, in order (default 0,1,2,3)",
     )
-    parser.add_argument(
-        "--dtype",
+    precision = parser.add_argument(
+        "--precision",
         choices=("fp32", "bf16"),
         default=default.dtype,
-        help="parameter and gradient dtype (default %(default)s)",
+        help="the workers' ZeroConfig(dtype=...): parameter and gradient precision "
+        "(default %(default)s)",
     )
+    add_alias(parser, "--dtype", to=precision)
     parser.add_argument(
         "--batch-size",
         type=int,
         default=default.batch_size,
+        metavar="N",
         help="sequences per global batch, split across workers (default %(default)s)",
     )
     parser.add_argument(
-        "--seed", type=int, default=default.seed, help="same for every stage (default %(default)s)"
+        "--seed",
+        type=int,
+        default=default.seed,
+        metavar="N",
+        help="same for every stage (default %(default)s)",
     )
-    parser.set_defaults(func=demo)
+    parser.set_defaults(func=demo, needs="torch")
     return parser
 
 
@@ -407,7 +424,7 @@ def demo(args: argparse.Namespace) -> int:
             nproc=args.nproc,
             stages=args.stages,
             steps=args.steps,
-            dtype=args.dtype,
+            dtype=args.precision,
             batch_size=args.batch_size,
             seed=args.seed,
         )

@@ -22,7 +22,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser(
         "hpo",
         help="search hyperparameters on Ray Tune, each trial a zeroplane job of N workers",
-        description=__doc__.splitlines()[0],
+        description=(
+            "A hyperparameter search on Ray Tune (pip install 'zeroplane[hpo]'), each trial "
+            "a zeroplane job of --nproc workers of SCRIPT; ASHA stops the poor trials early. "
+            "The script reads its point with worker.hpo.trial()."
+        ),
     )
     parser.add_argument(
         "--param",
@@ -32,24 +36,69 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="a dimension of the space: lr=loguniform:1e-4:1e-1, wd=uniform:0:0.1, "
         "warmup=choice:0,10,100, lr=grid:1e-3,1e-2, randint:LOW:HIGH, or a plain value",
     )
-    parser.add_argument("--nproc", type=int, default=2, help="workers per trial (default 2)")
-    parser.add_argument("--samples", type=int, default=1, help="Tune's num_samples (default 1)")
     parser.add_argument(
-        "--max-steps", type=int, required=True, help="the steps a trial runs to (ASHA's max_t)"
+        "--nproc", type=int, default=2, metavar="N", help="workers per trial (default 2)"
     )
     parser.add_argument(
-        "--grace-steps", type=int, default=1, help="no trial stops before this step (default 1)"
+        "--samples", type=int, default=1, metavar="N", help="Tune's num_samples (default 1)"
     )
-    parser.add_argument("--reduction-factor", type=float, default=2.0)
-    parser.add_argument("--concurrent", type=int, default=1, help="trials at once (default 1)")
-    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None)
-    parser.add_argument("--max-failures", type=int, default=0, help="retries of a failed trial")
-    parser.add_argument("--address", default=None, help="a Ray cluster (default: a local one)")
-    parser.add_argument("--storage", default=None, help="Tune's storage_path")
-    parser.add_argument("--name", default="zeroplane-hpo", help="the experiment's name")
-    parser.add_argument("--out", type=Path, default=None, help="write the best point here as JSON")
-    parser.add_argument("script", metavar="SCRIPT")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        required=True,
+        metavar="N",
+        help="the steps a trial runs to (ASHA's max_t)",
+    )
+    parser.add_argument(
+        "--grace-steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="no trial stops before this step (default 1)",
+    )
+    parser.add_argument(
+        "--reduction-factor",
+        type=float,
+        default=2.0,
+        metavar="F",
+        help="ASHA keeps 1/F of the trials at each rung (default 2)",
+    )
+    parser.add_argument(
+        "--concurrent", type=int, default=1, metavar="N", help="trials at once (default 1)"
+    )
+    parser.add_argument(
+        "--stage",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=None,
+        help="ZeRO stage of every trial (default: the script's own)",
+    )
+    parser.add_argument(
+        "--max-failures",
+        type=int,
+        default=0,
+        metavar="N",
+        help="retries of a failed trial (default 0)",
+    )
+    parser.add_argument(
+        "--address", metavar="RAY_ADDRESS", help="the Ray cluster (default: start a local one)"
+    )
+    parser.add_argument("--storage", metavar="PATH", help="Tune's storage_path")
+    parser.add_argument(
+        "--name",
+        default="zeroplane-hpo",
+        help="the experiment's name (default zeroplane-hpo)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, metavar="FILE", help="write the best point here as JSON"
+    )
+    parser.add_argument("script", metavar="SCRIPT", help="the training script of every trial")
+    parser.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="the script's own arguments: everything after SCRIPT, passed unchanged",
+    )
     parser.set_defaults(func=hpo)
     return parser
 

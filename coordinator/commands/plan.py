@@ -14,7 +14,7 @@ import json
 import sys
 from decimal import ROUND_HALF_UP, Decimal
 
-from coordinator.commands.args import counts, fraction
+from coordinator.commands.args import PRECISIONS, add_alias, counts, fraction
 from coordinator.core.layout import ParamSpec
 from coordinator.core.memory import BirthBytes, birth_bytes
 from coordinator.core.meshplan import MeshChoice, choose_mesh, tp_sharded_numel
@@ -50,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     model.add_argument(
         "--model",
-        metavar="MODULE:FACTORY",
+        metavar="MODULE:FUNCTION",
         help="a callable returning an nn.Module, e.g. mypkg.models:build (it is called once)",
     )
     parser.add_argument(
@@ -66,15 +66,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="BYTES",
         help="memory of one device: 80GB, 24GiB, ... (default 80GB)",
     )
-    parser.add_argument(
-        "--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="default bf16"
+    precision = parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="bf16",
+        help="training precision, as ZeroConfig(dtype=...): bf16/fp16 mixed precision keeps "
+        "fp32 master weights beside the 2-byte parameters (default bf16)",
     )
+    add_alias(parser, "--dtype", to=precision)
     parser.add_argument(
         "--optimizer-states",
         type=int,
         default=2,
         metavar="K",
-        help="fp32 states per parameter the optimizer keeps (Adam 2, momentum SGD 1)",
+        help="fp32 states per parameter the optimizer keeps (Adam 2, momentum SGD 1; default 2)",
     )
     parser.add_argument(
         "--headroom",
@@ -97,7 +102,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     shape.add_argument("--seq", type=int, metavar="TOKENS", help="sequence length")
     shape.add_argument(
-        "--micro-batch", type=int, default=1, metavar="N", help="sequences per rank (default 1)"
+        "--micro-batch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batch size: sequences per rank per forward (default 1)",
     )
     shape.add_argument("--layers", type=int, metavar="N", help="transformer layers")
     shape.add_argument("--hidden", type=int, metavar="H", help="hidden size")
@@ -127,10 +136,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(coordinator/core/meshplan.py choose_mesh): ZeRO alone first, tensor or pipeline "
         "parallelism only when it does not fit",
     )
-    mesh.add_argument(
-        "--microbatches", type=int, default=4, metavar="M",
-        help="pipeline micro-batches per step (default 4)",
+    microbatches = mesh.add_argument(
+        "--pipeline-microbatches", type=int, default=4, metavar="M",
+        help="how many micro-batches a pipeline step splits the batch into (default 4)",
     )  # fmt: skip
+    add_alias(mesh, "--microbatches", to=microbatches)
     mesh.add_argument(
         "--schedule", choices=("gpipe", "1f1b"), default="1f1b",
         help="pipeline schedule the activations are counted for (default 1f1b)",
@@ -212,7 +222,7 @@ def _load_model(spec: str) -> tuple[int, str, dict[str, int]]:
 def _load_model_sharded(spec: str) -> tuple[int, str, dict[str, int], int]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"--model must be MODULE:FACTORY, got {spec!r}")
+        raise ValueError(f"--model must be MODULE:FUNCTION, got {spec!r}")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
@@ -253,8 +263,8 @@ def plan(args: argparse.Namespace) -> int:
             sharded = _sharded_share(args, numel)
         else:
             numel, source, shape, sharded = _load_model_sharded(args.model)
-        if args.microbatches < 1 or args.max_tp < 1:
-            raise ValueError("--microbatches and --max-tp must be >= 1")
+        if args.pipeline_microbatches < 1 or args.max_tp < 1:
+            raise ValueError("--pipeline-microbatches and --max-tp must be >= 1")
         config = PlanConfig(
             precision=args.precision,
             optimizer_states=args.optimizer_states,
@@ -280,7 +290,7 @@ def plan(args: argparse.Namespace) -> int:
             world_size=n,
             device_memory_bytes=device_memory,
             config=config,
-            microbatches=args.microbatches,
+            microbatches=args.pipeline_microbatches,
             schedule=args.schedule,
             max_tp=args.max_tp,
             heads=args.heads if args.heads is not None else shape.get("heads"),
@@ -406,8 +416,8 @@ def plan(args: argparse.Namespace) -> int:
     print()
     print(
         f"mesh (pp x dp x tp) and stage: tensor parallelism splits {sharded:,} of the "
-        f"{numel:,} parameters; pipeline activations for {args.microbatches} micro-batches, "
-        f"{args.schedule}"
+        f"{numel:,} parameters; pipeline activations for {args.pipeline_microbatches} "
+        f"micro-batches, {args.schedule}"
     )
     for m in meshes:
         star = "" if m.fits else " (does not fit)"

@@ -13,10 +13,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from coordinator.commands.args import non_negative, seconds
+from coordinator.commands.args import add_alias, non_negative, seconds
 from coordinator.core.meshplan import PP_ENV, TP_ENV, MeshChangeRefused, MeshShape, check_resize
 from coordinator.core.messages import STOPPED, StatusReport, WorkerReport
-from coordinator.core.settings import ADDRESS_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
+from coordinator.core.settings import (
+    ADDRESS_ENV,
+    METRICS_HOST_ENV,
+    METRICS_PORT_ENV,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    load_token,
+)
 from coordinator.launchers.local import (
     STAGE_CHOICES,
     JobResult,
@@ -42,7 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "given its rank), with torchrun's environment too (RANK, WORLD_SIZE, LOCAL_RANK, "
             "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for scripts that form their own group. "
             "Each output line is prefixed with its rank. If a worker fails, the others "
-            "are stopped and the job exits with that worker's code."
+            "are stopped and the job exits with that worker's code. Options before SCRIPT "
+            "are zeroplane's; everything after SCRIPT goes to the script unchanged, so in "
+            "`zeroplane run --stage 2 train.py --stage 3` zeroplane's stage is 2 and the "
+            "script is given --stage 3."
         ),
     )
     parser.add_argument(
@@ -54,7 +64,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=None,
         help="ZeRO stage for every worker, over the script's own ZeroConfig(stage=...) "
         "(a worker whose script asks for another says so); auto: the coordinator's "
-        "planner picks the lowest that fits. Default: the script's own stage",
+        "planner picks the lowest that fits. Default: the script's own stage. Only "
+        "before SCRIPT: a --stage after it is the script's own argument",
     )
     parser.add_argument(
         "--tp",
@@ -78,15 +89,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="SECONDS",
         help="time workers get to exit after SIGTERM before SIGKILL (default 5)",
     )
-    parser.add_argument(
-        "--min-nproc",
+    min_workers = parser.add_argument(
+        "--min-workers",
         type=int,
         default=None,
         metavar="A",
         help="elastic: the job keeps running with at least A workers (default: --nproc)",
     )
-    parser.add_argument(
-        "--max-nproc",
+    add_alias(parser, "--min-nproc", to=min_workers)
+    max_workers = parser.add_argument(
+        "--max-workers",
         type=int,
         default=None,
         metavar="B",
@@ -94,12 +106,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "`kill -USR1 PID` starts one more local worker and `kill -USR2 PID` asks the "
         "newest to hand over its shards and leave (PID: this launcher, printed at start)",
     )
+    add_alias(parser, "--max-nproc", to=max_workers)
     parser.add_argument(
         "--max-restarts",
         type=int,
         default=3,
         metavar="N",
-        help="elastic (--min-nproc < --max-nproc): a worker that dies is a membership "
+        help="elastic (--min-workers < --max-workers): a worker that dies is a membership "
         "event, the others carry on, and a replacement is started, up to N times in "
         "all; then the job fails with the worker's exit code (default 3). A job that "
         "is not elastic fails as soon as a worker fails. --launcher ray: how often each "
@@ -117,7 +130,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="HOST:PORT",
         default=None,
         help="join this coordinator instead of starting an embedded one "
-        "(its token from $ZEROPLANE_TOKEN or $ZEROPLANE_TOKEN_FILE)",
+        "(its token from --token-file, $ZEROPLANE_TOKEN_FILE or $ZEROPLANE_TOKEN)",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="with --coordinator: the bearer token the workers present (default: "
+        f"${TOKEN_FILE_ENV}, else ${TOKEN_ENV}); the embedded coordinator makes its own",
     )
     parser.add_argument(
         "--tls",
@@ -142,6 +161,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--job-name",
         default="zeroplane",
+        metavar="NAME",
         help="the job label Prometheus gives the workers' series (default zeroplane)",
     )
     parser.add_argument(
@@ -191,7 +211,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="SCRIPT is a module name, run as `python -m SCRIPT`",
     )
     parser.add_argument("script", metavar="SCRIPT", help="the training script each worker runs")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    parser.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="the script's own arguments: everything after SCRIPT, passed unchanged",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -210,6 +235,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"zeroplane run: {exc}", file=sys.stderr)
         return 2
+    if args.token_file is not None:
+        if not args.coordinator:
+            print(
+                "zeroplane run: --token-file is the token for --coordinator; the embedded "
+                "coordinator makes its own",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            load_token(args.token_file)  # readable and not empty, before any worker starts
+        except ValueError as exc:
+            print(f"zeroplane run: {exc}", file=sys.stderr)
+            return 2
     if args.launcher == "ray":
         return _run_on_ray(args, command)
     if args.coordinator and args.tls:
@@ -221,6 +259,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.coordinator:
         env = {**spec.env, ADDRESS_ENV: args.coordinator}
+        if args.token_file is not None:
+            # the workers read the file themselves (load_token): the token stays out of env
+            env[TOKEN_FILE_ENV] = os.path.abspath(args.token_file)
         # the coordinator lists each worker's /metrics endpoint for Prometheus; a port
         # the environment names already wins (a Kubernetes pod's named metrics port)
         if not args.no_http and METRICS_PORT_ENV not in os.environ:
@@ -235,8 +276,8 @@ def run(args: argparse.Namespace) -> int:
             embedded = EmbeddedCoordinator.for_local_job(
                 args.nproc,
                 args.stage if args.stage in (None, "auto") else int(args.stage),
-                min_workers=args.min_nproc,
-                max_workers=args.max_nproc,
+                min_workers=args.min_workers,
+                max_workers=args.max_workers,
                 http_port=None if args.no_http else args.http_port,
                 job_name=args.job_name,
                 tls=args.tls,
@@ -248,8 +289,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         print("zeroplane run: --max-restarts must be >= 0", file=sys.stderr)
         return 2
-    low = args.nproc if args.min_nproc is None else args.min_nproc
-    high = args.nproc if args.max_nproc is None else args.max_nproc
+    low = args.nproc if args.min_workers is None else args.min_workers
+    high = args.nproc if args.max_workers is None else args.max_workers
     job = LocalJob(
         spec,
         services=services,
@@ -343,20 +384,20 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
     if args.tp == 1 and args.pp == 1:
         return {}
     shape = MeshShape.for_world(args.nproc, tp=args.tp, pp=args.pp)
-    for flag in ("min_nproc", "max_nproc"):
+    for flag in ("min_workers", "max_workers"):
         n = getattr(args, flag)
         if n is not None:
             try:
                 check_resize(shape, n)
             except MeshChangeRefused as exc:
                 raise ValueError(f"--{flag.replace('_', '-')} {n}: {exc}") from None
-    low = args.nproc if args.min_nproc is None else args.min_nproc
-    high = args.nproc if args.max_nproc is None else args.max_nproc
+    low = args.nproc if args.min_workers is None else args.min_workers
+    high = args.nproc if args.max_workers is None else args.max_workers
     if low != high:
         raise ValueError(
             "an elastic mesh job is not supported yet: resizing dp by whole model-parallel "
             f"groups of {shape.group_size} is planned (coordinator/core/meshplan.py check_resize) "
-            "but the workers cannot re-form a mesh live; give --min-nproc = --max-nproc"
+            "but the workers cannot re-form a mesh live; give --min-workers = --max-workers"
         )
     return {TP_ENV: str(args.tp), PP_ENV: str(args.pp)}
 
@@ -455,14 +496,14 @@ def _wait_scaling(
     tick: Callable[[], None] = lambda: None,
 ) -> JobResult:
     """Wait for the job, adding (SIGUSR1) or retiring (SIGUSR2) workers on request,
-    replacing workers that left from outside when fewer than ``--min-nproc``
+    replacing workers that left from outside when fewer than ``--min-workers``
     remain (:func:`_keep_minimum`), and ``tick`` the progress display as it goes.
 
     A retirement counts members, not processes: a worker told to leave, or one
     that has handed over (``departed``: the coordinator no longer has it) and is
-    still exiting, does not count towards ``--min-nproc``."""
-    low = args.nproc if args.min_nproc is None else args.min_nproc
-    high = args.nproc if args.max_nproc is None else args.max_nproc
+    still exiting, does not count towards ``--min-workers``."""
+    low = args.nproc if args.min_workers is None else args.min_workers
+    high = args.nproc if args.max_workers is None else args.max_workers
     if low == high:
         while (result := job.poll()) is None:
             _keep_minimum(job, low, departed, over)
@@ -521,8 +562,8 @@ def _run_on_ray(args: argparse.Namespace, command: tuple[str, ...]) -> int:
             gpus_per_worker=args.gpus_per_worker,
             stage=args.stage if args.stage in (None, "auto") else int(args.stage),
             grace_s=args.grace,
-            min_workers=args.min_nproc,
-            max_workers=args.max_nproc,
+            min_workers=args.min_workers,
+            max_workers=args.max_workers,
             max_restarts=args.max_restarts,
         )
     except ValueError as exc:

@@ -29,7 +29,7 @@ from coordinator.control.observe import Sampler
 from coordinator.control.web import api_status
 from coordinator.core.messages import StatusReport
 from coordinator.core.planner import format_bytes
-from coordinator.core.settings import ADDRESS_ENV, TOKEN_ENV, load_token
+from coordinator.core.settings import ADDRESS_ENV, TOKEN_ENV, TOKEN_FILE_ENV, load_token
 
 __all__ = ["DEFAULT_ADDRESS", "add_parser", "format_figures", "format_status", "status"]
 
@@ -41,7 +41,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser(
         "status",
         help="members, generation, stage and per-rank memory of a running job",
-        description=__doc__.splitlines()[0],
+        description=(
+            "The job as the coordinator sees it: members with their ranks, the generation, "
+            "the stage and why, per-rank memory by kind, and from the workers' metrics "
+            "endpoints model state, collective bandwidth, compression, step time and "
+            "throughput. --http reads the same from the coordinator's HTTP port, with no token."
+        ),
     )
     parser.add_argument(
         "--coordinator",
@@ -50,7 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help=f"coordinator address (default ${ADDRESS_ENV} or {DEFAULT_ADDRESS})",
     )
     parser.add_argument(
-        "--token-file", metavar="FILE", help=f"bearer token file (default: ${TOKEN_ENV})"
+        "--token-file",
+        metavar="FILE",
+        help=f"bearer token file (default: ${TOKEN_FILE_ENV}, else ${TOKEN_ENV})",
     )
     parser.add_argument(
         "--tls",
@@ -60,9 +67,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--tls-ca", metavar="FILE", help="PEM roots to trust (implies --tls)")
     parser.add_argument(
-        "--timeout", type=wait_seconds, default=5.0, metavar="SECONDS", help="default 5"
+        "--timeout",
+        type=wait_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long to wait for the coordinator (default 5)",
     )
-    parser.add_argument("--events", type=int, default=10, metavar="N", help="recent events shown")
+    parser.add_argument(
+        "--events", type=int, default=10, metavar="N", help="recent events shown (default 10)"
+    )
     parser.add_argument(
         "--window",
         type=seconds,

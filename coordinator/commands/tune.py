@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.commands.args import seconds
+from coordinator.commands.args import PRECISIONS, add_alias, seconds
 from coordinator.core.dsjson import to_deepspeed
 from coordinator.core.planner import format_bytes, parse_bytes, parse_count
 from coordinator.launchers.progress import ProgressDisplay, ProgressSample
@@ -69,10 +69,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser(
         "tune",
         help="find the fastest ZeRO configuration of a model by short measured runs",
-        description=__doc__.splitlines()[0],
+        description=(
+            "Find the fastest configuration of a model by short measured runs: profile the "
+            "model, then search stage x micro-batch size x gradient accumulation x activation "
+            "checkpointing x bucket size x compression x units kept (stage 3), never running "
+            "what the memory model says cannot fit. Writes the best as zero_config.json and "
+            "deepspeed.json in --out, with every trial in trials.json."
+        ),
     )
     model = parser.add_argument_group("the model (one of)")
-    model.add_argument("--gpt", metavar="LAYERS,HIDDEN,HEADS,SEQ", help="the built-in GPT")
+    model.add_argument(
+        "--gpt",
+        metavar="LAYERS,HIDDEN,HEADS,SEQ",
+        help="the built-in GPT of this shape, e.g. 4,256,4,128",
+    )
     model.add_argument(
         "--script",
         metavar="FILE.py",
@@ -89,22 +99,59 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="with --model: (micro_batch, step, rank) -> the forward's arguments (it "
         "returns the loss)",
     )
-    model.add_argument("--tokens-per-sample", type=int, default=0, metavar="N")
-    space = parser.add_argument_group("the search space")
-    space.add_argument("--stages", type=_list(int, "--stages"), default=(0, 1, 2, 3))
-    space.add_argument(
-        "--micro-batches", type=_list(int, "--micro-batches"), default=(1, 2, 4, 8, 16)
+    model.add_argument(
+        "--tokens-per-sample",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --model: tokens in one sample, to report tokens/s (default 0: not reported)",
     )
-    space.add_argument("--grad-accum", type=_list(int, "--grad-accum"), default=(1,))
-    space.add_argument("--checkpointing", choices=tuple(_CHECKPOINTING), default="both")
+    space = parser.add_argument_group(
+        "the search space", "each a comma-separated list of the values to try"
+    )
     space.add_argument(
-        "--buckets",
-        type=_list(parse_count, "--buckets"),
+        "--stages",
+        type=_list(int, "--stages"),
+        default=(0, 1, 2, 3),
+        metavar="S,S,...",
+        help="ZeRO stages (default 0,1,2,3)",
+    )
+    space.add_argument(
+        "--micro-batches",
+        type=_list(int, "--micro-batches"),
+        default=(1, 2, 4, 8, 16),
+        metavar="N,N,...",
+        help="micro-batch sizes: samples per rank per forward (default 1,2,4,8,16)",
+    )
+    space.add_argument(
+        "--grad-accum",
+        type=_list(int, "--grad-accum"),
+        default=(1,),
+        metavar="N,N,...",
+        help="gradient accumulation steps (default 1)",
+    )
+    checkpointing = space.add_argument(
+        "--activation-checkpointing",
+        choices=tuple(_CHECKPOINTING),
+        default="both",
+        help="activation checkpointing off, on or both (default)",
+    )
+    add_alias(space, "--checkpointing", to=checkpointing)
+    buckets = space.add_argument(
+        "--bucket-numels",
+        type=_list(parse_count, "--bucket-numels"),
         default=(2**20, 2**22, 2**24),
-        help="bucket sizes in elements (default 1048576,4194304,16777216)",
+        metavar="N,N,...",
+        help="elements per bucket, as zeroplane coordinator --bucket-numel "
+        "(default 1048576,4194304,16777216)",
     )
+    add_alias(space, "--buckets", to=buckets)
     space.add_argument(
-        "--compression", type=_list(_compression, "--compression"), default=("none",)
+        "--compression",
+        type=_list(_compression, "--compression"),
+        default=("none",),
+        metavar="C,C,...",
+        help=f"gradient compression: {', '.join(COMPRESSIONS)} (default none)",
     )
     space.add_argument(
         "--keep-units",
@@ -117,10 +164,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--global-batch",
         type=int,
         default=None,
-        help="keep micro-batch x accumulation x ranks equal to this",
+        metavar="N",
+        help="keep micro-batch size x accumulation x ranks equal to this (default: any)",
     )
-    parser.add_argument("--nproc", type=int, default=1, help="ranks per trial (default 1)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument(
+        "--nproc", type=int, default=1, metavar="N", help="ranks per trial (default 1)"
+    )
+    precision = parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="the trials' ZeroConfig(dtype=...) (default fp32, ZeroConfig's)",
+    )
+    add_alias(parser, "--dtype", to=precision)
     parser.add_argument(
         "--device-memory",
         type=parse_bytes,
@@ -129,16 +185,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="one rank's memory for the memory model (e.g. 80GB); default: the GPU's, as "
         "the first trial reads it; on CPU nothing is pruned without it",
     )
-    parser.add_argument("--max-trials", type=int, default=None, help="runs at most")
     parser.add_argument(
-        "--budget", type=seconds, default=None, metavar="SECONDS", help="time for the search"
+        "--max-trials", type=int, default=None, metavar="N", help="runs at most (default: no limit)"
     )
-    parser.add_argument("--strategy", choices=("coordinate", "grid"), default="coordinate")
-    parser.add_argument("--warmup", type=int, default=1, help="steps before timing (default 1)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per trial (default 5)")
-    parser.add_argument("--out", type=Path, default=Path("tuned"), help="where the JSONs go")
-    parser.add_argument("--progress", choices=("auto", "live", "plain"), default="auto")
-    parser.set_defaults(func=tune_command)
+    parser.add_argument(
+        "--budget",
+        type=seconds,
+        default=None,
+        metavar="SECONDS",
+        help="time for the search (default: no limit)",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=("coordinate", "grid"),
+        default="coordinate",
+        help="coordinate: coordinate descent from the memory model's start, one dimension at a "
+        "time (default); grid: every combination",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, metavar="N", help="steps before timing (default 1)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=5, metavar="N", help="timed steps per trial (default 5)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("tuned"),
+        metavar="DIR",
+        help="where the JSONs go (default ./tuned)",
+    )
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "live", "plain"),
+        default="auto",
+        help="live on a terminal, plain lines otherwise (auto, the default)",
+    )
+    parser.set_defaults(func=tune_command, needs="torch")
     return parser
 
 
@@ -289,8 +372,8 @@ def tune_command(args: argparse.Namespace) -> int:
             stages=args.stages,
             micro_batches=args.micro_batches,
             grad_accum=args.grad_accum,
-            activation_checkpointing=_CHECKPOINTING[args.checkpointing],
-            bucket_numels=args.buckets,
+            activation_checkpointing=_CHECKPOINTING[args.activation_checkpointing],
+            bucket_numels=args.bucket_numels,
             compressions=args.compression,
             keep_units=_CHECKPOINTING[args.keep_units],
             global_batch=args.global_batch,
@@ -309,7 +392,7 @@ def tune_command(args: argparse.Namespace) -> int:
                     str(args.tokens_per_sample),
                 )
             ),
-            base_config={"dtype": args.dtype},
+            base_config={"dtype": args.precision},
             warmup=args.warmup,
             steps=args.steps,
         )
@@ -329,7 +412,7 @@ def tune_command(args: argparse.Namespace) -> int:
                 pool.measure,
                 space,
                 world_size=args.nproc,
-                dtype=args.dtype,
+                dtype=args.precision,
                 device_memory=args.device_memory,
                 strategy=args.strategy,
                 max_trials=args.max_trials,
