@@ -36,6 +36,10 @@ a silent model of uninitialized memory.
 
 ``init`` and ``reset_parameters`` must initialize only the module's own
 tensors (``recurse=False``); each is called once per module.
+
+A module whose parameters are slices of larger ones (tensor parallelism)
+initializes on the whole tensors and keeps its slices (:class:`SlicedInit`,
+worker/tp.py [Note: birth under tensor parallelism]).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ import ctypes.util
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -54,6 +60,7 @@ from torch import nn
 __all__ = [
     "Birth",
     "Init",
+    "SlicedInit",
     "default_device",
     "materialize_empty",
     "meta_names",
@@ -66,8 +73,23 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Init = Callable[[nn.Module], None]
 B = TypeVar("B")
+
+
+@dataclass(frozen=True, slots=True)
+class SlicedInit:
+    """How a model whose modules hold slices of their parameters comes to life
+    (tensor parallelism: worker/mesh.py builds it): each module initializes as
+    ``init`` says (a function of the module, or None for its
+    ``reset_parameters()``, as for any model) while ``whole(module)`` holds its
+    whole tensors in place of the slices, and keeps its slices on the way out
+    (worker/tp.py [Note: birth under tensor parallelism])."""
+
+    init: Callable[[nn.Module], None] | None
+    whole: Callable[[nn.Module], AbstractContextManager[None]]
+
+
+Init = Callable[[nn.Module], None] | SlicedInit
 
 
 def skip_init(module: nn.Module) -> None:
@@ -165,6 +187,10 @@ def release_freed_host_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
+def _as_it_is(module: nn.Module) -> AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
 def _swap(p: nn.Parameter, values: torch.Tensor) -> None:
     torch.utils.swap_tensors(p, nn.Parameter(values, requires_grad=p.requires_grad))
 
@@ -214,6 +240,9 @@ class Birth:
         broadcast: Callable[[list[torch.Tensor]], None] = lambda tensors: None,
         cast: Callable[[nn.Module], None] = lambda module: None,
     ) -> None:
+        self.whole: Callable[[nn.Module], AbstractContextManager[None]] = _as_it_is
+        if isinstance(init, SlicedInit):
+            self.whole, init = init.whole, init.init
         self.module, self.device, self.init = module, device, init
         self.broadcast, self.cast = broadcast, cast
         order = module.named_modules() if init is None else _post_order(module)
@@ -301,20 +330,21 @@ class Birth:
             for key, b in mod._buffers.items():
                 if b is not None and b.is_meta:
                     mod._buffers[key] = torch.empty_like(b, device=self.device)
-            reset = getattr(mod, "reset_parameters", None)
-            try:
-                if self.init is None:
-                    mod.reset_parameters()
-                elif callable(reset) and self.init is not skip_init:
-                    # the values construction gave (a norm's ones), drawn aside: the
-                    # default generator's draws are init's alone, as in model.apply(init)
-                    with torch.random.fork_rng(devices=self._rng_devices):
-                        reset()
-            finally:
-                params.update(throwaway)
-            if self.init is not None:
-                self.init(mod)
             drawn = self.init is not skip_init  # values worth sending to the other ranks
+            with self.whole(mod) if drawn else contextlib.nullcontext():
+                reset = getattr(mod, "reset_parameters", None)
+                try:
+                    if self.init is None:
+                        mod.reset_parameters()
+                    elif callable(reset) and drawn:
+                        # the values construction gave (a norm's ones), drawn aside: the
+                        # default generator's draws are init's alone, as in model.apply(init)
+                        with torch.random.fork_rng(devices=self._rng_devices):
+                            reset()
+                finally:
+                    params.update(throwaway)
+                if self.init is not None:
+                    self.init(mod)
             born = []
             for p in mine:
                 if self.init is None and self.first[p] is not mod:

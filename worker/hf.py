@@ -13,13 +13,23 @@ their values), comes to life one module at a time without initializing
 (worker/birth.py), and each rank reads only the elements of the weights it
 owns (worker/pretrained.py [Note: weights by range]). No rank ever holds the
 whole model. Local directories only: nothing is downloaded at run time.
+
+On a device mesh (tensor parallelism beside ZeRO) the same call takes
+``parallel=``:
+
+    engine = worker.from_pretrained(
+        "path/to/llama", optimizer, config=worker.ZeroConfig(stage=3),
+        parallel=ParallelConfig(tensor_parallel=2),   # worker.mesh
+    )                                      # a MeshEngine; plan: worker.tp.hf_plan
+
+and each rank reads only the elements of its tp slice that it owns.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -27,6 +37,9 @@ from worker.birth import meta_parameters, skip_init
 from worker.engine import OptimizerArg, ZeroEngine
 from worker.entry import initialize
 from worker.pretrained import WeightsError
+
+if TYPE_CHECKING:
+    from worker.mesh import MeshEngine, ParallelConfig
 
 __all__ = ["build_on_meta", "from_pretrained"]
 
@@ -60,17 +73,38 @@ def from_pretrained(
     optimizer: OptimizerArg | None = None,
     *,
     model_class: Any = None,
+    parallel: ParallelConfig | None = None,
+    plan: Any = None,
     **kwargs: Any,
-) -> ZeroEngine:
+) -> ZeroEngine | MeshEngine:
     """A Hugging Face model from the local directory ``path``, sharded from birth and
     loaded by range, in an engine: :func:`worker.initialize`'s engine, with its
     keyword arguments (``config=``, ``lr_scheduler=``, ``device=``, ...).
+
+    ``parallel``: a :class:`worker.mesh.ParallelConfig` with tensor parallelism
+    (``pipeline_parallel`` 1): the engine is :func:`worker.mesh.parallelize`'s
+    (``config`` a ZeroConfig; ``lr_scheduler``, ``device``, ``mesh`` as it takes
+    them) with ``plan`` (default :func:`worker.tp.hf_plan`: GPT-2 and Llama-style
+    decoders), each rank reading only the elements of its tp slices it owns.
 
     ``optimizer`` is a callable that builds the optimizer from param groups (the
     model does not exist before this call), or None with a DeepSpeed config whose
     ``optimizer`` section builds it. Every rank calls it; under ``zeroplane run``
     the coordinator's job forms first, as with ``initialize``."""
     model = build_on_meta(path, model_class)
-    engine = initialize(model, optimizer, init=skip_init, **kwargs)
+    engine: ZeroEngine | MeshEngine
+    if parallel is None:
+        if plan is not None:
+            raise ValueError("plan= is a tensor-parallel plan: pass parallel= with it")
+        engine = initialize(model, optimizer, init=skip_init, **kwargs)
+    else:
+        from worker.mesh import parallelize
+        from worker.tp import hf_plan
+
+        if optimizer is None:
+            raise ValueError("from_pretrained(..., parallel=...) needs an optimizer factory")
+        engine = parallelize(
+            model, optimizer, parallel=parallel, plan=plan or hf_plan, init=skip_init, **kwargs
+        )
     engine.load_weights(path)
     return engine

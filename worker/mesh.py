@@ -13,6 +13,13 @@ composes, as torchtitan's ``parallelize`` does, over one ``DeviceMesh``:
   tensor-parallel rank, and shard those across the ``dp`` ranks that hold the
   same ones.
 
+A model built on the meta device (``torch.device("meta")``,
+:func:`worker.meta_parameters`) is planned there and comes to life a module
+at a time, each rank keeping its tp slice of values drawn whole
+(worker/tp.py [Note: birth under tensor parallelism]); pretrained weights
+load by range (:meth:`MeshEngine.load_weights`, ``worker.from_pretrained(...,
+parallel=...)``) and export whole (:meth:`MeshEngine.save_pretrained`).
+
 The mesh's rank order is coordinator/core/meshplan.py's [Note: mesh rank order].
 """
 
@@ -31,13 +38,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from coordinator.core.meshplan import PP_ENV, TP_ENV, MeshCoords, MeshShape
-from worker import tp_checkpoint
+from worker import pretrained, tp_checkpoint
+from worker.birth import Init, SlicedInit, meta_names, skip_init
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
 from worker.schedule import SchedulerArg
 from worker.tp import TensorParallel, apply_tp, gather_full, gpt_plan
-from worker.tp_checkpoint import FullView
+from worker.tp_checkpoint import FullExport, FullView
 
 __all__ = [
     "MeshEngine",
@@ -277,6 +285,27 @@ class MeshEngine:
         self.engine.after_restore()
         return state
 
+    def load_weights(self, path: str | os.PathLike) -> None:
+        """Pretrained weights (what ``save_pretrained`` wrote: safetensors or torch
+        files) into this engine before it trains: each rank reads only the full
+        runs of its owned ranges of its tp slices (worker/pretrained.py [Note:
+        weights by range], worker/tp_checkpoint.py). Every rank calls it."""
+        pretrained.load_weights(self._full_view(), self.module, path)
+        self.engine.after_restore()
+
+    def save_pretrained(self, out: str | os.PathLike, **options: Any) -> list[Path]:
+        """The FULL weights in the directory ``out`` as ``save_pretrained`` writes
+        them (``from_pretrained`` loads them strictly), a bucket at a time, each
+        tensor gathered over dp and tp as it is written (``dtype``,
+        ``max_shard_bytes``: :func:`worker.pretrained.save_weights`'s). Every rank
+        calls it; the mesh's rank 0 writes."""
+        export = FullExport(
+            slices=self.tp.slices if self.tp is not None else {},
+            comm=self.tp_comm,
+            writer=not any((self.coords.pp, self.coords.dp, self.coords.tp)),
+        )
+        return pretrained.save_weights(self.engine.state, self.module, out, full=export, **options)
+
     def close(self) -> None:
         if self.tp is not None:
             self.tp.deactivate()
@@ -292,23 +321,33 @@ def parallelize(
     plan: dict | Callable[[nn.Module], dict] | None = None,
     mesh: DeviceMesh | None = None,
     lr_scheduler: SchedulerArg | None = None,
+    device: torch.device | str | None = None,
+    init: Init | None = None,
 ) -> MeshEngine:
     """ZeRO ``config`` over the dp dimension of a ``(pp, dp, tp)`` mesh, with
     ``model`` tensor-parallel over tp by ``plan`` (a dict of torch ParallelStyles
     by module-name pattern, or a function of the model returning one; default:
     :func:`worker.tp.gpt_plan`). ``model`` must be identical on every rank.
     Pipeline parallelism is :func:`worker.pipeline.pipeline` (a different step).
-    ``lr_scheduler``: as :func:`worker.initialize`'s, stepped by the engine."""
+    ``lr_scheduler``, ``device``: as :func:`worker.initialize`'s.
+
+    A model built on the meta device comes to life sharded as with
+    :func:`worker.initialize`: each module by its ``reset_parameters()`` or by
+    ``init(module)`` (``worker.skip_init`` for weights that
+    :meth:`MeshEngine.load_weights` brings next), on its whole tensors, each rank
+    keeping its tp slice (worker/tp.py [Note: birth under tensor parallelism])."""
     if parallel.pipeline_parallel > 1:
         raise ValueError("pipeline_parallel > 1: use worker.pipeline.pipeline(...)")
     check_combination(config, parallel)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     shape = parallel.shape(world)
-    mesh = mesh if mesh is not None else build_mesh(shape, module_device(model).type)
+    device_type = torch.device(device).type if device is not None else module_device(model).type
+    mesh = mesh if mesh is not None else build_mesh(shape, device_type)
     coords = shape.coords(dist.get_rank() if world > 1 else 0)
     engine, tp = engine_on_mesh(
-        model, optimizer, model, config, mesh, shape, coords, plan, lr_scheduler
-    )
+        model, optimizer, model, config, mesh, shape, coords, plan, lr_scheduler,
+        device=device, init=init,
+    )  # fmt: skip
     logger.info(
         "mesh pp=%d dp=%d tp=%d: this rank is pp=%d dp=%d tp=%d",
         shape.pp, shape.dp, shape.tp, coords.pp, coords.dp, coords.tp,
@@ -326,24 +365,33 @@ def engine_on_mesh(
     coords: MeshCoords,
     plan: Any,
     lr_scheduler: SchedulerArg | None = None,
+    *,
+    device: torch.device | str | None = None,
+    init: Init | None = None,
 ) -> tuple[ZeroEngine, TensorParallel | None]:
     """ZeRO over the dp group of ``mesh`` for ``module`` (the model, or its pipeline
     stage, which keeps the model's parameter names), tensor-parallel over tp by
-    ``plan`` (default :func:`worker.tp.gpt_plan` of the whole ``model``)."""
+    ``plan`` (default :func:`worker.tp.gpt_plan` of the whole ``model``).
+    ``device``, ``init``: :func:`parallelize`'s."""
     tp = None
     if shape.tp > 1:
         before = dict(module.named_parameters(remove_duplicate=False))
         chosen = plan if plan is not None else gpt_plan
         chosen = chosen(model) if callable(chosen) else chosen
         check_heads(model, shape.tp)
-        tp = apply_tp(module, mesh["tp"], chosen)
+        tp = apply_tp(module, mesh["tp"], chosen)  # meta tensors stay meta
         optimizer = rebuild_optimizer(optimizer, before, module)
+        if meta_names(module) and init is not skip_init:
+            # each planned module initializes whole, keeps its slice
+            init = SlicedInit(init, tp.whole)
     engine = ZeroEngine(
         module,
         optimizer,
         config=config,
         group=mesh["dp"].get_group(),
         lr_scheduler=lr_scheduler,
+        device=device,
+        init=init,
     )
     engine.mesh_labels = coords.labels()
     engine.norm_scope = norm_scope(engine, mesh, shape, tp)

@@ -8,9 +8,13 @@ element ranges of each flattened parameter this rank's optimizer owns
 reads just those from the files: safetensors' lazy slices read the rows that
 hold a range (a range of a flattened ``[rows, ...]`` tensor lies in
 consecutive rows, at most two of them partly), and a torch file is
-memory-mapped, so only the pages of the range are read. Peak memory is the
-rank's share plus one range's worth of I/O buffer. Frozen parameters and
-persistent buffers are replicated, so every rank reads them whole.
+memory-mapped, so only the pages of the range are read. A range that lies
+within one row is read within that row, and so on down the dimensions, so a
+tensor-parallel rank's runs (a column-wise slice of a row-major weight, one
+run per row) read only their own elements (worker/tp_checkpoint.py: the state
+a mesh rank passes addresses full parameters). Peak memory is the rank's
+share plus one range's worth of I/O buffer. Frozen parameters and persistent
+buffers are replicated, so every rank reads them whole.
 
 Names are matched before anything changes: a tied parameter needs one of its
 names in the files (Hugging Face saves the first), a prefix that the files and
@@ -30,7 +34,7 @@ import os
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -38,6 +42,9 @@ from torch import nn
 from coordinator.core.ranges import Range
 from worker.checkpoint import DEFAULT_SHARD_BYTES, Planned, write_safetensors_shards
 from worker.inventory import persistent_buffers
+
+if TYPE_CHECKING:
+    from worker.tp_checkpoint import FullExport
 
 __all__ = ["WeightFiles", "WeightsError", "load_weights", "save_weights"]
 
@@ -59,7 +66,7 @@ class _Tensors(Protocol):
 
     def whole(self, name: str) -> torch.Tensor: ...
 
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor: ...
 
 
 class _SafetensorsFile:
@@ -77,8 +84,8 @@ class _SafetensorsFile:
     def whole(self, name: str) -> torch.Tensor:
         return self.file.get_tensor(name)
 
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.file.get_slice(name)[start:stop]
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.file.get_slice(name)[index]
 
 
 class _TorchFile:
@@ -100,8 +107,8 @@ class _TorchFile:
     def whole(self, name: str) -> torch.Tensor:
         return self.state[name]
 
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.state[name][start:stop]
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.state[name][index]
 
 
 class WeightFiles:
@@ -180,14 +187,21 @@ class WeightFiles:
 
     def flat_range(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flattened tensor ``name``, reading only
-        the rows that hold them."""
+        the rows that hold them; a range within one row, only that row's part (and
+        so on down the dimensions)."""
         shape = self.shape(name)
-        if len(shape) <= 1:
-            return self._where[name].rows(name, start, stop).reshape(-1)
-        row = math.prod(shape[1:])
-        first, last = start // row, (stop - 1) // row + 1
-        rows = self._where[name].rows(name, first, last).reshape(-1)
-        return rows[start - first * row : stop - first * row]
+        if not shape:
+            return self.whole(name).reshape(-1)[start:stop]
+        index: list[slice] = []
+        for dim in range(len(shape) - 1):
+            row = math.prod(shape[dim + 1 :])
+            first, last = start // row, (stop - 1) // row + 1
+            index.append(slice(first, last))
+            start, stop = start - first * row, stop - first * row
+            if last - first > 1:  # the range spans rows here: read them whole
+                return self._where[name].read(name, tuple(index)).reshape(-1)[start:stop]
+        index.append(slice(start, stop))  # within one row of the last dimension
+        return self._where[name].read(name, tuple(index)).reshape(-1)
 
 
 def _match(wanted: list[list[str]], available: set[str]) -> tuple[str, str]:
@@ -211,7 +225,10 @@ def load_weights(state: Any, module: nn.Module, path: str | os.PathLike) -> None
     """Load the weights at ``path`` into a built shard state (``engine.load_weights``):
     master values of this rank's owned ranges, frozen parameters and persistent
     buffers whole ([Note: weights by range]). Converts dtypes on the way in. Every
-    name and shape is checked before anything changes."""
+    name and shape is checked before anything changes. ``state`` is a
+    :class:`~worker.state.ShardState`, or a tensor-parallel rank's
+    :class:`~worker.tp_checkpoint.FullView` of one (its shapes and ranges those of
+    the full parameters)."""
     if state.global_steps or state.optimizer.inner.state:
         raise RuntimeError(
             f"load_weights sets the weights of a model that has not trained; this one "
@@ -256,9 +273,10 @@ def load_weights(state: Any, module: nn.Module, path: str | os.PathLike) -> None
                     if part
                 )
             )
-        tensors = {**inventory.params, **buffers}
+        shapes = {s.name: tuple(s.shape) for s in inventory.specs}
+        shapes.update((name, tuple(b.shape)) for name, b in buffers.items())
         for first, key in keys.items():
-            want, have = tuple(tensors[first].shape), files.shape(key)
+            want, have = shapes[first], files.shape(key)
             if want != have:
                 raise WeightsError(
                     f"{key!r} in {path} has shape {list(have)}, the model's {first!r} {list(want)}"
@@ -287,6 +305,7 @@ def save_weights(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    full: FullExport | None = None,
 ) -> list[Path]:
     """Write the model's weights into the directory ``out`` as ``save_pretrained``
     does (``model.safetensors``, or shards and their index; a Hugging Face model's
@@ -296,11 +315,24 @@ def save_weights(
     No rank holds the whole model: the buckets are gathered one at a time as the
     files are written, and rank 0, which writes, holds one output file and one
     bucket at most. fp32 masters, cast to ``dtype`` if given; every name of a tied
-    parameter; frozen parameters and persistent buffers as this rank has them."""
+    parameter; frozen parameters and persistent buffers as this rank has them.
+
+    ``full``: a tensor-parallel rank's (worker/tp_checkpoint.py): each local tensor
+    is gathered over tp into its full one as it is written, and ``full.writer``
+    says which rank of the mesh writes."""
     directory = Path(out)
-    rank = state.comm.rank
-    if rank == 0:
+    writer = state.comm.rank == 0 if full is None else full.writer
+    if writer:
         directory.mkdir(parents=True, exist_ok=True)
+
+    def whole(name: str, t: torch.Tensor) -> torch.Tensor:
+        return t if full is None else full.full(name, t)
+
+    def numel(name: str, local_numel: int) -> int:
+        return local_numel if full is None else full.numel(name, local_numel)
+
+    def frozen(name: str, p: torch.Tensor) -> torch.Tensor:
+        return cast(whole(name, p))
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         t = t.detach().cpu()
@@ -313,8 +345,8 @@ def save_weights(
         if bucket.spec.index not in gathered:
             gathered.clear()  # one bucket at a time
             gathered[bucket.spec.index] = state.gather_master(bucket)
-        full = gathered[bucket.spec.index]
-        return cast(full[slot.offset : slot.offset + slot.numel].view(slot.shape))
+        flat = gathered[bucket.spec.index]
+        return cast(whole(slot.name, flat[slot.offset : slot.offset + slot.numel].view(slot.shape)))
 
     names_of: dict[str, list[str]] = {}
     for name, first in state.inventory.aliases.items():
@@ -322,24 +354,24 @@ def save_weights(
     plan: list[Planned] = []
     for bucket in state.buckets:
         for slot in bucket.spec.slots:
-            nbytes = slot.numel * (size or 4)
+            nbytes = numel(slot.name, slot.numel) * (size or 4)
             make = functools.partial(value, bucket, slot)
             plan += [Planned(name, nbytes, make) for name in names_of[slot.name]]
     trainable = set(state.inventory.trainable)
     for first, p in state.inventory.params.items():
         if first not in trainable:
-            nbytes = p.numel() * (size or p.element_size())
-            make = functools.partial(cast, p)
+            nbytes = numel(first, p.numel()) * (size or p.element_size())
+            make = functools.partial(frozen, first, p)
             plan += [Planned(name, nbytes, make) for name in names_of[first]]
     for name, b in persistent_buffers(module).items():
         nbytes = b.numel() * (size if size and b.is_floating_point() else b.element_size())
         plan.append(Planned(name, nbytes, functools.partial(cast, b)))
     metadata = {"format": "pt", "global_steps": str(state.global_steps)}
     files = write_safetensors_shards(
-        plan, directory / "model.safetensors", metadata, max_shard_bytes, write=rank == 0
+        plan, directory / "model.safetensors", metadata, max_shard_bytes, write=writer
     )
     config = getattr(module, "config", None)
-    if rank == 0 and hasattr(config, "save_pretrained"):
+    if writer and hasattr(config, "save_pretrained"):
         config.save_pretrained(directory)
     logger.info("wrote %d tensors to %s", len(plan), directory)
     return files

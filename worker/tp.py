@@ -36,19 +36,36 @@ along dim 0): each part is chunked separately and the local shard is the
 concatenation of chunk ``rank`` of every part, so a rank holds whole heads of
 q, k and v. Its elements are runs of ``run`` contiguous full elements;
 :meth:`TPSlice.full_runs` maps a local element range to full element ranges.
+
+[Note: birth under tensor parallelism]
+A model built on the meta device is planned on the meta device (torch's
+styles shard meta tensors without moving data), so each rank holds meta
+local shards, and the engine brings them to life a module at a time
+(worker/birth.py). A module initialized on its local shard would not draw
+what it draws whole (``nn.Linear``'s bound comes from its full fan-in, and a
+shard's draws are not a slice of the whole's), so for the duration of a
+planned module's initialization :meth:`TensorParallel.whole` puts whole
+tensors in place of its local ones; on the way out each local shard takes
+its part (:meth:`TPSlice.take`). Every rank draws the same whole tensors
+from its default generator, as an ordinary construction with the same seed
+does, and keeps its slice: a rank holds one module whole at a time, and the
+values equal the ordinary construction's at every tp, dp and stage
+(tests/test_pretrained_mesh.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -59,12 +76,17 @@ from torch.distributed.tensor.parallel import (
 from worker.collectives import Collectives
 
 __all__ = [
+    "Conv1DColwiseParallel",
+    "Conv1DRowwiseParallel",
     "FusedColwiseParallel",
+    "LocalWidth",
     "TPSlice",
     "TensorParallel",
     "apply_tp",
     "gather_full",
+    "gpt2_plan",
     "gpt_plan",
+    "hf_plan",
     "llama_plan",
 ]
 
@@ -91,6 +113,99 @@ class FusedColwiseParallel(ColwiseParallel):
                 requires_grad=param.requires_grad,
             )
             module.register_parameter(pname, dist_param)
+
+
+class Conv1DColwiseParallel(ColwiseParallel):
+    """Column-wise over a GPT-2 ``Conv1D`` (``x @ weight + bias``, ``weight`` of
+    shape ``[in, out]``): the output features are the weight's dim 1 and the
+    bias's dim 0; ``parts`` > 1 for a fused projection (GPT-2's ``c_attn`` stacks
+    q, k and v), each part sharded on its own as :class:`FusedColwiseParallel`."""
+
+    def __init__(self, parts: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if parts < 1:
+            raise ValueError(f"Conv1DColwiseParallel parts must be >= 1, got {parts}")
+        self.parts = parts
+
+    def _partition_conv1d_fn(self, name, module, device_mesh):
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        for pname, dim in (("weight", 1), ("bias", 0)):
+            param = module._parameters.get(pname)
+            if param is None:
+                continue
+            local = TPSlice(tuple(param.shape), dim, rank, size, self.parts).take(param.detach())
+            dist_param = nn.Parameter(
+                DTensor.from_local(local, device_mesh, [Shard(dim)], run_check=False),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(pname, dist_param)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_conv1d_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Conv1DRowwiseParallel(RowwiseParallel):
+    """Row-wise over a GPT-2 ``Conv1D``: the input features are the weight's dim 0;
+    the bias is replicated and the partial outputs all-reduced, as torch's
+    ``RowwiseParallel`` does for ``nn.Linear``."""
+
+    def _partition_conv1d_fn(self, name, module, device_mesh):
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        weight = module.weight
+        local = TPSlice(tuple(weight.shape), 0, rank, size).take(weight.detach())
+        module.register_parameter(
+            "weight",
+            nn.Parameter(
+                DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False),
+                requires_grad=weight.requires_grad,
+            ),
+        )
+        bias = module._parameters.get("bias")
+        if bias is not None:
+            module.register_parameter(
+                "bias",
+                nn.Parameter(
+                    DTensor.from_local(bias.detach(), device_mesh, [Replicate()], run_check=False),
+                    requires_grad=bias.requires_grad,
+                ),
+            )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_conv1d_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class LocalWidth(ParallelStyle):
+    """Divide a module's integer attributes by tp: for a module that splits a
+    column-wise output at a width of its own (GPT-2's attention splits ``c_attn``'s
+    output at ``split_size``), which under tp is the local width. No parameter moves."""
+
+    def __init__(self, *attributes: str) -> None:
+        self.attributes = attributes
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        size = device_mesh.size()
+        for attr in self.attributes:
+            value = getattr(module, attr)
+            if not isinstance(value, int) or value % size:
+                raise ValueError(
+                    f"{type(module).__name__}.{attr} = {value!r} does not split into {size} "
+                    "equal tensor-parallel parts"
+                )
+            setattr(module, attr, value // size)
+        return module
 
 
 def gpt_plan(model: nn.Module) -> dict[str, ParallelStyle]:
@@ -128,6 +243,43 @@ def llama_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         if _has(model, "lm_head"):
             plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     return plan
+
+
+def gpt2_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """A Hugging Face GPT-2 (``GPT2LMHeadModel`` or ``GPT2Model``; its ``Conv1D``
+    layers hold ``[in, out]`` weights): the fused ``c_attn`` column-wise per part
+    (a rank holds whole heads of q, k and v) and the MLP's ``c_fc`` column-wise,
+    both ``c_proj`` row-wise; the attention splits the local width; embeddings,
+    norms and the tied head replicated."""
+    h = "transformer.h" if _has(model, "transformer") else "h"
+    return {
+        f"{h}.*.attn": LocalWidth("split_size"),
+        f"{h}.*.attn.c_attn": Conv1DColwiseParallel(parts=3),
+        f"{h}.*.attn.c_proj": Conv1DRowwiseParallel(),
+        f"{h}.*.mlp.c_fc": Conv1DColwiseParallel(),
+        f"{h}.*.mlp.c_proj": Conv1DRowwiseParallel(),
+    }
+
+
+# the tested ones (tests/test_pretrained_mesh.py); a decoder laid out as Llama
+# (Mistral, Qwen2) takes plan=llama_plan
+_HF_PLANS: dict[str, Callable[[nn.Module], dict[str, ParallelStyle]]] = {
+    "gpt2": gpt2_plan,
+    "llama": llama_plan,
+}
+
+
+def hf_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """The plan of a Hugging Face model by its ``config.model_type``: GPT-2
+    (:func:`gpt2_plan`) or Llama (:func:`llama_plan`); any other model needs a
+    plan of its own."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _HF_PLANS:
+        raise ValueError(
+            f"no tensor-parallel plan for model_type {model_type!r} (known: "
+            f"{sorted(_HF_PLANS)}): pass plan={{module pattern: ParallelStyle}}"
+        )
+    return _HF_PLANS[model_type](model)
 
 
 def _has(model: nn.Module, name: str) -> bool:
@@ -212,8 +364,9 @@ class TensorParallel:
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
         self.slices: dict[str, TPSlice] = {}
-        # module -> [(parameter name, placements)]
+        # module -> [(parameter name, placements)], and the module's name in the model
         self._views: dict[nn.Module, list[tuple[str, tuple]]] = {}
+        self._names: dict[nn.Module, str] = {}
         self._hooks: list = []
 
     @property
@@ -223,6 +376,34 @@ class TensorParallel:
     @property
     def rank(self) -> int:
         return self.mesh.get_local_rank()
+
+    @contextlib.contextmanager
+    def whole(self, module: nn.Module) -> Iterator[None]:
+        """For the duration, ``module``'s planned parameters are whole tensors
+        (uninitialized, where its local ones are); on a normal exit each local
+        parameter takes its part of the whole one's values ([Note: birth under
+        tensor parallelism]). Any other module: nothing changes."""
+        views = self._views.get(module)
+        if not views:
+            yield
+            return
+        params = module._parameters
+        prefix = self._names[module]
+        local: dict[str, tuple[nn.Parameter, TPSlice]] = {}
+        for pname, _ in views:
+            p = params[pname]
+            assert p is not None
+            tp_slice = self.slices[f"{prefix}.{pname}" if prefix else pname]
+            local[pname] = (p, tp_slice)
+            whole = torch.empty(tp_slice.full_shape, dtype=p.dtype, device=p.device)
+            params[pname] = nn.Parameter(whole, requires_grad=p.requires_grad)
+        try:
+            yield
+            with torch.no_grad():
+                for pname, (p, tp_slice) in local.items():
+                    p.copy_(tp_slice.take(params[pname].detach()))
+        finally:
+            params.update({pname: p for pname, (p, _) in local.items()})
 
     def activate(self) -> None:
         """Install the DTensor-view hooks (after the engine's: see the module note)."""
@@ -286,7 +467,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> TensorParallel:
             raise ValueError(f"module {name!r} matches {len(styles)} tensor-parallel plan entries")
         module = by_module[name]
         parallelize_module(module, mesh, styles[0])
-        parts = styles[0].parts if isinstance(styles[0], FusedColwiseParallel) else 1
+        parts = getattr(styles[0], "parts", 1)  # fused projections
         views = []
         for pname, p in list(module.named_parameters(recurse=False)):
             if not isinstance(p, DTensor):
@@ -300,6 +481,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> TensorParallel:
             views.append((pname, tuple(p.placements)))
         if views:
             tp._views[module] = views
+            tp._names[module] = name
     return tp
 
 

@@ -14,12 +14,21 @@ one per rank of the whole job (``rank{global}.pt``), so the manifest is an
 ordinary one: a checkpoint saved at tp=2 x dp=2 loads with plain ZeRO at
 dp=4, and one saved by plain ZeRO loads at tp=2 x dp=1 (tests/test_mesh.py).
 The view reads and writes the state only through ShardState's public methods.
+
+Pretrained weights load through the same view (worker/pretrained.py
+:func:`~worker.pretrained.load_weights` given a :class:`FullView`): a rank
+reads from the files just the full runs that its owned local ranges cover,
+so at tp x dp each rank reads about 1/(tp*dp) of every sharded tensor. An
+export (``save_pretrained``) writes full tensors: :class:`FullExport`
+gathers each local one over tp as the files are written, and one rank of
+the whole mesh writes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +39,9 @@ from worker import checkpoint
 from worker.collectives import Collectives
 from worker.inventory import Inventory
 from worker.state import Entries, MissingRange, ShardState
-from worker.tp import TPSlice
+from worker.tp import TPSlice, gather_full
 
-__all__ = ["FullView", "load_checkpoint", "save_checkpoint"]
+__all__ = ["FullExport", "FullView", "load_checkpoint", "save_checkpoint"]
 
 
 class FullView:
@@ -77,6 +86,10 @@ class FullView:
     @property
     def master_device(self) -> torch.device:
         return self.state.master_device
+
+    @property
+    def optimizer(self) -> Any:
+        return self.state.optimizer
 
     @property
     def rank(self) -> int:
@@ -155,6 +168,30 @@ class FullView:
                 raise MissingRange(f"no state for elements of {want.key}")
             local[want.key] = {"master": values, "state": opt_state}
         self.state.import_ranges(local)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullExport:
+    """What a tensor-parallel rank's export (:func:`worker.pretrained.save_weights`)
+    needs beyond its shard state: full tensors from local ones.
+
+    Attributes:
+        slices: where each local parameter sits in its full one, by name.
+        comm: the tp group; :meth:`full` is a collective over it.
+        writer: whether this rank writes the files (one rank of the whole mesh).
+    """
+
+    slices: dict[str, TPSlice]
+    comm: Collectives
+    writer: bool
+
+    def numel(self, name: str, local_numel: int) -> int:
+        s = self.slices.get(name)
+        return local_numel if s is None else s.full_numel
+
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """``name``'s full tensor from this rank's ``local`` one (every tp rank calls)."""
+        return gather_full({name: local}, self.slices, self.comm)[name]
 
 
 def _per_element(v: Any, numel: int) -> torch.Tensor | None:
