@@ -1,69 +1,97 @@
-"""Train a small GPT on a (pp, dp, tp) mesh: tensor or pipeline parallel, ZeRO over dp.
+"""Train a small GPT with the one loop that runs under every layout.
 
-    zeroplane run --tp 2 --nproc 4 examples/train_mesh.py --steps 20
-    zeroplane run --pp 2 --nproc 4 examples/train_mesh.py --stage 1
+    zeroplane run --nproc 2 examples/train_mesh.py --steps 20             # ZeRO over 2 ranks
+    zeroplane run --tp 2 --nproc 4 examples/train_mesh.py --steps 20      # tp=2 x dp=2
+    zeroplane run --pp 2 --nproc 4 examples/train_mesh.py --stage 1       # pp=2 x dp=2
 
-tp and pp come from the launcher ($ZEROPLANE_TP, $ZEROPLANE_PP); the process
-group from torchrun's environment, which `zeroplane run` also sets (a mesh job
-forms its own group: see README, "The device mesh"). Each step takes the same
-global batch whatever the mesh.
+The script does not know its layout: ``worker.initialize`` reads tp and pp
+from the launcher ($ZEROPLANE_TP, $ZEROPLANE_PP) and returns the engine for
+it, a ``StepLoader`` gives each data-parallel rank its share of the global
+batch, and ``engine.train_batch`` is the step under data, tensor and pipeline
+parallelism alike (worker/surface.py). On a GPU machine the model goes to
+``cuda:$LOCAL_RANK`` and the process group to NCCL, as with
+``deepspeed.initialize``. ``--out FILE`` writes the final fp32 parameters;
+``--checkpoint DIR`` saves every ``--save-every`` steps and resumes from it,
+at any layout.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import worker
 from worker.config import stage_from_env
-from worker.mesh import ParallelConfig, parallelize
+from worker.data import LoaderConfig, StepLoader, byte_tokenizer, pack_text_files
+from worker.demo import corpus_path
+from worker.mesh import ParallelConfig
 from worker.models import GPT, GPTConfig
-from worker.pipeline import pipeline
+from worker.pipeline import lm_loss
 
+# untied: a pipeline puts the embedding and the head on different stages
 MODEL = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64, tie_weights=False)
-GLOBAL_BATCH = 16
+
+
+def first_rank() -> bool:
+    """Rank 0 of the whole job (a mesh has a dp rank 0 in every tp and pp group)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--stage", type=int, default=None)
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--stage", type=int, default=stage_from_env(1))
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    p.add_argument("--microbatches", type=int, default=2, help="pipeline micro-batches")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--checkpoint", type=Path)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--data-cache", type=Path, default=Path.home() / ".cache" / "zeroplane")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    parallel = ParallelConfig.from_env(pipeline_schedule=args.schedule)
-    config = worker.ZeroConfig(stage=args.stage if args.stage is not None else stage_from_env(1))
+
+    data = pack_text_files(
+        [corpus_path()], byte_tokenizer(), seq_len=MODEL.block_size, cache_dir=args.data_cache
+    )
     torch.manual_seed(0)
     model = GPT(MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    if parallel.pipeline_parallel > 1:
-        engine = pipeline(model, opt, config=config, parallel=parallel)
-    else:
-        engine = parallelize(model, opt, config=config, parallel=parallel)
-    dp, d = engine.shape.dp, engine.coords.dp
-    rows = GLOBAL_BATCH // dp
-    print(f"rank {dist.get_rank()}: mesh position {engine.coords}", flush=True)
-    for step in range(args.steps):
-        g = torch.Generator().manual_seed(step)
-        idx = torch.randint(0, MODEL.vocab_size, (GLOBAL_BATCH, MODEL.block_size), generator=g)
-        idx = idx[rows * d : rows * (d + 1)]
-        tgt = torch.roll(idx, 1, 1)
-        if parallel.pipeline_parallel > 1:
-            loss = engine.train_step(idx, tgt)
-        else:
-            out = engine(idx, tgt)
-            engine.backward(out)
-            engine.step()
-            loss = out.item()
-        if loss is not None and d == 0 and step % 5 == 0:
-            print(f"step {step}: loss {loss:.4f}", flush=True)
+    # tp and pp as the launcher asks; the schedule and micro-batches are the script's
+    parallel = ParallelConfig.from_env(
+        pipeline_schedule=args.schedule, microbatches=args.microbatches
+    )
+    engine = worker.initialize(
+        model, opt, config=worker.ZeroConfig(stage=args.stage), parallel=parallel, loss_fn=lm_loss
+    )
+    loader = StepLoader(
+        data, LoaderConfig(global_batch=args.global_batch, micro_batch=args.micro_batch)
+    ).attach(engine)
+    engine.progress(total=args.steps)
+    if args.checkpoint and (args.checkpoint / "latest").exists() and engine.global_steps == 0:
+        engine.load_checkpoint(args.checkpoint)
+    while True:
+        if args.checkpoint and engine.checkpoint_due(args.save_every):
+            engine.save_checkpoint(args.checkpoint)
+        if engine.global_steps >= args.steps:
+            break
+        try:
+            loss = engine.train_batch(loader.current())  # the global batch's mean loss
+        except worker.StepAborted:
+            continue  # a peer was lost; the engine re-formed the job at global_steps
+        if engine.global_steps % 5 == 0 and first_rank():
+            logging.info("step %d loss %.4f", engine.global_steps, loss)
+    state = engine.full_state_dict()  # every rank: a collective over the whole mesh
+    if args.out and first_rank():
+        torch.save(state, args.out)
+    loader.close()
     engine.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

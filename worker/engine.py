@@ -56,7 +56,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol
 
@@ -65,7 +65,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.profiler import record_function
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from coordinator.core.layout import Layout
 from worker import checkpoint, elastic, pretrained
@@ -96,6 +96,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[dict]], torch.optim.Optimizer]
+# a loss of a model's output and the batch's targets (train_batch, pipelines)
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 class Membership(Protocol):
@@ -250,6 +252,8 @@ class ZeroEngine:
         # (set_micro_batches: shares of different sizes)
         self._micro_weights: list[float] | None = None
         self._micro_counts: list[int] = []
+        # train_batch's loss of (output, targets), when the model does not return one
+        self.loss_fn: LossFn | None = None
         if initial_state == "peers":
             self.state.keep_module_values()
         self.state.build(build_for or Collectives(group), from_module=initial_state == "module")
@@ -535,6 +539,38 @@ class ZeroEngine:
             st.params.after_launch(b)
             self._next_bucket += 1
 
+    def train_batch(self, batches: Sequence[Any], loss_fn: LossFn | None = None) -> float | None:
+        """One optimizer step on this rank's micro-batches ``batches`` (what
+        ``loader.current()`` returns): the step a script writes once and runs under
+        every layout, data, tensor or pipeline parallel (a pipeline stage trains
+        only through it). Each micro-batch is the model's input: a tuple of its
+        arguments, a dict of keyword arguments, or one tensor, and the model returns
+        the loss (or an output with ``.loss``); with ``loss_fn`` (here, or given to
+        ``worker.initialize``) a micro-batch is ``(inputs, targets)`` and its loss
+        ``loss_fn(model(inputs), targets)``. Returns the step's mean loss over the
+        global batch (:meth:`mean_loss`), on every rank."""
+        if not batches:
+            raise ValueError("train_batch needs at least one micro-batch")
+        if self._micro_weights is None:
+            self.set_gradient_accumulation_steps(len(batches))
+        elif len(batches) != len(self._micro_weights):
+            raise ValueError(
+                f"train_batch got {len(batches)} micro-batches, set_micro_batches said "
+                f"{len(self._micro_weights)}"
+            )
+        loss_fn = loss_fn or self.loss_fn
+        for batch in batches:
+            if loss_fn is not None:
+                inputs, targets = batch
+                loss = loss_fn(self(inputs), targets)
+            elif isinstance(batch, Mapping):
+                loss = self(**batch)
+            else:
+                loss = self(*batch) if isinstance(batch, tuple | list) else self(batch)
+            self.backward(getattr(loss, "loss", loss))
+            self.step(**_sizes(batch))
+        return self.mean_loss()
+
     # ---------------------------------------------------- step: clip → optimizer → publish
 
     @_guarded
@@ -744,14 +780,14 @@ class ZeroEngine:
         See worker/checkpoint.py [Note: checkpoint format].
         """
         extras = {name: obj.state_dict() for name, obj in self._extras.items()}
-        saved = checkpoint.save_checkpoint(self.state, path, client_state, extras)
+        saved = checkpoint.save_checkpoint(self._checkpoint_view(), path, client_state, extras)
         self.last_checkpoint = Path(path)
         self._saved_at = self.global_steps
         return saved
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Load a checkpoint saved at any world size and stage; returns its client_state."""
-        state = checkpoint.load_checkpoint(self.state, path, self._extras)
+        state = checkpoint.load_checkpoint(self._checkpoint_view(), path, self._extras)
         self._saved_at = self.global_steps
         self.last_checkpoint = Path(path)
         if self.membership is not None:
@@ -763,7 +799,7 @@ class ZeroEngine:
         """Pretrained weights (safetensors or torch files, what ``save_pretrained``
         wrote) into this engine before it trains, each rank reading only its ranges
         (worker/pretrained.py [Note: weights by range]). Every rank calls it."""
-        pretrained.load_weights(self.state, self.module, path)
+        pretrained.load_weights(self._checkpoint_view(), self.module, path)
         if self.membership is not None:
             self.membership.after_load(self)
         self.after_restore()
@@ -772,7 +808,19 @@ class ZeroEngine:
         """The weights in the directory ``out`` as ``save_pretrained`` writes them, a
         bucket at a time (worker/pretrained.py :func:`save_weights`, its ``dtype`` and
         ``max_shard_bytes``). Every rank calls it; rank 0 writes."""
-        return pretrained.save_weights(self.state, self.module, out, **options)
+        return pretrained.save_weights(
+            self.state, self.module, out, full=self._full_export(), **options
+        )
+
+    def _checkpoint_view(self) -> Any:
+        """What checkpoints and pretrained weights read and write: the shard state
+        (a mesh engine presents it by full parameter, worker/tp_checkpoint.py)."""
+        return self.state
+
+    def _full_export(self) -> Any:
+        """How ``save_pretrained`` makes full tensors of local ones: None, they are
+        (a mesh engine gathers them over tp, worker/tp_checkpoint.py FullExport)."""
+        return None
 
     def after_restore(self) -> None:
         """The state was just replaced (a hand-over, a checkpoint in any format): put
@@ -862,6 +910,16 @@ class ZeroEngine:
 
 def _fp32(g: torch.Tensor) -> torch.Tensor:
     return g if g.dtype == torch.float32 else g.float()
+
+
+def _sizes(batch: Any) -> dict[str, int]:
+    """A micro-batch's samples (its first tensor's rows) and tokens (that tensor's
+    elements, when it holds token ids), for the throughput metrics."""
+    first = next((t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        return {}
+    tokens = first.numel() if not first.is_floating_point() else 0
+    return {"samples": first.shape[0], "tokens": tokens}
 
 
 def module_device(module: nn.Module) -> torch.device:

@@ -10,12 +10,13 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from coordinator.core.meshplan import PP_ENV, TP_ENV
 from worker import ds_sections
 from worker.attached import AttachedSession
 from worker.birth import Init, place_module
@@ -23,8 +24,12 @@ from worker.compat import backend_for
 from worker.config import ZeroConfig
 from worker.control import coordinator_address
 from worker.elastic.session import ElasticSession
-from worker.engine import OptimizerArg, ZeroEngine
+from worker.engine import LossFn, OptimizerArg, ZeroEngine
 from worker.schedule import SchedulerArg
+
+if TYPE_CHECKING:
+    from worker.mesh import ParallelConfig
+    from worker.pipeline import Split
 
 __all__ = ["initialize"]
 
@@ -41,6 +46,10 @@ def initialize(
     lr_scheduler: SchedulerArg | None = None,
     device: torch.device | str | None = None,
     init: Init | None = None,
+    parallel: ParallelConfig | None = None,
+    plan: Any = None,
+    split: Split | None = None,
+    loss_fn: LossFn | None = None,
 ) -> ZeroEngine:
     """Wrap ``model`` and ``optimizer`` in a ZeRO engine over ``group``.
 
@@ -76,8 +85,51 @@ def initialize(
     (in ``model.apply``'s order; ``worker.birth.skip_init`` for weights that
     ``engine.load_weights`` brings next). See worker/birth.py [Note: birth on the
     meta device].
+
+    ``parallel``: a :class:`worker.mesh.ParallelConfig` for tensor and pipeline
+    parallelism beside ZeRO (default: what ``$ZEROPLANE_TP``/``$ZEROPLANE_PP`` ask
+    for, as ``zeroplane run --tp/--pp`` sets them; else none). The engine is then
+    a :class:`~worker.mesh.MeshEngine` (``plan``: the tensor-parallel plan, default
+    :func:`worker.tp.gpt_plan`) or a :class:`~worker.pipeline.PipelineEngine`
+    (``split``: the model into stages, default :func:`worker.pipeline.split_gpt`),
+    with the same surface as every engine (worker/surface.py). ``loss_fn(output,
+    targets)``: the loss :meth:`ZeroEngine.train_batch` takes of each micro-batch
+    (a pipeline's last stage computes it; default there the language-model
+    loss), for scripts whose model does not return its loss; ``train_batch`` is
+    the step that runs under every layout.
     """
     config, optimizer, lr_scheduler = _resolve_config(config, optimizer, lr_scheduler)
+    parallel = parallel if parallel is not None else _parallel_from_env()
+    if parallel is not None and parallel.tensor_parallel * parallel.pipeline_parallel > 1:
+        return _on_mesh(
+            model, optimizer, config, parallel, plan=plan, split=split, loss_fn=loss_fn,
+            lr_scheduler=lr_scheduler, device=device, init=init,
+        )  # fmt: skip
+    for name, given in (("plan", plan), ("split", split)):
+        if given is not None:
+            raise ValueError(
+                f"worker.initialize(..., {name}=...) is for tensor/pipeline parallelism: "
+                "pass parallel=ParallelConfig(tensor_parallel=..., pipeline_parallel=...)"
+            )
+    engine = _data_parallel(
+        model, optimizer, config, group, coordinator, lr_scheduler, device, init
+    )
+    engine.loss_fn = loss_fn
+    return engine
+
+
+def _data_parallel(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    config: ZeroConfig,
+    group: dist.ProcessGroup | None,
+    coordinator: str | None,
+    lr_scheduler: SchedulerArg | None,
+    device: torch.device | str | None,
+    init: Init | None,
+) -> ZeroEngine:
+    """The engine of a data-parallel job: alone, under a launcher's group, or in a
+    coordinator's job (attached to a group the script formed, or elastic)."""
     device = place_module(model, device)
     address = coordinator_address(coordinator)
     if address is None and group is None:
@@ -101,6 +153,53 @@ def initialize(
     return ElasticSession.join(
         model, optimizer, config=config, address=address, scheduler=lr_scheduler, **born
     )
+
+
+def _parallel_from_env() -> ParallelConfig | None:
+    """The mesh the launcher asked for (``zeroplane run --tp/--pp``, the job spec:
+    ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``), or None where it asked for none."""
+    if TP_ENV not in os.environ and PP_ENV not in os.environ:
+        return None
+    from worker.mesh import ParallelConfig
+
+    return ParallelConfig.from_env()
+
+
+def _on_mesh(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    config: ZeroConfig,
+    parallel: ParallelConfig,
+    *,
+    plan: Any,
+    split: Split | None,
+    loss_fn: LossFn | None,
+    lr_scheduler: SchedulerArg | None,
+    device: torch.device | str | None,
+    init: Init | None,
+) -> ZeroEngine:
+    """A mesh engine: :func:`worker.mesh.parallelize` (tensor parallel) or
+    :func:`worker.pipeline.pipeline` (pipeline stages, tensor parallel within)."""
+    from worker.mesh import parallelize
+    from worker.pipeline import lm_loss, pipeline, split_gpt
+
+    device = place_module(model, device)
+    _init_from_launcher_env(device)
+    if parallel.pipeline_parallel > 1:
+        if init is not None:
+            raise ValueError("init= with pipeline parallelism is not supported yet")
+        return pipeline(
+            model, optimizer, config=config, parallel=parallel, split=split or split_gpt,
+            loss_fn=loss_fn or lm_loss, plan=plan, lr_scheduler=lr_scheduler,
+        )  # fmt: skip
+    if split is not None:
+        raise ValueError("split= is for pipeline parallelism (ParallelConfig.pipeline_parallel)")
+    engine = parallelize(
+        model, optimizer, config=config, parallel=parallel, plan=plan,
+        lr_scheduler=lr_scheduler, device=device, init=init,
+    )  # fmt: skip
+    engine.loss_fn = loss_fn
+    return engine
 
 
 def _resolve_config(

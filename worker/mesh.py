@@ -29,8 +29,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,7 +37,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from coordinator.core.meshplan import PP_ENV, TP_ENV, MeshCoords, MeshShape
-from worker import pretrained, tp_checkpoint
 from worker.birth import Init, SlicedInit, meta_names, skip_init
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
@@ -60,6 +58,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+E = TypeVar("E", bound="MeshEngine")
 
 Schedule = Literal["gpipe", "1f1b"]
 
@@ -217,99 +217,75 @@ def norm_scope(
     return ModelParallelNorm(replicated, shape.tp, comms)
 
 
-class MeshEngine:
-    """A ZeRO engine over the dp group, with this rank's tensor-parallel shards.
-
-    Forward, backward and step are the engine's; :meth:`full_state_dict` gives
-    every FULL parameter by name (gathered over dp and tp).
+class MeshEngine(ZeroEngine):
+    """A ZeRO engine over the dp group of a device mesh, with this rank's
+    tensor-parallel shards: every method of :class:`~worker.engine.ZeroEngine`
+    (one surface for every layout, worker/surface.py), over the local shards.
+    What differs is addressed by FULL parameter: :meth:`full_state_dict`
+    (gathered over dp and tp), checkpoints ([Note: tensor-parallel
+    checkpoints]), pretrained weights and their export.
     """
 
     def __init__(
         self,
-        engine: ZeroEngine,
+        module: nn.Module,
+        optimizer: OptimizerArg,
         *,
+        config: ZeroConfig,
         mesh: DeviceMesh,
         shape: MeshShape,
         coords: MeshCoords,
         tp: TensorParallel | None,
+        lr_scheduler: SchedulerArg | None = None,
+        device: torch.device | str | None = None,
+        init: Init | None = None,
     ) -> None:
-        self.engine, self.mesh, self.shape, self.coords, self.tp = engine, mesh, shape, coords, tp
+        super().__init__(
+            module,
+            optimizer,
+            config=config,
+            group=mesh["dp"].get_group(),
+            lr_scheduler=lr_scheduler,
+            device=device,
+            init=init,
+        )
+        self.mesh, self.shape, self.coords, self.tp = mesh, shape, coords, tp
         self.tp_comm = Collectives(mesh["tp"].get_group()) if shape.tp > 1 else Collectives(None)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
-
-    def step(self, **kwargs: Any) -> bool:
-        return self.engine.step(**kwargs)
+        self.mesh_labels = coords.labels()
+        self.norm_scope = norm_scope(self, mesh, shape, tp)
+        self.publish_snapshot()
+        if tp is not None:
+            tp.activate()
 
     @property
-    def global_steps(self) -> int:
-        return self.engine.global_steps
-
-    def get_lr(self) -> list[float]:
-        return self.engine.get_lr()
-
-    @property
-    def module(self) -> nn.Module:
-        return self.engine.module
-
-    def memory_report(self) -> dict[str, int]:
-        return self.engine.memory_report()
-
-    def comm_report(self) -> dict[str, dict[str, int]]:
-        """The dp group's ZeRO collectives (tp's activation collectives are torch's)."""
-        return self.engine.comm_report()
+    def engine(self) -> ZeroEngine:
+        """The ZeRO engine over the dp group: this engine (kept for scripts that
+        reached it through ``engine.engine`` before the surfaces were one)."""
+        return self
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every full parameter by name, fp32; a collective over the whole mesh."""
-        local = self.engine.full_state_dict()
+        local = super().full_state_dict()
         if self.tp is None:
             return local
         return gather_full(local, self.tp.slices, self.tp_comm)
 
-    def _full_view(self) -> FullView:
+    def _checkpoint_view(self) -> FullView:
+        # [Note: tensor-parallel checkpoints]: loads at any tp, dp and stage
         slices = self.tp.slices if self.tp is not None else {}
-        return FullView(self.engine.state, slices, Collectives(None), self.coords.tp)
+        return FullView(self.state, slices, Collectives(None), self.coords.tp)
 
-    def save_checkpoint(self, path: str | os.PathLike, *, client_state: dict | None = None) -> Path:
-        """A checkpoint addressed by full parameter ([Note: tensor-parallel checkpoints]):
-        it loads at any tp, dp and stage, with or without this mesh. All ranks call it."""
-        return tp_checkpoint.save_checkpoint(self._full_view(), path, client_state)
-
-    def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Load a checkpoint of this model saved at any tp, dp and stage; all ranks."""
-        state = tp_checkpoint.load_checkpoint(self._full_view(), path)
-        self.engine.after_restore()
-        return state
-
-    def load_weights(self, path: str | os.PathLike) -> None:
-        """Pretrained weights (what ``save_pretrained`` wrote: safetensors or torch
-        files) into this engine before it trains: each rank reads only the full
-        runs of its owned ranges of its tp slices (worker/pretrained.py [Note:
-        weights by range], worker/tp_checkpoint.py). Every rank calls it."""
-        pretrained.load_weights(self._full_view(), self.module, path)
-        self.engine.after_restore()
-
-    def save_pretrained(self, out: str | os.PathLike, **options: Any) -> list[Path]:
-        """The FULL weights in the directory ``out`` as ``save_pretrained`` writes
-        them (``from_pretrained`` loads them strictly), a bucket at a time, each
-        tensor gathered over dp and tp as it is written (``dtype``,
-        ``max_shard_bytes``: :func:`worker.pretrained.save_weights`'s). Every rank
-        calls it; the mesh's rank 0 writes."""
-        export = FullExport(
+    def _full_export(self) -> FullExport:
+        return FullExport(
             slices=self.tp.slices if self.tp is not None else {},
             comm=self.tp_comm,
             writer=not any((self.coords.pp, self.coords.dp, self.coords.tp)),
         )
-        return pretrained.save_weights(self.engine.state, self.module, out, full=export, **options)
 
     def close(self) -> None:
         if self.tp is not None:
             self.tp.deactivate()
-        self.engine.close()
+        super().close()
 
 
 def parallelize(
@@ -344,18 +320,19 @@ def parallelize(
     device_type = torch.device(device).type if device is not None else module_device(model).type
     mesh = mesh if mesh is not None else build_mesh(shape, device_type)
     coords = shape.coords(dist.get_rank() if world > 1 else 0)
-    engine, tp = engine_on_mesh(
-        model, optimizer, model, config, mesh, shape, coords, plan, lr_scheduler,
+    engine = engine_on_mesh(
+        MeshEngine, model, optimizer, model, config, mesh, shape, coords, plan, lr_scheduler,
         device=device, init=init,
     )  # fmt: skip
     logger.info(
         "mesh pp=%d dp=%d tp=%d: this rank is pp=%d dp=%d tp=%d",
         shape.pp, shape.dp, shape.tp, coords.pp, coords.dp, coords.tp,
     )  # fmt: skip
-    return MeshEngine(engine, mesh=mesh, shape=shape, coords=coords, tp=tp)
+    return engine
 
 
 def engine_on_mesh(
+    cls: type[E],
     module: nn.Module,
     optimizer: OptimizerArg,
     model: nn.Module,
@@ -368,11 +345,13 @@ def engine_on_mesh(
     *,
     device: torch.device | str | None = None,
     init: Init | None = None,
-) -> tuple[ZeroEngine, TensorParallel | None]:
-    """ZeRO over the dp group of ``mesh`` for ``module`` (the model, or its pipeline
-    stage, which keeps the model's parameter names), tensor-parallel over tp by
-    ``plan`` (default :func:`worker.tp.gpt_plan` of the whole ``model``).
-    ``device``, ``init``: :func:`parallelize`'s."""
+    **extra: Any,
+) -> E:
+    """A ``cls`` engine (:class:`MeshEngine` or a subclass) over the dp group of
+    ``mesh`` for ``module`` (the model, or its pipeline stage, which keeps the
+    model's parameter names), tensor-parallel over tp by ``plan`` (default
+    :func:`worker.tp.gpt_plan` of the whole ``model``). ``device``, ``init``:
+    :func:`parallelize`'s; ``extra``: ``cls``'s own keyword arguments."""
     tp = None
     if shape.tp > 1:
         before = dict(module.named_parameters(remove_duplicate=False))
@@ -384,21 +363,19 @@ def engine_on_mesh(
         if meta_names(module) and init is not skip_init:
             # each planned module initializes whole, keeps its slice
             init = SlicedInit(init, tp.whole)
-    engine = ZeroEngine(
+    return cls(
         module,
         optimizer,
         config=config,
-        group=mesh["dp"].get_group(),
+        mesh=mesh,
+        shape=shape,
+        coords=coords,
+        tp=tp,
         lr_scheduler=lr_scheduler,
         device=device,
         init=init,
+        **extra,
     )
-    engine.mesh_labels = coords.labels()
-    engine.norm_scope = norm_scope(engine, mesh, shape, tp)
-    engine.publish_snapshot()
-    if tp is not None:
-        tp.activate()
-    return engine, tp
 
 
 def check_heads(model: nn.Module, tp: int) -> None:

@@ -1,8 +1,8 @@
 """Pipeline parallelism with torch's ``torch.distributed.pipelining``, under ZeRO.
 
-    engine = worker.pipeline.pipeline(model, optimizer, config=ZeroConfig(stage=1),
-                                      parallel=ParallelConfig(pipeline_parallel=2))
-    loss = engine.train_step(inputs, targets)   # None on stages other than the last
+    engine = worker.initialize(model, optimizer, config=ZeroConfig(stage=1),
+                               parallel=ParallelConfig(pipeline_parallel=2))
+    loss = engine.train_batch([(inputs, targets)])  # the step's mean loss, every rank
 
 The model is split by layer index (:func:`split_gpt` for worker.models GPT,
 or the caller's ``split(model, stage, stages) -> nn.Module``); each rank holds
@@ -24,12 +24,48 @@ gradient and runs the engine's usual boundary path (used-parameter ballot,
 buckets launched in order, reduce-scatter or all-reduce) with no change to
 the engine. Stages 2-3 are refused: they reduce or gather per backward, and
 the schedule interleaves backwards of several micro-batches.
+
+[Note: pipeline micro-batches of equal shape]
+torch's stages infer the shapes they send and receive from the first step
+and keep them, so every micro-batch of every step must have the same rows.
+:meth:`PipelineEngine.train_batch` joins the rank's samples (an attached
+loader's micro-batches, padding left out) and cuts them into
+``ParallelConfig.microbatches`` pieces of ``ceil(largest dp share /
+microbatches)`` rows, the largest share being ``ceil(global batch / dp)``, so
+the width is the same on every rank and at every step; the rows past the
+rank's samples are copies of its first, and count 0. The loss the schedule
+runs is the user's ``loss_fn`` on a micro-batch's real rows, scaled by
+``real rows x microbatches x N·share/B / share``: after the schedule divides
+by the number of micro-batches and the engine sums over dp and divides by N,
+the gradient is the mean over the global batch, whatever the shares (the
+same weights as worker/data/sampler.py [Note: uneven shares]). The loss the
+step reports is the last stage's, weighted alike, summed over dp and then
+broadcast over pp, so ``mean_loss()`` and ``train_batch``'s result are the
+global batch's on every rank.
+
+[Note: pipeline checkpoints]
+A checkpoint is written by every rank of the job, each its owned ranges of
+its stage's parameters by full name (worker/tp_checkpoint.py [Note:
+tensor-parallel checkpoints]), but the manifest is rank 0's, and rank 0 holds
+the first stage. The stages therefore exchange their inventories once (names,
+full shapes, param groups; JSON over the pp group) and each rank's view of the
+state lists them all: the manifest names every parameter, the ranges of all
+the files cover them once, and a loader at any layout reads the files that
+overlap what it owns, so a checkpoint saved at pp=2 x dp=2 loads at dp=4,
+at pp=2 x tp=2, or at pp=2 again. What rank 0 writes alone (frozen
+parameters, persistent buffers) would be its stage's only, so a pipeline
+whose stages hold any is refused, on every rank alike, naming one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
-from collections.abc import Callable
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -37,19 +73,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from coordinator.core.meshplan import MeshCoords, MeshShape
+from coordinator.core.layout import ParamSpec
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
-from worker.mesh import ParallelConfig, build_mesh, check_combination, engine_on_mesh
+from worker.inventory import Inventory, persistent_buffers
+from worker.mesh import MeshEngine, ParallelConfig, build_mesh, check_combination, engine_on_mesh
 from worker.schedule import SchedulerArg
-from worker.tp import TensorParallel, gather_full
+from worker.tp_checkpoint import FullView
 
 __all__ = ["GPTStage", "PipelineEngine", "layer_bounds", "pipeline", "split_gpt"]
 
 logger = logging.getLogger(__name__)
 
 Split = Callable[[nn.Module, int, int], nn.Module]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def layer_bounds(layers: int, stage: int, stages: int) -> tuple[int, int]:
@@ -97,69 +135,266 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-class PipelineEngine:
-    """This rank's pipeline stage under ZeRO over dp ([Note: pipeline gradients into ZeRO])."""
+class PipelineEngine(MeshEngine):
+    """This rank's pipeline stage under ZeRO over dp ([Note: pipeline gradients into
+    ZeRO]): the surface of every engine (worker/surface.py), trained through
+    :meth:`train_batch`, since a stage's forward and backward run only inside the
+    schedule. :meth:`mean_loss` and :meth:`train_batch`'s result are the step's loss
+    over the global batch on every rank, not only the last stage's."""
 
     def __init__(
         self,
-        engine: ZeroEngine,
-        schedule,
+        module: nn.Module,
+        optimizer: OptimizerArg,
         *,
-        shape: MeshShape,
-        coords: MeshCoords,
-        tp: TensorParallel | None = None,
-        tp_comm: Collectives | None = None,
+        parallel: ParallelConfig,
+        loss_fn: LossFn,
+        **kwargs: Any,
     ) -> None:
-        self.engine, self.schedule, self.shape, self.coords = engine, schedule, shape, coords
-        self.tp, self.tp_comm = tp, tp_comm
-        self._trainable = [p for p in dict.fromkeys(engine.module.parameters()) if p.requires_grad]
+        super().__init__(module, optimizer, **kwargs)
+        self.loss_fn = loss_fn
+        self._trainable = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
+        self.pp_comm = Collectives(self.mesh["pp"].get_group())
+        # this rank's share of the coming step's global batch, as set_micro_batches says
+        self._share: tuple[int, int] | None = None
+        self._counts: list[int] = []
+        # the step the schedule runs now: each micro-batch's real rows, loss scale
+        # and (as the last stage computes them) loss
+        self._real: list[int] = []
+        self._scales: list[float] = []
+        self._losses: dict[int, torch.Tensor] = {}
+        self._targets, self._width = torch.zeros(1), 1
+        # every stage's parameters, for checkpoints ([Note: pipeline checkpoints])
+        self._whole: tuple[tuple[ParamSpec, ...], dict[str, str], list[str]] | None = None
+        stage = PipelineStage(
+            module, self.coords.pp, self.shape.pp, self.device, group=self.mesh["pp"].get_group()
+        )
+        schedule_cls = ScheduleGPipe if parallel.pipeline_schedule == "gpipe" else Schedule1F1B
+        self.microbatches = parallel.microbatches
+        self.schedule = schedule_cls(stage, parallel.microbatches, loss_fn=self._weighted_loss)
 
     @property
     def is_last(self) -> bool:
         return self.coords.pp == self.shape.pp - 1
 
-    @property
-    def global_steps(self) -> int:
-        return self.engine.global_steps
+    def _refuse(self, what: str) -> NoReturn:
+        raise RuntimeError(
+            f"engine.{what} on a pipeline stage: a stage's forward and backward run only "
+            "inside the pipeline schedule; train with engine.train_batch(batches), which "
+            "works under every layout"
+        )
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """One optimizer step on this dp rank's batch (split into the micro-batches);
-        every rank of the pipeline passes the same batch. Returns the batch's mean
-        loss on the last stage, None elsewhere."""
-        losses: list[torch.Tensor] = []
-        coords = self.coords
-        if coords.pp == 0:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse("forward(...)")
+
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
+        self._refuse("backward(...)")
+
+    def step(self, *, samples: int = 0, tokens: int = 0) -> bool:
+        self._refuse("step()")
+
+    def set_micro_batches(self, counts: Sequence[int], global_batch: int) -> None:
+        """The coming step's share of the global batch on this dp rank (an attached
+        loader's micro-batches): the schedule runs them as one batch cut into
+        ``ParallelConfig.microbatches``, weighted by their share of the global batch
+        (worker/data/sampler.py [Note: uneven shares])."""
+        if not counts or any(c < 0 for c in counts) or global_batch < max(1, sum(counts)):
+            raise ValueError(
+                f"set_micro_batches needs sample counts >= 0 within global_batch, got "
+                f"{list(counts)!r} of {global_batch!r}"
+            )
+        self._share, self._counts = (sum(counts), global_batch), list(counts)
+
+    def _weighted_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro-batch: the padding rows left out, the real
+        ones weighed by their share of the global batch ([Note: pipeline micro-batches
+        of equal shape])."""
+        j = self._micro_index(target)
+        real, scale = self._real[j], self._scales[j]
+        if real == 0:
+            self._losses[j] = torch.zeros((), device=output.device)
+            return output.sum() * 0.0
+        loss = self.loss_fn(output[:real], target[:real])
+        self._losses[j] = loss.detach().float()
+        return loss * scale
+
+    def _micro_index(self, target: torch.Tensor) -> int:
+        """Which of this step's micro-batches ``target`` is: a view of the targets the
+        schedule split (by its offset), or a copy of one (by its values; torch's
+        first step also calls the loss on a copy of the first, to infer shapes)."""
+        whole, rows = self._targets, self._width
+        row = whole[0].numel()
+        if target.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
+            return (target.storage_offset() - whole.storage_offset()) // (row * rows)
+        chunks = [whole[j * rows : (j + 1) * rows] for j in range(self.microbatches)]
+        same = [j for j, c in enumerate(chunks) if torch.equal(c.to(target.device), target)]
+        if not same:
+            raise RuntimeError("the pipeline's loss got targets that are none of the step's")
+        return next((j for j in same if j not in self._losses), same[0])
+
+    def _cut(self, batches: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """This rank's samples as the schedule's input and targets, padded to
+        ``microbatches`` equal micro-batches, and the rank's weight in the step."""
+        share, self._share = self._share, None
+        m = self.microbatches
+        if share is not None and len(self._counts) == len(batches):
+            # padding micro-batches stay out; an empty share runs one at weight 0
+            kept = [b for b, c in zip(batches, self._counts, strict=True) if c] or [batches[0]]
+            real, global_batch = share
+            # the largest share of any dp rank sets the shape, the same on every rank
+            width = math.ceil(math.ceil(global_batch / self.world_size) / m)
+            weight = self.world_size * real / global_batch
+        else:
+            kept, real, weight = list(batches), -1, 1.0
+        inputs = torch.cat([torch.as_tensor(b[0]) for b in kept])
+        targets = torch.cat([torch.as_tensor(b[1]) for b in kept])
+        rows = inputs.shape[0]
+        if real < 0:
+            real, width = rows, math.ceil(rows / m)
+        real = min(real, rows)
+        if width * m > rows:  # pad with copies of the first row, which count 0
+            pad = width * m - rows
+            inputs = torch.cat([inputs, inputs[:1].expand(pad, *inputs.shape[1:])])
+            targets = torch.cat([targets, targets[:1].expand(pad, *targets.shape[1:])])
+        self._real = [max(0, min(width, real - j * width)) for j in range(m)]
+        self._targets, self._width = targets, width
+        # sum_j scale_j * mean_j, divided by m in the schedule, then summed over dp and
+        # divided by N: the mean over the global batch
+        self._scales = [n * m * weight / real if real else 0.0 for n in self._real]
+        self._losses = {}
+        return inputs, targets, weight
+
+    def train_batch(self, batches: Sequence[Any], loss_fn: LossFn | None = None) -> float | None:
+        """One optimizer step on this dp rank's micro-batches ``batches`` (a list of
+        ``(inputs, targets)``, as ``loader.current()`` returns them: they are joined
+        and cut into ``ParallelConfig.microbatches`` for the schedule); every rank of
+        the pipeline passes the same. Returns the step's mean loss over the global
+        batch, on every rank. ``loss_fn``: the one the engine was built with."""
+        if loss_fn is not None and loss_fn is not self.loss_fn:
+            raise ValueError("a pipeline's loss_fn is fixed when it is built: pass it there")
+        inputs, targets, weight = self._cut(batches)
+        if self.coords.pp == 0:
             self.schedule.step(inputs)
         elif self.is_last:
-            self.schedule.step(target=targets, losses=losses)
+            self.schedule.step(target=targets)
         else:
             self.schedule.step()
         # [Note: pipeline gradients into ZeRO]
         zero = torch.stack([p.reshape(-1)[0] for p in self._trainable]).sum() * 0.0
-        self.engine.backward(zero)
-        self.engine.step()
-        if not self.is_last:
-            return None
-        return float(torch.stack([loss.detach() for loss in losses]).mean())
+        ZeroEngine.backward(self, zero)
+        if self.is_last:
+            # the rank's mean loss replaces the zero's in the loss the step sums
+            real = sum(self._real)
+            rank_loss = sum(n * self._losses[j] for j, n in enumerate(self._real))
+            self.stats.replace_window_loss(rank_loss / max(real, 1), weight)
+        else:
+            self.stats.replace_window_loss(None, 0.0)
+        ZeroEngine.step(self, samples=sum(self._real) if self.coords.pp == 0 else 0)
+        # the loss summed over dp lives on the last stage: every stage gets it
+        pair = self.stats.global_loss
+        if pair is not None and self.shape.pp > 1:
+            self.pp_comm.broadcast(pair, src=self.shape.pp - 1)
+        return self.mean_loss()
 
-    def memory_report(self) -> dict[str, int]:
-        return self.engine.memory_report()
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """One optimizer step on this dp rank's batch ``(inputs, targets)``; returns
+        the step's mean loss. Kept for scripts written before :meth:`train_batch`."""
+        return self.train_batch([(inputs, targets)])
 
-    def comm_report(self) -> dict[str, dict[str, int]]:
-        return self.engine.comm_report()
+    def _checkpoint_view(self) -> FullView:
+        """This stage's state, addressed by full parameter, as a state of the whole
+        model: the inventory every stage holds, so that the manifest rank 0 writes
+        lists them all and a checkpoint loads at any pp, tp, dp and stage
+        ([Note: pipeline checkpoints])."""
+        view = super()._checkpoint_view()
+        if self.shape.pp == 1:
+            return view
+        if self._whole is None:  # once: the stages' inventories never change
+            inv = view.inventory
+            unsharded = [n for n, p in inv.params.items() if p not in view.bucket_of]
+            unsharded += list(persistent_buffers(self.module))
+            mine = {
+                "specs": [dataclasses.asdict(spec) for spec in inv.specs],
+                "aliases": inv.aliases,
+                "unsharded": unsharded,
+            }
+            stages = [
+                self._share_json(mine if k == self.coords.pp else None, k)
+                for k in range(self.shape.pp)
+            ]
+            held = [n for stage in stages for n in stage["unsharded"]]
+            specs = tuple(
+                ParamSpec(**{**d, "shape": tuple(d["shape"])})
+                for stage in stages
+                for d in stage["specs"]
+            )
+            aliases = {a: n for stage in stages for a, n in stage["aliases"].items()}
+            self._whole = (specs, aliases, held)
+        specs, aliases, held = self._whole
+        if held:
+            # rank 0 alone writes what is not sharded, and it holds one stage's
+            raise RuntimeError(
+                "checkpoints of a pipeline whose stages hold frozen parameters or persistent "
+                f"buffers are not supported yet ({held[0]!r})"
+            )
+        view.inventory = Inventory(specs, view.inventory.params, aliases, {})
+        return view
+
+    def _full_export(self) -> NoReturn:
+        raise RuntimeError(
+            "save_pretrained of a pipeline job is not implemented yet: "
+            "engine.full_state_dict() gathers every parameter on every rank, for a script "
+            "to save"
+        )
+
+    def load_weights(self, path: str | os.PathLike) -> None:
+        raise RuntimeError(
+            "load_weights of a pipeline job is not implemented yet: load the weights into "
+            "the model before worker.initialize, or train from a checkpoint"
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's full parameters by the model's names (fp32, gathered over dp
         and tp); a collective over the dp and tp groups."""
-        local = self.engine.full_state_dict()
-        if self.tp is None or self.tp_comm is None:
-            return local
-        return gather_full(local, self.tp.slices, self.tp_comm)
+        return super().full_state_dict()
 
-    def close(self) -> None:
-        if self.tp is not None:
-            self.tp.deactivate()
-        self.engine.close()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every full parameter of the whole model by name, fp32, on every rank: each
+        stage's gathered over dp and tp, then sent to the other stages (one header of
+        names and shapes and one flat tensor per stage); a collective over the mesh."""
+        mine = self.state_dict()
+        if self.shape.pp == 1:
+            return mine
+        whole: dict[str, torch.Tensor] = {}
+        for stage in range(self.shape.pp):
+            sending = stage == self.coords.pp
+            sent = self._share_json(
+                [[n, list(t.shape)] for n, t in mine.items()] if sending else None, stage
+            )
+            shapes = {n: tuple(shape) for n, shape in sent}
+            flat = torch.empty(sum(math.prod(s) for s in shapes.values()), device=self.device)
+            if sending:
+                torch.cat([mine[n].reshape(-1).to(flat) for n in shapes], out=flat)
+            self.pp_comm.broadcast(flat, src=stage)
+            for (name, shape), piece in zip(
+                shapes.items(), flat.split([math.prod(s) for s in shapes.values()]), strict=True
+            ):
+                whole[name] = piece.view(shape)
+        return whole
+
+    def _share_json(self, value: Any, src: int) -> Any:
+        """``value`` (plain JSON data) of stage ``src``, on every stage: one length
+        and one byte tensor over the pp group (no pickle between ranks)."""
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if value is not None:
+            raw = json.dumps(value).encode()
+            size[0] = len(raw)
+        self.pp_comm.broadcast(size, src=src)
+        data = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
+        if value is not None:
+            data.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        self.pp_comm.broadcast(data, src=src)
+        return json.loads(bytes(data.cpu().tolist()))
 
 
 def pipeline(
@@ -169,7 +404,7 @@ def pipeline(
     config: ZeroConfig,
     parallel: ParallelConfig,
     split: Split = split_gpt,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
+    loss_fn: LossFn = lm_loss,
     plan: dict | Callable[[nn.Module], dict] | None = None,
     lr_scheduler: SchedulerArg | None = None,
 ) -> PipelineEngine:
@@ -181,8 +416,7 @@ def pipeline(
     check_combination(config, parallel)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     shape = parallel.shape(world)
-    device = module_device(model)
-    mesh = build_mesh(shape, device.type)
+    mesh = build_mesh(shape, module_device(model).type)
     coords = shape.coords(dist.get_rank())
     stage_module = split(model, coords.pp, shape.pp)
     kept = set(stage_module.parameters())
@@ -192,16 +426,13 @@ def pipeline(
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if p in kept]
     # the stage module keeps the model's names, so the model's plan applies to it
-    engine, tp = engine_on_mesh(
-        stage_module, optimizer, model, config, mesh, shape, coords, plan, lr_scheduler
-    )
-    stage = PipelineStage(stage_module, coords.pp, shape.pp, device, group=mesh["pp"].get_group())
-    schedule_cls = ScheduleGPipe if parallel.pipeline_schedule == "gpipe" else Schedule1F1B
-    schedule = schedule_cls(stage, parallel.microbatches, loss_fn=loss_fn)
+    engine = engine_on_mesh(
+        PipelineEngine, stage_module, optimizer, model, config, mesh, shape, coords, plan,
+        lr_scheduler, parallel=parallel, loss_fn=loss_fn,
+    )  # fmt: skip
     logger.info(
         "pipeline stage %d of %d (dp rank %d of %d), schedule %s, %d micro-batches",
         coords.pp, shape.pp, coords.dp, shape.dp, parallel.pipeline_schedule,
         parallel.microbatches,
     )  # fmt: skip
-    tp_comm = Collectives(mesh["tp"].get_group()) if tp is not None else None
-    return PipelineEngine(engine, schedule, shape=shape, coords=coords, tp=tp, tp_comm=tp_comm)
+    return engine

@@ -86,6 +86,11 @@ class StepStats:
         self.loss = loss.detach()
         self._window_losses.append((self.loss.float().mean(), weight))
 
+    def replace_window_loss(self, loss: torch.Tensor | None, weight: float) -> None:
+        """The window's loss is ``loss`` at ``weight`` alone, or none (a pipeline:
+        the schedule computed the losses, on its last stage only)."""
+        self._window_losses = [] if loss is None else [(loss.detach().float(), weight)]
+
     def close_window_loss(self, device: torch.device) -> torch.Tensor:
         """This window's weighted loss and weight, ``[Σ w·loss, Σ w]`` in float64 to sum
         over ranks (``[0, 0]`` for a window without a loss); the rank's own mean in

@@ -27,21 +27,18 @@ the whole mesh writes.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from coordinator.core.ranges import Range, RangeIndex
-from worker import checkpoint
 from worker.collectives import Collectives
 from worker.inventory import Inventory
 from worker.state import Entries, MissingRange, ShardState
 from worker.tp import TPSlice, gather_full
 
-__all__ = ["FullExport", "FullView", "load_checkpoint", "save_checkpoint"]
+__all__ = ["FullExport", "FullView"]
 
 
 class FullView:
@@ -198,15 +195,3 @@ def _per_element(v: Any, numel: int) -> torch.Tensor | None:
     if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == numel:
         return v
     return None
-
-
-def save_checkpoint(
-    view: FullView, path: str | os.PathLike, client_state: dict | None = None
-) -> Path:
-    """A checkpoint of the whole tensor-parallel job; a collective over every rank."""
-    return checkpoint.save_checkpoint(view, path, client_state)  # type: ignore[arg-type]
-
-
-def load_checkpoint(view: FullView, path: str | os.PathLike) -> dict:
-    """Load any checkpoint of this model (any tp, dp, stage); a collective."""
-    return checkpoint.load_checkpoint(view, path)  # type: ignore[arg-type]
