@@ -311,9 +311,8 @@ def test_resize_by_whole_groups_only() -> None:
     ("config", "parallel", "match"),
     [
         ({"stage": 2}, {"pipeline_parallel": 2}, "stage 0 or 1"),
-        ({"dtype": "fp16"}, {"tensor_parallel": 2}, "fp16"),
         ({"gradient_accumulation_steps": 2}, {"pipeline_parallel": 2}, "microbatches"),
-        ({"stage": 1, "offload_optimizer": "cpu"}, {"tensor_parallel": 2}, "offload"),
+        ({"stage": 1, "offload_optimizer": "cpu"}, {"pipeline_parallel": 2}, "offload"),
     ],
 )
 def test_refused_combinations_say_why(config, parallel, match) -> None:

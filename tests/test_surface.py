@@ -219,3 +219,51 @@ def test_the_mesh_template_runs_under_zeroplane_run(tmp_path) -> None:
     got = torch.load(out, weights_only=True)
     worst = max((got[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
     assert worst < 1e-5, f"differs from the one-process reference by {worst:.3g}"
+
+
+def precision_curve(tp: int, pp: int, dtype: str, offload: bool) -> list[float]:
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, microbatches=2)
+    model = _gpt()
+    config = worker.ZeroConfig(stage=1, dtype=dtype, offload_optimizer="cpu" if offload else "none")
+    engine = worker.initialize(
+        model, _opt(model), config=config, parallel=parallel, loss_fn=lm_loss
+    )
+    loader = StepLoader(_data(), LoaderConfig(global_batch=8, num_workers=0, prefetch=0))
+    loader.attach(engine)
+    losses = [engine.train_batch(loader.current()) for _ in range(CURVE)]
+    engine.close()
+    return losses
+
+
+CURVE = 12
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "dtype", "offload"),
+    [(2, 1, "bf16", False), (2, 1, "fp16", True), (1, 2, "bf16", False), (1, 2, "fp16", False)],
+)
+def test_mixed_precision_and_offload_on_a_mesh(pools, tp, pp, dtype, offload) -> None:
+    """bf16 and fp16 (loss scaling: the overflow check spans the mesh, the pipeline's
+    loss is scaled as the engine's) with tp and pp, and the optimizer offloaded with
+    tp: the loss curve of the fp32 one-process reference within 2%."""
+    want = fp32_curve(8)
+    for got in pools(4).run(precision_curve, tp, pp, dtype, offload):
+        assert len(got) == CURVE and all(g is not None for g in got)
+        late = sum(got[-4:]) / 4
+        assert late == pytest.approx(sum(want[-4:]) / 4, rel=0.02), (got, want)
+
+
+@functools.cache
+def fp32_curve(global_batch: int) -> list[float]:
+    model, data = _gpt(), _data()
+    opt = _opt(model)
+    loader = StepLoader(data, LoaderConfig(global_batch=global_batch, num_workers=0, prefetch=0))
+    losses = []
+    for step in range(CURVE):
+        ((x, y),) = loader.batches(step, 0, 1)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses

@@ -128,19 +128,13 @@ def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
             "with pipeline_parallel > 1 the pipeline's micro-batches are the accumulation: "
             "set ParallelConfig.microbatches, and gradient_accumulation_steps=1"
         )
-    if tp * pp > 1 and config.dtype == "fp16":
-        raise ValueError(
-            "fp16 loss scaling with tensor/pipeline parallelism is not supported yet (not "
-            "tested; its overflow check would rest on the mesh-wide norm): use dtype='bf16' "
-            "or 'fp32'"
-        )
     if tp * pp > 1 and config.activation_checkpointing != "none":
         raise ValueError(
             "activation_checkpointing with tensor/pipeline parallelism is not supported yet"
         )
-    if tp * pp > 1 and "cpu" in (config.offload_optimizer, config.offload_params):
+    if pp > 1 and "cpu" in (config.offload_optimizer, config.offload_params):
         raise ValueError(
-            "CPU offload with tensor/pipeline parallelism is not supported yet (untested): "
+            "CPU offload with pipeline parallelism is not supported yet (untested): "
             "set offload_optimizer and offload_params to 'none'"
         )
 

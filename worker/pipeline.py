@@ -216,7 +216,8 @@ class PipelineEngine(MeshEngine):
             return output.sum() * 0.0
         loss = self.loss_fn(output[:real], target[:real])
         self._losses[j] = loss.detach().float()
-        return loss * scale
+        # fp16: scaled as ZeroEngine.backward scales a loss (the step divides by it)
+        return loss * (scale * self.state.scaler.scale)
 
     def _micro_index(self, target: torch.Tensor) -> int:
         """Which of this step's micro-batches ``target`` is: a view of the targets the
