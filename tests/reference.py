@@ -127,3 +127,40 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[fl
     assert a.keys() == b.keys(), f"parameter names differ: {sorted(a.keys() ^ b.keys())}"
     worst = max(a, key=lambda k: (a[k].float() - b[k].float()).abs().max().item())
     return (a[worst].float() - b[worst].float()).abs().max().item(), worst
+
+
+def tiny_llama(*, vocab: int, seq: int, intermediate: int = 32, tie: bool = False) -> nn.Module:
+    """A two-layer Llama-style causal LM with grouped-query attention (4 heads, 2 kv),
+    built from a config: no download."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq,
+        tie_word_embeddings=tie,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def tiny_gpt2(*, vocab: int, seq: int, heads: int = 2) -> nn.Module:
+    """A two-layer GPT-2 (HF ``Conv1D`` layers, tied head), dropout off."""
+    import transformers
+
+    cfg = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_positions=seq,
+        n_embd=16,
+        n_layer=2,
+        n_head=heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import worker
+from tests.reference import tiny_gpt2, tiny_llama
 from worker.pretrained import WeightFiles, WeightsError
 
 transformers = pytest.importorskip("transformers")
@@ -19,31 +20,12 @@ STEPS, GLOBAL_BATCH, SEQ, VOCAB = 4, 4, 8, 61
 
 
 def _llama(tie: bool) -> transformers.PreTrainedModel:
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=tie,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_llama(vocab=VOCAB, seq=SEQ, intermediate=40, tie=tie)
 
 
 def _gpt2() -> transformers.PreTrainedModel:
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+    # bos/eos 0: within the vocabulary of 61 (generation config only)
+    return tiny_gpt2(vocab=VOCAB, seq=SEQ)
 
 
 MODELS = {"llama": lambda: _llama(tie=False), "llama-tied": lambda: _llama(tie=True), "gpt2": _gpt2}

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import worker
+from tests.reference import tiny_gpt2, tiny_llama
 from worker.mesh import MeshEngine, ParallelConfig, parallelize
 from worker.pretrained import WeightFiles
 
@@ -30,37 +31,10 @@ STEPS, GLOBAL_BATCH, SEQ, VOCAB = 3, 4, 8, 64
 TP = 2
 
 
-def _llama() -> transformers.PreTrainedModel:
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def _gpt2() -> transformers.PreTrainedModel:
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=16,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-MODELS = {"llama": _llama, "gpt2": _gpt2}
+MODELS = {
+    "llama": lambda: tiny_llama(vocab=VOCAB, seq=SEQ),
+    "gpt2": lambda: tiny_gpt2(vocab=VOCAB, seq=SEQ, heads=4),
+}
 
 
 def _batch(step: int) -> torch.Tensor:

@@ -62,13 +62,16 @@ def _opt(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 @functools.cache
-def reference(global_batch: int) -> tuple[dict[str, torch.Tensor], tuple[float, ...]]:
-    """One process, the loader's global batch of each step as one batch."""
+def reference(
+    global_batch: int, steps: int = STEPS
+) -> tuple[dict[str, torch.Tensor], tuple[float, ...]]:
+    """One process, fp32, the loader's global batch of each step as one batch: the
+    final parameters and each step's loss."""
     model, data = _gpt(), _data()
     opt = _opt(model)
     loader = StepLoader(data, LoaderConfig(global_batch=global_batch, num_workers=0, prefetch=0))
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         ((x, y),) = loader.batches(step, 0, 1)
         loss = lm_loss(model(x), y)
         loss.backward()
@@ -246,24 +249,8 @@ def test_mixed_precision_and_offload_on_a_mesh(pools, tp, pp, dtype, offload) ->
     """bf16 and fp16 (loss scaling: the overflow check spans the mesh, the pipeline's
     loss is scaled as the engine's) with tp and pp, and the optimizer offloaded with
     tp: the loss curve of the fp32 one-process reference within 2%."""
-    want = fp32_curve(8)
+    _, want = reference(8, CURVE)
     for got in pools(4).run(precision_curve, tp, pp, dtype, offload):
         assert len(got) == CURVE and all(g is not None for g in got)
         late = sum(got[-4:]) / 4
         assert late == pytest.approx(sum(want[-4:]) / 4, rel=0.02), (got, want)
-
-
-@functools.cache
-def fp32_curve(global_batch: int) -> list[float]:
-    model, data = _gpt(), _data()
-    opt = _opt(model)
-    loader = StepLoader(data, LoaderConfig(global_batch=global_batch, num_workers=0, prefetch=0))
-    losses = []
-    for step in range(CURVE):
-        ((x, y),) = loader.batches(step, 0, 1)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
