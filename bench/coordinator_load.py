@@ -22,6 +22,17 @@ registration to the last stream receiving generation 1. Also the time from
 one worker leaving to the 255 others receiving generation 2 with its reshard
 schedule (a 110M-parameter GPT-like inventory, so the schedule is not trivial).
 
+With ``--scale`` it also simulates a 100,000-rank job (12,500 hosts x 8 ranks,
+a 124M-parameter GPT-like inventory), in process, for the coordinator's CPU
+time (``time.process_time`` deltas around the servicer's own code, no gRPC):
+one host heartbeat per host (coordinator/control/membership.py [Note: host
+heartbeats]) and the same ranks' per-rank heartbeats; forming the first
+generation and re-forming after one host is lost (propose, build, commit, the
+state file, the shared wire form); and the per-worker incremental message
+against the whole one. Then a real gRPC run at a rate this machine can drive:
+``--stream-hosts`` host agents on HostHeartbeats streams against a coordinator
+process, its CPU per host beat and the beats' latency.
+
 The load generator shares the machine's cores with the coordinator, so on a
 small machine it can be the bottleneck: the coordinator's CPU column says
 which side was saturated.
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import os
 import subprocess
@@ -326,6 +338,193 @@ async def formation(n: int = 256) -> tuple[float, float, int]:
         coord.stop()
 
 
+def scale(hosts: int, ranks: int, state_dir: Path) -> dict[str, float]:
+    """The coordinator's CPU for a job of ``hosts`` x ``ranks``, in process."""
+    from coordinator.control.membership import Membership
+    from coordinator.control.server import _build_steps, _Servicer
+    from coordinator.control.statefile import StateStore
+    from coordinator.core.messages import WorkerInfo, inventory_wire_steps, param_from_proto
+    from coordinator.core.planner import PlanConfig
+    from coordinator.core.settings import CoordinatorConfig, MembershipConfig, ServerConfig
+    from coordinator.core.steps import finish
+
+    cpu = time.process_time
+    out: dict[str, float] = {}
+    inventory = tuple(param_from_proto(p) for p in gpt_inventory())
+    n = hosts * ranks
+    cfg = CoordinatorConfig(
+        server=ServerConfig(host="127.0.0.1", port=0, state_file=state_dir / "state.json"),
+        membership=MembershipConfig(
+            min_workers=1, max_workers=n, join_window_s=3600, lease_timeout_s=30
+        ),
+        plan=PlanConfig(stage=2),
+    )
+    m = Membership(cfg.membership, cfg.plan)
+    servicer = _Servicer(cfg, m)
+    store = StateStore(cfg.server.state_file)
+    host_ids = [f"host-{h:05d}" for h in range(hosts)]
+    for host in host_ids:
+        for r in range(ranks):
+            info = WorkerInfo(
+                worker_id=f"{host}-{r}", host=host, device_kind="cuda",
+                device_memory_bytes=80 * 10**9, free_ports=(29500, 29600), incarnation="bench",
+            )  # fmt: skip
+            m.register(info, inventory)
+
+    def form() -> tuple[float, object]:
+        t0 = cpu()
+        proposal = m.propose()
+        generation, published = finish(_build_steps(proposal))
+        assert m.commit(proposal, generation)
+        snapshot = m.snapshot()
+        if not snapshot.inventory_wire:
+            wire = finish(inventory_wire_steps(snapshot.inventory))
+            snapshot = dataclasses.replace(snapshot, inventory_wire=wire)
+        t1 = cpu()
+        asyncio.run(store.save(snapshot))
+        out["save_cpu_s"] = cpu() - t1
+        return t1 - t0, published
+
+    out["form_cpu_s"], first = form()
+    out["form_save_s"] = out["save_cpu_s"]
+    out["head_bytes"] = len(first._head)
+
+    # heartbeats: one per host (8 ranks each), then one per rank, through the servicer
+    gen = m.generation_id
+    report = heartbeat_request("x", gen).report
+    host_requests = [
+        pb.HostHeartbeatRequest(
+            host_id=host,
+            ranks=[
+                pb.RankBeat(worker_id=f"{host}-{r}", generation_id=gen, report=report)
+                for r in range(ranks)
+            ],
+        ).SerializeToString()
+        for host in host_ids
+    ]
+    parse = pb.HostHeartbeatRequest.FromString
+    t0 = cpu()
+    for data in host_requests:
+        servicer._host_beat(parse(data), "10.0.0.1").SerializeToString()
+    out["host_beat_us"] = (cpu() - t0) / hosts * 1e6
+    rank_requests = [
+        heartbeat_request(f"{host}-{r}", gen).SerializeToString()
+        for host in host_ids[: max(1, hosts // 4)]
+        for r in range(ranks)
+    ]
+
+    class _Context:
+        def peer(self) -> str:
+            return "ipv4:10.0.0.1:40000"
+
+    context, parse_one = _Context(), pb.HeartbeatRequest.FromString
+    t0 = cpu()
+    for data in rank_requests:
+        coro = servicer.heartbeat(parse_one(data), context)
+        try:
+            coro.send(None)
+        except StopIteration as stop:
+            stop.value.SerializeToString()
+    out["rank_beat_us"] = (cpu() - t0) / len(rank_requests) * 1e6
+
+    # one host lost: its ranks leave together, the next generation forms at once
+    for r in range(ranks):
+        m.process_exited(f"{host_ids[hosts // 2]}-{r}", "was lost with its host")
+    out["reform_cpu_s"], published = form()
+    sample = [mm.worker_id for mm in published.generation.members[:: max(1, n // 1000)]]
+    t0 = cpu()
+    sizes = [len(published.incremental(w, published.id - 1)) for w in sample]
+    out["piece_us"] = (cpu() - t0) / len(sample) * 1e6
+    out["piece_bytes"] = sum(sizes) / len(sizes)
+    t0 = cpu()
+    whole = asyncio.run(published.whole())
+    out["whole_cpu_s"], out["whole_bytes"] = cpu() - t0, len(whole)
+    out["moves"] = len(published.generation.reshard.moves)
+    return out
+
+
+async def stream_load(hosts: int, ranks: int, seconds: float, interval: float) -> Phase:
+    """``hosts`` agents on HostHeartbeats streams, one beat per ``interval``, against a
+    coordinator process: its CPU per host beat and the beats' latency."""
+    n = hosts * ranks
+    coord = Coordinator(
+        "--min-workers", "1", "--max-workers", str(n), "--join-window", "3600",
+        "--lease-timeout", "60", "--heartbeat-interval", str(interval),
+        "--stage", "1",
+    )  # fmt: skip
+    try:
+        chans = channels(coord.address)
+        stubs = [pb_grpc.CoordinatorStub(c) for c in chans]
+        ids = [f"host-{h:05d}-{r}" for h in range(hosts) for r in range(ranks)]
+        await register_all(stubs, ids, small_inventory())
+        latencies: list[float] = []
+        errors = 0
+        report = heartbeat_request("x", 1).report
+
+        async def agent(h: int) -> None:
+            nonlocal errors
+            host = f"host-{h:05d}"
+            call = stubs[h % len(stubs)].HostHeartbeats(metadata=AUTH)
+            request = pb.HostHeartbeatRequest(
+                host_id=host,
+                ranks=[
+                    pb.RankBeat(worker_id=f"{host}-{r}", generation_id=1, report=report)
+                    for r in range(ranks)
+                ],
+            )
+            start = time.perf_counter() + interval * h / hosts  # spread over the interval
+            k = 0
+            while (due := start + k * interval) < stop_at:
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                await call.write(request)
+                reply = await call.read()
+                latencies.append(time.perf_counter() - due)
+                errors += sum(r.outcome != pb.RankBeatResult.OK for r in reply.ranks)
+                k += 1
+            await call.done_writing()
+
+        cpu0, t0 = coord.cpu_seconds(), time.perf_counter()
+        stop_at = t0 + seconds
+        await asyncio.gather(*(agent(h) for h in range(hosts)))
+        wall = time.perf_counter() - t0
+        phase = Phase(f"host streams {interval:g}s", len(latencies), wall, latencies, errors,
+                      (coord.cpu_seconds() - cpu0) / wall)  # fmt: skip
+        for c in chans:
+            await c.close()
+        return phase
+    finally:
+        coord.stop()
+
+
+def report_scale(args: argparse.Namespace) -> None:
+    import tempfile
+
+    hosts, ranks = args.scale_hosts, args.ranks_per_host
+    with tempfile.TemporaryDirectory() as tmp:
+        f = scale(hosts, ranks, Path(tmp))
+    n = hosts * ranks
+    print()
+    print(f"{n:,} ranks on {hosts:,} hosts, in process (coordinator CPU, no gRPC):")
+    print(f"  host heartbeat ({ranks} ranks):   {f['host_beat_us']:8.0f} us/host beat, "
+          f"{f['host_beat_us'] / ranks:.1f} us/rank")  # fmt: skip
+    print(f"  per-rank heartbeat:           {f['rank_beat_us']:8.1f} us (servicer code only)")
+    print(f"  form generation 1:            {f['form_cpu_s']:8.2f} s CPU "
+          f"+ {f['form_save_s']:.2f} s state file "
+          f"(shared head {f['head_bytes'] / 1e6:.1f} MB)")  # fmt: skip
+    print(f"  re-form after a host loss:    {f['reform_cpu_s']:8.2f} s CPU "
+          f"+ {f['save_cpu_s']:.2f} s state file "
+          f"({f['moves']:,.0f} moves in the whole schedule)")  # fmt: skip
+    print(f"  per-worker message:           {f['piece_us']:8.0f} us CPU, "
+          f"{f['piece_bytes'] / 1e3:.1f} kB (members delta + own moves)")  # fmt: skip
+    print(f"  whole message (old clients):  {f['whole_cpu_s']:8.2f} s CPU once, "
+          f"{f['whole_bytes'] / 1e6:.1f} MB each")  # fmt: skip
+    phase = asyncio.run(stream_load(args.stream_hosts, ranks, args.seconds, args.stream_interval))
+    print(f"  gRPC, {args.stream_hosts} host streams x {ranks} ranks, one beat per "
+          f"{args.stream_interval:g}s: {phase.rate:.0f} host beats/s, p50 {phase.pct(0.5):.1f} ms, "
+          f"p99 {phase.pct(0.99):.1f} ms, coordinator {phase.cpu_us_per_rpc:.0f} us CPU/host beat "
+          f"({phase.cpu_us_per_rpc / ranks:.0f} us/rank), errors {phase.errors}")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -340,7 +539,16 @@ def main() -> int:
         "so the offered load stays within what one Python load generator can send)",
     )
     parser.add_argument("--form-workers", type=int, default=256)
+    parser.add_argument("--scale", action="store_true", help="the 100k-rank simulation too")
+    parser.add_argument("--scale-only", action="store_true", help="only the 100k-rank simulation")
+    parser.add_argument("--scale-hosts", type=int, default=12500)
+    parser.add_argument("--ranks-per-host", type=int, default=8)
+    parser.add_argument("--stream-hosts", type=int, default=500, help="hosts in the gRPC run")
+    parser.add_argument("--stream-interval", type=float, default=1.0)
     args = parser.parse_args()
+    if args.scale_only:
+        report_scale(args)
+        return 0
 
     print(f"coordinator load, {os.cpu_count()} cores shared by coordinator and load generator")
     print("coord CPU: the coordinator process's CPU time over wall time (100% = one core)")
@@ -367,6 +575,8 @@ def main() -> int:
     print(f"form a {n}-worker generation (register + watch, 110M-param inventory): {form_s:.2f} s")
     print(f"re-form after one leave ({n} -> {n - 1}, {moves} reshard moves sent to each): "
           f"{reform_s:.2f} s")  # fmt: skip
+    if args.scale:
+        report_scale(args)
     return 0
 
 

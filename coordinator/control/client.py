@@ -49,7 +49,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,11 +63,14 @@ from coordinator.core.layout import ParamSpec
 from coordinator.core.messages import (
     GENERATION_METADATA_KEY,
     Generation,
+    MissingPrevious,
+    RankBeat,
     StatusReport,
     WorkerInfo,
     WorkerReport,
     generation_from_proto,
     param_to_proto,
+    rank_beat_to_proto,
     report_to_proto,
     status_from_proto,
     worker_to_proto,
@@ -89,6 +92,7 @@ __all__ = [
     "CoordinatorError",
     "CoordinatorTlsError",
     "CoordinatorUnavailableError",
+    "HostBeatReply",
     "LeaseLostError",
     "Registration",
     "RequestRejectedError",
@@ -250,6 +254,29 @@ def _service_config(config: ClientConfig) -> str:
     return json.dumps({"methodConfig": [{"name": retried, "retryPolicy": retry}]})
 
 
+@dataclass(frozen=True)
+class HostBeatReply:
+    """The coordinator's answer to a host heartbeat (coordinator/control/membership.py
+    [Note: host heartbeats])."""
+
+    generation_id: int
+    job_finished: bool
+    # Per rank, in the request's order: (worker id, outcome, lease seconds left, detail);
+    # outcome is "OK", "STALE_GENERATION", "UNKNOWN_WORKER" or "INVALID".
+    ranks: tuple[tuple[str, str, float, str], ...]
+
+    @classmethod
+    def from_proto(cls, msg: pb.HostHeartbeatResponse) -> HostBeatReply:
+        name = pb.RankBeatResult.Outcome.Name
+        return cls(
+            generation_id=msg.generation_id,
+            job_finished=msg.job_finished,
+            ranks=tuple(
+                (r.worker_id, name(r.outcome), r.lease_remaining_s, r.detail) for r in msg.ranks
+            ),
+        )
+
+
 class CoordinatorClient:
     """One worker's connection to the coordinator (see the module docstring)."""
 
@@ -392,6 +419,32 @@ class CoordinatorClient:
         if response.job_finished:
             self.job_finished = True
         return response.lease_remaining_s
+
+    def host_heartbeat(self, host_id: str, beats: Sequence[RankBeat]) -> HostBeatReply:
+        """One heartbeat for every rank of a host, as its agent (coordinator/control/
+        membership.py [Note: host heartbeats]); needs no register() of its own."""
+        request = pb.HostHeartbeatRequest(
+            host_id=host_id, ranks=[rank_beat_to_proto(b) for b in beats]
+        )
+        return HostBeatReply.from_proto(self._unary("HostHeartbeat", request))
+
+    def host_heartbeats(
+        self, host_id: str, beats: Iterable[Sequence[RankBeat]]
+    ) -> Iterator[HostBeatReply]:
+        """Host heartbeats on one stream: a reply per item of ``beats``, as it is sent
+        (an agent's loop feeds ``beats`` at its interval)."""
+        requests = (
+            pb.HostHeartbeatRequest(host_id=host_id, ranks=[rank_beat_to_proto(b) for b in item])
+            for item in beats
+        )
+        call = self._stub.HostHeartbeats(requests, metadata=self._metadata)
+        try:
+            for msg in call:
+                yield HostBeatReply.from_proto(msg)
+        except grpc.RpcError as exc:
+            raise self._translate(exc, "HostHeartbeats") from None
+        finally:
+            call.cancel()
 
     def fetch_generation(self, *, after: int = 0, timeout: float | None = None) -> Generation:
         """The first generation newer than ``after`` (waiting for it up to ``timeout``)."""
@@ -639,8 +692,11 @@ class CoordinatorClient:
     def _watch_loop(self) -> None:
         delay = self.config.backoff_initial_s
         while not self._closed.is_set():
+            # Incremental (coordinator/core/reshard.py [Note: incremental schedule]): the
+            # members as a delta from the generation this client holds, and only its own
+            # moves; it completes them from the generation it holds.
             request = pb.WatchGenerationsRequest(
-                worker_id=self.worker_id, after_generation_id=self._known_id()
+                worker_id=self.worker_id, after_generation_id=self._known_id(), incremental=True
             )
             try:
                 with self._cond:
@@ -649,8 +705,15 @@ class CoordinatorClient:
                     call = self._stub.WatchGenerations(request, metadata=self._metadata)
                     self._watch_call = call
                 for msg in call:
-                    self._accept(generation_from_proto(msg))
+                    if msg.id <= self._known_id():
+                        continue  # fetched meanwhile (a heartbeat's catch-up)
+                    self._accept(generation_from_proto(msg, self.generation))
                     delay = self.config.backoff_initial_s
+            except MissingPrevious as exc:
+                # the generation it follows was forgotten meanwhile: ask again from here
+                logger.debug("generation stream: %s", exc)
+                call.cancel()
+                continue
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     return

@@ -44,6 +44,7 @@ from coordinator.core.messages import (
     Event,
     Generation,
     Member,
+    RankBeat,
     StatusReport,
     WorkerInfo,
     WorkerReport,
@@ -53,7 +54,7 @@ from coordinator.core.messages import (
 )
 from coordinator.core.planner import PlanConfig, StageChoice, choose_stage
 from coordinator.core.ports import free_port
-from coordinator.core.reshard import ReshardSchedule, reshard_steps
+from coordinator.core.reshard import LazyMoves, ReshardSchedule, check_reshardable
 from coordinator.core.settings import MembershipConfig
 from coordinator.core.steps import Steps, finish
 
@@ -168,12 +169,15 @@ def build_steps(p: Proposal) -> Steps[Generation]:
     previous = p.previous
     reshard = None
     if previous is not None:
-        moves = yield from reshard_steps(previous.layout, layout)
+        # the moves are built when asked for, whole or per worker
+        # (coordinator/core/reshard.py [Note: incremental schedule])
+        check_reshardable(previous.layout, layout)
+        yield
         reshard = ReshardSchedule(
             from_generation_id=previous.id,
             from_world_size=previous.world_size,
             from_stage=previous.stage,
-            moves=tuple(moves),
+            moves=LazyMoves(previous.layout, layout),
             lost_ranks=tuple(
                 sorted(
                     m.rank
@@ -293,6 +297,8 @@ class Membership:
         self.trainable_numel = 0
         self.generation: Generation | None = None
         self._workers: dict[str, _Worker] = {}
+        # the ranks each host agent listed in its last heartbeat ([Note: host heartbeats])
+        self._hosts: dict[str, set[str]] = {}
         # Registered workers not in the current generation, in registration order.
         self._joiners: dict[str, None] = {}
         # every worker's last report, kept after it leaves or is lost (the job's summary)
@@ -379,6 +385,46 @@ class Membership:
         if peer:
             worker.peer = peer
         return self.config.lease_timeout_s
+
+    # [Note: host heartbeats]
+    # At 100,000 ranks one heartbeat per rank is 100,000 RPCs a second, beyond
+    # what one Python process serves. A host's agent (its launcher, or its lowest
+    # local rank) sends one heartbeat for all the ranks on it, so the load is
+    # hosts. Each rank in it counts as that rank's own heartbeat (fenced by its
+    # own generation id, its report kept), and the agent lists every rank it
+    # knows alive: a rank it listed last time and leaves out now has died, and
+    # is dropped at once, as when a launcher sees a process exit. So detection
+    # is never slower than with per-rank heartbeats (the next host heartbeat,
+    # within the lease); a silent host loses all its ranks' leases together,
+    # and the next generation forms without all of them at once.
+
+    def host_heartbeat(
+        self, host_id: str, beats: Sequence[RankBeat], peer: str = ""
+    ) -> tuple[list[str], list[tuple[str, float | MembershipError]]]:
+        """Renew the lease of every rank in ``beats`` for the agent of ``host_id``; drop
+        the ranks it reported before and leaves out now ([Note: host heartbeats]).
+        Returns the ranks dropped, and per beat, in order, the rank and its lease's
+        seconds left or the error its own heartbeat would have raised."""
+        seen = {b.worker_id for b in beats}
+        before = self._hosts.get(host_id)
+        dropped = []
+        if before:
+            for wid in sorted(before - seen):
+                if wid in self._workers:
+                    self._drop(wid, "expired", f"its host agent {host_id} no longer reports it")
+                    dropped.append(wid)
+        self._hosts[host_id] = seen
+        out: list[tuple[str, float | MembershipError]] = []
+        for b in beats:
+            try:
+                remaining = self.heartbeat(
+                    b.worker_id, b.generation_id, b.report, b.free_ports, peer, b.leaving
+                )
+            except MembershipError as exc:
+                out.append((b.worker_id, exc))
+            else:
+                out.append((b.worker_id, remaining))
+        return dropped, out
 
     def leave(self, worker_id: str, reason: str = "") -> bool:
         """Drop ``worker_id``; False if it held no lease (leaving twice is fine).

@@ -45,6 +45,7 @@ from coordinator.control.membership import (
     InvalidRequest,
     InventoryMismatch,
     Membership,
+    MembershipError,
     Proposal,
     StaleGeneration,
     UnknownWorker,
@@ -58,27 +59,30 @@ from coordinator.core.layout import ParamSpec
 from coordinator.core.messages import (
     GENERATION_METADATA_KEY,
     Generation,
+    RankBeat,
     StatusReport,
     WorkerInfo,
     WorkerReport,
     check_count,
     check_worker_id,
     generation_steps,
-    generation_to_proto,
     inventory_digest,
     inventory_steps,
     inventory_wire_steps,
+    members_delta,
     metrics_target,
+    moves_to_proto,
     printable,
     report_from_proto,
     serialize_steps,
     status_to_proto,
     worker_from_proto,
 )
+from coordinator.core.reshard import LazyMoves, RankSchedules
 from coordinator.core.settings import (
     CoordinatorConfig,
 )
-from coordinator.core.steps import Steps, finish_async
+from coordinator.core.steps import Steps, finish, finish_async
 
 __all__ = [
     "SERVICE_NAME",
@@ -223,13 +227,16 @@ class _Servicer:
         self._forming = asyncio.Lock()
         self._stopping = False
         self._ticker: asyncio.Task | None = None
-        # The newest generation as watchers get it, (id, serialized), set once it is in the
-        # state file: serialized once, however many watch it.
-        self._published: tuple[int, bytes] | None = None
+        # The newest generation as watchers get it, set once it is in the state file:
+        # its common part serialized once, however many watch it.
+        self._published: _Published | None = None
         if membership.generation is not None:
-            data = generation_to_proto(membership.generation).SerializeToString()
-            self._published = (membership.generation.id, data)
+            self._published = _Published.of(membership.generation, None)
         self._store = StateStore(config.server.state_file)
+        # peer strings of connections -> their IP address (see _peer)
+        self._peers: dict[str, str] = {}
+        # ranks host agents left out since the last reconcile
+        self._dropped = 0
         ms = config.membership
         windows = [ms.lease_timeout_s / 10] + ([ms.join_window_s / 5] if ms.join_window_s else [])
         self._tick_s = max(0.01, min(0.1, *windows))
@@ -240,6 +247,8 @@ class _Servicer:
         behaviours = {
             "Register": self.register,
             "Heartbeat": self.heartbeat,
+            "HostHeartbeat": self.host_heartbeat,
+            "HostHeartbeats": self.host_heartbeats,
             "WatchGenerations": self.watch_generations,
             "Leave": self.leave,
             "Status": self.status,
@@ -254,7 +263,11 @@ class _Servicer:
                 response_serializer=_serializer(response_cls),
             )
             fn = behaviours[method.name]
-            if method.server_streaming:
+            if method.client_streaming:
+                handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                    self._guard_bidi(fn), **kwargs
+                )
+            elif method.server_streaming:
                 handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                     self._guard_stream(fn), **kwargs
                 )
@@ -333,6 +346,17 @@ class _Servicer:
 
         return handle
 
+    def _guard_bidi(self, fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator]:
+        async def handle(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in fn(_checked(requests), context):
+                    yield item
+            except Exception as exc:
+                abort = self._to_abort(exc)
+                await context.abort(abort.code, abort.detail, abort.trailing)
+
+        return handle
+
     # ---- lifecycle --------------------------------------------------------------------
 
     def start(self) -> None:
@@ -348,10 +372,19 @@ class _Servicer:
             self._changed.notify_all()
 
     async def _tick(self) -> None:
+        # Expiry scans every lease: at 100,000 ranks, ten times a second would cost the
+        # loop a third of a core, so it runs every 1/20 of a lease (which bounds how
+        # late a lease is seen to run out), the join window's check every tick.
+        every = max(self._tick_s, self.config.membership.lease_timeout_s / 20)
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
             await asyncio.sleep(self._tick_s)
+            expire = loop.time() - last >= every
+            if expire:
+                last = loop.time()
             try:
-                await self._reconcile(expire=True)
+                await self._reconcile(expire=expire)
             except Exception:
                 logger.exception("membership reconcile failed")
 
@@ -380,7 +413,7 @@ class _Servicer:
             # see coordinator/control/membership.py [Note: atomic formation]
             while (proposal := self.m.propose()) is not None:
                 try:
-                    generation, data = await finish_async(_build_steps(proposal))
+                    generation, published = await finish_async(_build_steps(proposal))
                 except Exception as exc:
                     logger.debug("building generation %d failed", proposal.id, exc_info=True)
                     self.m.refuse(proposal, printable(f"{type(exc).__name__}: {exc}"))
@@ -395,7 +428,7 @@ class _Servicer:
                     wire = await finish_async(inventory_wire_steps(snapshot.inventory))
                     snapshot = dataclasses.replace(snapshot, inventory_wire=wire)
                 await self._store.save(snapshot)
-                self._published = (generation.id, data)
+                self._published = published
                 async with self._changed:
                     self._changed.notify_all()
 
@@ -434,22 +467,102 @@ class _Servicer:
     async def heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
-        worker_id = _worker_id(request)
-        generation_id = _count(request, "generation_id")
-        if len(request.free_ports) > 8 or any(not 0 < p < 65536 for p in request.free_ports):
-            raise InvalidRequest("free_ports: at most 8 ports, each in [1, 65535]")
-        report = None
-        if request.HasField("report"):
-            report = _valid("report", report_from_proto, request.report)
-        ports, peer = tuple(request.free_ports), _peer_address(context)
+        beat = _rank_beat(request, "HeartbeatRequest")
         remaining = self.m.heartbeat(
-            worker_id, generation_id, report, ports, peer, leaving=request.leaving
+            beat.worker_id,
+            beat.generation_id,
+            beat.report,
+            beat.free_ports,
+            self._peer(context),
+            leaving=beat.leaving,
         )
         return pb.HeartbeatResponse(
             generation_id=self.m.generation_id,
             lease_remaining_s=remaining,
             job_finished=self.m.finished,
         )
+
+    def _peer(self, context: grpc.aio.ServicerContext) -> str:
+        # Parsing an address costs more than the rest of a heartbeat: once per connection.
+        raw = context.peer() or ""
+        peer = self._peers.get(raw)
+        if peer is None:
+            if len(self._peers) >= 65536:
+                self._peers.clear()
+            peer = self._peers[raw] = _peer_address(context)
+        return peer
+
+    def _host_beat(self, request: pb.HostHeartbeatRequest, peer: str) -> pb.HostHeartbeatResponse:
+        """One host heartbeat (coordinator/control/membership.py [Note: host heartbeats])."""
+        host_id = _valid(
+            "HostHeartbeatRequest.host_id",
+            lambda v: check_worker_id("HostHeartbeatRequest.host_id", v),
+            request.host_id,
+        )
+        if len(request.ranks) > MAX_HOST_RANKS:
+            raise InvalidRequest(
+                f"HostHeartbeatRequest.ranks: {len(request.ranks)}, over the limit of "
+                f"{MAX_HOST_RANKS}"
+            )
+        response = pb.HostHeartbeatResponse()
+        beats, results = [], []
+        for i, msg in enumerate(request.ranks):
+            try:
+                beats.append(_rank_beat(msg, f"HostHeartbeatRequest.ranks[{i}]"))
+                results.append(None)
+            except InvalidRequest as exc:
+                results.append(
+                    pb.RankBeatResult(
+                        worker_id=printable(msg.worker_id, 256),
+                        outcome=pb.RankBeatResult.INVALID,
+                        detail=str(exc),
+                    )
+                )
+        dropped, outcomes_list = self.m.host_heartbeat(host_id, beats, peer)
+        self._dropped += len(dropped)
+        outcomes = iter(outcomes_list)
+        add = response.ranks.add
+        for result in results:
+            if result is not None:
+                add().CopyFrom(result)
+                continue
+            worker_id, outcome = next(outcomes)
+            if isinstance(outcome, MembershipError):
+                code = (
+                    pb.RankBeatResult.STALE_GENERATION
+                    if isinstance(outcome, StaleGeneration)
+                    else pb.RankBeatResult.UNKNOWN_WORKER
+                    if isinstance(outcome, UnknownWorker)
+                    else pb.RankBeatResult.INVALID
+                )
+                add(worker_id=worker_id, outcome=code, detail=printable(str(outcome)))
+            else:
+                add(worker_id=worker_id, outcome=pb.RankBeatResult.OK, lease_remaining_s=outcome)
+        response.generation_id = self.m.generation_id
+        response.job_finished = self.m.finished
+        return response
+
+    async def host_heartbeat(
+        self, request: pb.HostHeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HostHeartbeatResponse:
+        response = self._host_beat(request, self._peer(context))
+        await self._reconcile_if_lost()
+        return response
+
+    async def host_heartbeats(
+        self, requests: AsyncIterator[pb.HostHeartbeatRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.HostHeartbeatResponse]:
+        peer = self._peer(context)
+        async for request in requests:
+            yield self._host_beat(request, peer)
+            await self._reconcile_if_lost()
+
+    async def _reconcile_if_lost(self) -> None:
+        """A host agent left out a rank: re-form now, not at the next tick."""
+        if self._dropped:
+            self.metrics.on_expired(self._dropped)
+            self._dropped = 0
+            await self._reconcile()
 
     async def watch_generations(
         self, request: pb.WatchGenerationsRequest, context: grpc.aio.ServicerContext
@@ -461,7 +574,7 @@ class _Servicer:
 
         def due() -> bool:
             # reads the loop's ``after`` as it is now: each generation is sent once
-            return self._stopping or (self._published is not None and self._published[0] > after)
+            return self._stopping or (self._published is not None and self._published.id > after)
 
         # ends on cancellation too: a worker's process dying closes its stream
         # (see coordinator/control/membership.py [Note: disconnects])
@@ -472,7 +585,12 @@ class _Servicer:
                     await self._changed.wait_for(due)
                 if self._stopping:
                     return
-                after, data = self._published
+                published = self._published
+                if request.incremental:
+                    data = published.incremental(request.worker_id, after)
+                else:
+                    data = await published.whole()
+                after = published.id
                 yield data
         finally:
             self.m.watch_closed(request.worker_id, token)
@@ -556,13 +674,121 @@ def _inventory_steps(
     return job, job_digest, b""
 
 
-def _build_steps(proposal: Proposal) -> Steps[tuple[Generation, bytes]]:
-    """A proposal's generation and its wire form (see coordinator/control/membership.py
+def _build_steps(proposal: Proposal) -> Steps[tuple[Generation, _Published]]:
+    """A proposal's generation and its wire forms (see coordinator/control/membership.py
     [Note: atomic formation])."""
     generation = yield from build_steps(proposal)
+    published = yield from _Published.steps(generation, proposal.previous)
+    return generation, published
+
+
+MAX_HOST_RANKS = 1024  # ranks in one host heartbeat
+
+
+def _rank_beat(msg: pb.HeartbeatRequest | pb.RankBeat, what: str) -> RankBeat:
+    """A Heartbeat's (or a host heartbeat's rank's) fields, validated."""
+    worker_id = _valid(
+        f"{what}.worker_id", lambda v: check_worker_id(f"{what}.worker_id", v), msg.worker_id
+    )
+    generation_id = _valid(
+        f"{what}.generation_id",
+        lambda v: check_count(f"{what}.generation_id", v),
+        msg.generation_id,
+    )
+    ports = tuple(msg.free_ports)
+    if len(ports) > 8 or any(not 0 < p < 65536 for p in ports):
+        raise InvalidRequest("free_ports: at most 8 ports, each in [1, 65535]")
+    report = None
+    if msg.HasField("report"):
+        report = _valid("report", report_from_proto, msg.report)
+    return RankBeat(
+        worker_id=worker_id,
+        generation_id=generation_id,
+        report=report,
+        free_ports=ports,
+        leaving=msg.leaving,
+    )
+
+
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Malformed):
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        yield request
+
+
+class _Published:
+    """A generation as watchers get it (coordinator/core/reshard.py [Note: incremental
+    schedule]): whole, built on first demand, or per worker, a head shared by all
+    (members whole, or as a delta from the previous generation; the schedule without
+    its moves) and the worker's own moves appended."""
+
+    def __init__(self, generation: Generation, head: bytes, delta_head: bytes | None) -> None:
+        self.id = generation.id
+        self.generation = generation
+        self._head, self._delta_head = head, delta_head
+        self._whole: asyncio.Future[bytes] | None = None
+        reshard = generation.reshard
+        self._schedules: RankSchedules | None = None
+        self._ranks: dict[str, tuple[int | None, int | None]] | None = None
+        if reshard is not None and isinstance(reshard.moves, LazyMoves):
+            self._schedules = reshard.moves.schedules
+
+    @classmethod
+    def of(cls, generation: Generation, previous: Generation | None) -> _Published:
+        return finish(cls.steps(generation, previous))
+
+    @classmethod
+    def steps(cls, generation: Generation, previous: Generation | None) -> Steps[_Published]:
+        reshard = generation.reshard
+        if reshard is not None:  # the moves go to each worker apart
+            reshard = dataclasses.replace(reshard, moves=(), partial=True)
+        msg = yield from generation_steps(dataclasses.replace(generation, reshard=reshard))
+        head = msg.SerializeToString()
+        yield
+        delta = None if previous is None else members_delta(previous, generation)
+        delta_head = None
+        if delta is not None:
+            yield
+            del msg.members[:]
+            msg.members_delta.CopyFrom(delta)
+            delta_head = msg.SerializeToString()
+        return cls(generation, head, delta_head)
+
+    async def whole(self) -> bytes:
+        """The generation with every member and every move (one build, however many ask)."""
+        if self._whole is None:
+            self._whole = asyncio.ensure_future(finish_async(_whole_steps(self.generation)))
+        return await asyncio.shield(self._whole)
+
+    def incremental(self, worker_id: str, after: int) -> bytes:
+        reshard = self.generation.reshard
+        delta = self._delta_head is not None and reshard is not None
+        head = self._delta_head if delta and after == reshard.from_generation_id else self._head
+        if reshard is None:
+            return head
+        old_rank, new_rank = self._ranks_of(worker_id)
+        if old_rank is None and new_rank is None:
+            return head
+        if self._schedules is not None:
+            moves = self._schedules.for_rank(old_rank, new_rank)
+        else:  # restored from a state file, whole: this worker's part of it
+            moves = [m for m in reshard.moves if m.old_owner == old_rank or m.new_owner == new_rank]
+        return head + moves_to_proto(moves)
+
+    def _ranks_of(self, worker_id: str) -> tuple[int | None, int | None]:
+        if self._ranks is None:
+            self._ranks = {m.worker_id: (m.previous_rank, m.rank) for m in self.generation.members}
+        return self._ranks.get(worker_id, (None, None))
+
+
+def _whole_steps(generation: Generation) -> Steps[bytes]:
+    reshard = generation.reshard
+    if reshard is not None and isinstance(reshard.moves, LazyMoves):
+        yield from reshard.moves.steps()
     msg = yield from generation_steps(generation)
     data = yield from serialize_steps(msg)
-    return generation, data
+    return data
 
 
 class CoordinatorServer:

@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.core.layout import Bucket, Layout, ParamSpec, Slot
-from coordinator.core.reshard import Move, ReshardSchedule
+from coordinator.core.reshard import LazyMoves, Move, ReshardSchedule
 from coordinator.core.settings import MembershipConfig
 from coordinator.core.steps import STEP, Steps, finish
 
@@ -28,6 +28,8 @@ __all__ = [
     "Event",
     "Generation",
     "Member",
+    "MissingPrevious",
+    "RankBeat",
     "StatusReport",
     "WorkerInfo",
     "WorkerReport",
@@ -42,10 +44,13 @@ __all__ = [
     "inventory_steps",
     "inventory_wire",
     "inventory_wire_steps",
+    "members_delta",
     "metrics_target",
+    "moves_to_proto",
     "param_from_proto",
     "param_to_proto",
     "printable",
+    "rank_beat_to_proto",
     "report_from_proto",
     "report_to_proto",
     "serialize_steps",
@@ -167,6 +172,29 @@ class WorkerReport:
             raise ValueError("WorkerReport.loss must be finite")
         if self.total_steps is not None:
             _check_range("WorkerReport.total_steps", self.total_steps, 1, MAX_COUNT)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankBeat:
+    """One rank's part of a host heartbeat: what its own Heartbeat would carry."""
+
+    worker_id: str
+    generation_id: int
+    report: WorkerReport | None = None
+    free_ports: tuple[int, ...] = ()
+    leaving: bool = False
+
+
+def rank_beat_to_proto(beat: RankBeat) -> pb.RankBeat:
+    msg = pb.RankBeat(
+        worker_id=beat.worker_id,
+        generation_id=beat.generation_id,
+        free_ports=beat.free_ports,
+        leaving=beat.leaving,
+    )
+    if beat.report is not None:
+        msg.report.CopyFrom(report_to_proto(beat.report))
+    return msg
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -614,6 +642,7 @@ def generation_steps(gen: Generation) -> Steps[pb.Generation]:
         reshard.from_stage = r.from_stage
         reshard.lost_ranks.extend(r.lost_ranks)
         reshard.left_ranks.extend(r.left_ranks)
+        reshard.partial = r.partial
         add_move = reshard.moves.add
         for i, m in enumerate(r.moves):
             if i % STEP == 0:
@@ -666,29 +695,127 @@ def serialize_steps(msg: pb.Generation) -> Steps[bytes]:
     return b"".join(pieces)
 
 
-def generation_from_proto(msg: pb.Generation) -> Generation:
-    members = tuple(
+def moves_to_proto(moves: Sequence[Move]) -> bytes:
+    """A ``Generation`` holding just ``moves`` in its schedule, serialized: appended to
+    an incremental head, it completes a worker's generation (see serialize_steps)."""
+    msg = pb.Generation()
+    add_move = msg.reshard.moves.add
+    for m in moves:
+        move = add_move()
+        move.name, move.start, move.stop = m.name, m.start, m.stop
+        move.old_owner, move.new_owner = m.old_owner, m.new_owner
+    return msg.SerializeToString()
+
+
+def members_delta(previous: Generation, gen: Generation) -> pb.MembersDelta | None:
+    """``gen``'s members as a change from ``previous`` (see the proto's MembersDelta);
+    None when they are not survivors in order followed by newcomers."""
+    survivors = [m for m in gen.members if m.previous_rank is not None]
+    if gen.members[: len(survivors)] != tuple(survivors):
+        return None
+    kept: set[int] = set()
+    last = -1
+    for m in survivors:
+        if m.previous_rank <= last or m.previous_rank >= previous.world_size:
+            return None
+        old = previous.members[m.previous_rank]
+        if (old.worker_id, old.host, old.device_memory_bytes) != (
+            m.worker_id,
+            m.host,
+            m.device_memory_bytes,
+        ):
+            return None
+        kept.add(m.previous_rank)
+        last = m.previous_rank
+    delta = pb.MembersDelta(
+        from_generation_id=previous.id,
+        removed_ranks=[r for r in range(previous.world_size) if r not in kept],
+    )
+    for m in gen.members[len(survivors) :]:
+        delta.added.add(
+            worker_id=m.worker_id,
+            rank=m.rank,
+            host=m.host,
+            previous_rank=-1,
+            device_memory_bytes=m.device_memory_bytes,
+        )
+    return delta
+
+
+def _expand_members(delta: pb.MembersDelta, previous: Generation | None) -> tuple[Member, ...]:
+    if previous is None or previous.id != delta.from_generation_id:
+        have = "none" if previous is None else previous.id
+        raise MissingPrevious(
+            f"members are a delta from generation {delta.from_generation_id}; this client "
+            f"holds {have}"
+        )
+    removed = set(delta.removed_ranks)
+    members = [
+        Member(
+            worker_id=m.worker_id,
+            rank=rank,
+            host=m.host,
+            previous_rank=m.rank,
+            device_memory_bytes=m.device_memory_bytes,
+        )
+        for rank, m in enumerate(m for m in previous.members if m.rank not in removed)
+    ]
+    members += [
         Member(
             worker_id=m.worker_id,
             rank=m.rank,
             host=m.host,
-            previous_rank=None if m.previous_rank < 0 else m.previous_rank,
+            previous_rank=None,
             device_memory_bytes=m.device_memory_bytes,
         )
-        for m in msg.members
-    )
+        for m in delta.added
+    ]
+    return tuple(members)
+
+
+class MissingPrevious(ValueError):
+    """An incremental generation that needs a previous generation this side lacks."""
+
+
+def generation_from_proto(msg: pb.Generation, previous: Generation | None = None) -> Generation:
+    """``msg`` as a Generation. An incremental one (a MembersDelta, a partial schedule)
+    is completed from ``previous``, the generation it follows: its members from the
+    delta and its whole schedule from the two layouts (built on first use, see
+    coordinator/core/reshard.py [Note: incremental schedule]); without ``previous``
+    a MembersDelta raises MissingPrevious and a partial schedule stays partial."""
+    if msg.HasField("members_delta"):
+        members = _expand_members(msg.members_delta, previous)
+    else:
+        members = tuple(
+            Member(
+                worker_id=m.worker_id,
+                rank=m.rank,
+                host=m.host,
+                previous_rank=None if m.previous_rank < 0 else m.previous_rank,
+                device_memory_bytes=m.device_memory_bytes,
+            )
+            for m in msg.members
+        )
     if [m.rank for m in members] != list(range(len(members))) or len(members) != msg.world_size:
         raise ValueError(f"generation {msg.id}: members are not ranks 0..{msg.world_size - 1}")
+    layout = _layout_from_proto(msg.layout)
     reshard = None
     if msg.HasField("reshard"):
         r = msg.reshard
+        partial = r.partial
+        moves: Sequence[Move]
+        if partial and previous is not None and previous.id == r.from_generation_id:
+            moves, partial = LazyMoves(previous.layout, layout), False
+        else:
+            moves = tuple(Move(m.name, m.start, m.stop, m.old_owner, m.new_owner) for m in r.moves)
         reshard = ReshardSchedule(
             from_generation_id=r.from_generation_id,
             from_world_size=r.from_world_size,
             from_stage=r.from_stage,
-            moves=tuple(Move(m.name, m.start, m.stop, m.old_owner, m.new_owner) for m in r.moves),
+            moves=moves,
             lost_ranks=tuple(r.lost_ranks),
             left_ranks=tuple(r.left_ranks),
+            partial=partial,
         )
     return Generation(
         id=msg.id,
@@ -696,7 +823,7 @@ def generation_from_proto(msg: pb.Generation) -> Generation:
         rendezvous_endpoint=msg.rendezvous_endpoint,
         stage=msg.stage,
         stage_reason=msg.stage_reason,
-        layout=_layout_from_proto(msg.layout),
+        layout=layout,
         bucket_numel=msg.layout.bucket_numel,
         align=msg.layout.align,
         reshard=reshard,

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -125,13 +126,71 @@ class HeartbeatResponse(_message.Message):
     job_finished: bool
     def __init__(self, generation_id: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., job_finished: _Optional[bool] = ...) -> None: ...
 
+class RankBeat(_message.Message):
+    __slots__ = ("worker_id", "generation_id", "report", "free_ports", "leaving")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    generation_id: int
+    report: WorkerReport
+    free_ports: _containers.RepeatedScalarFieldContainer[int]
+    leaving: bool
+    def __init__(self, worker_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class HostHeartbeatRequest(_message.Message):
+    __slots__ = ("host_id", "ranks")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    ranks: _containers.RepeatedCompositeFieldContainer[RankBeat]
+    def __init__(self, host_id: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankBeat, _Mapping]]] = ...) -> None: ...
+
+class RankBeatResult(_message.Message):
+    __slots__ = ("worker_id", "outcome", "lease_remaining_s", "detail")
+    class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OUTCOME_UNSPECIFIED: _ClassVar[RankBeatResult.Outcome]
+        OK: _ClassVar[RankBeatResult.Outcome]
+        STALE_GENERATION: _ClassVar[RankBeatResult.Outcome]
+        UNKNOWN_WORKER: _ClassVar[RankBeatResult.Outcome]
+        INVALID: _ClassVar[RankBeatResult.Outcome]
+    OUTCOME_UNSPECIFIED: RankBeatResult.Outcome
+    OK: RankBeatResult.Outcome
+    STALE_GENERATION: RankBeatResult.Outcome
+    UNKNOWN_WORKER: RankBeatResult.Outcome
+    INVALID: RankBeatResult.Outcome
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    outcome: RankBeatResult.Outcome
+    lease_remaining_s: float
+    detail: str
+    def __init__(self, worker_id: _Optional[str] = ..., outcome: _Optional[_Union[RankBeatResult.Outcome, str]] = ..., lease_remaining_s: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class HostHeartbeatResponse(_message.Message):
+    __slots__ = ("generation_id", "job_finished", "ranks")
+    GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    generation_id: int
+    job_finished: bool
+    ranks: _containers.RepeatedCompositeFieldContainer[RankBeatResult]
+    def __init__(self, generation_id: _Optional[int] = ..., job_finished: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankBeatResult, _Mapping]]] = ...) -> None: ...
+
 class WatchGenerationsRequest(_message.Message):
-    __slots__ = ("worker_id", "after_generation_id")
+    __slots__ = ("worker_id", "after_generation_id", "incremental")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    INCREMENTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     after_generation_id: int
-    def __init__(self, worker_id: _Optional[str] = ..., after_generation_id: _Optional[int] = ...) -> None: ...
+    incremental: bool
+    def __init__(self, worker_id: _Optional[str] = ..., after_generation_id: _Optional[int] = ..., incremental: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "reason")
@@ -218,23 +277,35 @@ class Move(_message.Message):
     def __init__(self, name: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., old_owner: _Optional[int] = ..., new_owner: _Optional[int] = ...) -> None: ...
 
 class ReshardSchedule(_message.Message):
-    __slots__ = ("from_generation_id", "from_world_size", "from_stage", "moves", "lost_ranks", "left_ranks")
+    __slots__ = ("from_generation_id", "from_world_size", "from_stage", "moves", "lost_ranks", "left_ranks", "partial")
     FROM_GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
     MOVES_FIELD_NUMBER: _ClassVar[int]
     LOST_RANKS_FIELD_NUMBER: _ClassVar[int]
     LEFT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     from_generation_id: int
     from_world_size: int
     from_stage: int
     moves: _containers.RepeatedCompositeFieldContainer[Move]
     lost_ranks: _containers.RepeatedScalarFieldContainer[int]
     left_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, from_generation_id: _Optional[int] = ..., from_world_size: _Optional[int] = ..., from_stage: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., left_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    partial: bool
+    def __init__(self, from_generation_id: _Optional[int] = ..., from_world_size: _Optional[int] = ..., from_stage: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., left_ranks: _Optional[_Iterable[int]] = ..., partial: _Optional[bool] = ...) -> None: ...
+
+class MembersDelta(_message.Message):
+    __slots__ = ("from_generation_id", "removed_ranks", "added")
+    FROM_GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    from_generation_id: int
+    removed_ranks: _containers.RepeatedScalarFieldContainer[int]
+    added: _containers.RepeatedCompositeFieldContainer[Member]
+    def __init__(self, from_generation_id: _Optional[int] = ..., removed_ranks: _Optional[_Iterable[int]] = ..., added: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("id", "members", "world_size", "rendezvous_endpoint", "stage", "stage_reason", "layout", "reshard", "inventory_digest", "created_unix_s", "epoch")
+    __slots__ = ("id", "members", "world_size", "rendezvous_endpoint", "stage", "stage_reason", "layout", "reshard", "inventory_digest", "created_unix_s", "epoch", "members_delta")
     ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +317,7 @@ class Generation(_message.Message):
     INVENTORY_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_DELTA_FIELD_NUMBER: _ClassVar[int]
     id: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     world_size: int
@@ -257,7 +329,8 @@ class Generation(_message.Message):
     inventory_digest: str
     created_unix_s: float
     epoch: str
-    def __init__(self, id: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., world_size: _Optional[int] = ..., rendezvous_endpoint: _Optional[str] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., reshard: _Optional[_Union[ReshardSchedule, _Mapping]] = ..., inventory_digest: _Optional[str] = ..., created_unix_s: _Optional[float] = ..., epoch: _Optional[str] = ...) -> None: ...
+    members_delta: MembersDelta
+    def __init__(self, id: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., world_size: _Optional[int] = ..., rendezvous_endpoint: _Optional[str] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., reshard: _Optional[_Union[ReshardSchedule, _Mapping]] = ..., inventory_digest: _Optional[str] = ..., created_unix_s: _Optional[float] = ..., epoch: _Optional[str] = ..., members_delta: _Optional[_Union[MembersDelta, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

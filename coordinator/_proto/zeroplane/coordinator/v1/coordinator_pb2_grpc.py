@@ -44,6 +44,16 @@ class CoordinatorStub:
                 request_serializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.HostHeartbeat = channel.unary_unary(
+                '/zeroplane.coordinator.v1.Coordinator/HostHeartbeat',
+                request_serializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatRequest.SerializeToString,
+                response_deserializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatResponse.FromString,
+                _registered_method=True)
+        self.HostHeartbeats = channel.stream_stream(
+                '/zeroplane.coordinator.v1.Coordinator/HostHeartbeats',
+                request_serializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatRequest.SerializeToString,
+                response_deserializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatResponse.FromString,
+                _registered_method=True)
         self.WatchGenerations = channel.unary_stream(
                 '/zeroplane.coordinator.v1.Coordinator/WatchGenerations',
                 request_serializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.WatchGenerationsRequest.SerializeToString,
@@ -78,6 +88,28 @@ class CoordinatorServicer:
         current generation (0 before the first), else FAILED_PRECONDITION and the
         lease is not renewed, so no worker keeps a lease without knowing the job's
         current membership.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HostHeartbeat(self, request, context):
+        """One heartbeat for every rank of a host, sent by the host's agent (the
+        launcher on that machine, or its lowest local rank), so that the
+        coordinator's load is hosts, not ranks. Each rank in it is handled as its
+        own Heartbeat would be (fenced per rank: the outcome says how each fared);
+        a rank the agent reported before and leaves out now is gone, and is
+        dropped at once. Errors of the whole request (a bad host_id, too many
+        ranks) are status codes as for Heartbeat.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HostHeartbeats(self, request_iterator, context):
+        """HostHeartbeat on one long-lived stream: a response per request, in order.
+        The token is checked once when the stream opens, and no call is set up per
+        beat, so a beat costs the coordinator a fraction of a unary call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,6 +151,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
                     response_serializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'HostHeartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.HostHeartbeat,
+                    request_deserializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatRequest.FromString,
+                    response_serializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatResponse.SerializeToString,
+            ),
+            'HostHeartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.HostHeartbeats,
+                    request_deserializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatRequest.FromString,
+                    response_serializer=coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatResponse.SerializeToString,
             ),
             'WatchGenerations': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchGenerations,
@@ -190,6 +232,60 @@ class Coordinator:
             '/zeroplane.coordinator.v1.Coordinator/Heartbeat',
             coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostHeartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zeroplane.coordinator.v1.Coordinator/HostHeartbeat',
+            coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatRequest.SerializeToString,
+            coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostHeartbeats(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/zeroplane.coordinator.v1.Coordinator/HostHeartbeats',
+            coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatRequest.SerializeToString,
+            coordinator_dot___proto_dot_zeroplane_dot_coordinator_dot_v1_dot_coordinator__pb2.HostHeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
