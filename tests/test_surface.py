@@ -254,3 +254,40 @@ def test_mixed_precision_and_offload_on_a_mesh(pools, tp, pp, dtype, offload) ->
         assert len(got) == CURVE and all(g is not None for g in got)
         late = sum(got[-4:]) / 4
         assert late == pytest.approx(sum(want[-4:]) / 4, rel=0.02), (got, want)
+
+
+def _is_block(module: torch.nn.Module) -> bool:
+    from worker.models import Block
+
+    return isinstance(module, Block)
+
+
+def checkpointed_under(tp: int, pp: int, stage: int, policy) -> dict | None:
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, microbatches=2)
+    model = _gpt()
+    config = worker.ZeroConfig(stage=stage, activation_checkpointing=policy)
+    engine = worker.initialize(
+        model, _opt(model), config=config, parallel=parallel, loss_fn=lm_loss
+    )
+    assert engine.checkpointed, "the policy chose no module"
+    loader = StepLoader(_data(), LoaderConfig(global_batch=8, num_workers=0, prefetch=0))
+    loader.attach(engine)
+    while engine.global_steps < STEPS:
+        engine.train_batch(loader.current())
+    state = engine.full_state_dict()
+    engine.close()
+    return state if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "stage", "policy"),
+    [(2, 1, 3, "units"), (2, 2, 1, _is_block)],
+)
+def test_activation_checkpointing_on_a_mesh(pools, tp, pp, stage, policy) -> None:
+    """Recomputed blocks under tensor parallelism (their planned layers' DTensor
+    hooks run again in the recomputation) and inside a pipeline stage's backward:
+    the one-process reference."""
+    got = pools(4).run(checkpointed_under, tp, pp, stage, policy)[0]
+    want, _ = reference(8)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst < 1e-5, f"differs from the one-process reference by {worst:.3g}"

@@ -128,10 +128,6 @@ def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
             "with pipeline_parallel > 1 the pipeline's micro-batches are the accumulation: "
             "set ParallelConfig.microbatches, and gradient_accumulation_steps=1"
         )
-    if tp * pp > 1 and config.activation_checkpointing != "none":
-        raise ValueError(
-            "activation_checkpointing with tensor/pipeline parallelism is not supported yet"
-        )
     if pp > 1 and "cpu" in (config.offload_optimizer, config.offload_params):
         raise ValueError(
             "CPU offload with pipeline parallelism is not supported yet (untested): "
