@@ -68,9 +68,11 @@ ADDR_A, ADDR_B, PREFIX_LEN = "10.231.0.1", "10.231.0.2", 30
 RDV_PORT = 29531
 WORLD = 2
 STAGES = (0, 1, 2, 3)
-# "int8-gather": int8 gradients plus int8 stage-3 parameter all-gathers (stage 3 only).
-METHODS = ("none", "bf16", "fp16", "int8", "onebit", "int8-gather")
-DEFAULT_METHODS = ("none", "bf16", "int8", "onebit", "int8-gather")
+# "qwz": uncompressed gradients, int8 parameter all-gathers (ZeRO++'s qwZ; stages 1-3).
+# "int8-gather": int8 gradients plus int8 parameter all-gathers (stages 1-3).
+METHODS = ("none", "bf16", "fp16", "int8", "onebit", "qwz", "int8-gather")
+DEFAULT_METHODS = ("none", "bf16", "int8", "onebit", "qwz", "int8-gather")
+GATHER_METHODS = ("qwz", "int8-gather")
 DEFAULT_RATES = ("1gbit", "100mbit")
 SEED = 0
 
@@ -124,10 +126,10 @@ def _nic_tx(iface: str | None) -> int | None:
 
 
 def _engine_config(stage: int, method: str) -> worker.ZeroConfig:
-    gather = method == "int8-gather"
+    gather = method in GATHER_METHODS
     return worker.ZeroConfig(
         stage=stage,
-        compression="int8" if gather else method,
+        compression={"qwz": "none", "int8-gather": "int8"}.get(method, method),
         compression_block=256,
         stage3_gather_compression="int8" if gather else "none",
     )
@@ -249,8 +251,8 @@ def rank_main(args: argparse.Namespace) -> int:
 def _grid(stages: list[int], methods: list[str]) -> Iterator[tuple[int, str]]:
     for stage in stages:
         for method in methods:
-            if method == "int8-gather" and stage != 3:
-                continue
+            if method in GATHER_METHODS and stage == 0:
+                continue  # stage 0 gathers no parameters
             yield stage, method
 
 
@@ -482,6 +484,14 @@ def _mb(nbytes: float | None) -> str:
     return "-" if nbytes is None else f"{nbytes / 1e6:.2f}"
 
 
+def _gather_share(r: Result) -> str:
+    """The parameter all-gather's wire over logical bytes (stages 1-3; qwZ shrinks it)."""
+    gather = r.ops.get("all_gather")
+    if not gather or not gather["bytes"] or r.stage == 0:
+        return "-"  # stage 0's compressed all-reduce books a gradient all-gather
+    return f"{gather['wire_bytes'] / gather['bytes']:.3f}"
+
+
 def print_table(network: Network, results: list[Result], args: argparse.Namespace) -> None:
     title = (
         "loopback (127.0.0.1)"
@@ -495,7 +505,7 @@ def print_table(network: Network, results: list[Result], args: argparse.Namespac
     head = (
         f"{'stage':>5} {'method':<11} {'step ms':>9} {'IQR':>5} {'x none':>7} {'cpu ms':>7} "
         f"{'logical MB':>10} {'wire MB':>8} {'ratio':>6} {'NIC tx MB':>9} {'NIC x none':>10} "
-        f"{'link ms':>7} {'codec ms':>8} {'loss':>7}"
+        f"{'link ms':>7} {'codec ms':>8} {'AG wire':>7} {'loss':>7}"
     )
     print(head)
     print("-" * len(head))
@@ -515,12 +525,13 @@ def print_table(network: Network, results: list[Result], args: argparse.Namespac
             f"{r.cpu_ms:>7.0f} "
             f"{_mb(r.logical_bytes):>10} {_mb(r.wire_bytes):>8} {r.ratio:>5.1f}x "
             f"{_mb(r.nic_tx_bytes):>9} {nic_rel:>10} {link:>7} "
-            f"{1e3 * r.codec_s:>8.1f} {r.loss:>7.4f}"
+            f"{1e3 * r.codec_s:>8.1f} {_gather_share(r):>7} {r.loss:>7.4f}"
         )
     print("\nMB = 1e6 bytes per step; logical and wire MB from comm_report() (per rank);")
     print("NIC tx MB = bytes the rank's veth sent per step (TCP/IP headers included);")
     print("link ms = NIC tx MB at the measured link rate; cpu ms = process CPU time per step;")
-    print("codec ms = CPU time in encode + decode per step. See bench/README.md.")
+    print("codec ms = CPU time in encode + decode per step; AG wire = the parameter")
+    print("all-gather's wire bytes over its logical bytes. See bench/README.md.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -533,8 +544,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=list(DEFAULT_METHODS),
         choices=METHODS,
-        help="gradient compression methods; 'int8-gather' = int8 gradients and int8\n"
-        "stage-3 parameter all-gathers (stage 3 only). 'none' is always run as the\n"
+        help="gradient compression methods; 'qwz' = int8 parameter all-gathers only,\n"
+        "'int8-gather' = int8 gradients and int8 parameter all-gathers (both stages\n"
+        "1-3 only). 'none' is always run as the\n"
         "baseline of the 'x none' column. Default: %(default)s",
     )
     p.add_argument(

@@ -126,9 +126,8 @@ def test_with_plan_turns_off_what_the_planned_stage_does_not_run() -> None:
         compression="int8",
     )
     two = cfg.with_plan(stage=2, bucket_numel=1024)
-    assert two == cfg.replace(
-        stage=2, bucket_numel=1024, stage3_gather_compression="none", offload_params="none"
-    )
+    # stage 2 gathers its parameters after the step too: qwZ stays on
+    assert two == cfg.replace(stage=2, bucket_numel=1024, offload_params="none")
     assert two.offload_optimizer == "cpu" and two.compression == "int8"
     zero = cfg.with_plan(stage=0, bucket_numel=1024)
     assert zero == ZeroConfig(stage=0, bucket_numel=1024, compression="int8")

@@ -10,6 +10,26 @@ this step (input minus its decoded self) is kept and added to the next
 step's input, so the error does not accumulate (Seide et al. 2014; the 1-bit
 Adam paper, Tang et al. 2021, analyses it with Adam).
 
+[Note: quantized parameter gathers]
+ZeRO++'s qwZ (Wang et al. 2023) at every sharded stage: the parameter
+all-gather, after the optimizer step at stages 1–2 (worker/stages.py
+``ParamStorage.start_publish``) and before each unit's forward and backward
+at stage 3 (worker/flat.py ``GatherUnit``), sends each rank's shard encoded
+(``ZeroConfig.stage3_gather_compression``: ``int8`` blocks with an fp32 scale,
+≈0.25× the bytes of fp32; ``bf16``) and every rank decodes it into its compute
+parameters. Only the compute copy is rounded: the fp32 master partition is
+never encoded, so the optimizer steps exact values on exact gradients. The
+owner's own slot is its exact value (the master, cast to the compute dtype),
+not the decoded payload: at stages 1–2 in fp32 the master *is* that slot of
+``full`` (worker/stages.py ``ParamStorage.place``), so decoding over it would
+round the master itself; and it saves one decode. DeepSpeed's qwZ decodes
+every slot, so there all ranks compute on the same rounded weights; here a
+rank's copy of another rank's slice differs from the owner's by at most the
+codec's bound (int8: half a step, the block's absmax / 254). No error
+feedback: every gather encodes the current master, so rounding errors do not
+build up from step to step. ``comm_report()`` books the gather at the compute
+parameters' bytes (``bytes``) and the payloads' (``wire_bytes``).
+
 Payloads are flat ``uint8`` tensors: the per-block fp32 scales, then the
 packed values. Their size depends only on the element count, so every rank
 can size the exchange without asking.
@@ -316,23 +336,35 @@ def start_reduce_scatter(
 
 @dataclass
 class PendingAllGather:
-    """A compressed all-gather in flight; ``finish()`` decodes into ``out``."""
+    """A compressed all-gather in flight; ``finish()`` (or ``wait()``, as for a
+    :class:`~worker.collectives.Handle`) decodes into ``out``. ``own``: this rank's
+    exact values, written into its own slot instead of its decoded payload
+    ([Note: quantized parameter gathers])."""
 
     handle: Handle
     recv: torch.Tensor
     codec: Codec
     comm: Collectives
     out: torch.Tensor
+    own: torch.Tensor | None = None
 
     def finish(self) -> None:
         self.handle.wait()
-        n = self.comm.world_size
+        n, rank = self.comm.world_size, self.comm.rank
         shard = self.out.numel() // n
         wire = self.codec.wire_bytes(shard)
         with self.comm.codec_time("decode"):
             for r in range(n):
-                piece = self.codec.decode(self.recv[r * wire : (r + 1) * wire], shard)
-                self.out[r * shard : (r + 1) * shard].copy_(piece)
+                slot = self.out[r * shard : (r + 1) * shard]
+                if r == rank and self.own is not None:
+                    if slot.data_ptr() != self.own.data_ptr():
+                        slot.copy_(self.own.view(-1))
+                    continue
+                slot.copy_(self.codec.decode(self.recv[r * wire : (r + 1) * wire], shard))
+        self.own = None
+
+    def wait(self) -> None:
+        self.finish()
 
 
 def start_all_gather(
@@ -342,8 +374,15 @@ def start_all_gather(
     out: torch.Tensor,
     residual: torch.Tensor | None = None,
     buffers: WireBuffers | None = None,
+    *,
+    exact_own: bool = False,
 ) -> PendingAllGather:
-    """Start a compressed all-gather of every rank's ``shard`` into ``out``."""
+    """Start a compressed all-gather of every rank's ``shard`` into ``out``.
+
+    ``exact_own``: this rank's slot of ``out`` gets ``shard`` itself, not its
+    decoded payload (parameters: [Note: quantized parameter gathers]); the
+    caller leaves ``shard`` unchanged until the gather is finished. Gradients
+    leave it off: at stage 0 every rank must step on the same values."""
     x = shard.float() if residual is None else shard.float() + residual
     wire = codec.wire_bytes(x.numel())
     buffers = buffers or WireBuffers()
@@ -354,4 +393,4 @@ def start_all_gather(
     handle = comm.all_gather(
         recv, send, async_op=True, logical_bytes=out.numel() * out.element_size()
     )
-    return PendingAllGather(handle, recv, codec, comm, out)
+    return PendingAllGather(handle, recv, codec, comm, out, shard if exact_own else None)

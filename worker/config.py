@@ -32,7 +32,11 @@ __all__ = ["Precision", "ZeroConfig", "stage_from_env"]
 # (_check_across_sections), and ZeroConfig.with_plan turns it to "none" when a
 # coordinator plans such a stage.
 _STAGE_BOUND: tuple[tuple[str, tuple[int, ...], str], ...] = (
-    ("stage3_gather_compression", (3,), "'none' unless stage is 3"),
+    (
+        "stage3_gather_compression",
+        (1, 2, 3),
+        "'none' at stage 0 (its optimizer holds every parameter: nothing is gathered)",
+    ),
     ("offload_optimizer", (1, 2, 3), "'none' at stage 0 (offload needs stage 1, 2 or 3)"),
     ("offload_params", (3,), "'none' unless stage is 3 (only stage 3 shards parameters)"),
 )
@@ -82,8 +86,16 @@ class ZeroConfig:
         compression_block: elements per scale block for ``int8``/``onebit``.
         compression_warmup_steps: optimizer steps exchanged uncompressed first.
         error_feedback: carry each step's compression error into the next.
-        stage3_gather_compression: ``int8`` sends stage-3 parameter all-gathers
-            as blockwise int8; the fp32 master weights stay exact.
+        stage3_gather_compression: how parameter all-gathers travel (ZeRO++'s
+            qwZ), at stages 1–3 despite the name (stage 3 had it first): at
+            stages 1–2 the all-gather of the updated shards after the optimizer
+            step, at stage 3 each unit's gathers. ``int8``: blockwise int8 with
+            an fp32 scale per ``compression_block`` elements (≈0.25× fp32's
+            bytes); ``bf16``: 2 bytes an element; ``none``: the compute dtype.
+            Only other ranks' slices of the compute parameters are rounded: the
+            fp32 master weights and this rank's own slice stay exact (see
+            worker/compression.py [Note: quantized parameter gathers]).
+            DeepSpeed's ``zero_quantized_weights: true`` reads as ``int8``.
         replica_interval: with a coordinator, every this many optimizer steps each
             rank keeps a copy of its state and of its neighbour's, so a crashed
             rank's shards are restored from memory (0 = off: checkpoints only).
@@ -138,7 +150,7 @@ class ZeroConfig:
     compression_block: int = 256
     compression_warmup_steps: int = 0
     error_feedback: bool = True
-    stage3_gather_compression: Literal["none", "int8"] = "none"
+    stage3_gather_compression: Literal["none", "bf16", "int8"] = "none"
     metrics_port: int | None = None
     replica_interval: int = 0
     replica_gradient_log: bool = True
@@ -239,9 +251,12 @@ class ZeroConfig:
         ``pin_memory`` (DeepSpeed's default: false) sets ``pin_memory``, true
         if either offloading section says so. As in DeepSpeed, ``offload_param``
         is ignored (with a warning) unless the stage is 3. Their NVMe and buffer-tuning
-        keys are logged as ignored. Known DeepSpeed keys that belong to other parts of a
-        training script (optimizer, scheduler, batch sizes, logging) are
-        logged as ignored, ``"auto"`` or not. Unknown keys raise.
+        keys are logged as ignored. ``zero_optimization.zero_quantized_weights: true``
+        (ZeRO++'s qwZ) sets ``stage3_gather_compression="int8"``; DeepSpeed quantizes
+        stage 3's gathers only, zeroplane also the all-gather after the step at stages
+        1-2; at stage 0 it is ignored with a warning. Known DeepSpeed keys that
+        belong to other parts of a training script (optimizer, scheduler, batch
+        sizes, logging) are logged as ignored, ``"auto"`` or not. Unknown keys raise.
 
         ``"auto"`` values (Hugging Face Trainer's templates) are resolved from
         keywords, as ``HfTrainerDeepSpeedConfig`` resolves them from
@@ -340,7 +355,7 @@ class ZeroConfig:
         """This config with a coordinator's planned ``stage`` and ``bucket_numel`` (its
         plan for the whole job). A ``stage`` other than this config's also turns off
         what that stage does not run (``_STAGE_BOUND``): below stage 3 the stage-3
-        gather compression and parameter offload, at stage 0 optimizer offload. The
+        parameter offload, at stage 0 optimizer offload and gather compression. The
         same stage changes ``bucket_numel`` only. Logs nothing: saying that another
         stage applies is the caller's."""
         changes: dict[str, Any] = {"bucket_numel": bucket_numel}

@@ -164,14 +164,15 @@ class CompressionSection:
 
 @dataclass(frozen=True, kw_only=True)
 class Stage3Section:
-    """Stage 3's gather units: prefetch, reuse, the live-parameter bound, the unit
-    size and the all-gathers' compression."""
+    """Stage 3's gather units: prefetch, reuse, the live-parameter bound and the unit
+    size; and the parameter all-gathers' compression, which stages 1–2 use too
+    (ZeroConfig refuses it at stage 0)."""
 
     stage3_prefetch: int
     stage3_max_reuse_distance: int
     stage3_max_live_parameters: int
     stage3_min_unit_numel: int
-    stage3_gather_compression: Literal["none", "int8"]
+    stage3_gather_compression: Literal["none", "bf16", "int8"]
 
     def __post_init__(self) -> None:
         _check_ints(
@@ -182,8 +183,8 @@ class Stage3Section:
             "stage3_max_live_parameters",
             "stage3_min_unit_numel",
         )
-        if not _one_of(self.stage3_gather_compression, ("none", "int8")):
-            raise _bad(self, "stage3_gather_compression", "none or int8")
+        if not _one_of(self.stage3_gather_compression, ("none", "bf16", "int8")):
+            raise _bad(self, "stage3_gather_compression", "one of none, bf16, int8")
 
 
 @dataclass(frozen=True, kw_only=True)

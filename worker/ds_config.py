@@ -61,7 +61,22 @@ def read_deepspeed(
             kw.get("stage", 0),
         )
         del kw["offload_params"]
+    if (
+        reader.sources.get("stage3_gather_compression") == _QWZ_KEY
+        and kw.get("stage", 0) == 0
+        and "stage3_gather_compression" not in overrides
+    ):
+        # DeepSpeed ignores it below stage 3; zeroplane runs it at stages 1-3
+        logger.warning(
+            "DeepSpeed key %r ignored: stage 0 gathers no parameters (quantized "
+            "gathers run at stages 1-3)",
+            _QWZ_KEY,
+        )
+        del kw["stage3_gather_compression"]
     return kw, reader.sources
+
+
+_QWZ_KEY = "zero_optimization.zero_quantized_weights"
 
 
 # Top-level DeepSpeed keys that configure other parts of a training script.
@@ -390,6 +405,11 @@ class _DeepSpeedReader:
                     if numel < 0:  # Field(ge=0) in DeepSpeed
                         raise _ds_error(key, "an integer >= 0", value)
                     self.set(sub, key, numel)
+            elif sub == "zero_quantized_weights":
+                # ZeRO++'s qwZ; false is DeepSpeed's default and leaves the field alone
+                value = self.resolve(key, value, "stage3_gather_compression")
+                if value is not _SKIP and _ds_bool(key, value):
+                    self.set("stage3_gather_compression", key, "int8")
             elif sub in ("offload_optimizer", "offload_param"):
                 # Optional in DeepSpeed: null means no offload, as absent does
                 if value is not None:

@@ -120,6 +120,9 @@ class FlatBucket:
     pending: int = 0
     staged: list[bool] = field(default_factory=list)
     wire: WireBuffers | None = None
+    # the quantized parameter all-gather's payload buffers (stages 1–2), apart from
+    # the gradient exchange's
+    gather_wire: WireBuffers | None = None
     comm: Collectives | None = None
     handle: Handle | None = None
 
@@ -192,7 +195,9 @@ class GatherUnit:
                 self.handles.append(comm.all_gather(b.full, src, async_op=True))
             else:
                 self.handles.append(
-                    start_all_gather(comm, self.codec, src, b.full, buffers=self.wire[i])
+                    start_all_gather(
+                        comm, self.codec, src, b.full, buffers=self.wire[i], exact_own=True
+                    )
                 )
         self.state = UnitState.GATHERING
 

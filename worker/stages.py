@@ -43,7 +43,13 @@ from torch.utils._pytree import tree_leaves
 
 from coordinator.core.layout import Bucket
 from worker.collectives import Collectives, Handle, grained
-from worker.compression import Codec, WireBuffers, start_all_gather, start_reduce_scatter
+from worker.compression import (
+    Codec,
+    PendingAllGather,
+    WireBuffers,
+    start_all_gather,
+    start_reduce_scatter,
+)
 from worker.flat import BucketState, FlatBucket, GatherUnit, LiveElements, UnitState, Zeros
 from worker.sharded import mark_sharded, name_params, reads_data
 
@@ -420,12 +426,18 @@ class ParamStorage:
     ``master_apart``: the fp32 master partition is a tensor of its own (mixed
     precision, or offloaded: worker/offload.py), not a view of the compute
     parameters, so publishing copies it over (cast, and moved to the device).
+    ``gather_codec``: parameter all-gathers send each shard encoded
+    (worker/compression.py [Note: quantized parameter gathers]); the compute
+    parameters are then the master only in this rank's own slice.
     """
 
     sharded: ClassVar[bool]
 
-    def __init__(self, dtype: torch.dtype, master_apart: bool) -> None:
+    def __init__(
+        self, dtype: torch.dtype, master_apart: bool, *, gather_codec: Codec | None = None
+    ) -> None:
         self.dtype, self.master_apart = dtype, master_apart
+        self.gather_codec = gather_codec
 
     def place(self, b: FlatBucket, zeros: Zeros | None = None) -> None:
         """Set up ``b``'s compute parameters once its master values are in (a buffer
@@ -447,7 +459,7 @@ class ParamStorage:
             if h is not None:
                 h.wait()
 
-    def start_publish(self, b: FlatBucket, comm: Collectives) -> Handle | None:
+    def start_publish(self, b: FlatBucket, comm: Collectives) -> Handle | PendingAllGather | None:
         """Start writing ``b``'s updated master partition into its compute parameters;
         a collective to wait on, if one was needed."""
         with torch.no_grad():
@@ -462,7 +474,14 @@ class ParamStorage:
                 src = b.master.to(device=b.full.device, dtype=self.dtype, non_blocking=True)
             else:
                 src = b.full[b.lo : b.hi]
-            return comm.all_gather(b.full, src, async_op=True)
+            if self.gather_codec is None or not comm.distributed:
+                return comm.all_gather(b.full, src, async_op=True)
+            # qwZ: this rank's slot keeps ``src`` exact (in fp32 it is the master)
+            if b.gather_wire is None:
+                b.gather_wire = WireBuffers()
+            return start_all_gather(
+                comm, self.gather_codec, src, b.full, buffers=b.gather_wire, exact_own=True
+            )
 
     def nbytes(self, b: FlatBucket) -> int:
         return _nbytes(b.full)
@@ -486,7 +505,10 @@ class ParamStorage:
 
 
 class ReplicatedParams(ParamStorage):
-    """Stages 0–2: every rank holds the full compute parameters."""
+    """Stages 0–2: every rank holds the full compute parameters. With a
+    ``gather_codec`` (stages 1–2) they are rewritten from quantized shards after
+    each step, all but this rank's own slice (worker/compression.py [Note:
+    quantized parameter gathers])."""
 
     sharded = False
 
@@ -552,8 +574,8 @@ class ShardedParams(ParamStorage):
         max_reuse_distance: int = 0,
         max_live: int = 10**9,
     ) -> None:
-        super().__init__(dtype, master_apart)
-        self.prefetch, self.gather_codec = prefetch, gather_codec
+        super().__init__(dtype, master_apart, gather_codec=gather_codec)
+        self.prefetch = prefetch
         self.max_reuse_distance, self.max_live = max_reuse_distance, max_live
         self.live = LiveElements()
         self.home: ShardHome = home or _OnDevice()

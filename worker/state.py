@@ -41,7 +41,7 @@ from coordinator.core.layout import Bucket, Layout, SlotShard, compute_layout
 from coordinator.core.ranges import Range, RangeIndex, owned_ranges
 from worker.birth import Birth, Init, materialize_empty, meta_names
 from worker.collectives import CollectiveError, Collectives, Handle
-from worker.compression import make_codec
+from worker.compression import PendingAllGather, make_codec
 from worker.config import ZeroConfig
 from worker.flat import BucketState, FlatBucket, GatherUnit, Reserve
 from worker.inventory import Inventory, persistent_buffers
@@ -155,6 +155,8 @@ class ShardState:
 
     def _make_storage(self) -> ParamStorage:
         apart = self.placement.master_apart(self.config.mixed_precision)
+        # qwZ at stages 1–3 (worker/compression.py [Note: quantized parameter gathers])
+        codec = make_codec(self.config.stage3_gather_compression, self.config.compression_block)
         if self.stage.params is ShardedParams:
             return ShardedParams(
                 self.dtype,
@@ -162,12 +164,10 @@ class ShardState:
                 prefetch=self.config.stage3_prefetch,
                 max_reuse_distance=self.config.stage3_max_reuse_distance,
                 max_live=self.config.stage3_max_live_parameters,
-                gather_codec=make_codec(
-                    self.config.stage3_gather_compression, self.config.compression_block
-                ),
+                gather_codec=codec,
                 home=self.placement,
             )
-        return self.stage.params(self.dtype, apart)
+        return self.stage.params(self.dtype, apart, gather_codec=codec)
 
     # ------------------------------------------------------------ world
 
@@ -501,7 +501,7 @@ class ShardState:
                 except CollectiveError as exc:
                     return exc
             return None
-        handles: list[Handle] = []
+        handles: list[Handle | PendingAllGather] = []
         failed: CollectiveError | None = None
         for chunk in chunks:
             with record_function("zeroplane.optimizer_step"):
@@ -683,7 +683,11 @@ class ShardState:
         """Bucket ``b``'s fp32 master values, whole, on every rank (a collective)."""
         if not self.stage.optimizer_sharded:
             return b.master.detach()
-        if not self.stage.params.sharded and not self.master_apart:
+        if not (
+            self.stage.params.sharded or self.master_apart or self.params.gather_codec is not None
+        ):
+            # the compute parameters are the master partitions, whole (not after a
+            # quantized gather: there other ranks' slices are rounded)
             return b.full.detach()
         full = torch.empty(b.spec.padded_numel, dtype=b.master.dtype, device=self.device)
         self.comm.all_gather(full, b.master.detach().to(self.device))
