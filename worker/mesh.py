@@ -116,7 +116,7 @@ class ParallelConfig:
 
 def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
     """Refuse, with the reason, what this composition does not do (README, "The mesh")."""
-    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    pp = parallel.pipeline_parallel
     if pp > 1 and config.stage > 1:
         raise ValueError(
             f"pipeline_parallel > 1 runs with ZeRO stage 0 or 1 (as DeepSpeed's pipeline "
