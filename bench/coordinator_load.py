@@ -28,10 +28,12 @@ time (``time.process_time`` deltas around the servicer's own code, no gRPC):
 one host heartbeat per host (coordinator/control/membership.py [Note: host
 heartbeats]) and the same ranks' per-rank heartbeats; forming the first
 generation and re-forming after one host is lost (propose, build, commit, the
-state file, the shared wire form); and the per-worker incremental message
-against the whole one. Then a real gRPC run at a rate this machine can drive:
-``--stream-hosts`` host agents on HostHeartbeats streams against a coordinator
-process, its CPU per host beat and the beats' latency.
+shared wire form; then the state file, coordinator/control/statefile.py [Note:
+state file format]), the state file's load and a rewrite of it; and the
+per-worker incremental message against the whole one. Then a real gRPC run at
+a rate this machine can drive: ``--stream-hosts`` host agents on
+HostHeartbeats streams against a coordinator process, its CPU per host beat
+and the beats' latency.
 
 The load generator shares the machine's cores with the coordinator, so on a
 small machine it can be the bottleneck: the coordinator's CPU column says
@@ -338,18 +340,18 @@ async def formation(n: int = 256) -> tuple[float, float, int]:
         coord.stop()
 
 
-def scale(hosts: int, ranks: int, state_dir: Path) -> dict[str, float]:
+def scale(hosts: int, ranks: int, state_dir: Path) -> dict[str, float | str]:
     """The coordinator's CPU for a job of ``hosts`` x ``ranks``, in process."""
     from coordinator.control.membership import Membership
     from coordinator.control.server import _build_steps, _Servicer
-    from coordinator.control.statefile import StateStore
+    from coordinator.control.statefile import StateLog, StateStore, load_snapshot
     from coordinator.core.messages import WorkerInfo, inventory_wire_steps, param_from_proto
     from coordinator.core.planner import PlanConfig
     from coordinator.core.settings import CoordinatorConfig, MembershipConfig, ServerConfig
     from coordinator.core.steps import finish
 
     cpu = time.process_time
-    out: dict[str, float] = {}
+    out: dict[str, float | str] = {}
     inventory = tuple(param_from_proto(p) for p in gpt_inventory())
     n = hosts * ranks
     cfg = CoordinatorConfig(
@@ -376,17 +378,21 @@ def scale(hosts: int, ranks: int, state_dir: Path) -> dict[str, float]:
         proposal = m.propose()
         generation, published = finish(_build_steps(proposal))
         assert m.commit(proposal, generation)
-        snapshot = m.snapshot()
+        snapshot = published.for_state_file(m.snapshot())
         if not snapshot.inventory_wire:
             wire = finish(inventory_wire_steps(snapshot.inventory))
             snapshot = dataclasses.replace(snapshot, inventory_wire=wire)
         t1 = cpu()
         asyncio.run(store.save(snapshot))
         out["save_cpu_s"] = cpu() - t1
+        assert store.log is not None
+        out["save_kind"] = store.log.last_write
         return t1 - t0, published
 
     out["form_cpu_s"], first = form()
     out["form_save_s"] = out["save_cpu_s"]
+    out["form_save_kind"] = out["save_kind"]
+    out["base_bytes"] = cfg.server.state_file.stat().st_size
     out["head_bytes"] = len(first._head)
 
     # heartbeats: one per host (8 ranks each), then one per rank, through the servicer
@@ -440,6 +446,21 @@ def scale(hosts: int, ranks: int, state_dir: Path) -> dict[str, float]:
     whole = asyncio.run(published.whole())
     out["whole_cpu_s"], out["whole_bytes"] = cpu() - t0, len(whole)
     out["moves"] = len(published.generation.reshard.moves)
+
+    # the state file: its size, a restart's load, and a rewrite of it (the first save
+    # after a restart, and every MAX_GENERATION_RECORDS generations)
+    path = cfg.server.state_file
+    out["file_bytes"] = path.stat().st_size
+    t0 = cpu()
+    restored = load_snapshot(path)
+    out["load_cpu_s"] = cpu() - t0
+    assert restored is not None and restored.generation is not None
+    assert restored.generation.id == published.id
+    assert restored.members == m.snapshot().members
+    snapshot = published.for_state_file(m.snapshot())
+    t0 = cpu()
+    StateLog(path).save(snapshot)
+    out["rewrite_cpu_s"] = cpu() - t0
     return out
 
 
@@ -509,11 +530,15 @@ def report_scale(args: argparse.Namespace) -> None:
           f"{f['host_beat_us'] / ranks:.1f} us/rank")  # fmt: skip
     print(f"  per-rank heartbeat:           {f['rank_beat_us']:8.1f} us (servicer code only)")
     print(f"  form generation 1:            {f['form_cpu_s']:8.2f} s CPU "
-          f"+ {f['form_save_s']:.2f} s state file "
-          f"(shared head {f['head_bytes'] / 1e6:.1f} MB)")  # fmt: skip
+          f"+ {f['form_save_s']:.2f} s state file ({f['form_save_kind']} record, "
+          f"{f['base_bytes'] / 1e6:.1f} MB; shared head "
+          f"{f['head_bytes'] / 1e6:.1f} MB)")  # fmt: skip
     print(f"  re-form after a host loss:    {f['reform_cpu_s']:8.2f} s CPU "
-          f"+ {f['save_cpu_s']:.2f} s state file "
-          f"({f['moves']:,.0f} moves in the whole schedule)")  # fmt: skip
+          f"+ {f['save_cpu_s']:.2f} s state file ({f['save_kind']} record, "
+          f"{f['moves']:,.0f} moves in the whole schedule)")  # fmt: skip
+    print(f"  state file:                   {f['file_bytes'] / 1e6:8.1f} MB, "
+          f"load {f['load_cpu_s']:.2f} s CPU, rewrite as one base record "
+          f"{f['rewrite_cpu_s']:.2f} s CPU")  # fmt: skip
     print(f"  per-worker message:           {f['piece_us']:8.0f} us CPU, "
           f"{f['piece_bytes'] / 1e3:.1f} kB (members delta + own moves)")  # fmt: skip
     print(f"  whole message (old clients):  {f['whole_cpu_s']:8.2f} s CPU once, "

@@ -322,7 +322,7 @@ def _ds_probes() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     for sub in ("reduce_scatter", "allgather_partitions"):
         zero(sub, False)
         probes[-1] = (f"zero_optimization.{sub} = false", probes[-1][1], z3)
-    # ZeRO++ and MiCS: DeepSpeed features zeroplane does not have
+    # ZeRO++ (qwZ and hpZ read, qgZ refused) and MiCS (refused)
     for sub, value in (
         ("zero_quantized_weights", True),
         ("zero_quantized_gradients", True),
@@ -649,6 +649,9 @@ ENV_DOCS: dict[str, str] = {
     "(`ParallelConfig.from_env()`).",
     "ZEROPLANE_PP": "Pipeline-parallel degree from `zeroplane run --pp` or the job spec's "
     "`pipeline_parallel`, read as `$ZEROPLANE_TP` is.",
+    "ZEROPLANE_MESH": "`auto` from `zeroplane run --mesh auto`: the coordinator chooses "
+    "tp and pp (and the stage, when none is configured) from the model and the workers' "
+    "device memory, and every worker builds the generation's mesh.",
     "ZEROPLANE_COMPRESSION": "The job spec's `compression`, set in every worker pod; "
     "`examples/train_gpt.py` takes it as its `--compression` default (a script reads "
     "it itself).",

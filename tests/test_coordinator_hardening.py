@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.control import server as server_module
-from coordinator.control.statefile import load_snapshot, save_snapshot
+from coordinator.control.statefile import MAGIC, load_snapshot, save_snapshot
 from coordinator.core.layout import ParamSpec
 from coordinator.core.messages import WorkerInfo, param_to_proto
 from coordinator.core.settings import HttpConfig
@@ -334,9 +334,9 @@ def test_a_format_1_state_file_still_loads(tmp_path) -> None:
     path.write_text(json_format.MessageToJson(old, preserving_proto_field_name=True))
     snapshot = load_snapshot(path)
     assert snapshot is not None and snapshot.generation == gen and snapshot.epoch == m.epoch
-    # saved again, it is format 2 and loads to the same generation
+    # saved again, it is format 3 (binary) and loads to the same generation
     save_snapshot(path, snapshot)
-    assert '"format_version": 2' in path.read_text()
+    assert path.read_bytes().startswith(MAGIC)
     again = load_snapshot(path)
     assert again is not None and again.generation == gen
 

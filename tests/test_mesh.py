@@ -310,7 +310,7 @@ def test_resize_by_whole_groups_only() -> None:
 @pytest.mark.parametrize(
     ("config", "parallel", "match"),
     [
-        ({"stage": 2}, {"pipeline_parallel": 2}, "stage 0 or 1"),
+        ({"stage": 3}, {"pipeline_parallel": 2}, "stages 0-2, got stage 3"),
         ({"gradient_accumulation_steps": 2}, {"pipeline_parallel": 2}, "microbatches"),
         ({"stage": 1, "offload_optimizer": "cpu"}, {"pipeline_parallel": 2}, "offload"),
     ],

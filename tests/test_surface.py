@@ -112,6 +112,7 @@ def train_under(tp: int, pp: int, global_batch: int, micro: int | None, stage: i
         (1, 1, 6, 1, 3),  # dp=4: shares 2, 2, 1, 1 (padding on the last two)
         (2, 1, 7, None, 3),  # tp=2 x dp=2: shares of 4 and 3
         (1, 2, 7, 2, 1),  # pp=2 x dp=2: 4 and 3 samples cut into 2 pipeline micro-batches
+        (1, 2, 7, 2, 2),  # the same at stage 2: one reduce-scatter per bucket and step
     ],
 )
 def test_one_loop_trains_every_layout_to_the_reference(

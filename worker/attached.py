@@ -1,16 +1,38 @@
 """A worker in a coordinator's job whose script formed the process group itself
 (:class:`AttachedSession`): a member that reports, but whose group zeroplane cannot
-re-form. worker/entry.py (``initialize``) picks it when the script brings its own group."""
+re-form. worker/entry.py (``initialize``) picks it when the script brings its own group,
+and for every tensor/pipeline-parallel worker in a coordinator's job.
+
+[Note: mesh jobs in the coordinator's job]
+A mesh worker (``zeroplane run --tp/--pp/--mesh auto``) is a member like a
+data-parallel one: it registers, heartbeats, reports its steps, loss and memory,
+and serves /metrics with its mesh coordinates as labels. Its ranks are its
+launcher's (a fixed group: the coordinator keeps them and forms the generation
+once all have registered). What it registers is the whole model's inventory,
+before tensor parallelism slices it or a pipeline splits it, so every rank of
+the job registers the same one and the coordinator plans memory for the model
+as it is; the engine's buckets are its own, over its dp group and its shards,
+and are not compared with the generation's layout. Each worker asks for the
+same mesh (the coordinator refuses one that asks for another, FAILED_PRECONDITION):
+its tp and pp degrees, or 0 for a degree the coordinator chooses
+(``$ZEROPLANE_MESH=auto``) with coordinator/core/meshplan.py ``choose_mesh``
+from the inventory and the smallest device memory; the generation carries the
+mesh shape and each member's coordinates (proto ``Generation.mesh``,
+``Member.mesh``), and the worker builds exactly that mesh. A lost rank still
+ends the job: re-forming a mesh live is not built yet (coordinator/core/meshplan.py
+``check_resize`` states the rule it would follow)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from coordinator.core.meshplan import MeshShape
 from coordinator.core.messages import FINISHED
 from worker.ballot import BoundaryVote
 from worker.birth import Init
@@ -23,7 +45,7 @@ from worker.engine import (
     build_inventory_for,
     resolve_optimizer,
 )
-from worker.metrics import SnapshotBoard, start_metrics
+from worker.metrics import MetricsServer, SnapshotBoard, start_metrics
 from worker.reporting import FinalReport, planned_config, report
 from worker.schedule import SchedulerArg, resolve_scheduler
 
@@ -72,13 +94,7 @@ class AttachedSession(FinalReport):
             fixed=(rank, world),
         )
         gen = control.generation
-        if gen.world_size != world or control.rank != rank:
-            control.close(leave=True)
-            raise RuntimeError(
-                f"the coordinator placed this worker at rank {control.rank} of "
-                f"{gen.world_size}, but the script's process group has it at rank "
-                f"{rank} of {world}: is another job registered with this coordinator?"
-            )
+        _check_placed(control, rank, world)
         if rank == 0:
             logger.warning(
                 "this script formed its own process group, which zeroplane cannot "
@@ -104,6 +120,55 @@ class AttachedSession(FinalReport):
                 "the coordinator's bucket layout differs from this worker's: "
                 "are all workers running the same model and zeroplane version?"
             )
+        return cls._start(control, engine)
+
+    @classmethod
+    def attach_mesh(
+        cls,
+        model: nn.Module,
+        optimizer: OptimizerArg,
+        *,
+        config: ZeroConfig,
+        address: str,
+        ask: tuple[int, int],
+        device: torch.device,
+        build: MeshBuild,
+    ) -> ZeroEngine:
+        """A worker of a mesh job in a coordinator's job ([Note: mesh jobs in the
+        coordinator's job]): it registers the whole model's inventory with the mesh
+        it asks for (``ask``: tp and pp, 0 for a degree the coordinator chooses),
+        takes the generation's mesh, stage and bucket size, and ``build`` makes the
+        engine on that mesh (a MeshEngine, a PipelineEngine, or a ZeroEngine where
+        the mesh is one rank deep) with the metrics endpoint registered."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        user_optimizer = resolve_optimizer(model, optimizer)
+        inventory = build_inventory_for(model, user_optimizer, config)
+        metrics = start_metrics(config, SnapshotBoard())
+        control = ControlPlane.join(
+            address,
+            inventory,
+            device=device,
+            metrics_port=None if metrics is None else metrics.port,
+            stage=config.stage,
+            fixed=(rank, world),
+            mesh=ask,
+        )
+        gen = control.generation
+        _check_placed(control, rank, world)
+        shape = gen.mesh or MeshShape(dp=world)
+        try:
+            engine = build(user_optimizer, planned_config(config, gen, rank), shape, metrics)
+        except BaseException:
+            control.close(leave=True)
+            raise
+        logger.info(
+            "mesh pp=%d x dp=%d x tp=%d from generation %d (%s)",
+            shape.pp, shape.dp, shape.tp, gen.id, gen.mesh_reason or "no mesh",
+        )  # fmt: skip
+        return cls._start(control, engine)
+
+    @classmethod
+    def _start(cls, control: ControlPlane, engine: ZeroEngine) -> ZeroEngine:
         session = cls(control)
         engine.membership = session
         session.report_at_exit(engine)
@@ -139,3 +204,21 @@ class AttachedSession(FinalReport):
     def close(self) -> None:
         self._forget_exit(send=True)
         self.control.close(leave=True, reason=FINISHED)
+
+
+# what builds a mesh job's engine: (the optimizer, the planned config, the mesh, metrics)
+MeshBuild = Callable[
+    [torch.optim.Optimizer, ZeroConfig, MeshShape, MetricsServer | None], ZeroEngine
+]
+
+
+def _check_placed(control: ControlPlane, rank: int, world: int) -> None:
+    """The coordinator kept the script's ranks; else leave and say so."""
+    gen = control.generation
+    if gen.world_size != world or control.rank != rank:
+        control.close(leave=True)
+        raise RuntimeError(
+            f"the coordinator placed this worker at rank {control.rank} of "
+            f"{gen.world_size}, but the script's process group has it at rank "
+            f"{rank} of {world}: is another job registered with this coordinator?"
+        )

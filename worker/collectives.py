@@ -193,6 +193,11 @@ class Collectives:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def on_default_group(self) -> bool:
+        """Whether this is the default process group (or a stand-in for one)."""
+        return self.group is None or self.group is dist.group.WORLD
+
     def _book(self, op: Op, nbytes: int, wire: int | None = None) -> tuple[OpStats, float]:
         stats = self.stats[op]
         stats.calls += 1
@@ -334,6 +339,38 @@ class Collectives:
             return self._finish(works, stats, start, async_op)
         work = _issue(all_gather_flat, output, input, group=self.group, async_op=async_op)
         return self._finish(work, stats, start, async_op)
+
+    def split(self, size: int) -> Collectives:
+        """Collectives over this rank's block of ``size`` consecutive ranks of this
+        group: ranks ``[0, size)``, ``[size, 2·size)``, ... (hpZ's node groups,
+        worker/stages.py [Note: hierarchical partitioning]).
+
+        ``torch.distributed.new_group`` wants every rank of the default group to
+        create every group, in the same order: each rank here creates every
+        block's group, so every rank of this group must call it at the same point
+        of its collectives, and this group must span the default group."""
+        if size < 1 or self.world_size % size:
+            raise ValueError(f"{size} ranks per block do not divide {self.world_size} ranks")
+        if self.group is not None and dist.get_world_size() != self.world_size:
+            raise ValueError(
+                "blocks of ranks are formed from the default process group only; this "
+                f"group has {self.world_size} of its {dist.get_world_size()} ranks"
+            )
+        mine: dist.ProcessGroup | None = None
+        with _translated("new_group"):
+            for start in range(0, self.world_size, size):
+                ranks = [self._global(r) for r in range(start, start + size)]
+                group = dist.new_group(ranks)
+                if start <= self.rank < start + size:
+                    mine = group
+        block = Collectives(mine)
+        if block.rank != self.rank % size:
+            # new_group orders a group's ranks by their global rank
+            raise ValueError(
+                f"rank {self.rank} is rank {block.rank} of its block, not {self.rank % size}: "
+                "this group's ranks are not in the default group's order"
+            )
+        return block
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank

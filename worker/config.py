@@ -96,6 +96,16 @@ class ZeroConfig:
             fp32 master weights and this rank's own slice stay exact (see
             worker/compression.py [Note: quantized parameter gathers]).
             DeepSpeed's ``zero_quantized_weights: true`` reads as ``int8``.
+        hpz_partition_size: ZeRO++'s hpZ (hierarchical partitioning), stage 3
+            only; 1 = off. The ranks per node, k: consecutive ranks ``[0, k)``,
+            ``[k, 2k)``, ... form a node group, and each rank keeps, besides its
+            1/N shard, a secondary copy of 1/k of every gather unit, taken from
+            the forward's all-gather; the backward then gathers a unit within
+            its node group only. Costs p·Ψ/k bytes per rank (p: the compute
+            dtype's bytes), counted under ``params``; the results are those of
+            plain stage 3 exactly. Must divide the world size (see
+            worker/stages.py [Note: hierarchical partitioning]). DeepSpeed's
+            ``zero_hpz_partition_size``.
         replica_interval: with a coordinator, every this many optimizer steps each
             rank keeps a copy of its state and of its neighbour's, so a crashed
             rank's shards are restored from memory (0 = off: checkpoints only).
@@ -151,6 +161,7 @@ class ZeroConfig:
     compression_warmup_steps: int = 0
     error_feedback: bool = True
     stage3_gather_compression: Literal["none", "bf16", "int8"] = "none"
+    hpz_partition_size: int = 1
     metrics_port: int | None = None
     replica_interval: int = 0
     replica_gradient_log: bool = True
@@ -173,12 +184,26 @@ class ZeroConfig:
 
     def _check_across_sections(self) -> None:
         """The rules that tie fields of different sections together (each section has
-        checked its own fields): what a stage rules out (``_STAGE_BOUND``)."""
+        checked its own fields): what a stage rules out (``_STAGE_BOUND``), and hpZ's
+        secondary copies, which live on the device beside the gathered units."""
         for name, stages, want in _STAGE_BOUND:
             if getattr(self, name) != "none" and self.stage not in stages:
                 raise FieldError(
                     f"ZeroConfig.{name} must be {want}, got {getattr(self, name)!r}", name
                 )
+        if self.hpz_partition_size != 1 and self.stage != 3:
+            raise FieldError(
+                "ZeroConfig.hpz_partition_size must be 1 unless stage is 3 (only stage 3 "
+                f"gathers parameters for its backward), got {self.hpz_partition_size!r}",
+                "hpz_partition_size",
+            )
+        if self.hpz_partition_size != 1 and self.offload_params != "none":
+            raise FieldError(
+                "ZeroConfig.hpz_partition_size must be 1 with offload_params="
+                f"{self.offload_params!r} (hpZ keeps its secondary copies on the device, "
+                f"beside shards offloaded to the host), got {self.hpz_partition_size!r}",
+                "hpz_partition_size",
+            )
 
     # ------------------------------------------------------------ the sections
 
@@ -254,7 +279,10 @@ class ZeroConfig:
         keys are logged as ignored. ``zero_optimization.zero_quantized_weights: true``
         (ZeRO++'s qwZ) sets ``stage3_gather_compression="int8"``; DeepSpeed quantizes
         stage 3's gathers only, zeroplane also the all-gather after the step at stages
-        1-2; at stage 0 it is ignored with a warning. Known DeepSpeed keys that
+        1-2; at stage 0 it is ignored with a warning.
+        ``zero_optimization.zero_hpz_partition_size`` (ZeRO++'s hpZ) sets
+        ``hpz_partition_size``; below stage 3 it is ignored, as in DeepSpeed (with a
+        warning unless it is 1). Known DeepSpeed keys that
         belong to other parts of a training script (optimizer, scheduler, batch
         sizes, logging) are logged as ignored, ``"auto"`` or not. Unknown keys raise.
 
@@ -357,11 +385,14 @@ class ZeroConfig:
         what that stage does not run (``_STAGE_BOUND``): below stage 3 the stage-3
         parameter offload, at stage 0 optimizer offload and gather compression. The
         same stage changes ``bucket_numel`` only. Logs nothing: saying that another
-        stage applies is the caller's."""
+        stage applies is the caller's. Below stage 3 hpZ is off too
+        (``hpz_partition_size=1``)."""
         changes: dict[str, Any] = {"bucket_numel": bucket_numel}
         if stage != self.stage:
             changes["stage"] = stage
             changes.update({name: "none" for name, ok, _ in _STAGE_BOUND if stage not in ok})
+            if stage != 3:
+                changes["hpz_partition_size"] = 1
         return self.replace(**changes)
 
 

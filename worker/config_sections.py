@@ -164,15 +164,16 @@ class CompressionSection:
 
 @dataclass(frozen=True, kw_only=True)
 class Stage3Section:
-    """Stage 3's gather units: prefetch, reuse, the live-parameter bound and the unit
-    size; and the parameter all-gathers' compression, which stages 1–2 use too
-    (ZeroConfig refuses it at stage 0)."""
+    """Stage 3's gather units: prefetch, reuse, the live-parameter bound, the unit
+    size and hpZ's node groups; and the parameter all-gathers' compression, which
+    stages 1–2 use too (ZeroConfig refuses it at stage 0)."""
 
     stage3_prefetch: int
     stage3_max_reuse_distance: int
     stage3_max_live_parameters: int
     stage3_min_unit_numel: int
     stage3_gather_compression: Literal["none", "bf16", "int8"]
+    hpz_partition_size: int
 
     def __post_init__(self) -> None:
         _check_ints(
@@ -183,6 +184,7 @@ class Stage3Section:
             "stage3_max_live_parameters",
             "stage3_min_unit_numel",
         )
+        _check_ints(self, 1, "hpz_partition_size")
         if not _one_of(self.stage3_gather_compression, ("none", "bf16", "int8")):
             raise _bad(self, "stage3_gather_compression", "one of none, bf16, int8")
 

@@ -142,6 +142,7 @@ class ControlPlane:
         stop: Callable[[], bool] = lambda: False,
         stage: int | None = None,
         fixed: tuple[int, int] | None = None,
+        mesh: tuple[int, int] | None = None,
     ) -> ControlPlane:
         """Register with the coordinator at ``address`` and wait to be given a rank.
 
@@ -151,6 +152,8 @@ class ControlPlane:
         given a rank, it leaves the coordinator and raises :class:`LeftBeforeAdmission`.
         ``stage``: what this worker's ZeroConfig asks for. ``fixed``: (rank, world
         size) of a process group the script formed itself, which the coordinator keeps.
+        ``mesh``: the (tensor, pipeline) parallel degrees asked for, 0 for one the
+        coordinator chooses (the generation's ``mesh`` says what it chose).
         """
         # read before registering: a bad value fails here, not in the middle of a job
         timeout = timedelta(seconds=env_seconds(TIMEOUT_ENV, 60.0))
@@ -173,6 +176,7 @@ class ControlPlane:
             stage=stage,
             fixed_rank=None if fixed is None else fixed[0],
             fixed_world_size=None if fixed is None else fixed[1],
+            mesh=mesh,
         )
         client.register(info, inventory.specs)
         client.start()

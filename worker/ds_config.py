@@ -73,10 +73,25 @@ def read_deepspeed(
             _QWZ_KEY,
         )
         del kw["stage3_gather_compression"]
+    if (
+        reader.sources.get("hpz_partition_size") == _HPZ_KEY
+        and kw.get("stage", 0) != 3
+        and "hpz_partition_size" not in overrides
+    ):
+        # as DeepSpeed, which builds hpZ's secondary partitions at stage 3 only
+        if kw["hpz_partition_size"] != 1:
+            logger.warning(
+                "DeepSpeed key %r ignored: only stage 3 gathers parameters for its "
+                "backward (hpZ), this config runs stage %s",
+                _HPZ_KEY,
+                kw.get("stage", 0),
+            )
+        del kw["hpz_partition_size"]
     return kw, reader.sources
 
 
 _QWZ_KEY = "zero_optimization.zero_quantized_weights"
+_HPZ_KEY = "zero_optimization.zero_hpz_partition_size"
 
 
 # Top-level DeepSpeed keys that configure other parts of a training script.
@@ -410,6 +425,14 @@ class _DeepSpeedReader:
                 value = self.resolve(key, value, "stage3_gather_compression")
                 if value is not _SKIP and _ds_bool(key, value):
                     self.set("stage3_gather_compression", key, "int8")
+            elif sub == "zero_hpz_partition_size":
+                # ZeRO++'s hpZ: the ranks per node (1, DeepSpeed's default, is off)
+                value = self.resolve(key, value, "hpz_partition_size")
+                if value is not _SKIP:
+                    size = _ds_int(key, value)
+                    if size < 1:
+                        raise _ds_error(key, "an integer >= 1", value)
+                    self.set("hpz_partition_size", key, size)
             elif sub in ("offload_optimizer", "offload_param"):
                 # Optional in DeepSpeed: null means no offload, as absent does
                 if value is not None:

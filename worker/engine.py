@@ -56,7 +56,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol
 
@@ -161,6 +161,27 @@ def _guarded(method):
     return wrapper
 
 
+def _op_totals(comms: Iterable[Collectives]) -> dict[str, tuple[int, int, int, float]]:
+    """(calls, bytes, wire bytes, seconds) by op, summed over ``comms``."""
+    totals: dict[str, tuple[int, int, int, float]] = {}
+    for comm in comms:
+        for op, s in list(comm.stats.items()):
+            c, b, w, t = totals.get(op, (0, 0, 0, 0.0))
+            totals[op] = (c + s.calls, b + s.bytes, w + s.wire_bytes, t + s.seconds)
+    return totals
+
+
+def _check_hpz(config: ZeroConfig, world: Collectives) -> None:
+    """An engine's first world must be one hpZ runs in (a session's later worlds run
+    without it where it cannot; worker/stages.py [Note: hierarchical partitioning])."""
+    k = config.hpz_partition_size
+    if k > 1 and world.world_size % k:
+        raise ValueError(
+            f"ZeroConfig.hpz_partition_size must divide the world size "
+            f"({world.world_size} ranks), got {k}"
+        )
+
+
 def build_inventory_for(
     module: nn.Module, user_optimizer: torch.optim.Optimizer, config: ZeroConfig
 ) -> Inventory:
@@ -256,7 +277,10 @@ class ZeroEngine:
         self.loss_fn: LossFn | None = None
         if initial_state == "peers":
             self.state.keep_module_values()
-        self.state.build(build_for or Collectives(group), from_module=initial_state == "module")
+        world = build_for or Collectives(group)
+        if build_for is None:
+            _check_hpz(config, world)
+        self.state.build(world, from_module=initial_state == "module")
         # the hooks live in autograd (C++), where the garbage collector cannot see
         # them: a strong reference to the engine would keep it and all its buffers
         # alive for as long as the model is
@@ -711,9 +735,21 @@ class ZeroEngine:
             kinds["total"] = sum(kinds.values())
         return split
 
-    def comm_report(self) -> dict[str, dict[str, int]]:
-        """Collective calls and logical bytes by op since start (see worker.collectives)."""
-        return self.comm.report()
+    def comm_report(self, *, by_group: bool = False) -> dict[str, dict[str, Any]]:
+        """Collective calls and logical bytes by op since start (see worker.collectives),
+        over every group the engine uses. ``by_group``: ``{scope: {op: ...}}`` instead,
+        the scopes of ``ShardState.comm_groups`` (``world``; ``node`` for hpZ's node
+        groups, whose bytes never cross nodes)."""
+        reports = {scope: c.report() for scope, c in self.state.comm_groups().items()}
+        if by_group:
+            return reports
+        merged: dict[str, dict[str, Any]] = {}
+        for report in reports.values():
+            for op, stats in report.items():
+                into = merged.setdefault(op, dict.fromkeys(stats, 0))
+                for key, value in stats.items():
+                    into[key] += value
+        return dict(sorted(merged.items()))
 
     def snapshot(self) -> Snapshot:
         """What this rank's metrics show now (worker/metrics.py)."""
@@ -739,10 +775,7 @@ class ZeroEngine:
             frozen_bytes=st.frozen_bytes(),
             memory=dict(cache[2]),
             memory_host=dict(cache[3]),
-            collectives={
-                op: (s.calls, s.bytes, s.wire_bytes, s.seconds)
-                for op, s in list(st.comm.stats.items())
-            },
+            collectives=_op_totals(st.comm_groups().values()),
             step_histogram=stats.histogram(),
             global_steps=st.global_steps,
             skipped_steps=st.skipped_steps,
@@ -865,6 +898,14 @@ class ZeroEngine:
         """
         if self.state.micro_in_step:
             raise RuntimeError("reconfigure() must be called at an accumulation boundary")
+        if self.config.hpz_partition_size > 1 and new_group not in (None, dist.group.WORLD):
+            raise ValueError(
+                f"ZeroConfig.hpz_partition_size={self.config.hpz_partition_size}: "
+                "engine.reconfigure() onto a new group cannot form hpZ's node groups, "
+                "which are made from the default process group (the coordinator's "
+                "sessions re-form that one); nothing was moved. Use "
+                "hpz_partition_size=1 to reconfigure onto subgroups"
+            )
         handover = elastic.exchange(
             self.state, holds_state=holds_state, via=via, new_members=new_members
         )

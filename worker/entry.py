@@ -4,6 +4,7 @@ DeepSpeed config."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from coordinator.core.meshplan import PP_ENV, TP_ENV
+from coordinator.core.meshplan import MESH_ENV, PP_ENV, TP_ENV, MeshShape
 from worker import ds_sections
 from worker.attached import AttachedSession
 from worker.birth import Init, place_module
@@ -25,6 +26,7 @@ from worker.config import ZeroConfig
 from worker.control import coordinator_address
 from worker.elastic.session import ElasticSession
 from worker.engine import LossFn, OptimizerArg, ZeroEngine
+from worker.metrics import MetricsServer
 from worker.schedule import SchedulerArg
 
 if TYPE_CHECKING:
@@ -97,10 +99,30 @@ def initialize(
     (a pipeline's last stage computes it; default there the language-model
     loss), for scripts whose model does not return its loss; ``train_batch`` is
     the step that runs under every layout.
+
+    In a coordinator's job a mesh worker registers like any other: it reports,
+    heartbeats and serves metrics, and takes its mesh, stage and bucket size from
+    the generation, which carries the mesh and every rank's coordinates
+    (``zeroplane status`` lists them). ``$ZEROPLANE_MESH=auto`` (``zeroplane run
+    --mesh auto``) leaves tp and pp to the coordinator, which chooses them from
+    the model and the workers' device memory (worker/attached.py [Note: mesh
+    jobs in the coordinator's job]).
     """
     config, optimizer, lr_scheduler = _resolve_config(config, optimizer, lr_scheduler)
     parallel = parallel if parallel is not None else _parallel_from_env()
-    if parallel is not None and parallel.tensor_parallel * parallel.pipeline_parallel > 1:
+    address = coordinator_address(coordinator)
+    auto = _mesh_auto()
+    if address is not None and group is None and (auto or _model_parallel(parallel)):
+        return _mesh_in_job(
+            model, optimizer, config, parallel, address, auto=auto, plan=plan, split=split,
+            loss_fn=loss_fn, lr_scheduler=lr_scheduler, device=device, init=init,
+        )  # fmt: skip
+    if auto:
+        raise ValueError(
+            f"${MESH_ENV}=auto leaves the mesh to a coordinator, and this worker has none "
+            "(run it under zeroplane run, or set $ZEROPLANE_COORDINATOR)"
+        )
+    if _model_parallel(parallel):
         return _on_mesh(
             model, optimizer, config, parallel, plan=plan, split=split, loss_fn=loss_fn,
             lr_scheduler=lr_scheduler, device=device, init=init,
@@ -155,6 +177,78 @@ def _data_parallel(
     )
 
 
+def _model_parallel(parallel: ParallelConfig | None) -> bool:
+    return parallel is not None and parallel.tensor_parallel * parallel.pipeline_parallel > 1
+
+
+def _mesh_auto() -> bool:
+    raw = os.environ.get(MESH_ENV)
+    if raw is None or raw == "":
+        return False
+    if raw != "auto":
+        raise ValueError(f"${MESH_ENV} must be 'auto' (or unset), got {raw!r}")
+    if TP_ENV in os.environ or PP_ENV in os.environ:
+        raise ValueError(f"${MESH_ENV}=auto and ${TP_ENV}/${PP_ENV} ask for the mesh twice")
+    return True
+
+
+def _mesh_in_job(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    config: ZeroConfig,
+    parallel: ParallelConfig | None,
+    address: str,
+    *,
+    auto: bool,
+    plan: Any,
+    split: Split | None,
+    loss_fn: LossFn | None,
+    lr_scheduler: SchedulerArg | None,
+    device: torch.device | str | None,
+    init: Init | None,
+) -> ZeroEngine:
+    """A mesh worker in a coordinator's job: its ranks are its launcher's (the group
+    forms from ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``), its mesh the generation's."""
+    from worker.mesh import ParallelConfig
+
+    device = place_module(model, device)
+    _init_from_launcher_env(device)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "a tensor/pipeline-parallel worker in a coordinator's job takes its rank from "
+            "its launcher (zeroplane run and torchrun set RANK, WORLD_SIZE, MASTER_ADDR, "
+            "MASTER_PORT), and none is set: an elastic mesh job, whose group zeroplane "
+            "would form, is not supported yet"
+        )
+    base = parallel or ParallelConfig()
+    ask = (0, 0) if auto else (base.tensor_parallel, base.pipeline_parallel)
+
+    def build(
+        opt: torch.optim.Optimizer, planned: ZeroConfig, shape: MeshShape, metrics: Any
+    ) -> ZeroEngine:
+        if shape.group_size == 1:
+            engine = ZeroEngine(
+                model, opt, config=planned, lr_scheduler=lr_scheduler, device=device,
+                init=init, metrics=metrics,
+            )  # fmt: skip
+            engine.loss_fn = loss_fn
+            return engine
+        chosen = dataclasses.replace(
+            base,
+            tensor_parallel=shape.tp,
+            pipeline_parallel=shape.pp,
+            microbatches=max(base.microbatches, shape.pp),
+        )
+        return _on_mesh(
+            model, opt, planned, chosen, plan=plan, split=split, loss_fn=loss_fn,
+            lr_scheduler=lr_scheduler, device=device, init=init, metrics=metrics,
+        )  # fmt: skip
+
+    return AttachedSession.attach_mesh(
+        model, optimizer, config=config, address=address, ask=ask, device=device, build=build
+    )
+
+
 def _parallel_from_env() -> ParallelConfig | None:
     """The mesh the launcher asked for (``zeroplane run --tp/--pp``, the job spec:
     ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``), or None where it asked for none."""
@@ -177,6 +271,7 @@ def _on_mesh(
     lr_scheduler: SchedulerArg | None,
     device: torch.device | str | None,
     init: Init | None,
+    metrics: MetricsServer | None = None,
 ) -> ZeroEngine:
     """A mesh engine: :func:`worker.mesh.parallelize` (tensor parallel) or
     :func:`worker.pipeline.pipeline` (pipeline stages, tensor parallel within)."""
@@ -190,13 +285,13 @@ def _on_mesh(
             raise ValueError("init= with pipeline parallelism is not supported yet")
         return pipeline(
             model, optimizer, config=config, parallel=parallel, split=split or split_gpt,
-            loss_fn=loss_fn or lm_loss, plan=plan, lr_scheduler=lr_scheduler,
+            loss_fn=loss_fn or lm_loss, plan=plan, lr_scheduler=lr_scheduler, metrics=metrics,
         )  # fmt: skip
     if split is not None:
         raise ValueError("split= is for pipeline parallelism (ParallelConfig.pipeline_parallel)")
     engine = parallelize(
         model, optimizer, config=config, parallel=parallel, plan=plan,
-        lr_scheduler=lr_scheduler, device=device, init=init,
+        lr_scheduler=lr_scheduler, device=device, init=init, metrics=metrics,
     )  # fmt: skip
     engine.loss_fn = loss_fn
     return engine

@@ -43,7 +43,9 @@ __all__ = [
     "BucketState",
     "FlatBucket",
     "GatherUnit",
+    "HierarchicalUnit",
     "LiveElements",
+    "NodeGroup",
     "Reserve",
     "UnitState",
     "Zeros",
@@ -125,6 +127,10 @@ class FlatBucket:
     gather_wire: WireBuffers | None = None
     comm: Collectives | None = None
     handle: Handle | None = None
+    # hpZ (stage 3): this rank's node-local slice of the gathered bucket, and whether
+    # it holds the current values (worker/stages.py [Note: hierarchical partitioning])
+    secondary: torch.Tensor | None = None
+    secondary_fresh: bool = False
 
     def param_views(self) -> None:
         """Point every parameter's ``.data`` at its slot in ``full``."""
@@ -218,3 +224,64 @@ class GatherUnit:
             self.state = UnitState.SHARDED
             self.live.numel -= self._counted
             self._counted = 0
+
+
+class NodeGroup:
+    """hpZ's node group of this rank: the ``size`` consecutive ranks of ``world``
+    that hold it, formed at its first use (worker/stages.py [Note: hierarchical
+    partitioning]); ``rank`` is this rank's place in it."""
+
+    def __init__(self, world: Collectives, size: int) -> None:
+        self.world, self.size = world, size
+        self.rank = world.rank % size
+        self._comm: Collectives | None = None
+
+    @property
+    def comm(self) -> Collectives:
+        if self._comm is None:
+            self._comm = self.world.split(self.size)
+        return self._comm
+
+    @property
+    def formed(self) -> Collectives | None:
+        """The group's collectives if it has been formed, else None."""
+        return self._comm
+
+
+@dataclass(eq=False)
+class HierarchicalUnit(GatherUnit):
+    """A stage-3 gather unit under hpZ: released, it keeps its node-local slice of
+    each bucket (``secondary``); gathered again before the next optimizer step,
+    it all-gathers those slices within its node group instead of the world."""
+
+    node: NodeGroup | None = None
+
+    def gather(self, comm: Collectives) -> None:
+        if self.state is not UnitState.SHARDED:
+            return
+        if not self.buckets or not all(b.secondary_fresh for b in self.buckets):
+            super().gather(comm)  # the world's all-gather, which refreshes the slices
+            return
+        assert self.node is not None
+        node = self.node.comm
+        self._counted = self.numel
+        self.live.numel += self._counted
+        for b in self.buckets:
+            b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
+            mark_gathered(b.params)
+            assert b.secondary is not None
+            self.handles.append(node.all_gather(b.full, b.secondary, async_op=True))
+        self.state = UnitState.GATHERING
+
+    def reshard(self) -> None:
+        self.wait()
+        if self.state is UnitState.GATHERED:
+            assert self.node is not None
+            with torch.no_grad():
+                for b in self.buckets:
+                    if not b.secondary_fresh:
+                        assert b.secondary is not None
+                        n = b.secondary.numel()
+                        b.secondary.copy_(b.full[self.node.rank * n : (self.node.rank + 1) * n])
+                        b.secondary_fresh = True
+        super().reshard()

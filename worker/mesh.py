@@ -41,6 +41,7 @@ from worker.birth import Init, SlicedInit, meta_names, skip_init
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
+from worker.metrics import MetricsServer
 from worker.schedule import SchedulerArg
 from worker.tp import TensorParallel, apply_tp, gather_full, gpt_plan
 from worker.tp_checkpoint import FullExport, FullView
@@ -117,11 +118,12 @@ class ParallelConfig:
 def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
     """Refuse, with the reason, what this composition does not do (README, "The mesh")."""
     pp = parallel.pipeline_parallel
-    if pp > 1 and config.stage > 1:
+    if pp > 1 and config.stage > 2:
         raise ValueError(
-            f"pipeline_parallel > 1 runs with ZeRO stage 0 or 1 (as DeepSpeed's pipeline "
-            f"engine), got stage {config.stage}: stages 2-3 reduce or gather per "
-            "micro-batch, which the pipeline schedule interleaves"
+            f"pipeline_parallel > 1 runs with ZeRO stages 0-2, got stage {config.stage}: "
+            "stage 3 gathers each unit per forward and backward, which the pipeline "
+            "schedule interleaves over micro-batches (worker/pipeline.py [Note: pipeline "
+            "gradients into ZeRO])"
         )
     if pp > 1 and config.gradient_accumulation_steps != 1:
         raise ValueError(
@@ -229,6 +231,7 @@ class MeshEngine(ZeroEngine):
         lr_scheduler: SchedulerArg | None = None,
         device: torch.device | str | None = None,
         init: Init | None = None,
+        metrics: MetricsServer | None = None,
     ) -> None:
         super().__init__(
             module,
@@ -238,6 +241,7 @@ class MeshEngine(ZeroEngine):
             lr_scheduler=lr_scheduler,
             device=device,
             init=init,
+            metrics=metrics,
         )
         self.mesh, self.shape, self.coords, self.tp = mesh, shape, coords, tp
         self.tp_comm = Collectives(mesh["tp"].get_group()) if shape.tp > 1 else Collectives(None)
@@ -289,6 +293,7 @@ def parallelize(
     lr_scheduler: SchedulerArg | None = None,
     device: torch.device | str | None = None,
     init: Init | None = None,
+    metrics: MetricsServer | None = None,
 ) -> MeshEngine:
     """ZeRO ``config`` over the dp dimension of a ``(pp, dp, tp)`` mesh, with
     ``model`` tensor-parallel over tp by ``plan`` (a dict of torch ParallelStyles
@@ -301,7 +306,8 @@ def parallelize(
     :func:`worker.initialize`: each module by its ``reset_parameters()`` or by
     ``init(module)`` (``worker.skip_init`` for weights that
     :meth:`MeshEngine.load_weights` brings next), on its whole tensors, each rank
-    keeping its tp slice (worker/tp.py [Note: birth under tensor parallelism])."""
+    keeping its tp slice (worker/tp.py [Note: birth under tensor parallelism]).
+    ``metrics``: the endpoint a coordinator's job started before the engine."""
     if parallel.pipeline_parallel > 1:
         raise ValueError("pipeline_parallel > 1: use worker.pipeline.pipeline(...)")
     check_combination(config, parallel)
@@ -312,7 +318,7 @@ def parallelize(
     coords = shape.coords(dist.get_rank() if world > 1 else 0)
     engine = engine_on_mesh(
         MeshEngine, model, optimizer, model, config, mesh, shape, coords, plan, lr_scheduler,
-        device=device, init=init,
+        device=device, init=init, metrics=metrics,
     )  # fmt: skip
     logger.info(
         "mesh pp=%d dp=%d tp=%d: this rank is pp=%d dp=%d tp=%d",

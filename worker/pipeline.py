@@ -22,8 +22,20 @@ them across dp: :meth:`PipelineEngine.train_step` calls ``engine.backward``
 on a zero that depends on every stage parameter, which adds zeros to each
 gradient and runs the engine's usual boundary path (used-parameter ballot,
 buckets launched in order, reduce-scatter or all-reduce) with no change to
-the engine. Stages 2-3 are refused: they reduce or gather per backward, and
-the schedule interleaves backwards of several micro-batches.
+the engine.
+
+At stage 2 a gradient goes to its bucket's staging buffer as it arrives and
+``.grad`` is freed (worker/stages.py ``ReduceScatterStaging``); outside
+``engine.backward`` nothing is launched, so the staging buffers sum the
+micro-batches' gradients, and the zero's backward reduce-scatters each once,
+into the persistent gradient shard: one reduce-scatter per bucket and step,
+as torchtitan reduces FSDP's gradients only on a pipeline's last micro-batch.
+The schedule's ``scale_grads`` then finds no ``.grad`` to divide, so the
+micro-batch losses carry the ``1 / microbatches`` themselves; and the staging
+buffers, which hold the stage's whole gradient during the schedule, go back
+after the step (``StagingPool.trim``), so between steps a rank holds its
+gradient shard alone. Stage 3 is refused: it gathers each unit per forward
+and backward, which the schedule interleaves over micro-batches.
 
 [Note: pipeline micro-batches of equal shape]
 torch's stages infer the shapes they send and receive from the first step
@@ -79,6 +91,7 @@ from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
 from worker.inventory import Inventory, persistent_buffers
 from worker.mesh import MeshEngine, ParallelConfig, build_mesh, check_combination, engine_on_mesh
+from worker.metrics import MetricsServer
 from worker.schedule import SchedulerArg
 from worker.tp_checkpoint import FullView
 
@@ -259,9 +272,11 @@ class PipelineEngine(MeshEngine):
             targets = torch.cat([targets, targets[:1].expand(pad, *targets.shape[1:])])
         self._real = [max(0, min(width, real - j * width)) for j in range(m)]
         self._targets, self._width = targets, width
-        # sum_j scale_j * mean_j, divided by m in the schedule, then summed over dp and
-        # divided by N: the mean over the global batch
-        self._scales = [n * m * weight / real if real else 0.0 for n in self._real]
+        # sum_j scale_j * mean_j, divided by m in the schedule (at stage 2 here: the
+        # schedule finds no .grad to divide, [Note: pipeline gradients into ZeRO]),
+        # then summed over dp and divided by N: the mean over the global batch
+        per = 1.0 if self.state.reducer.grads_in_place else 1.0 / m
+        self._scales = [n * m * weight / real * per if real else 0.0 for n in self._real]
         self._losses = {}
         return inputs, targets, weight
 
@@ -291,6 +306,7 @@ class PipelineEngine(MeshEngine):
         else:
             self.stats.replace_window_loss(None, 0.0)
         ZeroEngine.step(self, samples=sum(self._real) if self.coords.pp == 0 else 0)
+        self.state.trim_staging()
         # the loss summed over dp lives on the last stage: every stage gets it
         pair = self.stats.global_loss
         if pair is not None and self.shape.pp > 1:
@@ -408,12 +424,14 @@ def pipeline(
     loss_fn: LossFn = lm_loss,
     plan: dict | Callable[[nn.Module], dict] | None = None,
     lr_scheduler: SchedulerArg | None = None,
+    metrics: MetricsServer | None = None,
 ) -> PipelineEngine:
     """``model`` split into ``parallel.pipeline_parallel`` stages by ``split``, this
     rank's stage run by torch's pipelining schedule, ZeRO ``config`` over dp; with
     ``parallel.tensor_parallel > 1`` each stage's modules also tensor-parallel by
     ``plan`` (as :func:`worker.mesh.parallelize`; default the GPT plan).
-    ``lr_scheduler``: as :func:`worker.initialize`'s, stepped by the engine."""
+    ``lr_scheduler``: as :func:`worker.initialize`'s, stepped by the engine.
+    ``metrics``: the endpoint a coordinator's job started before the engine."""
     check_combination(config, parallel)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     shape = parallel.shape(world)
@@ -429,7 +447,7 @@ def pipeline(
     # the stage module keeps the model's names, so the model's plan applies to it
     engine = engine_on_mesh(
         PipelineEngine, stage_module, optimizer, model, config, mesh, shape, coords, plan,
-        lr_scheduler, parallel=parallel, loss_fn=loss_fn,
+        lr_scheduler, parallel=parallel, loss_fn=loss_fn, metrics=metrics,
     )  # fmt: skip
     logger.info(
         "pipeline stage %d of %d (dp rank %d of %d), schedule %s, %d micro-batches",

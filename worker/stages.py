@@ -50,7 +50,16 @@ from worker.compression import (
     start_all_gather,
     start_reduce_scatter,
 )
-from worker.flat import BucketState, FlatBucket, GatherUnit, LiveElements, UnitState, Zeros
+from worker.flat import (
+    BucketState,
+    FlatBucket,
+    GatherUnit,
+    HierarchicalUnit,
+    LiveElements,
+    NodeGroup,
+    UnitState,
+    Zeros,
+)
 from worker.sharded import mark_sharded, name_params, reads_data
 
 __all__ = [
@@ -224,6 +233,15 @@ class StagingPool:
         base = b.staging._base if b.staging._base is not None else b.staging
         self._free.append(base)
         b.staging = None
+
+    def trim(self) -> None:
+        """Drop the free buffers beyond the pool's size (a pipeline's step grows it to
+        every bucket of its stage: worker/pipeline.py [Note: pipeline gradients into
+        ZeRO])."""
+        keep = max(0, self.size - len(self._holders))
+        if len(self._free) > keep:
+            del self._free[keep:]
+            self._count = len(self._free) + len(self._holders)
 
     def warm(self, like: torch.Tensor) -> None:
         """Make the pool's buffers now, written once, as ``like``'s dtype and device:
@@ -559,6 +577,45 @@ class ShardedParams(ParamStorage):
     The shard layout is untouched (units merge only in how they are
     gathered), so every rank and the coordinator keep the same layout. After
     the first forward no mode runs.
+
+    [Note: hierarchical partitioning]
+    ZeRO++'s hpZ (``ZeroConfig.hpz_partition_size`` k > 1): the world's ranks
+    form node groups of k consecutive ranks, ``[0, k)``, ``[k, 2k)``, ...
+    (:meth:`Collectives.split`, formed at the first gather that needs them,
+    since forming a group is a collective and a newcomer attaches before its
+    group exists). Besides its primary shard (1/N of each bucket, the
+    layout's), each rank keeps a secondary slice: 1/k of each bucket, the
+    elements ``[j·padded/k, (j+1)·padded/k)`` for its place j in its node
+    group, which are the primary shards of N/k consecutive ranks. A unit's
+    gather is the world's all-gather, as without hpZ, unless every one of its
+    buckets' secondary slices is fresh; when the unit is released
+    (:class:`HierarchicalUnit`), each rank copies its slice out of the full
+    buffer and marks it fresh. A gather while fresh (the backward's, a
+    recomputation's, the next micro-batch's forward under accumulation) is an
+    all-gather of the slices within the node group: nothing crosses nodes.
+    Publishing after the optimizer step marks every slice stale (so does a
+    rebuild, and an import publishes), and the next forward's world gather
+    refreshes them. The decision is made from the same sequence of gathers on
+    every rank, so every rank issues the same collectives. The slices are
+    copies of what the world gather gave, so the results are plain stage 3's
+    bit for bit; with qwZ (a quantized world gather) the node gather is not
+    quantized, and a rank then reads, in backward, another rank's slot as the
+    slot's keeper decoded it (its own exactly): within the codec's bound, as
+    before. The cost is p·Ψ/k bytes per rank (``params`` in ``memory_report``
+    and coordinator/core/memory.py), and a copy of p·Ψ/k per step.
+
+    Node groups are consecutive ranks because the launchers number a host's
+    ranks consecutively (torchrun's ``node_rank·nproc + local_rank``) and the
+    coordinator admits joiners sorted by host (coordinator/control/
+    membership.py ``propose``: "Joiners grouped by host"); survivors of a
+    membership change keep their order, so after one a group may span hosts,
+    which costs speed, not correctness. Each generation's build forms the
+    groups anew; a world that k does not divide runs without hpZ, with a
+    warning (the first build refuses it), and so does a world of k ranks
+    (one node: every gather is intra-node already). hpZ needs the engine on
+    the default process group, where new groups can be formed from every
+    rank: a subgroup (tensor or pipeline parallelism, ``engine.reconfigure``
+    onto a subgroup) is refused.
     """
 
     sharded = True
@@ -573,9 +630,14 @@ class ShardedParams(ParamStorage):
         home: ShardHome | None = None,
         max_reuse_distance: int = 0,
         max_live: int = 10**9,
+        hpz: int = 1,
     ) -> None:
         super().__init__(dtype, master_apart, gather_codec=gather_codec)
         self.prefetch = prefetch
+        # [Note: hierarchical partitioning]: the ranks per node asked for, and this
+        # world's node group (None: hpZ off in this world)
+        self.hpz = hpz
+        self.node: NodeGroup | None = None
         self.max_reuse_distance, self.max_live = max_reuse_distance, max_live
         self.live = LiveElements()
         self.home: ShardHome = home or _OnDevice()
@@ -609,6 +671,14 @@ class ShardedParams(ParamStorage):
         self.detach()
         self.comm = comm
         self.live = LiveElements()
+        self.node = self._node_group(comm)
+        for b in buckets:
+            b.secondary_fresh = False
+            b.secondary = None
+            if self.node is not None:
+                b.secondary = torch.empty(
+                    b.spec.padded_numel // self.node.size, dtype=b.full.dtype, device=b.full.device
+                )
         by_unit: dict[int, list[FlatBucket]] = {}
         for b in buckets:
             by_unit.setdefault(b.spec.unit, []).append(b)
@@ -624,6 +694,16 @@ class ShardedParams(ParamStorage):
                 fetch=self.home.fetch,
                 live=self.live,
             )
+            if self.node is not None:
+                unit = HierarchicalUnit(
+                    index,
+                    module,
+                    unit.buckets,
+                    self.gather_codec,
+                    fetch=self.home.fetch,
+                    live=self.live,
+                    node=self.node,
+                )
             self.units.append(unit)
             self._hooks += [
                 module.register_forward_pre_hook(self._pre_forward_hook(unit)),
@@ -631,6 +711,42 @@ class ShardedParams(ParamStorage):
             ]
         self._unit_by_index = {u.index: u for u in self.units}
         self._unit_of_param = {p: u for u in self.units for b in u.buckets for p in b.params}
+
+    def _node_group(self, comm: Collectives) -> NodeGroup | None:
+        """This world's node group under hpZ, or None where it runs without
+        ([Note: hierarchical partitioning])."""
+        k, world = self.hpz, comm.world_size
+        if k == 1 or world == 1:
+            return None
+        if not comm.on_default_group:
+            raise ValueError(
+                f"ZeroConfig.hpz_partition_size={k} needs the engine on the default "
+                "process group, whose ranks form the node groups; this engine runs on "
+                "a subgroup (tensor or pipeline parallelism, or engine.reconfigure onto "
+                "a new group), where hpZ is not supported: set hpz_partition_size=1"
+            )
+        if world % k:
+            logger.warning(
+                "hpZ off in this world: ZeroConfig.hpz_partition_size=%d does not divide "
+                "its %d ranks (stage 3 gathers across the world in backward too)",
+                k,
+                world,
+            )
+            return None
+        if world == k:
+            logger.info(
+                "hpZ off in this world: its %d ranks are one node group "
+                "(ZeroConfig.hpz_partition_size=%d), every gather stays within it",
+                world,
+                k,
+            )
+            return None
+        return NodeGroup(comm, k)
+
+    @property
+    def node_comm(self) -> Collectives | None:
+        """hpZ's node-group collectives, once formed (their bytes, apart from the world's)."""
+        return None if self.node is None else self.node.formed
 
     def detach(self) -> None:
         for handle in self._hooks:
@@ -705,13 +821,14 @@ class ShardedParams(ParamStorage):
         )
 
     def start_publish(self, b: FlatBucket, comm: Collectives) -> Handle | None:
+        b.secondary_fresh = False  # [Note: hierarchical partitioning]
         if self.master_apart:
             with torch.no_grad():
                 b.shard.copy_(b.master, non_blocking=True)
         return None
 
     def nbytes(self, b: FlatBucket) -> int:
-        return _nbytes(b.shard)
+        return _nbytes(b.shard) + _nbytes(b.secondary)
 
     def after_launch(self, b: FlatBucket) -> None:
         unit = self._unit_by_index[b.spec.unit]

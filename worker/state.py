@@ -166,6 +166,7 @@ class ShardState:
                 max_live=self.config.stage3_max_live_parameters,
                 gather_codec=codec,
                 home=self.placement,
+                hpz=self.config.hpz_partition_size,
             )
         return self.stage.params(self.dtype, apart, gather_codec=codec)
 
@@ -184,6 +185,16 @@ class ShardState:
         """Where the master partition and optimizer state live: the device, or the
         host with optimizer offload. Loads and transfers land there."""
         return HOST if self.placement.optimizer_on_host else self.device
+
+    def comm_groups(self) -> dict[str, Collectives]:
+        """The groups this state's collectives run on, by scope: ``world`` (the
+        engine's group) and, once hpZ has formed it, ``node`` (worker/stages.py
+        [Note: hierarchical partitioning])."""
+        groups = {"world": self.comm}
+        node = self.params.node_comm if isinstance(self.params, ShardedParams) else None
+        if node is not None:
+            groups["node"] = node
+        return groups
 
     @property
     def units(self) -> list[GatherUnit]:
@@ -327,6 +338,10 @@ class ShardState:
         self.optimizer = ShardOptimizer(
             self.user_optimizer, [[] for _ in self.user_optimizer.param_groups]
         )
+
+    def trim_staging(self) -> None:
+        """Hand back the staging buffers a pipeline's step took beyond the pool's own."""
+        self.pool.trim()
 
     def _birth(self) -> Birth | None:
         """How the module's meta tensors come to life as the buckets are built; None

@@ -14,7 +14,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from coordinator.commands.args import add_alias, non_negative, seconds
-from coordinator.core.meshplan import PP_ENV, TP_ENV, MeshChangeRefused, MeshShape, check_resize
+from coordinator.core.meshplan import (
+    MESH_ENV,
+    PP_ENV,
+    TP_ENV,
+    MeshChangeRefused,
+    MeshShape,
+    check_resize,
+)
 from coordinator.core.messages import STOPPED, StatusReport, WorkerReport
 from coordinator.core.settings import (
     ADDRESS_ENV,
@@ -81,6 +88,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=1,
         metavar="P",
         help="pipeline stages: $ZEROPLANE_PP (default 1)",
+    )
+    parser.add_argument(
+        "--mesh",
+        choices=("auto",),
+        help="auto: the coordinator chooses tp and pp (and, with --stage auto or none "
+        "asked, the stage) from the model and the workers' device memory, and every "
+        "worker builds that mesh ($ZEROPLANE_MESH); not with --tp/--pp",
     )
     parser.add_argument(
         "--grace",
@@ -381,6 +395,17 @@ def _live_status(
 def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
     """``$ZEROPLANE_TP``/``$ZEROPLANE_PP`` for a mesh job, checked against the worker
     counts: every count the job may run at must be whole model-parallel groups."""
+    if getattr(args, "mesh", None) == "auto":
+        if args.tp != 1 or args.pp != 1:
+            raise ValueError("--mesh auto chooses tp and pp: give it without --tp/--pp")
+        low = args.nproc if args.min_workers is None else args.min_workers
+        high = args.nproc if args.max_workers is None else args.max_workers
+        if low != high:
+            raise ValueError(
+                "--mesh auto with --min-workers != --max-workers: an elastic mesh job is "
+                "not supported yet"
+            )
+        return {MESH_ENV: "auto"}
     if args.tp == 1 and args.pp == 1:
         return {}
     shape = MeshShape.for_world(args.nproc, tp=args.tp, pp=args.pp)

@@ -173,11 +173,16 @@ def _status_over_http(args: argparse.Namespace) -> int:
     ]
     if api.get("stage_reason"):
         lines.append(f"stage reason: {api['stage_reason']}")
+    if api.get("mesh"):
+        m = api["mesh"]
+        lines.append(f"mesh: pp={m['pp']} x dp={m['dp']} x tp={m['tp']} ({api['mesh_reason']})")
     if api.get("waiting_reason"):
         lines.append(f"waiting: {api['waiting_reason']}")
+    mesh = bool(api.get("mesh"))
     rows = [
         [
             "-" if w["rank"] is None else str(w["rank"]),
+            *([_at(w.get("mesh"))] if mesh else []),
             w["worker_id"],
             w["state"],
             w["host"],
@@ -187,11 +192,16 @@ def _status_over_http(args: argparse.Namespace) -> int:
         ]
         for w in api["workers"]
     ]
-    lines += ["", *_table(["rank", "worker", "state", "host", "device", "step", "metrics"], rows)]
+    header = ["rank", *(["pp/dp/tp"] if mesh else []), "worker", "state", "host", "device"]
+    lines += ["", *_table([*header, "step", "metrics"], rows)]
     if api["ranks"]:
         lines += ["", format_figures(api["ranks"])]
     print("\n".join(lines))
     return 0
+
+
+def _at(coords: Mapping[str, int] | None) -> str:
+    return "-" if not coords else f"{coords['pp']}/{coords['dp']}/{coords['tp']}"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -259,6 +269,9 @@ def format_status(report: StatusReport, *, address: str = "", events: int = 10) 
     )
     if report.stage_reason:
         lines.append(f"stage reason: {report.stage_reason}")
+    if report.mesh is not None:
+        m = report.mesh
+        lines.append(f"mesh: pp={m.pp} x dp={m.dp} x tp={m.tp} ({report.mesh_reason})")
     if report.waiting_reason:
         lines.append(f"waiting: {report.waiting_reason}")
     if report.rendezvous_endpoint:
@@ -276,15 +289,19 @@ def format_status(report: StatusReport, *, address: str = "", events: int = 10) 
 
     kinds = {k for w in report.workers if w.report for k in w.report.model_state_bytes}
     kinds_sorted = [k for k in KIND_ORDER if k in kinds] + sorted(kinds - set(KIND_ORDER))
-    header = ["rank", "worker", "state", "host", "device", "device mem", "lease", "step"]
-    header += [*kinds_sorted, "model states", "allocated"]
+    mesh = report.mesh is not None
+    header = ["rank", *(["pp/dp/tp"] if mesh else []), "worker", "state", "host", "device"]
+    header += ["device mem", "lease", "step", *kinds_sorted, "model states", "allocated"]
     rows = []
     for w in report.workers:
         r = w.report
         states = None if r is None else r.model_state_bytes
+        coords = report.coords(w.rank)
+        at = "-" if coords is None else f"{coords.pp}/{coords.dp}/{coords.tp}"
         rows.append(
             [
                 "-" if w.rank is None else str(w.rank),
+                *([at] if mesh else []),
                 w.info.worker_id,
                 f"{w.state} (leaving)" if w.leaving else w.state,
                 w.info.host,

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.core.layout import ParamSpec, layout_steps
+from coordinator.core.meshplan import MeshShape, choose_mesh, tp_sharded_numel
 from coordinator.core.messages import (
     FINISHED,
     STOPPED,
@@ -76,6 +77,13 @@ logger = logging.getLogger(__name__)
 
 # workers whose last report is kept for the job's summary (the newest)
 MAX_LAST_REPORTS = 4096
+
+
+def _mesh_words(mesh: tuple[int, int] | None) -> str:
+    if mesh is None:
+        return "no mesh (data parallel only)"
+    tp, pp = (str(d) if d else "auto" for d in mesh)
+    return f"tp={tp}, pp={pp}"
 
 
 class MembershipError(Exception):
@@ -149,6 +157,8 @@ class Proposal:
     align: int
     created_unix_s: float
     epoch: str
+    mesh: MeshShape | None = None
+    mesh_reason: str = ""
 
 
 def build_generation(p: Proposal) -> Generation:
@@ -213,6 +223,8 @@ def build_steps(p: Proposal) -> Steps[Generation]:
         inventory_digest=p.digest,
         created_unix_s=p.created_unix_s,
         epoch=p.epoch,
+        mesh=p.mesh,
+        mesh_reason=p.mesh_reason,
     )
 
 
@@ -232,6 +244,14 @@ class Snapshot:
     finished_by: str = ""
     # why the job is stopping unfinished, once it is
     stopping: str = ""
+    # ``generation`` serialized as the server publishes it, less what follows from the
+    # inventory (a ``Generation`` with its members whole, its layout without buckets,
+    # its reshard schedule without moves), and the same with its members as a
+    # ``MembersDelta`` from the generation before; empty when not at hand. The state
+    # file stores these bytes rather than encoding the generation again
+    # (coordinator/control/statefile.py [Note: state file format]).
+    generation_wire: bytes = field(default=b"", repr=False, compare=False)
+    generation_delta_wire: bytes = field(default=b"", repr=False, compare=False)
 
     def inconsistency(self) -> str | None:
         """What makes this snapshot unusable, in words; None if nothing."""
@@ -337,6 +357,7 @@ class Membership:
         the registration came from.
         """
         self._check_inventory(inventory, digest, wire)
+        self._check_mesh(info)
         now = self._clock()
         lease = now + self.config.lease_timeout_s
         old = self._workers.get(info.worker_id)
@@ -352,6 +373,18 @@ class Membership:
         self._joiners[info.worker_id] = None
         self._event("registered", info.worker_id, f"host {info.host}")
         return False
+
+    def _check_mesh(self, info: WorkerInfo) -> None:
+        """Every worker of a job asks for the same mesh (or none): one rank on another
+        mesh would build a different DeviceMesh and hang the first collective."""
+        for other in self._workers.values():
+            if other.info.worker_id != info.worker_id and other.info.mesh != info.mesh:
+                raise InventoryMismatch(
+                    f"worker {info.worker_id!r} asks for {_mesh_words(info.mesh)}, the job's "
+                    f"workers for {_mesh_words(other.info.mesh)}: every worker of a job runs "
+                    "the same --tp/--pp"
+                )
+            break
 
     def heartbeat(
         self,
@@ -585,6 +618,11 @@ class Membership:
                 choice,
                 reason=choice.reason.replace("set by configuration", "asked for by the workers"),
             )
+        mesh, mesh_reason = None, ""
+        if infos[0].mesh is not None:
+            mesh, mesh_reason, choice = self._plan_mesh(
+                infos[0].mesh, len(infos), memories, choice, asked
+            )
         if not choice.fits and memories:
             logger.warning("generation %d: %s", self.generation_id + 1, choice.reason)
         return Proposal(
@@ -603,7 +641,58 @@ class Membership:
             align=self.plan.align,
             created_unix_s=self._wall(),
             epoch=self.epoch,
+            mesh=mesh,
+            mesh_reason=mesh_reason,
         )
+
+    def _plan_mesh(
+        self,
+        asked: tuple[int, int],
+        world: int,
+        memories: list[int],
+        choice: StageChoice,
+        stage_asked: int | None,
+    ) -> tuple[MeshShape, str, StageChoice]:
+        """The mesh of a generation of ``world`` ranks, why, and the stage it runs.
+
+        The degrees the workers ask for stand; one they leave to the coordinator (0:
+        ``--mesh auto``) is :func:`~coordinator.core.meshplan.choose_mesh`'s choice
+        from the inventory and the smallest device memory, and so is the stage unless
+        one was configured or asked for. With the device memory unknown nothing is
+        chosen: a degree left open is 1, and a pipeline's stage at most 2 (what
+        worker/mesh.py runs with pp > 1)."""
+        tp, pp = asked
+        stage_free = self.plan.stage is None and stage_asked is None
+        if not memories:
+            shape = MeshShape.for_world(world, tp=tp or 1, pp=pp or 1)
+            reason = (
+                f"tp={shape.tp}, pp={shape.pp} as asked"
+                if tp and pp
+                else f"device memory unknown: tp={shape.tp}, pp={shape.pp}, no model "
+                "parallelism that was not asked for"
+            )
+            if stage_free and shape.pp > 1 and choice.stage > 2:
+                choice = dataclasses.replace(
+                    choice, stage=2, reason="stage 2, the highest a pipeline runs"
+                )
+            return shape, reason, choice
+        assert self.inventory is not None
+        picked = choose_mesh(
+            self.trainable_numel,
+            sharded_numel=tp_sharded_numel((p.name, p.numel) for p in self.inventory),
+            world_size=world,
+            device_memory_bytes=min(memories),
+            config=dataclasses.replace(self.plan, offload=False, stage=None),
+            tp=tp or None,
+            pp=pp or None,
+        )
+        best = picked.chosen
+        if stage_free:
+            choice = dataclasses.replace(
+                choice, stage=best.stage, reason=f"stage {best.stage} on the mesh", fits=picked.fits
+            )
+        who = "as asked" if tp and pp else "chosen by the coordinator"
+        return best.shape, f"{who}: {picked.reason}", choice
 
     def commit(self, proposal: Proposal, generation: Generation) -> bool:
         """Publish ``generation``, built from ``proposal``; False (nothing changes) when
@@ -804,6 +893,8 @@ class Membership:
             inventory_digest=self.digest,
             server_version=server_version,
             epoch=self.epoch,
+            mesh=None if gen is None else gen.mesh,
+            mesh_reason="" if gen is None else gen.mesh_reason,
         )
 
     def snapshot(self) -> Snapshot:

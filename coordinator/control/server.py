@@ -47,12 +47,13 @@ from coordinator.control.membership import (
     Membership,
     MembershipError,
     Proposal,
+    Snapshot,
     StaleGeneration,
     UnknownWorker,
     build_steps,
     first_difference,
 )
-from coordinator.control.statefile import StateStore, load_snapshot
+from coordinator.control.statefile import StateStore, length_delimited, load_snapshot
 from coordinator.control.telemetry import CoordinatorMetrics, RpcMetricsInterceptor
 from coordinator.control.web import CoordinatorHttp
 from coordinator.core.layout import ParamSpec
@@ -423,7 +424,7 @@ class _Servicer:
                 self.metrics.on_generation(generation)
                 # Durable before anyone hears of it: a restart must never hand out
                 # this id again with other content.
-                snapshot = self.m.snapshot()
+                snapshot = published.for_state_file(self.m.snapshot())
                 if snapshot.inventory and not snapshot.inventory_wire:
                     wire = await finish_async(inventory_wire_steps(snapshot.inventory))
                     snapshot = dataclasses.replace(snapshot, inventory_wire=wire)
@@ -683,6 +684,7 @@ def _build_steps(proposal: Proposal) -> Steps[tuple[Generation, _Published]]:
 
 
 MAX_HOST_RANKS = 1024  # ranks in one host heartbeat
+LAYOUT_FIELD = pb.Generation.DESCRIPTOR.fields_by_name["layout"].number
 
 
 def _rank_beat(msg: pb.HeartbeatRequest | pb.RankBeat, what: str) -> RankBeat:
@@ -723,10 +725,20 @@ class _Published:
     (members whole, or as a delta from the previous generation; the schedule without
     its moves) and the worker's own moves appended."""
 
-    def __init__(self, generation: Generation, head: bytes, delta_head: bytes | None) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        head: bytes,
+        delta_head: bytes | None,
+        layout: bytes = b"",
+    ) -> None:
         self.id = generation.id
         self.generation = generation
-        self._head, self._delta_head = head, delta_head
+        # the heads without the layout's buckets (what the state file stores), and the
+        # layout whole appended (a Generation's field 7, merged into the one before)
+        self._stored, self._delta_stored = head, delta_head
+        self._head = head + layout
+        self._delta_head = None if delta_head is None else delta_head + layout
         self._whole: asyncio.Future[bytes] | None = None
         reshard = generation.reshard
         self._schedules: RankSchedules | None = None
@@ -744,6 +756,12 @@ class _Published:
         if reshard is not None:  # the moves go to each worker apart
             reshard = dataclasses.replace(reshard, moves=(), partial=True)
         msg = yield from generation_steps(dataclasses.replace(generation, reshard=reshard))
+        # The layout's buckets apart: the state file leaves them out (they follow from
+        # the inventory), a watcher gets them appended (a message field given twice is
+        # merged, as for the moves appended in incremental()).
+        layout = length_delimited(LAYOUT_FIELD, msg.layout.SerializeToString())
+        yield
+        del msg.layout.buckets[:]
         head = msg.SerializeToString()
         yield
         delta = None if previous is None else members_delta(previous, generation)
@@ -753,7 +771,18 @@ class _Published:
             del msg.members[:]
             msg.members_delta.CopyFrom(delta)
             delta_head = msg.SerializeToString()
-        return cls(generation, head, delta_head)
+        return cls(generation, head, delta_head, layout)
+
+    def for_state_file(self, snapshot: Snapshot) -> Snapshot:
+        """``snapshot`` (of this generation) with the wire forms the state file stores
+        (coordinator/control/statefile.py [Note: state file format])."""
+        if snapshot.generation is not self.generation:
+            return snapshot
+        return dataclasses.replace(
+            snapshot,
+            generation_wire=self._stored,
+            generation_delta_wire=self._delta_stored or b"",
+        )
 
     async def whole(self) -> bytes:
         """The generation with every member and every move (one build, however many ask)."""

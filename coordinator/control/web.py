@@ -40,6 +40,7 @@ from prometheus_client.exposition import choose_encoder
 
 from coordinator.control.observe import Sampler
 from coordinator.control.telemetry import CoordinatorMetrics
+from coordinator.core.meshplan import MeshCoords
 from coordinator.core.messages import StatusReport, WorkerStatus
 
 __all__ = ["CoordinatorHttp", "api_status", "sd_targets"]
@@ -65,8 +66,15 @@ def sd_targets(report: StatusReport, job_name: str) -> list[dict[str, Any]]:
         if w.rank is not None:
             labels["__meta_zeroplane_rank"] = str(w.rank)
             labels["__meta_zeroplane_stage"] = str(report.stage)
+            coords = report.coords(w.rank)
+            if coords is not None:
+                labels |= {f"__meta_zeroplane_{k}": v for k, v in coords.labels().items()}
         groups.append({"targets": [w.info.metrics_endpoint], "labels": labels})
     return groups
+
+
+def _coords(coords: MeshCoords | None) -> dict[str, int] | None:
+    return None if coords is None else {"pp": coords.pp, "dp": coords.dp, "tp": coords.tp}
 
 
 def api_status(
@@ -106,12 +114,17 @@ def api_status(
         "world_size": report.world_size,
         "stage": report.stage,
         "stage_reason": report.stage_reason,
+        "mesh": None
+        if report.mesh is None
+        else {"pp": report.mesh.pp, "dp": report.mesh.dp, "tp": report.mesh.tp},
+        "mesh_reason": report.mesh_reason,
         "trainable_parameters": report.trainable_numel,
         "workers": [
             {
                 "worker_id": w.info.worker_id,
                 "state": w.state,
                 "rank": w.rank,
+                "mesh": _coords(report.coords(w.rank)),
                 "host": w.info.host,
                 "device_kind": w.info.device_kind,
                 "metrics_endpoint": w.info.metrics_endpoint,

@@ -6,7 +6,8 @@ torch-free (so the mapping lives here, on the coordinator's side).
 
 Fields with a DeepSpeed key go under it (``zero_optimization.stage``,
 ``reduce_bucket_size``, ``overlap_comm``, ``stage3_prefetch_bucket_size``,
-``stage3_max_reuse_distance``, ``stage3_max_live_parameters``, ``bf16``/``fp16``
+``stage3_max_reuse_distance``, ``stage3_max_live_parameters``,
+``zero_hpz_partition_size`` (``hpz_partition_size``), ``bf16``/``fp16``
 with the loss-scale settings, ``gradient_accumulation_steps``, ``gradient_clipping``,
 ``activation_checkpointing``).
 Fields DeepSpeed has no key for (``compression``, ``reduce_dtype``, ``replica_interval``, ...) go
@@ -70,6 +71,8 @@ def to_deepspeed(
         zo["stage3_max_reuse_distance"] = reuse
     if "stage3_max_live_parameters" in rest:  # the same default as DeepSpeed's
         zo["stage3_max_live_parameters"] = rest.pop("stage3_max_live_parameters")
+    if "hpz_partition_size" in rest:  # ZeRO++'s hpZ; the same default (1) as DeepSpeed's
+        zo["zero_hpz_partition_size"] = rest.pop("hpz_partition_size")
     ds["zero_optimization"] = zo
     dtype = rest.pop("dtype", "fp32")
     ds["bf16"] = {"enabled": dtype == "bf16"}

@@ -12,6 +12,10 @@ optimizer that keeps ``k`` fp32 tensors per element (Adam: k = 2):
 With bf16 and Adam that is 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N for stages
 0–3, the paper's Table 1.
 
+ZeRO++'s hpZ (``hpz_partition_size`` k > 1, stage 3) adds to the parameters a
+secondary copy of 1/k of each, p·Ψ/k (worker/stages.py [Note: hierarchical
+partitioning]).
+
 [Note: offloaded state bytes]
 With offload (worker/offload.py) part of that moves to host memory
 (:func:`offloaded_state_bytes`):
@@ -85,8 +89,10 @@ def model_state_bytes(
     world_size: int,
     dtype: Precision = "bf16",
     optimizer_states: int = 2,
+    hpz_partition_size: int = 1,
 ) -> ModelStateBytes:
-    """Bytes of model state one rank holds, by the formulas above (no padding)."""
+    """Bytes of model state one rank holds, by the formulas above (no padding);
+    ``hpz_partition_size``: hpZ's ranks per node at stage 3 (1: off)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if world_size < 1:
@@ -95,10 +101,16 @@ def model_state_bytes(
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     if optimizer_states < 0:
         raise ValueError(f"optimizer_states must be >= 0, got {optimizer_states}")
+    if hpz_partition_size < 1 or (hpz_partition_size > 1 and stage != 3):
+        raise ValueError(
+            "hpz_partition_size must be an integer >= 1, and 1 below stage 3, "
+            f"got {hpz_partition_size} at stage {stage}"
+        )
     p = DTYPE_BYTES[dtype]
     shard = numel / world_size
+    secondary = numel / hpz_partition_size if hpz_partition_size > 1 else 0
     return ModelStateBytes(
-        params=p * (shard if stage >= 3 else numel),
+        params=p * (shard + secondary if stage >= 3 else numel),
         grads=p * (shard if stage >= 2 else numel),
         master=0 if dtype == "fp32" else 4 * (shard if stage >= 1 else numel),
         optimizer=4 * optimizer_states * (shard if stage >= 1 else numel),

@@ -27,6 +27,7 @@ from coordinator.core.memory import (
 from coordinator.core.planner import PlanConfig, format_bytes
 
 __all__ = [
+    "MESH_ENV",
     "PP_ENV",
     "TP_ENV",
     "TP_PATTERNS",
@@ -47,6 +48,9 @@ __all__ = [
 # coordinates from its RANK by [Note: mesh rank order].
 TP_ENV = "ZEROPLANE_TP"
 PP_ENV = "ZEROPLANE_PP"
+# "auto" (`zeroplane run --mesh auto`): the coordinator chooses tp and pp
+# (coordinator/control/membership.py ``_plan_mesh``) and the workers build its mesh.
+MESH_ENV = "ZEROPLANE_MESH"
 
 
 class MeshChangeRefused(ValueError):
@@ -266,10 +270,13 @@ def mesh_candidates(
     max_tp: int = 8,
     heads: int | None = None,
     layers: int | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
 ) -> list[MeshCandidate]:
     """Every mesh of ``world_size`` ranks and ZeRO stage that worker/mesh.py runs:
     tp a power of two up to ``max_tp`` dividing the heads, or pp up to the layer
-    count, or both, ZeRO over the rest; stages 0-3, 0-1 with a pipeline."""
+    count, or both, ZeRO over the rest; stages 0-3, 0-2 with a pipeline. ``tp``,
+    ``pp``: only meshes of that degree (one the job fixed)."""
     config = config or PlanConfig()
     out = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= max_tp and world_size % t == 0]
@@ -277,6 +284,7 @@ def mesh_candidates(
     pps = [p for p in range(1, world_size + 1) if world_size % p == 0]
     pps = [p for p in pps if layers is None or p <= layers]
     meshes = [(t, p) for p in pps for t in tps if world_size % (t * p) == 0]
+    meshes = [(t, p) for t, p in meshes if tp in (None, t) and pp in (None, p)]
     for tp, pp in meshes:
         shape = MeshShape.for_world(world_size, tp=tp, pp=pp)
         numel_rank = model_parallel_numel(numel, sharded_numel=sharded_numel, tp=tp, pp=pp)
@@ -290,7 +298,7 @@ def mesh_candidates(
                 act = config.activations.layers * config.activations.mesh_layer_bytes(
                     config.precision, tp
                 )
-        for stage in (0, 1) if pp > 1 else (0, 1, 2, 3):
+        for stage in (0, 1, 2) if pp > 1 else (0, 1, 2, 3):
             states = model_state_bytes(
                 math.ceil(numel_rank),
                 stage=stage,
@@ -317,6 +325,8 @@ def choose_mesh(
     max_tp: int = 8,
     heads: int | None = None,
     layers: int | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
 ) -> MeshChoice:
     """The mesh and stage to run: the first that fits the device memory less headroom
     of: ZeRO alone, then the smallest model-parallel group (tp*pp), each at its
@@ -340,7 +350,15 @@ def choose_mesh(
         max_tp=max_tp,
         heads=heads,
         layers=layers,
+        tp=tp,
+        pp=pp,
     )
+    if not candidates:
+        raise ValueError(
+            f"no mesh of {world_size} ranks has tp={tp} and pp={pp}"
+            if tp or pp
+            else f"no mesh of {world_size} ranks"
+        )
     usable = device_memory_bytes * (1 - config.headroom)
     order = sorted(
         candidates, key=lambda c: (c.checkpointing, c.shape.group_size, c.stage, c.shape.pp)
@@ -352,11 +370,9 @@ def choose_mesh(
             f"{best.describe()}: {format_bytes(best.total)} per rank "
             f"of {format_bytes(usable)} usable"
         )
-        if best.shape.group_size > 1:
-            dp_only = min(
-                (c for c in candidates if c.shape.group_size == 1 and not c.checkpointing),
-                key=lambda c: c.total,
-            )
+        alone = [c for c in candidates if c.shape.group_size == 1 and not c.checkpointing]
+        if best.shape.group_size > 1 and alone:
+            dp_only = min(alone, key=lambda c: c.total)
             reason += (
                 f"; ZeRO alone needs at least {format_bytes(dp_only.total)} ({dp_only.describe()})"
             )

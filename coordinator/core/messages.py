@@ -17,6 +17,7 @@ from google.protobuf.message import Message
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.core.layout import Bucket, Layout, ParamSpec, Slot
+from coordinator.core.meshplan import MeshCoords, MeshShape
 from coordinator.core.reshard import LazyMoves, Move, ReshardSchedule
 from coordinator.core.settings import MembershipConfig
 from coordinator.core.steps import STEP, Steps, finish
@@ -106,6 +107,9 @@ class WorkerInfo:
     # Rank and world size of a process group the worker's script formed itself.
     fixed_rank: int | None = None
     fixed_world_size: int | None = None
+    # The mesh a worker trains on, as ``(tensor_parallel, pipeline_parallel)``; 0
+    # leaves a degree to the coordinator (``--mesh auto``); None: data parallel only.
+    mesh: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         _check_id("WorkerInfo.worker_id", self.worker_id)
@@ -132,6 +136,13 @@ class WorkerInfo:
                 f"WorkerInfo.fixed_rank {self.fixed_rank} is not a rank of a group of "
                 f"{self.fixed_world_size} (at most {MAX_WORLD_SIZE})"
             )
+        if self.mesh is not None:
+            if len(self.mesh) != 2:
+                raise ValueError("WorkerInfo.mesh is (tensor_parallel, pipeline_parallel)")
+            for name, degree in zip(
+                ("tensor_parallel", "pipeline_parallel"), self.mesh, strict=True
+            ):
+                _check_range(f"WorkerInfo.mesh.{name}", degree, 0, MAX_WORLD_SIZE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,10 +239,17 @@ class Generation:
     created_unix_s: float = 0.0
     # Random per job state; ids compare only within one epoch (see the proto).
     epoch: str = ""
+    # The device mesh the members train on (None: data parallel only), and why.
+    mesh: MeshShape | None = None
+    mesh_reason: str = ""
 
     @property
     def world_size(self) -> int:
         return len(self.members)
+
+    def coords(self, rank: int) -> MeshCoords | None:
+        """Rank ``rank``'s place in the mesh ([Note: mesh rank order]); None without one."""
+        return None if self.mesh is None else self.mesh.coords(rank)
 
     @property
     def by_unit(self) -> bool:
@@ -294,6 +312,14 @@ class StatusReport:
     inventory_digest: str
     server_version: str = ""
     epoch: str = ""
+    mesh: MeshShape | None = None
+    mesh_reason: str = ""
+
+    def coords(self, rank: int | None) -> MeshCoords | None:
+        """A member's place in the generation's mesh; None without one (or a rank)."""
+        if self.mesh is None or rank is None or not 0 <= rank < self.mesh.world_size:
+            return None
+        return self.mesh.coords(rank)
 
     @property
     def members(self) -> tuple[WorkerStatus, ...]:
@@ -501,6 +527,9 @@ def worker_to_proto(info: WorkerInfo) -> pb.WorkerInfo:
         stage=info.stage,
         fixed_rank=info.fixed_rank,
         fixed_world_size=info.fixed_world_size,
+        mesh=None
+        if info.mesh is None
+        else pb.MeshRequest(tensor_parallel=info.mesh[0], pipeline_parallel=info.mesh[1]),
     )
 
 
@@ -516,7 +545,25 @@ def worker_from_proto(msg: pb.WorkerInfo) -> WorkerInfo:
         stage=msg.stage if msg.HasField("stage") else None,
         fixed_rank=msg.fixed_rank if msg.HasField("fixed_rank") else None,
         fixed_world_size=msg.fixed_world_size if msg.HasField("fixed_world_size") else None,
+        mesh=(msg.mesh.tensor_parallel, msg.mesh.pipeline_parallel)
+        if msg.HasField("mesh")
+        else None,
     )
+
+
+def mesh_to_proto(shape: MeshShape | None, out: pb.MeshShape) -> None:
+    if shape is not None:
+        out.pp, out.dp, out.tp = shape.pp, shape.dp, shape.tp
+
+
+def mesh_from_proto(msg: pb.Generation | pb.StatusResponse) -> MeshShape | None:
+    if not msg.HasField("mesh"):
+        return None
+    m = msg.mesh
+    try:
+        return MeshShape(pp=m.pp, dp=m.dp, tp=m.tp)
+    except ValueError as exc:
+        raise ValueError(f"generation {getattr(msg, 'id', '')}: {exc}") from None
 
 
 def report_to_proto(report: WorkerReport) -> pb.WorkerReport:
@@ -620,6 +667,7 @@ def generation_steps(gen: Generation) -> Steps[pb.Generation]:
                 host=m.host,
                 previous_rank=-1 if m.previous_rank is None else m.previous_rank,
                 device_memory_bytes=m.device_memory_bytes,
+                mesh=_coords_to_proto(gen.coords(m.rank)),
             )
             for m in gen.members
         ],
@@ -630,7 +678,9 @@ def generation_steps(gen: Generation) -> Steps[pb.Generation]:
         inventory_digest=gen.inventory_digest,
         created_unix_s=gen.created_unix_s,
         epoch=gen.epoch,
+        mesh_reason=gen.mesh_reason,
     )
+    mesh_to_proto(gen.mesh, msg.mesh)
     yield from _layout_steps(
         msg.layout, gen.layout, bucket_numel=gen.bucket_numel, align=gen.align, by_unit=gen.by_unit
     )
@@ -651,6 +701,10 @@ def generation_steps(gen: Generation) -> Steps[pb.Generation]:
             move.name, move.start, move.stop = m.name, m.start, m.stop
             move.old_owner, move.new_owner = m.old_owner, m.new_owner
     return msg
+
+
+def _coords_to_proto(coords: MeshCoords | None) -> pb.MeshCoords | None:
+    return None if coords is None else pb.MeshCoords(pp=coords.pp, dp=coords.dp, tp=coords.tp)
 
 
 def serialize_steps(msg: pb.Generation) -> Steps[bytes]:
@@ -798,6 +852,19 @@ def generation_from_proto(msg: pb.Generation, previous: Generation | None = None
         )
     if [m.rank for m in members] != list(range(len(members))) or len(members) != msg.world_size:
         raise ValueError(f"generation {msg.id}: members are not ranks 0..{msg.world_size - 1}")
+    mesh = mesh_from_proto(msg)
+    if mesh is not None and mesh.world_size != len(members):
+        raise ValueError(
+            f"generation {msg.id}: a mesh of pp={mesh.pp} x dp={mesh.dp} x tp={mesh.tp} "
+            f"for {len(members)} members"
+        )
+    for m in () if msg.HasField("members_delta") else msg.members:
+        given = MeshCoords(pp=m.mesh.pp, dp=m.mesh.dp, tp=m.mesh.tp) if m.HasField("mesh") else None
+        if given != (None if mesh is None else mesh.coords(m.rank)):
+            raise ValueError(
+                f"generation {msg.id}: rank {m.rank}'s mesh coordinates {given} are not its "
+                "place in the generation's mesh"
+            )
     layout = _layout_from_proto(msg.layout)
     reshard = None
     if msg.HasField("reshard"):
@@ -830,12 +897,14 @@ def generation_from_proto(msg: pb.Generation, previous: Generation | None = None
         inventory_digest=msg.inventory_digest,
         created_unix_s=msg.created_unix_s,
         epoch=msg.epoch,
+        mesh=mesh,
+        mesh_reason=msg.mesh_reason,
     )
 
 
 def status_to_proto(status: StatusReport) -> pb.StatusResponse:
     s = status.settings
-    return pb.StatusResponse(
+    msg = pb.StatusResponse(
         phase=status.phase,
         waiting_reason=status.waiting_reason,
         generation_id=status.generation_id,
@@ -875,7 +944,10 @@ def status_to_proto(status: StatusReport) -> pb.StatusResponse:
         inventory_digest=status.inventory_digest,
         server_version=status.server_version,
         epoch=status.epoch,
+        mesh_reason=status.mesh_reason,
     )
+    mesh_to_proto(status.mesh, msg.mesh)
+    return msg
 
 
 def status_from_proto(msg: pb.StatusResponse) -> StatusReport:
@@ -920,4 +992,6 @@ def status_from_proto(msg: pb.StatusResponse) -> StatusReport:
         inventory_digest=msg.inventory_digest,
         server_version=msg.server_version,
         epoch=msg.epoch,
+        mesh=mesh_from_proto(msg),
+        mesh_reason=msg.mesh_reason,
     )

@@ -24,7 +24,7 @@ class ParamInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., requires_grad: _Optional[bool] = ..., group: _Optional[int] = ..., unit: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "host", "device_kind", "device_memory_bytes", "metrics_endpoint", "free_ports", "incarnation", "stage", "fixed_rank", "fixed_world_size")
+    __slots__ = ("worker_id", "host", "device_kind", "device_memory_bytes", "metrics_endpoint", "free_ports", "incarnation", "stage", "fixed_rank", "fixed_world_size", "mesh")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class WorkerInfo(_message.Message):
     STAGE_FIELD_NUMBER: _ClassVar[int]
     FIXED_RANK_FIELD_NUMBER: _ClassVar[int]
     FIXED_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     device_kind: str
@@ -45,7 +46,36 @@ class WorkerInfo(_message.Message):
     stage: int
     fixed_rank: int
     fixed_world_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ..., free_ports: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., stage: _Optional[int] = ..., fixed_rank: _Optional[int] = ..., fixed_world_size: _Optional[int] = ...) -> None: ...
+    mesh: MeshRequest
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ..., free_ports: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., stage: _Optional[int] = ..., fixed_rank: _Optional[int] = ..., fixed_world_size: _Optional[int] = ..., mesh: _Optional[_Union[MeshRequest, _Mapping]] = ...) -> None: ...
+
+class MeshRequest(_message.Message):
+    __slots__ = ("tensor_parallel", "pipeline_parallel")
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    tensor_parallel: int
+    pipeline_parallel: int
+    def __init__(self, tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ...) -> None: ...
+
+class MeshShape(_message.Message):
+    __slots__ = ("pp", "dp", "tp")
+    PP_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    pp: int
+    dp: int
+    tp: int
+    def __init__(self, pp: _Optional[int] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ...) -> None: ...
+
+class MeshCoords(_message.Message):
+    __slots__ = ("pp", "dp", "tp")
+    PP_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    pp: int
+    dp: int
+    tp: int
+    def __init__(self, pp: _Optional[int] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker", "inventory")
@@ -205,18 +235,20 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("worker_id", "rank", "host", "previous_rank", "device_memory_bytes")
+    __slots__ = ("worker_id", "rank", "host", "previous_rank", "device_memory_bytes", "mesh")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     rank: int
     host: str
     previous_rank: int
     device_memory_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., previous_rank: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
+    mesh: MeshCoords
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., previous_rank: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., mesh: _Optional[_Union[MeshCoords, _Mapping]] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("name", "offset", "numel", "shape")
@@ -305,7 +337,7 @@ class MembersDelta(_message.Message):
     def __init__(self, from_generation_id: _Optional[int] = ..., removed_ranks: _Optional[_Iterable[int]] = ..., added: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("id", "members", "world_size", "rendezvous_endpoint", "stage", "stage_reason", "layout", "reshard", "inventory_digest", "created_unix_s", "epoch", "members_delta")
+    __slots__ = ("id", "members", "world_size", "rendezvous_endpoint", "stage", "stage_reason", "layout", "reshard", "inventory_digest", "created_unix_s", "epoch", "members_delta", "mesh", "mesh_reason")
     ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +350,8 @@ class Generation(_message.Message):
     CREATED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    MESH_REASON_FIELD_NUMBER: _ClassVar[int]
     id: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     world_size: int
@@ -330,7 +364,9 @@ class Generation(_message.Message):
     created_unix_s: float
     epoch: str
     members_delta: MembersDelta
-    def __init__(self, id: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., world_size: _Optional[int] = ..., rendezvous_endpoint: _Optional[str] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., reshard: _Optional[_Union[ReshardSchedule, _Mapping]] = ..., inventory_digest: _Optional[str] = ..., created_unix_s: _Optional[float] = ..., epoch: _Optional[str] = ..., members_delta: _Optional[_Union[MembersDelta, _Mapping]] = ...) -> None: ...
+    mesh: MeshShape
+    mesh_reason: str
+    def __init__(self, id: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., world_size: _Optional[int] = ..., rendezvous_endpoint: _Optional[str] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., reshard: _Optional[_Union[ReshardSchedule, _Mapping]] = ..., inventory_digest: _Optional[str] = ..., created_unix_s: _Optional[float] = ..., epoch: _Optional[str] = ..., members_delta: _Optional[_Union[MembersDelta, _Mapping]] = ..., mesh: _Optional[_Union[MeshShape, _Mapping]] = ..., mesh_reason: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -381,7 +417,7 @@ class MembershipSettings(_message.Message):
     def __init__(self, min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., join_window_s: _Optional[float] = ..., lease_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("phase", "waiting_reason", "generation_id", "world_size", "stage", "stage_reason", "rendezvous_endpoint", "workers", "events", "settings", "trainable_numel", "inventory_digest", "server_version", "epoch")
+    __slots__ = ("phase", "waiting_reason", "generation_id", "world_size", "stage", "stage_reason", "rendezvous_endpoint", "workers", "events", "settings", "trainable_numel", "inventory_digest", "server_version", "epoch", "mesh", "mesh_reason")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     WAITING_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +432,8 @@ class StatusResponse(_message.Message):
     INVENTORY_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    MESH_REASON_FIELD_NUMBER: _ClassVar[int]
     phase: str
     waiting_reason: str
     generation_id: int
@@ -410,7 +448,9 @@ class StatusResponse(_message.Message):
     inventory_digest: str
     server_version: str
     epoch: str
-    def __init__(self, phase: _Optional[str] = ..., waiting_reason: _Optional[str] = ..., generation_id: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., rendezvous_endpoint: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., settings: _Optional[_Union[MembershipSettings, _Mapping]] = ..., trainable_numel: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., server_version: _Optional[str] = ..., epoch: _Optional[str] = ...) -> None: ...
+    mesh: MeshShape
+    mesh_reason: str
+    def __init__(self, phase: _Optional[str] = ..., waiting_reason: _Optional[str] = ..., generation_id: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., rendezvous_endpoint: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., settings: _Optional[_Union[MembershipSettings, _Mapping]] = ..., trainable_numel: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., server_version: _Optional[str] = ..., epoch: _Optional[str] = ..., mesh: _Optional[_Union[MeshShape, _Mapping]] = ..., mesh_reason: _Optional[str] = ...) -> None: ...
 
 class PersistedState(_message.Message):
     __slots__ = ("format_version", "inventory", "generation", "members", "epoch", "inventory_digest", "left", "finished_by", "stopping")
