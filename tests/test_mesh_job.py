@@ -248,3 +248,25 @@ def test_a_tp_job_under_zeroplane_run_is_listed_with_its_mesh(tmp_path) -> None:
     got = torch.load(out, weights_only=True)
     worst = max((got[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
     assert worst < 1e-5, f"differs from the one-process reference by {worst:.3g}"
+
+
+def test_the_plans_activation_flags(tmp_path) -> None:
+    """zeroplane run and zeroplane coordinator take the model's shape as zeroplane plan
+    does (for --mesh auto and --stage auto), and say what is missing."""
+    from coordinator.control.embedded import EmbeddedCoordinator
+
+    acts = ActivationShape(layers=2, hidden=64, seq=128)
+    embedded = EmbeddedCoordinator.for_local_job(2, "auto", activations=acts)
+    assert embedded.config.plan.activations == acts
+    cli = [sys.executable, "-m", "coordinator.cli"]
+    bad = [
+        (["coordinator", "--port", "0", "--seq", "128"], "--seq needs --layers and --hidden"),
+        (["coordinator", "--port", "0", "--layers", "2"], "--layers need --seq"),
+        (
+            ["run", "--nproc", "2", "--coordinator", "127.0.0.1:9", "--seq", "8", "x.py"],
+            "--seq and the model's shape are the embedded coordinator's plan",
+        ),
+    ]
+    for argv, message in bad:
+        run = subprocess.run([*cli, *argv], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and message in run.stderr, (argv, run.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -81,14 +82,14 @@ def reference(
     return {n: p.detach().clone() for n, p in model.named_parameters()}, tuple(losses)
 
 
-def train_under(tp: int, pp: int, global_batch: int, micro: int | None, stage: int):
+def train_under(tp: int, pp: int, global_batch: int, micro: int | None, stage: int, **config: Any):
     """The loop every layout runs, unchanged."""
     parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, microbatches=2)
     model = _gpt()
     engine = worker.initialize(
         model,
         _opt(model),
-        config=worker.ZeroConfig(stage=stage),
+        config=worker.ZeroConfig(stage=stage, **config),
         parallel=parallel,
         loss_fn=lm_loss,
     )
@@ -107,18 +108,21 @@ def train_under(tp: int, pp: int, global_batch: int, micro: int | None, stage: i
 
 
 @pytest.mark.parametrize(
-    ("tp", "pp", "global_batch", "micro", "stage"),
+    ("tp", "pp", "global_batch", "micro", "stage", "config"),
     [
-        (1, 1, 6, 1, 3),  # dp=4: shares 2, 2, 1, 1 (padding on the last two)
-        (2, 1, 7, None, 3),  # tp=2 x dp=2: shares of 4 and 3
-        (1, 2, 7, 2, 1),  # pp=2 x dp=2: 4 and 3 samples cut into 2 pipeline micro-batches
-        (1, 2, 7, 2, 2),  # the same at stage 2: one reduce-scatter per bucket and step
+        (1, 1, 6, 1, 3, {}),  # dp=4: shares 2, 2, 1, 1 (padding on the last two)
+        (2, 1, 7, None, 3, {}),  # tp=2 x dp=2: shares of 4 and 3
+        (1, 2, 7, 2, 1, {}),  # pp=2 x dp=2: 4 and 3 samples cut into 2 pipeline micro-batches
+        (1, 2, 7, 2, 2, {}),  # the same at stage 2: one reduce-scatter per bucket and step
+        # each stage's optimizer on the CPU, at stages 1 and 2
+        (1, 2, 7, 2, 1, {"offload_optimizer": "cpu"}),
+        (1, 2, 6, 1, 2, {"offload_optimizer": "cpu"}),
     ],
 )
 def test_one_loop_trains_every_layout_to_the_reference(
-    pools, tp: int, pp: int, global_batch: int, micro: int | None, stage: int
+    pools, tp: int, pp: int, global_batch: int, micro: int | None, stage: int, config: dict
 ) -> None:
-    results = pools(4).run(train_under, tp, pp, global_batch, micro, stage)
+    results = pools(4).run(train_under, tp, pp, global_batch, micro, stage, **config)
     want, want_losses = reference(global_batch)
     got = results[0][0]
     assert got is not None and got.keys() == want.keys()

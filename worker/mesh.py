@@ -130,11 +130,6 @@ def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
             "with pipeline_parallel > 1 the pipeline's micro-batches are the accumulation: "
             "set ParallelConfig.microbatches, and gradient_accumulation_steps=1"
         )
-    if pp > 1 and "cpu" in (config.offload_optimizer, config.offload_params):
-        raise ValueError(
-            "CPU offload with pipeline parallelism is not supported yet (untested): "
-            "set offload_optimizer and offload_params to 'none'"
-        )
 
 
 def build_mesh(shape: MeshShape, device_type: str = "cpu") -> DeviceMesh:

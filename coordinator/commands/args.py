@@ -15,11 +15,13 @@ import argparse
 import math
 from typing import get_args
 
-from coordinator.core.planner import Precision
+from coordinator.core.planner import ActivationShape, Precision
 
 __all__ = [
     "PRECISIONS",
+    "activation_shape",
     "add_alias",
+    "add_shape_args",
     "counts",
     "fraction",
     "non_negative",
@@ -104,3 +106,48 @@ def counts(text: str) -> list[int]:
             )
         values.append(int(item))
     return values
+
+
+def add_shape_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--seq``, ``--micro-batch``, ``--layers``, ``--hidden``, ``--heads``: a
+    transformer's shape, from which the planner counts activations per rank
+    (coordinator/core/planner.py ``ActivationShape``; ``zeroplane plan``,
+    ``zeroplane coordinator`` and ``zeroplane run`` alike)."""
+    group.add_argument("--seq", type=int, metavar="TOKENS", help="sequence length")
+    group.add_argument(
+        "--micro-batch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batch size: sequences per rank per forward (default 1)",
+    )
+    group.add_argument("--layers", type=int, metavar="N", help="transformer layers")
+    group.add_argument("--hidden", type=int, metavar="H", help="hidden size")
+    group.add_argument("--heads", type=int, metavar="A", help="attention heads (default H/64)")
+
+
+def activation_shape(
+    args: argparse.Namespace, defaults: dict[str, int] | None = None
+) -> ActivationShape | None:
+    """The shape :func:`add_shape_args` parsed (None without ``--seq``); ``defaults``:
+    layers, hidden and heads where the flags leave them out (a model's config)."""
+    defaults = defaults or {}
+    if args.seq is None:
+        given = [f"--{n}" for n in ("layers", "hidden", "heads") if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --seq (the sequence length)")
+        return None
+    layers = args.layers if args.layers is not None else defaults.get("layers")
+    hidden = args.hidden if args.hidden is not None else defaults.get("hidden")
+    missing = [n for n, v in (("--layers", layers), ("--hidden", hidden)) if v is None]
+    if missing:
+        raise ValueError(
+            f"--seq needs {' and '.join(missing)} (or a --model whose config has them)"
+        )
+    return ActivationShape(
+        layers=layers,
+        hidden=hidden,
+        seq=args.seq,
+        micro_batch=args.micro_batch,
+        heads=args.heads if args.heads is not None else defaults.get("heads"),
+    )

@@ -6,7 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from coordinator.commands.args import PRECISIONS, add_alias, fraction, seconds, wait_seconds
+from coordinator.commands.args import (
+    PRECISIONS,
+    activation_shape,
+    add_alias,
+    add_shape_args,
+    fraction,
+    seconds,
+    wait_seconds,
+)
 from coordinator.core.planner import parse_count
 from coordinator.core.settings import (
     TOKEN_ENV,
@@ -166,6 +174,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="N",
         help="shard lengths a multiple of N elements (buckets padded to world size x N; default 1)",
     )
+    add_shape_args(
+        parser.add_argument_group(
+            "activations",
+            "the model's shape, from which --stage auto and a mesh left to the coordinator "
+            "(zeroplane run --mesh auto) count activations per rank (default: none counted)",
+        )
+    )
     parser.set_defaults(func=coordinator)
     return parser
 
@@ -207,6 +222,7 @@ def coordinator(args: argparse.Namespace) -> int:
                 headroom=args.headroom,
                 bucket_numel=parse_count(args.bucket_numel),
                 align=args.align,
+                activations=activation_shape(args),
             ),
             http=HttpConfig(port=args.http_port, host=args.http_host, job_name=args.job_name),
         )

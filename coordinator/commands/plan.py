@@ -14,7 +14,14 @@ import json
 import sys
 from decimal import ROUND_HALF_UP, Decimal
 
-from coordinator.commands.args import PRECISIONS, add_alias, counts, fraction
+from coordinator.commands.args import (
+    PRECISIONS,
+    activation_shape,
+    add_alias,
+    add_shape_args,
+    counts,
+    fraction,
+)
 from coordinator.core.layout import ParamSpec
 from coordinator.core.memory import BirthBytes, birth_bytes
 from coordinator.core.meshplan import MeshChoice, choose_mesh, tp_sharded_numel
@@ -100,17 +107,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(Korthikanti et al. 2022), with and without activation checkpointing; with --model, "
         "--layers/--hidden/--heads default to the model's config where it has one",
     )
-    shape.add_argument("--seq", type=int, metavar="TOKENS", help="sequence length")
-    shape.add_argument(
-        "--micro-batch",
-        type=int,
-        default=1,
-        metavar="N",
-        help="micro-batch size: sequences per rank per forward (default 1)",
-    )
-    shape.add_argument("--layers", type=int, metavar="N", help="transformer layers")
-    shape.add_argument("--hidden", type=int, metavar="H", help="hidden size")
-    shape.add_argument("--heads", type=int, metavar="A", help="attention heads (default H/64)")
+    add_shape_args(shape)
     offload = parser.add_argument_group(
         "offload",
         "when no stage fits the device, propose CPU offload of the optimizer (and at stage 3 "
@@ -191,27 +188,9 @@ def _shape_of(model: object) -> dict[str, int]:
 
 
 def _activations(args: argparse.Namespace, defaults: dict[str, int]) -> ActivationShape | None:
-    if args.seq is None:
-        given = [f"--{n}" for n in ("layers", "hidden", "heads") if getattr(args, n) is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} need --seq (the sequence length)")
-        return None
-    if args.activations != "0":
+    if args.seq is not None and args.activations != "0":
         raise ValueError("--activations and --seq both set activations: give one")
-    layers = args.layers if args.layers is not None else defaults.get("layers")
-    hidden = args.hidden if args.hidden is not None else defaults.get("hidden")
-    missing = [n for n, v in (("--layers", layers), ("--hidden", hidden)) if v is None]
-    if missing:
-        raise ValueError(
-            f"--seq needs {' and '.join(missing)} (or a --model whose config has them)"
-        )
-    return ActivationShape(
-        layers=layers,
-        hidden=hidden,
-        seq=args.seq,
-        micro_batch=args.micro_batch,
-        heads=args.heads if args.heads is not None else defaults.get("heads"),
-    )
+    return activation_shape(args, defaults)
 
 
 def _load_model(spec: str) -> tuple[int, str, dict[str, int]]:

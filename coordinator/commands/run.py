@@ -13,7 +13,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from coordinator.commands.args import add_alias, non_negative, seconds
+from coordinator.commands.args import (
+    activation_shape,
+    add_alias,
+    add_shape_args,
+    non_negative,
+    seconds,
+)
 from coordinator.core.meshplan import (
     MESH_ENV,
     PP_ENV,
@@ -95,6 +101,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="auto: the coordinator chooses tp and pp (and, with --stage auto or none "
         "asked, the stage) from the model and the workers' device memory, and every "
         "worker builds that mesh ($ZEROPLANE_MESH); not with --tp/--pp",
+    )
+    add_shape_args(
+        parser.add_argument_group(
+            "activations",
+            "the model's shape, from which --stage auto and --mesh auto count activations "
+            "per rank (the embedded coordinator's plan; default: none counted)",
+        )
     )
     parser.add_argument(
         "--grace",
@@ -271,6 +284,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.coordinator and args.seq is not None:
+        print(
+            "zeroplane run: --seq and the model's shape are the embedded coordinator's plan; "
+            "for --coordinator, give them to zeroplane coordinator",
+            file=sys.stderr,
+        )
+        return 2
     if args.coordinator:
         env = {**spec.env, ADDRESS_ENV: args.coordinator}
         if args.token_file is not None:
@@ -295,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
                 http_port=None if args.no_http else args.http_port,
                 job_name=args.job_name,
                 tls=args.tls,
+                activations=activation_shape(args),
             )
         except ValueError as exc:
             print(f"zeroplane run: {exc}", file=sys.stderr)

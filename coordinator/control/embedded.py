@@ -14,6 +14,7 @@ from typing import Literal
 from coordinator.control.server import CoordinatorServer, create_server
 from coordinator.control.tls import self_signed
 from coordinator.core.messages import StatusReport, WorkerReport
+from coordinator.core.planner import ActivationShape
 from coordinator.core.settings import (
     ADDRESS_ENV,
     METRICS_HOST_ENV,
@@ -58,6 +59,7 @@ class EmbeddedCoordinator:
         min_workers: int | None = None,
         max_workers: int | None = None,
         tls: bool = False,
+        activations: ActivationShape | None = None,
     ) -> EmbeddedCoordinator:
         """The coordinator of a one-machine job of ``nproc`` workers (elastic between
         ``min_workers`` and ``max_workers``, both ``nproc`` by default), a fresh
@@ -66,7 +68,8 @@ class EmbeddedCoordinator:
         ``http_port``: serve metrics, service discovery and the status page there
         (0: a free port), and have the workers serve their metrics too. ``tls``: serve
         TLS with a self-signed certificate for 127.0.0.1 made now, which the workers
-        trust ($ZEROPLANE_TLS_ROOT_CERT); it is deleted when the coordinator stops."""
+        trust ($ZEROPLANE_TLS_ROOT_CERT); it is deleted when the coordinator stops.
+        ``activations``: the model's shape, for the activations a plan counts."""
         low = nproc if min_workers is None else min_workers
         high = nproc if max_workers is None else max_workers
         if not low <= nproc <= high:
@@ -91,6 +94,7 @@ class EmbeddedCoordinator:
                 plan=PlanConfig(
                     stage=None if stage in (None, "auto") else int(stage),
                     stage_from_workers=stage is None,
+                    activations=activations,
                 ),
                 http=HttpConfig(port=http_port, job_name=job_name),
             )
