@@ -270,3 +270,23 @@ def test_the_plans_activation_flags(tmp_path) -> None:
     for argv, message in bad:
         run = subprocess.run([*cli, *argv], capture_output=True, text=True, timeout=60)
         assert run.returncode == 2 and message in run.stderr, (argv, run.stderr)
+
+
+def test_mesh_auto_leaves_open_only_what_the_script_can_build() -> None:
+    """A --mesh auto worker asks the coordinator to choose tp only with a plan it has
+    (given, the built-in GPT's, a known Hugging Face family's) and pp only with a split
+    (given, or the untied built-in GPT's); the rest it fixes at 1."""
+    from tests.reference import tiny_llama
+    from worker.entry import _open_degrees
+    from worker.models import GPT, GPTConfig
+
+    def gpt(tie: bool) -> GPT:
+        return GPT(
+            GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, tie_weights=tie)
+        )
+
+    assert _open_degrees(gpt(False), None, None) == (0, 0)
+    assert _open_degrees(gpt(True), None, None) == (0, 1)
+    assert _open_degrees(torch.nn.Linear(4, 4), None, None) == (1, 1)
+    assert _open_degrees(torch.nn.Linear(4, 4), {"x": None}, lambda *a: None) == (0, 0)
+    assert _open_degrees(tiny_llama(vocab=32, seq=8), None, None) == (0, 1)

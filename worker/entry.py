@@ -221,7 +221,11 @@ def _mesh_in_job(
             "would form, is not supported yet"
         )
     base = parallel or ParallelConfig()
-    ask = (0, 0) if auto else (base.tensor_parallel, base.pipeline_parallel)
+    ask = (
+        _open_degrees(model, plan, split)
+        if auto
+        else (base.tensor_parallel, base.pipeline_parallel)
+    )
 
     def build(
         opt: torch.optim.Optimizer, planned: ZeroConfig, shape: MeshShape, metrics: Any
@@ -240,13 +244,46 @@ def _mesh_in_job(
             microbatches=max(base.microbatches, shape.pp),
         )
         return _on_mesh(
-            model, opt, planned, chosen, plan=plan, split=split, loss_fn=loss_fn,
-            lr_scheduler=lr_scheduler, device=device, init=init, metrics=metrics,
+            model, opt, planned, chosen, plan=_plan_for(model, plan), split=split,
+            loss_fn=loss_fn, lr_scheduler=lr_scheduler, device=device, init=init,
+            metrics=metrics,
         )  # fmt: skip
 
     return AttachedSession.attach_mesh(
         model, optimizer, config=config, address=address, ask=ask, device=device, build=build
     )
+
+
+def _open_degrees(model: nn.Module, plan: Any, split: Split | None) -> tuple[int, int]:
+    """The degrees a ``--mesh auto`` worker leaves to the coordinator (0) and those it
+    fixes at 1: tensor parallelism needs a plan (given, or the built-in GPT's, or a
+    Hugging Face model's known to worker.tp.hf_plan), a pipeline a split (given, or
+    the built-in untied GPT's). Asking for what the script cannot build would fail
+    every worker once the generation formed."""
+    from worker.models import GPT
+    from worker.tp import hf_plan
+
+    gpt = isinstance(model, GPT)
+    tp_ok = plan is not None or gpt
+    if not tp_ok:
+        try:
+            hf_plan(model)
+            tp_ok = True
+        except ValueError:
+            pass
+    pp_ok = split is not None or (gpt and not model.cfg.tie_weights)
+    return (0 if tp_ok else 1, 0 if pp_ok else 1)
+
+
+def _plan_for(model: nn.Module, plan: Any) -> Any:
+    """``plan``, or where none was given the built-in GPT's (the default) or, for a
+    Hugging Face model, :func:`worker.tp.hf_plan`."""
+    from worker.models import GPT
+    from worker.tp import hf_plan
+
+    if plan is None and not isinstance(model, GPT) and hasattr(model, "config"):
+        return hf_plan
+    return plan
 
 
 def _parallel_from_env() -> ParallelConfig | None:

@@ -685,6 +685,9 @@ class Membership:
             config=dataclasses.replace(self.plan, offload=False, stage=None),
             tp=tp or None,
             pp=pp or None,
+            # tp must divide the heads, pp at most the layers, where the plan knows them
+            heads=None if self.plan.activations is None else self.plan.activations.heads,
+            layers=None if self.plan.activations is None else self.plan.activations.layers,
         )
         best = picked.chosen
         if stage_free:
