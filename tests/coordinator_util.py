@@ -151,3 +151,18 @@ class HealthProbe:
     def percentile(self, q: float) -> float:
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+class Clock:
+    """A clock the test moves by hand (``clock.now += 5``): Membership's ``clock`` and
+    ``wall_clock``."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ranks by host, for the host heartbeat tests (three hosts, uneven)
+HOSTS = {"h0": ["h0-0", "h0-1", "h0-2"], "h1": ["h1-0", "h1-1", "h1-2"], "h2": ["h2-0", "h2-1"]}

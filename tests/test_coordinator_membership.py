@@ -17,17 +17,9 @@ from coordinator.control.statefile import load_snapshot, save_snapshot
 from coordinator.core.messages import FINISHED, STOPPED, WorkerReport
 from coordinator.core.reshard import moves_for_rank
 from coordinator.core.settings import MembershipConfig, PlanConfig
-from tests.coordinator_util import inventory, worker
+from tests.coordinator_util import Clock, inventory, worker
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def membership(clock: Clock, **kw: object) -> Membership:

@@ -26,6 +26,8 @@ from coordinator.core.reshard import LazyMoves, RankSchedules, reshard_schedule
 from coordinator.core.settings import MembershipConfig, PlanConfig
 from tests.coordinator_util import (
     AUTH,
+    HOSTS,
+    Clock,
     client,
     config,
     inventory,
@@ -37,16 +39,6 @@ from tests.coordinator_util import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-HOSTS = {"h0": ["h0-0", "h0-1", "h0-2"], "h1": ["h1-0", "h1-1", "h1-2"], "h2": ["h2-0", "h2-1"]}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def formed(clock: Clock) -> Membership:

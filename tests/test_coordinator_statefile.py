@@ -34,19 +34,9 @@ from coordinator.core.messages import (
     worker_to_proto,
 )
 from coordinator.core.settings import MembershipConfig, PlanConfig
-from tests.coordinator_util import inventory
+from tests.coordinator_util import HOSTS, Clock, inventory
 
 pytestmark = pytest.mark.timeout(60)
-
-HOSTS = {"h0": ["h0-0", "h0-1", "h0-2"], "h1": ["h1-0", "h1-1", "h1-2"], "h2": ["h2-0", "h2-1"]}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def formed() -> Membership:

@@ -24,16 +24,9 @@ from coordinator.core.messages import generation_from_proto, generation_to_proto
 from coordinator.core.planner import ActivationShape
 from coordinator.core.settings import MembershipConfig, PlanConfig
 from coordinator.launchers.local import find_free_port
-from tests.coordinator_util import worker
+from tests.coordinator_util import Clock, worker
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class Clock:
-    now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _membership(world: int, stage: int | None = 1) -> Membership:

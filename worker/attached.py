@@ -45,6 +45,7 @@ from worker.engine import (
     build_inventory_for,
     resolve_optimizer,
 )
+from worker.inventory import Inventory
 from worker.metrics import MetricsServer, SnapshotBoard, start_metrics
 from worker.reporting import FinalReport, planned_config, report
 from worker.schedule import SchedulerArg, resolve_scheduler
@@ -80,21 +81,12 @@ class AttachedSession(FinalReport):
         device: torch.device,
         init: Init | None = None,
     ) -> ZeroEngine:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        user_optimizer = resolve_optimizer(model, optimizer)
-        scheduler = resolve_scheduler(scheduler, user_optimizer)
-        inventory = build_inventory_for(model, user_optimizer, config)
-        metrics = start_metrics(config, SnapshotBoard())
-        control = ControlPlane.join(
-            address,
-            inventory,
-            device=device,
-            metrics_port=None if metrics is None else metrics.port,
-            stage=config.stage,
-            fixed=(rank, world),
+        rank = dist.get_rank(group)
+        user_optimizer, inventory, metrics, control = _join_fixed(
+            model, optimizer, config, address, device, group=group
         )
+        scheduler = resolve_scheduler(scheduler, user_optimizer)
         gen = control.generation
-        _check_placed(control, rank, world)
         if rank == 0:
             logger.warning(
                 "this script formed its own process group, which zeroplane cannot "
@@ -140,22 +132,11 @@ class AttachedSession(FinalReport):
         takes the generation's mesh, stage and bucket size, and ``build`` makes the
         engine on that mesh (a MeshEngine, a PipelineEngine, or a ZeroEngine where
         the mesh is one rank deep) with the metrics endpoint registered."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        user_optimizer = resolve_optimizer(model, optimizer)
-        inventory = build_inventory_for(model, user_optimizer, config)
-        metrics = start_metrics(config, SnapshotBoard())
-        control = ControlPlane.join(
-            address,
-            inventory,
-            device=device,
-            metrics_port=None if metrics is None else metrics.port,
-            stage=config.stage,
-            fixed=(rank, world),
-            mesh=ask,
+        user_optimizer, _, metrics, control = _join_fixed(
+            model, optimizer, config, address, device, mesh=ask
         )
         gen = control.generation
-        _check_placed(control, rank, world)
-        shape = gen.mesh or MeshShape(dp=world)
+        rank, shape = control.rank, gen.mesh or MeshShape(dp=gen.world_size)
         try:
             engine = build(user_optimizer, planned_config(config, gen, rank), shape, metrics)
         except BaseException:
@@ -210,6 +191,36 @@ class AttachedSession(FinalReport):
 MeshBuild = Callable[
     [torch.optim.Optimizer, ZeroConfig, MeshShape, MetricsServer | None], ZeroEngine
 ]
+
+
+def _join_fixed(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    config: ZeroConfig,
+    address: str,
+    device: torch.device,
+    *,
+    group: dist.ProcessGroup | None = None,
+    mesh: tuple[int, int] | None = None,
+) -> tuple[torch.optim.Optimizer, Inventory, MetricsServer | None, ControlPlane]:
+    """Register a worker of a group its launcher or script formed (its ranks fixed) and
+    wait for the generation that keeps them: the optimizer, the inventory it
+    registered, its metrics endpoint and its control plane."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    user_optimizer = resolve_optimizer(model, optimizer)
+    inventory = build_inventory_for(model, user_optimizer, config)
+    metrics = start_metrics(config, SnapshotBoard())
+    control = ControlPlane.join(
+        address,
+        inventory,
+        device=device,
+        metrics_port=None if metrics is None else metrics.port,
+        stage=config.stage,
+        fixed=(rank, world),
+        mesh=mesh,
+    )
+    _check_placed(control, rank, world)
+    return user_optimizer, inventory, metrics, control
 
 
 def _check_placed(control: ControlPlane, rank: int, world: int) -> None:
