@@ -187,27 +187,33 @@ def test_a_job_loses_no_worker_and_no_step_when_its_fork_server_dies(
 
     from tests.test_run_e2e import EXAMPLE, ROOT, reference
 
-    out, steps = tmp_path / "final.pt", 24
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "run", "--nproc", "2", "--min-nproc", "1",
-         "--max-nproc", "2", "--no-http", "--stage", "2", str(EXAMPLE), "--steps", str(steps),
-         "--optimizer", "sgd", "--step-sleep", "0.2", "--out", str(out)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    out, steps, log = tmp_path / "final.pt", 24, tmp_path / "run.log"
+    with log.open("w") as sink:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "run", "--nproc", "2", "--min-nproc",
+             "1", "--max-nproc", "2", "--no-http", "--stage", "2", str(EXAMPLE), "--steps",
+             str(steps), "--optimizer", "sgd", "--step-sleep", "0.2", "--out", str(out)],
+            cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         server = None
         while server is None and time.monotonic() < deadline:
             server = _fork_server_of(launcher.pid)
             time.sleep(0.1)
         assert server is not None, "no fork server under the launcher"
-        time.sleep(6)  # training: the workers were forked and have stepped
-        assert launcher.poll() is None
+        # training: both workers were forked by the server and have stepped (the
+        # example logs every 10 steps; 14 more at 0.2 s each are still to come)
+        while "step 10 loss" not in log.read_text():
+            assert launcher.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "no step 10 in two minutes"
+            time.sleep(0.05)
         os.kill(server, sig)
-        output, _ = launcher.communicate(timeout=200)
+        launcher.wait(timeout=200)
     finally:
         if launcher.poll() is None:
             launcher.kill()
+    output = log.read_text()
     assert launcher.returncode == 0, output[-4000:]
     assert "carry on" in output, output[-4000:]
     # no worker was lost: one generation of two all along, nothing restored
