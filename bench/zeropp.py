@@ -4,14 +4,17 @@ Four gloo ranks, two per "node". Run as root with iproute2, the two nodes are tw
 network namespaces (ranks 0-1 in one, 2-3 in the other, loopback inside each) joined
 by one veth pair rate-limited with ``tc tbf`` (default 1 Gbit/s), the setup of
 bench/compression.py with two ranks per namespace; without root, loopback only.
-For stage 3 plain, +qwZ (int8 parameter gathers), +hpZ (``hpz_partition_size=2``)
-and qwZ+hpZ it reports per step: the median step time (slowest rank), the bytes the
-two veth ends sent (the link's real traffic, headers included), the cross-node
-bytes the engine's counters imply (``comm_report(by_group=True)``: a world
-collective's wire bytes times (N - k)/N per rank, which is what crosses nodes in
-gloo's all-gather as broadcasts and reduce-scatter as all-to-all; the node group's
-never do), the same against plain, and the loss after the last step (every method
-trains the same model on the same batches). qgZ is not implemented and has no row.
+For stage 3 plain, +qwZ (int8 parameter gathers), +hpZ (``hpz_partition_size=2``),
+qwZ+hpZ, +qgZ (``compression="int8"``, ``hierarchical_reduce=2``: int8 gradient
+reduce-scatters across nodes, full precision within) and all three it reports per
+step: the median step time (slowest rank), the bytes the two veth ends sent (the
+link's real traffic, headers included), the cross-node bytes the engine's counters
+imply (``comm_report(by_group=True)``: a world collective's wire bytes times
+(N - k)/N per rank, which is what crosses nodes in gloo's all-gather as broadcasts
+and reduce-scatter as all-to-all, plus qgZ's cross-node group's wire bytes times
+(m - 1)/m for its m = N/k ranks; the node group's never cross), the same against
+plain, and the loss after the last step (every method trains the same model on the
+same batches).
 
     python bench/zeropp.py                  # loopback and a 1 Gbit/s link
     python bench/zeropp.py --rates none     # loopback only
@@ -73,7 +76,15 @@ METHODS: dict[str, dict[str, Any]] = {
     "qwZ": {"stage3_gather_compression": "int8"},
     "hpZ": {"hpz_partition_size": PER_NODE},
     "qwZ+hpZ": {"stage3_gather_compression": "int8", "hpz_partition_size": PER_NODE},
+    "qgZ": {"compression": "int8", "hierarchical_reduce": PER_NODE},
+    "qwZ+hpZ+qgZ": {
+        "stage3_gather_compression": "int8",
+        "hpz_partition_size": PER_NODE,
+        "compression": "int8",
+        "hierarchical_reduce": PER_NODE,
+    },
 }
+NODES = WORLD // PER_NODE
 
 
 @dataclass
@@ -82,9 +93,10 @@ class Result:
     method: str
     step_s: list[float]
     link_bytes: float | None  # per step, both veth ends' tx counters
-    cross_bytes: float  # per step, all ranks: world wire bytes x (N - k) / N
+    cross_bytes: float  # per step, all ranks: world x (N - k) / N + cross x (m - 1) / m
     world_wire: float  # per step and rank
     node_wire: float  # per step and rank
+    cross_wire: float  # per step and rank: qgZ's cross-node group
     loss: float
 
 
@@ -122,19 +134,22 @@ def _measure(method: str, gpt: GPTConfig, args: argparse.Namespace) -> dict[str,
     after = engine.comm_report(by_group=True)
     world = (_wire(after, "world") - _wire(before, "world")) / args.steps
     node = (_wire(after, "node") - _wire(before, "node")) / args.steps
+    cross = (_wire(after, "cross") - _wire(before, "cross")) / args.steps
     # one rank per namespace reads its veth's counters (both ranks there share it)
     tx = float(tx1 - tx0) / args.steps if tx0 is not None and rank % PER_NODE == 0 else 0.0
     peak = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    sums = torch.tensor([tx, world, node, loss], dtype=torch.float64)
+    sums = torch.tensor([tx, world, node, cross, loss], dtype=torch.float64)
     dist.all_reduce(sums)
     return {
         "step_s": peak.tolist(),
         "link_bytes": float(sums[0]) if args.iface is not None else None,
-        "cross_bytes": float(sums[1]) * (WORLD - PER_NODE) / WORLD,
+        "cross_bytes": float(sums[1]) * (WORLD - PER_NODE) / WORLD
+        + float(sums[3]) * (NODES - 1) / NODES,
         "world_wire": float(sums[1]) / WORLD,
         "node_wire": float(sums[2]) / WORLD,
-        "loss": float(sums[3]) / WORLD,
+        "cross_wire": float(sums[3]) / WORLD,
+        "loss": float(sums[4]) / WORLD,
     }
 
 
@@ -229,9 +244,9 @@ def print_table(name: str, link: str, results: list[Result]) -> None:
     print(f"\n{name}: {link}")
     print(
         "| stage 3 | step ms | vs plain | link MB/step | vs plain | cross-node MB/step "
-        "(counters) | vs plain | world / node wire MB per rank | loss |"
+        "(counters) | vs plain | world / node / cross wire MB per rank | loss | vs plain |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         step = median_ms(r.step_s)
         t = f"{step / median_ms(base.step_s):.2f}x" if base else "-"
@@ -241,10 +256,11 @@ def print_table(name: str, link: str, results: list[Result]) -> None:
             else "-"
         )
         cb = f"{r.cross_bytes / base.cross_bytes:.2f}x" if base and base.cross_bytes else "-"
+        dl = f"{(r.loss - base.loss) / base.loss:+.2%}" if base else "-"
         print(
             f"| {r.method} | {step:.0f} | {t} | {_mb(r.link_bytes)} | {lb} | "
-            f"{_mb(r.cross_bytes)} | {cb} | {_mb(r.world_wire)} / {_mb(r.node_wire)} | "
-            f"{r.loss:.4f} |"
+            f"{_mb(r.cross_bytes)} | {cb} | {_mb(r.world_wire)} / {_mb(r.node_wire)} / "
+            f"{_mb(r.cross_wire)} | {r.loss:.4f} | {dl} |"
         )
 
 
@@ -322,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "\nstep ms: median over steps of the slowest rank; link MB: both veth ends' tx "
         "counters per step (TCP/IP headers included); cross-node MB: world collectives' "
-        "wire bytes x (N-k)/N summed over ranks (node-group collectives never cross); "
+        "wire bytes x (N-k)/N plus qgZ's cross-node group's x (m-1)/m, summed over ranks "
+        "(node-group collectives never cross); "
         "loss: mean over ranks after the last step."
     )
     return 0

@@ -322,7 +322,7 @@ def _ds_probes() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     for sub in ("reduce_scatter", "allgather_partitions"):
         zero(sub, False)
         probes[-1] = (f"zero_optimization.{sub} = false", probes[-1][1], z3)
-    # ZeRO++ (qwZ and hpZ read, qgZ refused) and MiCS (refused)
+    # ZeRO++ (qwZ, hpZ and qgZ read) and MiCS (refused)
     for sub, value in (
         ("zero_quantized_weights", True),
         ("zero_quantized_gradients", True),

@@ -342,13 +342,30 @@ class Collectives:
 
     def split(self, size: int) -> Collectives:
         """Collectives over this rank's block of ``size`` consecutive ranks of this
-        group: ranks ``[0, size)``, ``[size, 2·size)``, ... (hpZ's node groups,
-        worker/stages.py [Note: hierarchical partitioning]).
+        group: ranks ``[0, size)``, ``[size, 2·size)``, ... (hpZ's and qgZ's node
+        groups, worker/stages.py [Note: hierarchical partitioning]).
 
         ``torch.distributed.new_group`` wants every rank of the default group to
         create every group, in the same order: each rank here creates every
         block's group, so every rank of this group must call it at the same point
         of its collectives, and this group must span the default group."""
+        self._check_blocks(size)
+        blocks = [list(range(start, start + size)) for start in range(0, self.world_size, size)]
+        return self._form(blocks, self.rank % size, "its block")
+
+    def across(self, size: int) -> Collectives:
+        """Collectives over the ranks of this group that hold this rank's place in
+        their block of ``size`` consecutive ranks (see :meth:`split`): ranks
+        ``{j, j + size, j + 2·size, ...}`` for this rank's ``j = rank % size``,
+        where this rank is rank ``rank // size`` (qgZ's cross-node groups,
+        worker/compression.py [Note: hierarchical gradient reduce-scatter]).
+        Formed as :meth:`split`'s groups are: every rank creates every such
+        group, in the same order, at the same point of its collectives."""
+        self._check_blocks(size)
+        places = [list(range(j, self.world_size, size)) for j in range(size)]
+        return self._form(places, self.rank // size, "the ranks of its place")
+
+    def _check_blocks(self, size: int) -> None:
         if size < 1 or self.world_size % size:
             raise ValueError(f"{size} ranks per block do not divide {self.world_size} ranks")
         if self.group is not None and dist.get_world_size() != self.world_size:
@@ -356,21 +373,24 @@ class Collectives:
                 "blocks of ranks are formed from the default process group only; this "
                 f"group has {self.world_size} of its {dist.get_world_size()} ranks"
             )
+
+    def _form(self, groups: list[list[int]], want: int, what: str) -> Collectives:
+        """Create a group of each list of this group's ranks (every rank creates
+        every group, in order) and return this rank's, where it is rank ``want``."""
         mine: dist.ProcessGroup | None = None
         with _translated("new_group"):
-            for start in range(0, self.world_size, size):
-                ranks = [self._global(r) for r in range(start, start + size)]
-                group = dist.new_group(ranks)
-                if start <= self.rank < start + size:
+            for ranks in groups:
+                group = dist.new_group([self._global(r) for r in ranks])
+                if self.rank in ranks:
                     mine = group
-        block = Collectives(mine)
-        if block.rank != self.rank % size:
+        formed = Collectives(mine)
+        if formed.rank != want:
             # new_group orders a group's ranks by their global rank
             raise ValueError(
-                f"rank {self.rank} is rank {block.rank} of its block, not {self.rank % size}: "
+                f"rank {self.rank} is rank {formed.rank} of {what}, not {want}: "
                 "this group's ranks are not in the default group's order"
             )
-        return block
+        return formed
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank

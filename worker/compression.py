@@ -10,6 +10,52 @@ this step (input minus its decoded self) is kept and added to the next
 step's input, so the error does not accumulate (Seide et al. 2014; the 1-bit
 Adam paper, Tang et al. 2021, analyses it with Adam).
 
+[Note: hierarchical gradient reduce-scatter]
+ZeRO++'s qgZ (``ZeroConfig.hierarchical_reduce`` k > 1, stages 2–3). The N
+ranks form m = N/k node groups of k consecutive ranks (worker/stages.py
+[Note: hierarchical partitioning]); rank r = a·k + j is place j of node a. A
+bucket of P (padded) elements has shards of s = P/N, and rank r owns elements
+``[r·s, (r+1)·s)``, as without qgZ. Two legs land each rank's own shard:
+
+1. Within the node, a reduce-scatter of the bucket permuted so that place j's
+   chunk is the shards of the ranks at place j of every node. Viewed as
+   (m, k, s), [node b, place i, element e], the bucket is element
+   (b·k + i)·s + e; the node leg sends its transpose (k, m, s), so place j
+   receives, summed over its node's k ranks, the m shards j, k + j, 2k + j, ...
+   in node order: element b·s + e of what it receives is element
+   (b·k + j)·s + e of the bucket.
+2. Across nodes, among the m ranks at place j, ``{j, k + j, 2k + j, ...}``
+   (:meth:`Collectives.across`; rank b·k + j is rank b there), the compressed
+   reduce-scatter of [Note: compressed reduce-scatter] on that node sum of m·s
+   elements: its chunk b, world shard b·k + j, goes to rank b·k + j. Rank
+   r = a·k + j thus receives chunk a of the node sums at place j of every node,
+   which is world shard r summed over all N ranks.
+
+Only the second leg crosses nodes: each rank sends (m−1)/m of P/k encoded
+elements, against (N−k)/N of P in the reduce dtype for the flat
+reduce-scatter; as (m−1)/(m·k) = (N−k)/(N·k), that is 1/k of the elements, and
+int8 (≈1 byte an element against fp32's 4) makes it ≈1/(4k) of the bytes.
+The first leg is full precision, in the reduce dtype: the node's link is the
+fast one (NVLink; loopback in bench/zeropp.py), where a second quantization
+would save little time, and it would add a second rounding, of each rank's
+gradient rather than of the node's sum, and a second residual. (ZeRO++
+quantizes within the node too, for GPUs whose node link is itself the
+bottleneck.) With error feedback, a rank keeps what encoding its node sum
+lost, P/k elements per bucket (the flat path keeps P), and adds it to the next
+step's node sum. Each element of the result is within half a step of the
+exact sum for each node's payload (int8: the block's absmax / 254, the block
+taken over that rank's node sum plus its residual).
+
+Leg 2 needs leg 1's result. A bucket's node leg is issued at its launch; its
+cross leg starts at a later bucket's launch if the node leg has finished by
+then, else when the bucket is waited on. A group's collectives must be issued
+in the same order on each of its ranks, so the cross legs start in launch
+order: one whose node leg is still running holds back those after it.
+``comm_report(by_group=True)`` books the node leg under ``node``
+(``reduce_scatter``, the bucket's bytes) and the cross leg under ``cross``
+(``reduce_scatter``: the node sum's bytes, and the payloads' as
+``wire_bytes``); nothing of qgZ's runs on the world group.
+
 [Note: quantized parameter gathers]
 ZeRO++'s qwZ (Wang et al. 2023) at every sharded stage: the parameter
 all-gather, after the optimizer step at stages 1–2 (worker/stages.py
@@ -52,10 +98,12 @@ __all__ = [
     "NonFiniteError",
     "OneBitCodec",
     "PendingAllGather",
+    "PendingHierarchicalReduceScatter",
     "PendingReduceScatter",
     "WireBuffers",
     "make_codec",
     "start_all_gather",
+    "start_hierarchical_reduce_scatter",
     "start_reduce_scatter",
 ]
 
@@ -332,6 +380,72 @@ def start_reduce_scatter(
         recv, send, async_op=True, as_op="reduce_scatter", logical_bytes=logical_bytes
     )
     return PendingReduceScatter(handle, recv, codec, comm, shard)
+
+
+@dataclass(eq=False)
+class PendingHierarchicalReduceScatter:
+    """qgZ's reduce-scatter in flight ([Note: hierarchical gradient
+    reduce-scatter]): the node leg issued, the cross leg started by
+    :meth:`start_cross` once the node leg is done; ``finish()`` returns this
+    rank's fp32 sum."""
+
+    node_handle: Handle
+    node_sum: torch.Tensor
+    codec: Codec
+    cross: Collectives
+    residual: torch.Tensor | None
+    buffers: WireBuffers
+    _cross: PendingReduceScatter | None = None
+
+    def node_done(self) -> bool:
+        """Whether the cross leg can start without waiting."""
+        return self._cross is not None or self.node_handle.done()
+
+    def start_cross(self) -> None:
+        """Wait for the node leg and start the cross leg (once)."""
+        if self._cross is not None:
+            return
+        self.node_handle.wait()
+        self._cross = start_reduce_scatter(
+            self.cross,
+            self.codec,
+            self.node_sum,
+            self.residual,
+            logical_bytes=self.node_sum.numel() * self.node_sum.element_size(),
+            buffers=self.buffers,
+        )
+
+    def finish(self) -> torch.Tensor:
+        self.start_cross()
+        assert self._cross is not None
+        return self._cross.finish()
+
+
+def start_hierarchical_reduce_scatter(
+    node: Collectives,
+    cross: Collectives,
+    codec: Codec,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    *,
+    dtype: torch.dtype,
+    buffers: WireBuffers | None = None,
+) -> PendingHierarchicalReduceScatter:
+    """Start qgZ's reduce-scatter of ``x`` over the ``node`` and ``cross`` groups
+    (see [Note: hierarchical gradient reduce-scatter]): the node leg in ``dtype``,
+    now; the cross leg, encoded with ``codec`` and ``residual`` (P/k elements),
+    by the result's :meth:`~PendingHierarchicalReduceScatter.start_cross`."""
+    k, m = node.world_size, cross.world_size
+    shard = x.numel() // (k * m)
+    buffers = buffers or WireBuffers()
+    size = torch.empty(0, dtype=dtype).element_size()
+    permuted = buffers.get("node_in", x.numel() * size, x.device).view(dtype).view(k, m, shard)
+    # [node b, place i, element e] -> [place i, node b, element e]: place j's chunk
+    # holds the world shards b·k + j of every node b
+    permuted.copy_(x.view(m, k, shard).transpose(0, 1))
+    node_sum = buffers.get("node_out", m * shard * size, x.device).view(dtype)
+    handle = node.reduce_scatter(node_sum, permuted.view(-1), async_op=True)
+    return PendingHierarchicalReduceScatter(handle, node_sum, codec, cross, residual, buffers)
 
 
 @dataclass

@@ -86,6 +86,20 @@ class ZeroConfig:
         compression_block: elements per scale block for ``int8``/``onebit``.
         compression_warmup_steps: optimizer steps exchanged uncompressed first.
         error_feedback: carry each step's compression error into the next.
+        hierarchical_reduce: ZeRO++'s qgZ (quantized hierarchical gradient
+            reduce-scatter), stages 2–3 with a ``compression`` codec; 1 = off
+            (the flat compressed reduce-scatter). The ranks per node, k, as
+            ``hpz_partition_size`` counts them (consecutive ranks ``[0, k)``,
+            ``[k, 2k)``, ...; with hpZ on, the same k): each bucket is
+            reduce-scattered in full precision within the node, then, encoded
+            with ``compression`` (and error feedback), among the ranks holding
+            the same node-local part in every node, so only 1/k of the
+            gradient's elements cross nodes, encoded (int8: ≈1/(4k) of the
+            fp32 bytes). Each rank ends with its shard of the layout, as
+            without it. Must divide the world size (see worker/compression.py
+            [Note: hierarchical gradient reduce-scatter]). DeepSpeed's
+            ``zero_quantized_gradients: true`` reads as ``compression="int8"``
+            with k from ``zero_hpz_partition_size``.
         stage3_gather_compression: how parameter all-gathers travel (ZeRO++'s
             qwZ), at stages 1–3 despite the name (stage 3 had it first): at
             stages 1–2 the all-gather of the updated shards after the optimizer
@@ -160,6 +174,7 @@ class ZeroConfig:
     compression_block: int = 256
     compression_warmup_steps: int = 0
     error_feedback: bool = True
+    hierarchical_reduce: int = 1
     stage3_gather_compression: Literal["none", "bf16", "int8"] = "none"
     hpz_partition_size: int = 1
     metrics_port: int | None = None
@@ -184,8 +199,9 @@ class ZeroConfig:
 
     def _check_across_sections(self) -> None:
         """The rules that tie fields of different sections together (each section has
-        checked its own fields): what a stage rules out (``_STAGE_BOUND``), and hpZ's
-        secondary copies, which live on the device beside the gathered units."""
+        checked its own fields): what a stage rules out (``_STAGE_BOUND``), hpZ's
+        secondary copies, which live on the device beside the gathered units, and
+        qgZ's stages, codec and ranks per node."""
         for name, stages, want in _STAGE_BOUND:
             if getattr(self, name) != "none" and self.stage not in stages:
                 raise FieldError(
@@ -196,6 +212,27 @@ class ZeroConfig:
                 "ZeroConfig.hpz_partition_size must be 1 unless stage is 3 (only stage 3 "
                 f"gathers parameters for its backward), got {self.hpz_partition_size!r}",
                 "hpz_partition_size",
+            )
+        k = self.hierarchical_reduce
+        if k != 1 and self.stage not in (2, 3):
+            raise FieldError(
+                "ZeroConfig.hierarchical_reduce must be 1 unless stage is 2 or 3 (qgZ "
+                f"reduce-scatters gradients into shards), got {k!r}",
+                "hierarchical_reduce",
+            )
+        if k != 1 and self.compression == "none":
+            raise FieldError(
+                "ZeroConfig.hierarchical_reduce must be 1 with compression='none' (in full "
+                "precision a hierarchical reduce-scatter crosses nodes with as many bytes "
+                f"as the flat one; qgZ is compression='int8'), got {k!r}",
+                "hierarchical_reduce",
+            )
+        if k != 1 and self.hpz_partition_size not in (1, k):
+            raise FieldError(
+                "ZeroConfig.hierarchical_reduce must equal hpz_partition_size="
+                f"{self.hpz_partition_size} when both are on (both are the ranks per node), "
+                f"got {k!r}",
+                "hierarchical_reduce",
             )
         if self.hpz_partition_size != 1 and self.offload_params != "none":
             raise FieldError(
@@ -282,7 +319,12 @@ class ZeroConfig:
         1-2; at stage 0 it is ignored with a warning.
         ``zero_optimization.zero_hpz_partition_size`` (ZeRO++'s hpZ) sets
         ``hpz_partition_size``; below stage 3 it is ignored, as in DeepSpeed (with a
-        warning unless it is 1). Known DeepSpeed keys that
+        warning unless it is 1). ``zero_optimization.zero_quantized_gradients: true``
+        (ZeRO++'s qgZ) sets ``compression="int8"`` and ``hierarchical_reduce`` to
+        ``zero_hpz_partition_size`` (at stage 2 too, where hpZ itself is ignored;
+        without it 1: zeroplane cannot tell the node size, and the int8
+        reduce-scatter is flat); DeepSpeed runs qgZ at stage 3 only, zeroplane at
+        stages 2-3; below stage 2 it is ignored with a warning. Known DeepSpeed keys that
         belong to other parts of a training script (optimizer, scheduler, batch
         sizes, logging) are logged as ignored, ``"auto"`` or not. Unknown keys raise.
 
@@ -372,7 +414,25 @@ class ZeroConfig:
         a ``"zeroplane"`` section that DeepSpeed does not read (coordinator/core/dsjson.py).
         ``micro_batch`` (and ``world_size``) add DeepSpeed's batch-size keys."""
         fields_ = {"stage": self.stage, "dtype": self.dtype} | self.as_dict(changed_only=True)
-        return to_deepspeed(fields_, micro_batch=micro_batch, world_size=world_size)
+        ds = to_deepspeed(fields_, micro_batch=micro_batch, world_size=world_size)
+        if self._is_deepspeed_qgz():
+            # ZeRO++'s qgZ under DeepSpeed's key, which reads back as int8 with k
+            # from zero_hpz_partition_size (written above)
+            extra = ds["zeroplane"]
+            del extra["compression"], extra["hierarchical_reduce"]
+            if not extra:
+                del ds["zeroplane"]
+            ds["zero_optimization"]["zero_quantized_gradients"] = True
+        return ds
+
+    def _is_deepspeed_qgz(self) -> bool:
+        """Whether DeepSpeed's ``zero_quantized_gradients: true`` says this config's
+        gradient compression: int8, hierarchical over hpZ's node groups at stage 3."""
+        return (
+            self.stage == 3
+            and self.compression == "int8"
+            and self.hierarchical_reduce == self.hpz_partition_size > 1
+        )
 
     def replace(self, **changes: Any) -> ZeroConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -386,13 +446,15 @@ class ZeroConfig:
         parameter offload, at stage 0 optimizer offload and gather compression. The
         same stage changes ``bucket_numel`` only. Logs nothing: saying that another
         stage applies is the caller's. Below stage 3 hpZ is off too
-        (``hpz_partition_size=1``)."""
+        (``hpz_partition_size=1``), and qgZ below stage 2 (``hierarchical_reduce=1``)."""
         changes: dict[str, Any] = {"bucket_numel": bucket_numel}
         if stage != self.stage:
             changes["stage"] = stage
             changes.update({name: "none" for name, ok, _ in _STAGE_BOUND if stage not in ok})
             if stage != 3:
                 changes["hpz_partition_size"] = 1
+            if stage not in (2, 3):
+                changes["hierarchical_reduce"] = 1
         return self.replace(**changes)
 
 

@@ -147,15 +147,17 @@ class LossScaling:
 
 @dataclass(frozen=True, kw_only=True)
 class CompressionSection:
-    """How gradients travel: the codec, its block, warmup and error feedback."""
+    """How gradients travel: the codec, its block, warmup, error feedback and qgZ's
+    ranks per node."""
 
     compression: Literal["none", "bf16", "fp16", "int8", "onebit"]
     compression_block: int
     compression_warmup_steps: int
     error_feedback: bool
+    hierarchical_reduce: int
 
     def __post_init__(self) -> None:
-        _check_ints(self, 1, "compression_block")
+        _check_ints(self, 1, "compression_block", "hierarchical_reduce")
         _check_ints(self, 0, "compression_warmup_steps")
         _check_bools(self, "error_feedback")
         if not _one_of(self.compression, ("none", "bf16", "fp16", "int8", "onebit")):

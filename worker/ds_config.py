@@ -73,6 +73,20 @@ def read_deepspeed(
             _QWZ_KEY,
         )
         del kw["stage3_gather_compression"]
+    if reader.sources.get("compression") == _QGZ_KEY and "compression" not in overrides:
+        if kw.get("stage", 0) not in (2, 3):
+            # DeepSpeed runs qgZ at stage 3 only; zeroplane at stages 2-3
+            logger.warning(
+                "DeepSpeed key %r ignored: quantized gradient reduce-scatters (qgZ) run "
+                "at stages 2-3, this config runs stage %s",
+                _QGZ_KEY,
+                kw.get("stage", 0),
+            )
+            del kw["compression"]
+        elif "hierarchical_reduce" not in overrides and "hierarchical_reduce" not in kw:
+            # the ranks per node are hpZ's; read here before a stage below 3 drops them
+            kw["hierarchical_reduce"] = kw.get("hpz_partition_size", 1)
+            reader.sources["hierarchical_reduce"] = _QGZ_KEY
     if (
         reader.sources.get("hpz_partition_size") == _HPZ_KEY
         and kw.get("stage", 0) != 3
@@ -82,9 +96,12 @@ def read_deepspeed(
         if kw["hpz_partition_size"] != 1:
             logger.warning(
                 "DeepSpeed key %r ignored: only stage 3 gathers parameters for its "
-                "backward (hpZ), this config runs stage %s",
+                "backward (hpZ), this config runs stage %s%s",
                 _HPZ_KEY,
                 kw.get("stage", 0),
+                " (qgZ takes it as the ranks per node)"
+                if reader.sources.get("hierarchical_reduce") == _QGZ_KEY
+                else "",
             )
         del kw["hpz_partition_size"]
     return kw, reader.sources
@@ -92,6 +109,7 @@ def read_deepspeed(
 
 _QWZ_KEY = "zero_optimization.zero_quantized_weights"
 _HPZ_KEY = "zero_optimization.zero_hpz_partition_size"
+_QGZ_KEY = "zero_optimization.zero_quantized_gradients"
 
 
 # Top-level DeepSpeed keys that configure other parts of a training script.
@@ -425,6 +443,12 @@ class _DeepSpeedReader:
                 value = self.resolve(key, value, "stage3_gather_compression")
                 if value is not _SKIP and _ds_bool(key, value):
                     self.set("stage3_gather_compression", key, "int8")
+            elif sub == "zero_quantized_gradients":
+                # ZeRO++'s qgZ: int8, hierarchical over hpZ's node size (read_deepspeed
+                # sets hierarchical_reduce once every key is read); false leaves it off
+                value = self.resolve(key, value, "compression")
+                if value is not _SKIP and _ds_bool(key, value):
+                    self.set("compression", key, "int8")
             elif sub == "zero_hpz_partition_size":
                 # ZeRO++'s hpZ: the ranks per node (1, DeepSpeed's default, is off)
                 value = self.resolve(key, value, "hpz_partition_size")

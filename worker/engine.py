@@ -172,14 +172,16 @@ def _op_totals(comms: Iterable[Collectives]) -> dict[str, tuple[int, int, int, f
 
 
 def _check_hpz(config: ZeroConfig, world: Collectives) -> None:
-    """An engine's first world must be one hpZ runs in (a session's later worlds run
-    without it where it cannot; worker/stages.py [Note: hierarchical partitioning])."""
-    k = config.hpz_partition_size
-    if k > 1 and world.world_size % k:
-        raise ValueError(
-            f"ZeroConfig.hpz_partition_size must divide the world size "
-            f"({world.world_size} ranks), got {k}"
-        )
+    """An engine's first world must be one hpZ and qgZ run in (a session's later
+    worlds run without them where they cannot; worker/stages.py [Note: hierarchical
+    partitioning], worker/compression.py [Note: hierarchical gradient
+    reduce-scatter])."""
+    for name in ("hpz_partition_size", "hierarchical_reduce"):
+        k = getattr(config, name)
+        if k > 1 and world.world_size % k:
+            raise ValueError(
+                f"ZeroConfig.{name} must divide the world size ({world.world_size} ranks), got {k}"
+            )
 
 
 def build_inventory_for(
@@ -738,8 +740,9 @@ class ZeroEngine:
     def comm_report(self, *, by_group: bool = False) -> dict[str, dict[str, Any]]:
         """Collective calls and logical bytes by op since start (see worker.collectives),
         over every group the engine uses. ``by_group``: ``{scope: {op: ...}}`` instead,
-        the scopes of ``ShardState.comm_groups`` (``world``; ``node`` for hpZ's node
-        groups, whose bytes never cross nodes)."""
+        the scopes of ``ShardState.comm_groups`` (``world``; ``node`` for hpZ's and
+        qgZ's node groups, whose bytes never cross nodes; ``cross`` for qgZ's
+        cross-node groups, whose payloads do)."""
         reports = {scope: c.report() for scope, c in self.state.comm_groups().items()}
         if by_group:
             return reports
@@ -898,14 +901,15 @@ class ZeroEngine:
         """
         if self.state.micro_in_step:
             raise RuntimeError("reconfigure() must be called at an accumulation boundary")
-        if self.config.hpz_partition_size > 1 and new_group not in (None, dist.group.WORLD):
-            raise ValueError(
-                f"ZeroConfig.hpz_partition_size={self.config.hpz_partition_size}: "
-                "engine.reconfigure() onto a new group cannot form hpZ's node groups, "
-                "which are made from the default process group (the coordinator's "
-                "sessions re-form that one); nothing was moved. Use "
-                "hpz_partition_size=1 to reconfigure onto subgroups"
-            )
+        for name, what in (("hpz_partition_size", "hpZ"), ("hierarchical_reduce", "qgZ")):
+            k = getattr(self.config, name)
+            if k > 1 and new_group not in (None, dist.group.WORLD):
+                raise ValueError(
+                    f"ZeroConfig.{name}={k}: engine.reconfigure() onto a new group cannot "
+                    f"form {what}'s node groups, which are made from the default process "
+                    "group (the coordinator's sessions re-form that one); nothing was "
+                    f"moved. Use {name}=1 to reconfigure onto subgroups"
+                )
         handover = elastic.exchange(
             self.state, holds_state=holds_state, via=via, new_members=new_members
         )

@@ -33,6 +33,7 @@ from worker.collectives import Collectives, Handle
 from worker.compression import (
     Codec,
     PendingAllGather,
+    PendingHierarchicalReduceScatter,
     PendingReduceScatter,
     WireBuffers,
     start_all_gather,
@@ -112,7 +113,7 @@ class FlatBucket:
     grad_shard: torch.Tensor | None = None
     staging: torch.Tensor | None = None
     reduced: torch.Tensor | None = None
-    exchange: PendingReduceScatter | None = None
+    exchange: PendingReduceScatter | PendingHierarchicalReduceScatter | None = None
     residual: torch.Tensor | None = None
     server_residual: torch.Tensor | None = None
     accumulated: bool = False
@@ -227,14 +228,18 @@ class GatherUnit:
 
 
 class NodeGroup:
-    """hpZ's node group of this rank: the ``size`` consecutive ranks of ``world``
-    that hold it, formed at its first use (worker/stages.py [Note: hierarchical
-    partitioning]); ``rank`` is this rank's place in it."""
+    """hpZ's and qgZ's node group of this rank: the ``size`` consecutive ranks of
+    ``world`` that hold it, formed at its first use (worker/stages.py [Note:
+    hierarchical partitioning]); ``rank`` is this rank's place in it. ``cross``:
+    qgZ's cross-node group, the ranks of every node at this rank's place
+    (worker/compression.py [Note: hierarchical gradient reduce-scatter]), also
+    formed at its first use."""
 
     def __init__(self, world: Collectives, size: int) -> None:
         self.world, self.size = world, size
         self.rank = world.rank % size
         self._comm: Collectives | None = None
+        self._cross: Collectives | None = None
 
     @property
     def comm(self) -> Collectives:
@@ -243,9 +248,20 @@ class NodeGroup:
         return self._comm
 
     @property
+    def cross(self) -> Collectives:
+        if self._cross is None:
+            self._cross = self.world.across(self.size)
+        return self._cross
+
+    @property
     def formed(self) -> Collectives | None:
         """The group's collectives if it has been formed, else None."""
         return self._comm
+
+    @property
+    def cross_formed(self) -> Collectives | None:
+        """The cross-node group's collectives if it has been formed, else None."""
+        return self._cross
 
 
 @dataclass(eq=False)

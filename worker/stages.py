@@ -46,8 +46,10 @@ from worker.collectives import Collectives, Handle, grained
 from worker.compression import (
     Codec,
     PendingAllGather,
+    PendingHierarchicalReduceScatter,
     WireBuffers,
     start_all_gather,
+    start_hierarchical_reduce_scatter,
     start_reduce_scatter,
 )
 from worker.flat import (
@@ -360,7 +362,10 @@ class Compressed(GradReducer):
     A compressed reduction is a reduce-scatter of encoded chunks (see
     worker/compression.py [Note: compressed reduce-scatter]); where the inner
     reducer wants the whole reduced bucket (stage 0) a compressed all-gather of
-    the summed shards follows.
+    the summed shards follows. With a ``hierarchy`` (qgZ, stages 2–3: this world's
+    node groups, set by the state for each world it runs in) the reduce-scatter is
+    hierarchical: full precision within the node, encoded across nodes
+    (worker/compression.py [Note: hierarchical gradient reduce-scatter]).
     """
 
     def __init__(
@@ -378,6 +383,15 @@ class Compressed(GradReducer):
         self.grads_in_place = inner.grads_in_place  # type: ignore[misc]
         self.every_micro_step = inner.every_micro_step  # type: ignore[misc]
         self.result = inner.result  # type: ignore[misc]
+        self.hierarchy: NodeGroup | None = None
+        # qgZ's exchanges whose cross leg has not started, in launch order
+        self._unstarted: list[PendingHierarchicalReduceScatter] = []
+
+    def bind(self, hierarchy: NodeGroup | None) -> None:
+        """Reduce hierarchically over ``hierarchy``'s groups from now on (None: flat);
+        exchanges of an earlier world are forgotten."""
+        self.hierarchy = hierarchy
+        self._unstarted.clear()
 
     def grad_numel(self, spec: Bucket) -> int:
         return self.inner.grad_numel(spec)
@@ -389,22 +403,46 @@ class Compressed(GradReducer):
     def on_grad(self, b: FlatBucket, pos: int, p: nn.Parameter) -> None:
         self.inner.on_grad(b, pos, p)
 
+    def _residual(self, b: FlatBucket, numel: int, device: torch.device) -> torch.Tensor | None:
+        """``b``'s error-feedback residual of ``numel`` elements (None without feedback)."""
+        if not self.error_feedback:
+            return None
+        if b.residual is None or b.residual.numel() != numel:
+            b.residual = torch.zeros(numel, device=device)
+        return b.residual
+
     def launch(self, b: FlatBucket, comm: Collectives) -> None:
         if not (comm.distributed and self.active()):
             self.inner.launch(b, comm)
             return
         src = self.inner.source(b)
-        if self.error_feedback and b.residual is None:
-            b.residual = torch.zeros(b.spec.padded_numel, device=src.device)
+        b.comm = comm
+        node = self.hierarchy
+        if node is not None and node.world is comm:
+            # [Note: hierarchical gradient reduce-scatter]: the cross legs of earlier
+            # buckets whose node leg is done start now, in launch order
+            while self._unstarted and self._unstarted[0].node_done():
+                self._unstarted.pop(0).start_cross()
+            exchange = start_hierarchical_reduce_scatter(
+                node.comm,
+                node.cross,
+                self.codec,
+                src,
+                self._residual(b, b.spec.padded_numel // node.size, src.device),
+                dtype=self.reduce_dtype,
+                buffers=b.wire,
+            )
+            self._unstarted.append(exchange)
+            b.exchange = exchange
+            return
         b.exchange = start_reduce_scatter(
             comm,
             self.codec,
             src,
-            b.residual if self.error_feedback else None,
+            self._residual(b, b.spec.padded_numel, src.device),
             logical_bytes=src.numel() * src.element_size(),
             buffers=b.wire,
         )
-        b.comm = comm
 
     def finish(self, b: FlatBucket) -> None:
         if b.exchange is None:
@@ -412,6 +450,10 @@ class Compressed(GradReducer):
             return
         if b.state is not BucketState.REDUCING:
             return
+        if isinstance(b.exchange, PendingHierarchicalReduceScatter):
+            # the cross legs start in launch order, up to this bucket's
+            while b.exchange in self._unstarted:
+                self._unstarted.pop(0).start_cross()
         shard = b.exchange.finish()
         b.exchange = None
         if self.inner.result == "full":
@@ -602,7 +644,10 @@ class ShardedParams(ParamStorage):
     quantized, and a rank then reads, in backward, another rank's slot as the
     slot's keeper decoded it (its own exactly): within the codec's bound, as
     before. The cost is p·Ψ/k bytes per rank (``params`` in ``memory_report``
-    and coordinator/core/memory.py), and a copy of p·Ψ/k per step.
+    and coordinator/core/memory.py), and a copy of p·Ψ/k per step. qgZ, when it
+    runs too (``ZeroConfig.hierarchical_reduce``, the same k), reduces gradients
+    over this node group and its cross-node counterpart (worker/compression.py
+    [Note: hierarchical gradient reduce-scatter]; ShardState._bind_hierarchy).
 
     Node groups are consecutive ranks because the launchers number a host's
     ranks consecutively (torchrun's ``node_rank·nproc + local_rank``) and the

@@ -43,7 +43,7 @@ from worker.birth import Birth, Init, materialize_empty, meta_names
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compression import PendingAllGather, make_codec
 from worker.config import ZeroConfig
-from worker.flat import BucketState, FlatBucket, GatherUnit, Reserve
+from worker.flat import BucketState, FlatBucket, GatherUnit, NodeGroup, Reserve
 from worker.inventory import Inventory, persistent_buffers
 from worker.offload import HOST, Location, OffloadedGrads, Placement
 from worker.optim import Piece, ShardOptimizer
@@ -141,9 +141,11 @@ class ShardState:
         else:
             reducer = cls(reduce_dtype, self.pool, lambda b: self.reducer.finish(b))  # type: ignore[call-arg]
         codec = make_codec(self.config.compression, self.config.compression_block)
+        # the compressed reducer, which qgZ binds to each world's node groups
+        self.compressed: Compressed | None = None
         if codec is not None:
             warmup = self.config.compression_warmup_steps
-            reducer = Compressed(
+            reducer = self.compressed = Compressed(
                 reducer,
                 codec,
                 error_feedback=self.config.error_feedback,
@@ -188,13 +190,58 @@ class ShardState:
 
     def comm_groups(self) -> dict[str, Collectives]:
         """The groups this state's collectives run on, by scope: ``world`` (the
-        engine's group) and, once hpZ has formed it, ``node`` (worker/stages.py
-        [Note: hierarchical partitioning])."""
+        engine's group); once hpZ or qgZ has formed it, ``node`` (worker/stages.py
+        [Note: hierarchical partitioning]); once qgZ has formed it, ``cross``, the
+        cross-node group of qgZ's second leg (worker/compression.py [Note:
+        hierarchical gradient reduce-scatter]). Only ``world`` and ``cross``
+        collectives cross nodes."""
         groups = {"world": self.comm}
         node = self.params.node_comm if isinstance(self.params, ShardedParams) else None
+        qgz = None if self.compressed is None else self.compressed.hierarchy
+        if node is None and qgz is not None:
+            node = qgz.formed
         if node is not None:
             groups["node"] = node
+        if qgz is not None and qgz.cross_formed is not None:
+            groups["cross"] = qgz.cross_formed
         return groups
+
+    def _bind_hierarchy(self, comm: Collectives) -> None:
+        """qgZ's node groups for ``comm``'s world, or flat compression where it cannot
+        run (worker/compression.py [Note: hierarchical gradient reduce-scatter]): hpZ's
+        node group where hpZ runs (the same k), else one of its own, formed at the
+        first compressed reduction. The cases mirror hpZ's (ShardedParams._node_group)."""
+        if self.compressed is None:
+            return
+        k, world = self.config.hierarchical_reduce, comm.world_size
+        node: NodeGroup | None = None
+        if k > 1 and world > 1:
+            if not comm.on_default_group:
+                raise ValueError(
+                    f"ZeroConfig.hierarchical_reduce={k} needs the engine on the default "
+                    "process group, whose ranks form the node groups; this engine runs on "
+                    "a subgroup (tensor or pipeline parallelism, or engine.reconfigure onto "
+                    "a new group), where qgZ is not supported: set hierarchical_reduce=1"
+                )
+            if world % k:
+                logger.warning(
+                    "qgZ off in this world: ZeroConfig.hierarchical_reduce=%d does not divide "
+                    "its %d ranks (gradients are reduce-scattered across the world, compressed)",
+                    k,
+                    world,
+                )
+            elif world == k:
+                logger.info(
+                    "qgZ off in this world: its %d ranks are one node group "
+                    "(ZeroConfig.hierarchical_reduce=%d); gradients are reduce-scattered "
+                    "across it, compressed",
+                    world,
+                    k,
+                )
+            else:
+                hpz = self.params.node if isinstance(self.params, ShardedParams) else None
+                node = hpz if hpz is not None and hpz.size == k else NodeGroup(comm, k)
+        self.compressed.bind(node)
 
     @property
     def units(self) -> list[GatherUnit]:
@@ -244,6 +291,7 @@ class ShardState:
         self.pool.reset(max((b.spec.padded_numel for b in self.buckets), default=0))
         self.optimizer = self.shard_optimizer([(b.spec, b.pieces, b.master) for b in self.buckets])
         self.params.attach(self.buckets, comm, self.inventory.unit_modules)
+        self._bind_hierarchy(comm)
         self._publish_chunks = self._chunks()
         self.whole = from_module
         self.builds += 1
@@ -259,6 +307,7 @@ class ShardState:
         comm.inherit_scratch(self.comm)
         self.comm = comm
         self.params.attach(self.buckets, comm, self.inventory.unit_modules)
+        self._bind_hierarchy(comm)
 
     def warm(self) -> None:
         """Make now, written once, the transient buffers a stage 2-3 backward takes
