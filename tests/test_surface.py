@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -296,3 +297,82 @@ def test_activation_checkpointing_on_a_mesh(pools, tp, pp, stage, policy) -> Non
     want, _ = reference(8)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst < 1e-5, f"differs from the one-process reference by {worst:.3g}"
+
+
+def pipeline_weights_case(src: str, out: str) -> dict:
+    """A pipeline (pp=2 x dp=2) loads pretrained weights by range, trains, and writes
+    its whole model as save_pretrained does."""
+    model = _gpt()  # seed 0; the file holds other values
+    engine = worker.initialize(
+        model,
+        _opt(model),
+        config=worker.ZeroConfig(stage=1),
+        parallel=ParallelConfig(pipeline_parallel=2, microbatches=2),
+        loss_fn=lm_loss,
+    )
+    from worker.pretrained import WeightsError
+
+    bad = Path(src).with_name("bad.safetensors")
+    refused = ""
+    try:
+        engine.load_weights(bad)
+    except WeightsError as exc:
+        refused = str(exc)
+    engine.load_weights(src)
+    loaded = engine.full_state_dict()
+    loader = StepLoader(_data(), LoaderConfig(global_batch=6, num_workers=0, prefetch=0))
+    loader.attach(engine)
+    while engine.global_steps < STEPS:
+        engine.train_batch(loader.current())
+    files = engine.save_pretrained(out)
+    trained = engine.full_state_dict()
+    loader.close()
+    engine.close()
+    return {
+        "loaded": loaded,
+        "trained": trained,
+        "files": [str(f) for f in files],
+        "refused": refused,
+    }
+
+
+def test_a_pipeline_loads_and_saves_pretrained_weights(pools, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from worker.models import GPT, GPTConfig
+
+    torch.manual_seed(7)
+    pretrained = GPT(
+        GPTConfig(
+            vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=16, tie_weights=False
+        )
+    )
+    weights = {k: v.detach().clone().contiguous() for k, v in pretrained.state_dict().items()}
+    src = tmp_path / "model.safetensors"
+    save_file(weights, src)
+    save_file(
+        {k: v for k, v in weights.items() if k != "lm_head.weight"}, tmp_path / "bad.safetensors"
+    )
+    out = tmp_path / "out"
+    results = pools(4).run(pipeline_weights_case, str(src), str(out))
+    # the reference: the same weights, trained by one process on the same global batches
+    opt = _opt(pretrained)
+    loader = StepLoader(_data(), LoaderConfig(global_batch=6, num_workers=0, prefetch=0))
+    for step in range(STEPS):
+        ((x, y),) = loader.batches(step, 0, 1)
+        lm_loss(pretrained(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for rank in results:
+        assert "missing ['lm_head.weight']" in rank["refused"], rank["refused"]
+        for name, want in weights.items():
+            assert torch.equal(rank["loaded"][name], want), name
+        worst = max(
+            (rank["trained"][n] - p.detach()).abs().max().item()
+            for n, p in pretrained.named_parameters()
+        )
+        assert worst < 1e-5, f"differs from the one-process reference by {worst:.3g}"
+    written = load_file(out / "model.safetensors")
+    assert written.keys() == weights.keys()
+    for name, t in written.items():
+        assert torch.equal(t, results[0]["trained"][name]), name

@@ -72,11 +72,13 @@ whose stages hold any is refused, on every rank alike, naming one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -86,6 +88,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from coordinator.core.layout import ParamSpec
+from worker.checkpoint import DEFAULT_SHARD_BYTES, Planned, write_safetensors_shards
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
@@ -166,6 +169,7 @@ class PipelineEngine(MeshEngine):
     ) -> None:
         super().__init__(module, optimizer, **kwargs)
         self.loss_fn = loss_fn
+        self.model_config: Any = getattr(module, "config", None)
         self._trainable = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
         self.pp_comm = Collectives(self.mesh["pp"].get_group())
         # this rank's share of the coming step's global batch, as set_micro_batches says
@@ -357,18 +361,42 @@ class PipelineEngine(MeshEngine):
         view.inventory = Inventory(specs, view.inventory.params, aliases, {})
         return view
 
-    def _full_export(self) -> NoReturn:
-        raise RuntimeError(
-            "save_pretrained of a pipeline job is not implemented yet: "
-            "engine.full_state_dict() gathers every parameter on every rank, for a script "
-            "to save"
-        )
+    def save_pretrained(self, out: str | os.PathLike, **options: Any) -> list[Path]:
+        """The whole model's weights in the directory ``out`` as ``save_pretrained``
+        writes them (``model.safetensors``, or shards and their index), fp32 masters
+        cast to ``dtype`` if given; rank 0 writes; a collective over the mesh. Unlike
+        a data- or tensor-parallel engine's export, which gathers one bucket at a
+        time, this gathers the whole model on every rank first (:meth:`full_state_dict`):
+        the stages' buckets are not on one rank to be walked in turn.
+        :meth:`load_weights` (inherited) reads such a directory by range. ``options``:
+        ``dtype`` and ``max_shard_bytes``, as :meth:`ZeroEngine.save_pretrained`'s."""
+        dtype: torch.dtype | None = options.pop("dtype", None)
+        max_shard_bytes: int = options.pop("max_shard_bytes", DEFAULT_SHARD_BYTES)
+        if options:
+            raise TypeError(f"save_pretrained got unexpected options {sorted(options)}")
+        whole = self.full_state_dict()
+        directory = Path(out)
+        writer = dist.get_rank() == 0
+        if writer:
+            directory.mkdir(parents=True, exist_ok=True)
 
-    def load_weights(self, path: str | os.PathLike) -> None:
-        raise RuntimeError(
-            "load_weights of a pipeline job is not implemented yet: load the weights into "
-            "the model before worker.initialize, or train from a checkpoint"
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().cpu()
+            return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+        size = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+        plan = [
+            Planned(n, t.numel() * (size or t.element_size()), functools.partial(cast, t))
+            for n, t in whole.items()
+        ]
+        metadata = {"format": "pt", "global_steps": str(self.global_steps)}
+        files = write_safetensors_shards(
+            plan, directory / "model.safetensors", metadata, max_shard_bytes, write=writer
         )
+        config = self.model_config
+        if writer and hasattr(config, "save_pretrained"):
+            config.save_pretrained(directory)
+        return files
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's full parameters by the model's names (fp32, gathered over dp
@@ -449,6 +477,8 @@ def pipeline(
         PipelineEngine, stage_module, optimizer, model, config, mesh, shape, coords, plan,
         lr_scheduler, parallel=parallel, loss_fn=loss_fn, metrics=metrics,
     )  # fmt: skip
+    # the whole model's (a Hugging Face config.json), for save_pretrained
+    engine.model_config = getattr(model, "config", None)
     logger.info(
         "pipeline stage %d of %d (dp rank %d of %d), schedule %s, %d micro-batches",
         coords.pp, shape.pp, coords.dp, shape.dp, parallel.pipeline_schedule,
