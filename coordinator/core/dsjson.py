@@ -7,7 +7,8 @@ torch-free (so the mapping lives here, on the coordinator's side).
 Fields with a DeepSpeed key go under it (``zero_optimization.stage``,
 ``reduce_bucket_size``, ``overlap_comm``, ``stage3_prefetch_bucket_size``,
 ``stage3_max_reuse_distance``, ``stage3_max_live_parameters``,
-``zero_hpz_partition_size`` (``hpz_partition_size``), ``bf16``/``fp16``
+``zero_hpz_partition_size`` (``hpz_partition_size``), ``zero_quantized_weights``
+(``stage3_gather_compression="int8"`` at stage 3), ``bf16``/``fp16``
 with the loss-scale settings, ``gradient_accumulation_steps``, ``gradient_clipping``,
 ``activation_checkpointing``).
 Fields DeepSpeed has no key for (``compression``, ``reduce_dtype``, ``replica_interval``, ...) go
@@ -73,6 +74,11 @@ def to_deepspeed(
         zo["stage3_max_live_parameters"] = rest.pop("stage3_max_live_parameters")
     if "hpz_partition_size" in rest:  # ZeRO++'s hpZ; the same default (1) as DeepSpeed's
         zo["zero_hpz_partition_size"] = rest.pop("hpz_partition_size")
+    if zo["stage"] == 3 and rest.get("stage3_gather_compression") == "int8":
+        # ZeRO++'s qwZ: DeepSpeed's key means int8 gathers at stage 3 only (zeroplane
+        # also quantizes stages 1-2's, which stay in the "zeroplane" section)
+        del rest["stage3_gather_compression"]
+        zo["zero_quantized_weights"] = True
     ds["zero_optimization"] = zo
     dtype = rest.pop("dtype", "fp32")
     ds["bf16"] = {"enabled": dtype == "bf16"}
