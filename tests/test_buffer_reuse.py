@@ -1,7 +1,7 @@
 """Transient bucket-sized buffers are reused, not made anew at every step or
 membership change: gloo's reduce-scatter receive buffer (worker/collectives.py
 [Note: a reduce-scatter's receive buffer is reused]) and the stage 2-3 gradient
-staging buffers across a rebuild for another world size (worker/stages.py
+staging buffers across a rebuild for another world size (worker/reducers.py
 StagingPool.reset). Results are checked against sums computed here."""
 
 from __future__ import annotations

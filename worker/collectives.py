@@ -273,7 +273,7 @@ class Collectives:
         threshold (the default 4M-element buckets) glibc's heap already reused
         the memory and nothing changed measurably. Waited-on buffers are kept
         for the next call: at most the two largest (two buckets reduce at a time,
-        see worker/stages.py StagingPool), a smaller one a view of the start of
+        see worker/reducers.py StagingPool), a smaller one a view of the start of
         a larger one. Held between steps: up to two bucket-sized buffers, on
         gloo only.
         """

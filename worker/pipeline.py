@@ -25,7 +25,7 @@ buckets launched in order, reduce-scatter or all-reduce) with no change to
 the engine.
 
 At stage 2 a gradient goes to its bucket's staging buffer as it arrives and
-``.grad`` is freed (worker/stages.py ``ReduceScatterStaging``); outside
+``.grad`` is freed (worker/reducers.py ``ReduceScatterStaging``); outside
 ``engine.backward`` nothing is launched, so the staging buffers sum the
 micro-batches' gradients, and the zero's backward reduce-scatters each once,
 into the persistent gradient shard: one reduce-scatter per bucket and step,
