@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.control.client import ClientConfig, CoordinatorClient
+from coordinator.control.membership import Membership
 from coordinator.control.server import CoordinatorServer, create_server
 from coordinator.core.layout import ParamSpec
 from coordinator.core.messages import WorkerInfo, param_to_proto
@@ -166,3 +167,25 @@ class Clock:
 
 # ranks by host, for the host heartbeat tests (three hosts, uneven)
 HOSTS = {"h0": ["h0-0", "h0-1", "h0-2"], "h1": ["h1-0", "h1-1", "h1-2"], "h2": ["h2-0", "h2-1"]}
+
+
+def formed_on_hosts(clock: Clock | None = None) -> Membership:
+    """A membership at stage 2 whose first generation holds :data:`HOSTS`' ranks."""
+    clock = clock or Clock()
+    m = Membership(
+        MembershipConfig(
+            min_workers=1,
+            max_workers=64,
+            join_window_s=0.0,
+            lease_timeout_s=3.0,
+            heartbeat_interval_s=1.0,
+        ),
+        PlanConfig(stage=2, bucket_numel=100, align=2),
+        clock=clock,
+        wall_clock=clock,
+    )
+    for host, ranks in HOSTS.items():
+        for wid in ranks:
+            m.register(WorkerInfo(worker_id=wid, host=host, free_ports=(3000,)), inventory())
+    assert m.maybe_form() is not None
+    return m

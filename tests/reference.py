@@ -164,3 +164,10 @@ def tiny_gpt2(*, vocab: int, seq: int, heads: int = 2) -> nn.Module:
         eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(cfg)
+
+
+def walk_batch(g: torch.Generator, rows: int, vocab: int, length: int) -> torch.Tensor:
+    """``rows`` token sequences of ``length``, each a random walk of steps 1-2 modulo
+    ``vocab`` (learnable, so a loss curve falls): the compression tests' data."""
+    start = torch.randint(0, vocab, (rows, 1), generator=g)
+    return (start + torch.randint(1, 3, (rows, length), generator=g).cumsum(1)) % vocab

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import worker
+from tests.reference import walk_batch
 from worker.compression import NonFiniteError, make_codec
 from worker.models import GPT, GPTConfig
 
@@ -93,9 +94,8 @@ def train_curve(stage: int, method: str, warmup: int) -> dict:
     g = torch.Generator().manual_seed(1234)
     losses = []
     for _ in range(STEPS):
-        start = torch.randint(0, CFG.vocab_size, (world * 4, 1), generator=g)
-        walk = start + torch.randint(1, 3, (world * 4, CFG.block_size), generator=g).cumsum(1)
-        seq = (walk % CFG.vocab_size)[rank * 4 : (rank + 1) * 4]
+        walk = walk_batch(g, world * 4, CFG.vocab_size, CFG.block_size)
+        seq = walk[rank * 4 : (rank + 1) * 4]
         loss = engine(seq[:, :-1], seq[:, 1:])
         engine.backward(loss)
         engine.step()

@@ -23,13 +23,13 @@ from coordinator.core.messages import (
     members_delta,
 )
 from coordinator.core.reshard import LazyMoves, RankSchedules, reshard_schedule
-from coordinator.core.settings import MembershipConfig, PlanConfig
 from tests.coordinator_util import (
     AUTH,
     HOSTS,
     Clock,
     client,
     config,
+    formed_on_hosts,
     inventory,
     raw_stub,
     register_request,
@@ -41,33 +41,13 @@ from tests.coordinator_util import (
 pytestmark = pytest.mark.timeout(60)
 
 
-def formed(clock: Clock) -> Membership:
-    m = Membership(
-        MembershipConfig(
-            min_workers=1,
-            max_workers=64,
-            join_window_s=0.0,
-            lease_timeout_s=3.0,
-            heartbeat_interval_s=1.0,
-        ),
-        PlanConfig(stage=2, bucket_numel=100, align=2),
-        clock=clock,
-        wall_clock=clock,
-    )
-    for host, ranks in HOSTS.items():
-        for wid in ranks:
-            m.register(WorkerInfo(worker_id=wid, host=host, free_ports=(3000,)), inventory())
-    assert m.maybe_form() is not None
-    return m
-
-
 def beats(m: Membership, ranks: list[str], **kw: object) -> list[RankBeat]:
     return [RankBeat(worker_id=w, generation_id=m.generation_id, **kw) for w in ranks]
 
 
 def test_host_heartbeats_keep_every_ranks_lease() -> None:
     clock = Clock()
-    m = formed(clock)
+    m = formed_on_hosts(clock)
     report = WorkerReport(step=5, applied_generation_id=1)
     for _ in range(10):  # 20 s: far past a 3 s lease
         clock.now += 2.0
@@ -84,7 +64,7 @@ def test_host_heartbeats_keep_every_ranks_lease() -> None:
 
 def test_a_rank_missing_from_its_hosts_report_is_lost_at_the_next_heartbeat() -> None:
     clock = Clock()
-    m = formed(clock)
+    m = formed_on_hosts(clock)
     m.host_heartbeat("h1", beats(m, HOSTS["h1"]))
     gone = HOSTS["h1"][1]
     rank = m.generation.rank_of(gone)
@@ -99,7 +79,7 @@ def test_a_rank_missing_from_its_hosts_report_is_lost_at_the_next_heartbeat() ->
 
 def test_a_lost_hosts_ranks_all_leave_in_one_generation() -> None:
     clock = Clock()
-    m = formed(clock)
+    m = formed_on_hosts(clock)
     old = m.generation
     for _ in range(3):
         clock.now += 1.5
@@ -118,7 +98,7 @@ def test_a_lost_hosts_ranks_all_leave_in_one_generation() -> None:
 
 def test_a_host_heartbeat_fences_and_checks_each_rank_on_its_own() -> None:
     clock = Clock()
-    m = formed(clock)
+    m = formed_on_hosts(clock)
     stale = RankBeat(worker_id="h2-0", generation_id=0, leaving=True)
     unknown = RankBeat(worker_id="nobody", generation_id=1)
     fine = RankBeat(worker_id="h2-1", generation_id=1)
@@ -157,7 +137,7 @@ def test_the_incremental_schedule_reassembles_to_the_whole(
 
 def test_members_as_a_delta_expand_to_the_whole_generation() -> None:
     clock = Clock()
-    m = formed(clock)
+    m = formed_on_hosts(clock)
     first = m.generation
     m.leave("h0-1")
     m.register(WorkerInfo(worker_id="late", host="h9", free_ports=(3001,)), inventory())

@@ -33,31 +33,9 @@ from coordinator.core.messages import (
     param_to_proto,
     worker_to_proto,
 )
-from coordinator.core.settings import MembershipConfig, PlanConfig
-from tests.coordinator_util import HOSTS, Clock, inventory
+from tests.coordinator_util import HOSTS, formed_on_hosts, inventory
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def formed() -> Membership:
-    clock = Clock()
-    m = Membership(
-        MembershipConfig(
-            min_workers=1,
-            max_workers=64,
-            join_window_s=0.0,
-            lease_timeout_s=3.0,
-            heartbeat_interval_s=1.0,
-        ),
-        PlanConfig(stage=2, bucket_numel=100, align=2),
-        clock=clock,
-        wall_clock=clock,
-    )
-    for host, ranks in HOSTS.items():
-        for wid in ranks:
-            m.register(WorkerInfo(worker_id=wid, host=host, free_ports=(3000,)), inventory())
-    assert m.maybe_form() is not None
-    return m
 
 
 def published(m: Membership, previous: Generation | None) -> Snapshot:
@@ -90,7 +68,7 @@ def assert_holds(path: Path, m: Membership) -> Snapshot:
 
 def test_generations_are_appended_as_deltas_and_load_to_the_whole(tmp_path) -> None:
     path = tmp_path / "state.json"
-    m = formed()
+    m = formed_on_hosts()
     log = StateLog(path)
     log.save(published(m, None))
     assert log.last_write == "base" and path.read_bytes().startswith(MAGIC)
@@ -131,7 +109,7 @@ def test_generations_are_appended_as_deltas_and_load_to_the_whole(tmp_path) -> N
 
 def test_deltas_without_the_wire_forms_load_too(tmp_path) -> None:
     path = tmp_path / "state.json"
-    m = formed()
+    m = formed_on_hosts()
     log = StateLog(path)
     log.save(m.snapshot())
     m.leave("h0-0", "done")
@@ -145,7 +123,7 @@ def test_deltas_without_the_wire_forms_load_too(tmp_path) -> None:
 def test_the_log_is_compacted(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(statefile, "MAX_GENERATION_RECORDS", 2)
     path = tmp_path / "state.json"
-    m = formed()
+    m = formed_on_hosts()
     log = StateLog(path)
     log.save(published(m, None))
     writes = []
@@ -167,7 +145,7 @@ def appended(tmp_path: Path) -> tuple[Path, Membership, Generation, int]:
     """A state file of a base and one generation appended; the first generation and
     where the appended record begins."""
     path = tmp_path / "state.json"
-    m = formed()
+    m = formed_on_hosts()
     first = m.generation
     assert first is not None
     log = StateLog(path)
@@ -252,7 +230,7 @@ def test_a_record_out_of_sequence_is_refused(tmp_path) -> None:
 
 
 def test_a_format_2_state_file_still_loads_and_is_rewritten_as_format_3(tmp_path) -> None:
-    m = formed()
+    m = formed_on_hosts()
     m.leave("h0-1", "done")
     gen = m.maybe_form()
     assert gen is not None and gen.reshard is not None

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import worker
 from coordinator.core.memory import model_state_bytes
+from tests.reference import walk_batch
 from worker.collectives import Collectives
 from worker.models import GPT, GPTConfig
 
@@ -25,9 +26,7 @@ LR = 2e-3
 
 def _batch(g: torch.Generator, world: int) -> torch.Tensor:
     """The global batch of one step: 2 sequences per rank."""
-    start = torch.randint(0, CFG.vocab_size, (world * 2, 1), generator=g)
-    walk = start + torch.randint(1, 3, (world * 2, CFG.block_size), generator=g).cumsum(1)
-    return walk % CFG.vocab_size
+    return walk_batch(g, world * 2, CFG.vocab_size, CFG.block_size)
 
 
 def _engine(hpz: int, **kw) -> worker.ZeroEngine:

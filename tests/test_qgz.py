@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import worker
+from tests.reference import walk_batch
 from worker.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -24,9 +25,7 @@ LR = 2e-3
 
 def _batch(g: torch.Generator) -> torch.Tensor:
     """The global batch of one step: 2 sequences per rank."""
-    start = torch.randint(0, CFG.vocab_size, (WORLD * 2, 1), generator=g)
-    walk = start + torch.randint(1, 3, (WORLD * 2, CFG.block_size), generator=g).cumsum(1)
-    return walk % CFG.vocab_size
+    return walk_batch(g, WORLD * 2, CFG.vocab_size, CFG.block_size)
 
 
 def _engine(stage: int, **kw) -> worker.ZeroEngine:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import worker
+from tests.reference import walk_batch
 from worker.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -21,9 +22,8 @@ BUCKET = 8192
 
 
 def _batch(g: torch.Generator, world: int, rank: int) -> torch.Tensor:
-    start = torch.randint(0, CFG.vocab_size, (world * 4, 1), generator=g)
-    walk = start + torch.randint(1, 3, (world * 4, CFG.block_size), generator=g).cumsum(1)
-    return (walk % CFG.vocab_size)[rank * 4 : (rank + 1) * 4]
+    walk = walk_batch(g, world * 4, CFG.vocab_size, CFG.block_size)
+    return walk[rank * 4 : (rank + 1) * 4]
 
 
 def _engine(stage: int, gather: str, **kw) -> worker.ZeroEngine:
