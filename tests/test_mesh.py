@@ -312,7 +312,6 @@ def test_resize_by_whole_groups_only() -> None:
     [
         ({"stage": 3}, {"pipeline_parallel": 2}, "stages 0-2, got stage 3"),
         ({"gradient_accumulation_steps": 2}, {"pipeline_parallel": 2}, "microbatches"),
-        ({"stage": 1, "offload_optimizer": "cpu"}, {"pipeline_parallel": 2}, "offload"),
     ],
 )
 def test_refused_combinations_say_why(config, parallel, match) -> None:
