@@ -641,6 +641,11 @@ ENV_DOCS: dict[str, str] = {
     "ZEROPLANE_TLS_CLIENT_CERT": "This client's certificate for mutual TLS (a "
     "coordinator started with `--tls-client-ca`); with `$ZEROPLANE_TLS_CLIENT_KEY`.",
     "ZEROPLANE_TLS_CLIENT_KEY": "The private key of `$ZEROPLANE_TLS_CLIENT_CERT`.",
+    "ZEROPLANE_HOST_AGENT": "The Unix socket of this host's heartbeat agent: the worker's "
+    "heartbeats go there, and the agent sends one heartbeat for every worker on the host "
+    "(coordinator/control/host_agent.py). Set by `zeroplane run` (`--no-host-agent`: "
+    "unset, each worker heartbeats the coordinator). A worker that cannot reach it "
+    "heartbeats the coordinator itself.",
     "ZEROPLANE_STAGE": "The ZeRO stage `zeroplane run --stage` asked for (`0`-`3` or "
     "`auto`); `worker.config.stage_from_env(default)` reads it as a script's default, "
     "as do `zeroplane demo`, the Lightning strategy and the HF Trainer.",

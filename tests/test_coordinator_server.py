@@ -31,10 +31,11 @@ from coordinator.control.client import (
     StaleGenerationError,
 )
 from coordinator.control.embedded import EmbeddedCoordinator
+from coordinator.control.host_agent import HostAgent
 from coordinator.control.server import create_server
 from coordinator.core.layout import ParamSpec
 from coordinator.core.messages import GENERATION_METADATA_KEY, WorkerReport
-from coordinator.core.settings import CoordinatorConfig
+from coordinator.core.settings import HOST_AGENT_ENV, CoordinatorConfig
 from tests.coordinator_util import (
     AUTH,
     TOKEN,
@@ -367,12 +368,21 @@ def test_worker_time_settings_from_the_environment_name_a_bad_value(monkeypatch,
     assert env_seconds(MEMBERSHIP_WAIT_ENV, 600.0) == 600.0
 
 
-def test_restart_from_the_state_file_and_reattach(tmp_path: Path) -> None:
+@pytest.mark.parametrize("through_agent", [False, True], ids=["own-heartbeats", "host-agent"])
+def test_restart_from_the_state_file_and_reattach(tmp_path: Path, through_agent: bool) -> None:
     state = tmp_path / "coordinator-state.json"
     cfg = config(max_workers=2, join_window_s=0.5, lease_timeout_s=1.0, state_file=state)
     first, port = create_server(cfg)
     first.start()
-    a, b = client(port, backoff_max_s=0.2), client(port, backoff_max_s=0.2)
+    agent = None
+    kw: dict[str, object] = {"backoff_max_s": 0.2}
+    if through_agent:
+        # the heartbeats of both go through one host agent's stream, which must reopen
+        agent = HostAgent.for_coordinator(
+            lambda: ClientConfig(address=f"127.0.0.1:{port}", token=TOKEN, rpc_timeout_s=1.0)
+        )
+        kw["host_agent"] = agent.start()[HOST_AGENT_ENV]
+    a, b = client(port, **kw), client(port, **kw)
     second = None
     try:
         a.register(worker("a"), inventory())
@@ -409,9 +419,20 @@ def test_restart_from_the_state_file_and_reattach(tmp_path: Path) -> None:
         b.close(leave=True)
         g2 = a.wait_for_generation(after=1, timeout=10)
         assert g2.world_size == 1 and g2.reshard is not None
+        if agent is not None:
+            assert agent.beats_sent > 0
+            assert (
+                second.metrics.registry.get_sample_value(
+                    "zeroplane_coordinator_rpcs_total",
+                    {"method": "Coordinator/Heartbeat", "code": "OK"},
+                )
+                is None
+            )
     finally:
         a.close()
         b.close()
+        if agent is not None:
+            agent.stop()
         first.stop(grace=0)
         if second is not None:
             second.stop(grace=0)

@@ -494,7 +494,7 @@ class ControlPlane:
         """Send what the heartbeats carry now, once more (at the end of training, so
         the coordinator's last view is the final step)."""
         try:
-            self.client.heartbeat()
+            self.client.heartbeat(flush=True)
         except (CoordinatorError, ValueError, RuntimeError) as exc:  # ValueError: closed
             logger.debug("final report not sent: %s", exc)
 

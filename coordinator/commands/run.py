@@ -186,6 +186,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="no status page and no metrics endpoints (coordinator and workers)",
     )
     parser.add_argument(
+        "--no-host-agent",
+        action="store_true",
+        help="each worker heartbeats the coordinator itself, instead of this launcher "
+        "sending one heartbeat for all of its workers",
+    )
+    parser.add_argument(
         "--job-name",
         default="zeroplane",
         metavar="NAME",
@@ -326,9 +332,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     low = args.nproc if args.min_workers is None else args.min_workers
     high = args.nproc if args.max_workers is None else args.max_workers
+    agents = ()
+    if not args.no_host_agent:
+        from coordinator.control.client import ClientConfig
+        from coordinator.control.host_agent import HostAgent
+
+        if args.coordinator:
+            token_file = spec.env.get(TOKEN_FILE_ENV)
+            agents = (
+                HostAgent.for_coordinator(
+                    lambda: ClientConfig.from_env(
+                        address=args.coordinator, token=load_token(token_file)
+                    )
+                ),
+            )
+        else:
+            agents = (HostAgent.for_coordinator(embedded.client_config),)
     job = LocalJob(
         spec,
-        services=services,
+        services=(*services, *agents),
         restarts=args.max_restarts if low < high else None,
         training_over=lambda: _over(services),
     )

@@ -58,6 +58,7 @@ import grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.control.host_agent import AgentLink
 from coordinator.control.tls import TlsMismatch, probe
 from coordinator.core.layout import ParamSpec
 from coordinator.core.messages import (
@@ -78,6 +79,7 @@ from coordinator.core.messages import (
 from coordinator.core.ports import free_ports
 from coordinator.core.settings import (
     ADDRESS_ENV,
+    HOST_AGENT_ENV,
     TLS_CLIENT_CERT_ENV,
     TLS_CLIENT_KEY_ENV,
     TLS_ROOT_CERT_ENV,
@@ -153,16 +155,23 @@ class ClientConfig:
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
     max_message_bytes: int = 1 << 30
+    # The Unix socket of this host's heartbeat agent: heartbeats go there
+    # (coordinator/control/host_agent.py [Note: the host agent]); None: to the coordinator.
+    host_agent: str | None = None
 
     @classmethod
     def from_env(cls, **overrides: object) -> ClientConfig:
         """Address from ``$ZEROPLANE_COORDINATOR``, token from ``$ZEROPLANE_TOKEN_FILE`` or
         ``$ZEROPLANE_TOKEN`` (what ``EmbeddedCoordinator`` exports to local workers),
-        TLS from :meth:`tls_from_env`."""
+        TLS from :meth:`tls_from_env`, the host agent from ``$ZEROPLANE_HOST_AGENT``."""
         address = os.environ.get(ADDRESS_ENV)
         if not address and "address" not in overrides:
             raise ValueError(f"${ADDRESS_ENV} is not set: where is the coordinator?")
-        fields: dict[str, object] = {"address": address, "token": load_token()}
+        fields: dict[str, object] = {
+            "address": address,
+            "token": load_token(),
+            "host_agent": os.environ.get(HOST_AGENT_ENV, "").strip() or None,
+        }
         return cls(**{**fields, **cls.tls_from_env(), **overrides})
 
     @staticmethod
@@ -337,6 +346,18 @@ class CoordinatorClient:
         self.connected = False
         # set by a heartbeat once a member has ended training (Membership.finished)
         self.job_finished = False
+        # heartbeats through this host's agent ([Note: the host agent]); the seq of the
+        # last beat sent to it before this worker (re-)registered, and whether the agent
+        # has carried this worker's leave announcement
+        self._agent = (
+            None
+            if config.host_agent is None
+            # generous: a connection dropped on a timeout reads as this rank's death
+            else AgentLink(config.host_agent, timeout_s=max(config.rpc_timeout_s, 30.0))
+        )
+        self._agent_floor = 0
+        self._agent_told_leaving = False
+        self._agent_down_since: float | None = None
 
     # ---- properties -------------------------------------------------------------------
 
@@ -388,6 +409,8 @@ class CoordinatorClient:
             epoch=response.epoch,
         )
         self.connected = True
+        if self._agent is not None:
+            self._agent_floor = self._agent.seq
         known = self.generation
         if known is not None and known.epoch != response.epoch:
             self._forget_generations(response.generation_id, "a new epoch")
@@ -395,22 +418,33 @@ class CoordinatorClient:
             self._catch_up(response.generation_id)
         return self._registration
 
-    def heartbeat(self) -> float:
-        """One heartbeat now; returns the lease's remaining seconds. The thread calls this."""
+    def heartbeat(self, *, flush: bool = False) -> float:
+        """One heartbeat now; returns the lease's remaining seconds. The thread calls this.
+        Through the host's agent when there is one ([Note: the host agent]); ``flush``:
+        the coordinator has it when this returns (a final report)."""
         worker = self._worker
         if worker is None:
             raise RuntimeError("register() first")
         generation = self.generation
         exclude = () if generation is None else (generation.rendezvous_port,)
-        request = pb.HeartbeatRequest(
-            worker_id=worker.worker_id,
-            generation_id=self._known_id(),
-            free_ports=free_ports(exclude=exclude),
-            leaving=self._leaving,
-        )
+        fields = {
+            "worker_id": worker.worker_id,
+            "generation_id": self._known_id(),
+            "free_ports": free_ports(exclude=exclude),
+            "leaving": self._leaving,
+        }
         report = self._report
-        if report is not None:
-            request.report.CopyFrom(report_to_proto(report))
+        report_msg = None if report is None else report_to_proto(report)
+        if self._agent is not None:
+            beat = pb.RankBeat(**fields)
+            if report_msg is not None:
+                beat.report.CopyFrom(report_msg)
+            remaining = self._beat_via_agent(beat, flush=flush)
+            if remaining is not None:
+                return remaining
+        request = pb.HeartbeatRequest(**fields)
+        if report_msg is not None:
+            request.report.CopyFrom(report_msg)
         # A heartbeat stuck for most of a lease is worth less than a fresh one.
         timeout = self.config.rpc_timeout_s
         if self._registration is not None:
@@ -419,6 +453,57 @@ class CoordinatorClient:
         if response.job_finished:
             self.job_finished = True
         return response.lease_remaining_s
+
+    def _beat_via_agent(self, beat: pb.RankBeat, *, flush: bool) -> float | None:
+        """A heartbeat through the host's agent: the lease's seconds left as of the newest
+        beat it forwarded, or None when the agent cannot be reached (the caller then
+        heartbeats the coordinator itself). Raises as a heartbeat would, on the
+        coordinator's answer to a beat that still applies ([Note: the host agent])."""
+        assert self._agent is not None and self._registration is not None
+        lease = self._registration.lease_timeout_s
+        flush = flush or (beat.leaving and not self._agent_told_leaving)
+        try:
+            reply = self._agent.beat(
+                beat,
+                lease_s=lease,
+                interval_s=self._registration.heartbeat_interval_s,
+                flush=flush,
+            )
+        except OSError as exc:
+            if self._agent_down_since is None:
+                self._agent_down_since = time.monotonic()
+                logger.warning("%s; heartbeating the coordinator directly", exc)
+            return None
+        if self._agent_down_since is not None:
+            logger.info("the host agent answers again")
+            self._agent_down_since = None
+        if reply.unavailable:
+            raise CoordinatorUnavailableError(f"the host agent says: {reply.unavailable}")
+        if reply.job_finished:
+            self.job_finished = True
+        if not reply.HasField("result") or reply.forwarded_seq <= self._agent_floor:
+            return lease  # nothing forwarded since this worker registered yet
+        if beat.leaving and reply.forwarded_seq == self._agent.seq:
+            self._agent_told_leaving = True
+        result = reply.result
+        if result.outcome == pb.RankBeatResult.STALE_GENERATION:
+            if self._known_id() < reply.generation_id:
+                raise StaleGenerationError(result.detail, reply.generation_id)
+            return lease  # caught up since (the watch stream was faster)
+        if result.outcome == pb.RankBeatResult.UNKNOWN_WORKER:
+            raise LeaseLostError(result.detail)
+        if result.outcome == pb.RankBeatResult.INVALID:
+            raise RequestRejectedError(f"Heartbeat (through the host agent): {result.detail}")
+        return result.lease_remaining_s
+
+    def host_beat_stream(self, requests: Iterator[pb.HostHeartbeatRequest]) -> Any:
+        """The HostHeartbeats call as it is: the responses as they come, errors as
+        grpc.RpcError (a host agent's, coordinator/control/host_agent.py)."""
+        return self._stub.HostHeartbeats(requests, metadata=self._metadata)
+
+    def describe(self, exc: grpc.RpcError, method: str) -> CoordinatorError:
+        """The error a failed call of ``method`` means (what the client's own calls raise)."""
+        return self._translate(exc, method)
 
     def host_heartbeat(self, host_id: str, beats: Sequence[RankBeat]) -> HostBeatReply:
         """One heartbeat for every rank of a host, as its agent (coordinator/control/
@@ -437,7 +522,7 @@ class CoordinatorClient:
             pb.HostHeartbeatRequest(host_id=host_id, ranks=[rank_beat_to_proto(b) for b in item])
             for item in beats
         )
-        call = self._stub.HostHeartbeats(requests, metadata=self._metadata)
+        call = self.host_beat_stream(requests)
         try:
             for msg in call:
                 yield HostBeatReply.from_proto(msg)
@@ -751,6 +836,8 @@ class CoordinatorClient:
         self._channel.close()
         for thread in self._threads:
             thread.join()
+        if self._agent is not None:
+            self._agent.close()  # after the Leave: the agent then stops listing this rank
 
     def __enter__(self) -> CoordinatorClient:
         return self

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
+from coordinator.control.client import ClientConfig
 from coordinator.control.server import CoordinatorServer, create_server
 from coordinator.control.tls import self_signed
 from coordinator.core.messages import StatusReport, WorkerReport
@@ -115,6 +116,18 @@ class EmbeddedCoordinator:
             env[METRICS_PORT_ENV] = "0"
             env[METRICS_HOST_ENV] = "127.0.0.1"
         return env
+
+    def client_config(self) -> ClientConfig:
+        """How a client in this process reaches the coordinator (a host agent's)."""
+        if self.server is None:
+            raise RuntimeError("start() the coordinator first")
+        cert = self.config.server.tls_cert_file if self.cert_dir is not None else None
+        return ClientConfig(
+            address=self.server.address,
+            token=self.config.server.token,
+            tls=cert is not None,
+            tls_root_cert_file=None if cert is None else Path(cert),
+        )
 
     def worker_exited(self, worker_id: str, how: str) -> None:
         """A worker's process exited (the launcher saw it): a crash costs the

@@ -53,6 +53,9 @@ TLS_ROOT_CERT_ENV = "ZEROPLANE_TLS_ROOT_CERT"
 TLS_SERVER_NAME_ENV = "ZEROPLANE_TLS_SERVER_NAME"
 TLS_CLIENT_CERT_ENV = "ZEROPLANE_TLS_CLIENT_CERT"
 TLS_CLIENT_KEY_ENV = "ZEROPLANE_TLS_CLIENT_KEY"
+# The Unix socket of the host's heartbeat agent (coordinator/control/host_agent.py):
+# a worker's heartbeats go there instead of to the coordinator.
+HOST_AGENT_ENV = "ZEROPLANE_HOST_AGENT"
 MiB = 1 << 20
 
 

@@ -212,6 +212,34 @@ class HostHeartbeatResponse(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankBeatResult]
     def __init__(self, generation_id: _Optional[int] = ..., job_finished: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankBeatResult, _Mapping]]] = ...) -> None: ...
 
+class AgentBeat(_message.Message):
+    __slots__ = ("beat", "seq", "lease_timeout_s", "heartbeat_interval_s", "flush")
+    BEAT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_FIELD_NUMBER: _ClassVar[int]
+    beat: RankBeat
+    seq: int
+    lease_timeout_s: float
+    heartbeat_interval_s: float
+    flush: bool
+    def __init__(self, beat: _Optional[_Union[RankBeat, _Mapping]] = ..., seq: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., flush: _Optional[bool] = ...) -> None: ...
+
+class AgentReply(_message.Message):
+    __slots__ = ("result", "forwarded_seq", "generation_id", "job_finished", "unavailable")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    FORWARDED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    result: RankBeatResult
+    forwarded_seq: int
+    generation_id: int
+    job_finished: bool
+    unavailable: str
+    def __init__(self, result: _Optional[_Union[RankBeatResult, _Mapping]] = ..., forwarded_seq: _Optional[int] = ..., generation_id: _Optional[int] = ..., job_finished: _Optional[bool] = ..., unavailable: _Optional[str] = ...) -> None: ...
+
 class WatchGenerationsRequest(_message.Message):
     __slots__ = ("worker_id", "after_generation_id", "incremental")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
