@@ -434,17 +434,13 @@ class CoordinatorClient:
             "leaving": self._leaving,
         }
         report = self._report
-        report_msg = None if report is None else report_to_proto(report)
+        if report is not None:
+            fields["report"] = report_to_proto(report)
         if self._agent is not None:
-            beat = pb.RankBeat(**fields)
-            if report_msg is not None:
-                beat.report.CopyFrom(report_msg)
-            remaining = self._beat_via_agent(beat, flush=flush)
+            remaining = self._beat_via_agent(pb.RankBeat(**fields), flush=flush)
             if remaining is not None:
                 return remaining
         request = pb.HeartbeatRequest(**fields)
-        if report_msg is not None:
-            request.report.CopyFrom(report_msg)
         # A heartbeat stuck for most of a lease is worth less than a fresh one.
         timeout = self.config.rpc_timeout_s
         if self._registration is not None:
