@@ -12,7 +12,11 @@ vocab 8192, untied) and one global batch (8 sequences of 128 tokens), for:
 * ``pp2dp2-z1``: pipeline 2 stages (worker/pipeline.py, torch's GPipe, 4
   micro-batches) x ZeRO stage 1 over dp=2;
 * ``fsdp2+tp``: torchtitan-style FSDP2 (``fully_shard`` each block and the root
-  over dp=2) on top of the same tensor-parallel plan over tp=2.
+  over dp=2) on top of the same tensor-parallel plan over tp=2;
+* the combinations that were refused before issue #35: ``tp2dp2-z3`` (tp x ZeRO
+  stage 3), ``pp2dp2-z2`` (a pipeline x ZeRO stage 2, through ``train_batch``)
+  and ``tp2dp2-z1-ckpt`` (tp x stage 1 with activation checkpointing of every
+  block, ``"units"``).
 
 Columns, per rank (rank 0; the mesh is symmetric but for the pipeline's first
 and last stage, shown as two rows):
@@ -31,6 +35,10 @@ and last stage, shown as two rows):
   ring factor ``2(t-1)/t``; pp is the activations and gradients the stage
   sends (``PipelineStage``'s p2p, by formula: one ``b*s*h`` tensor per
   micro-batch each way);
+* formula: the model state the ZeRO formulas (coordinator/core/memory.py
+  ``model_state_bytes``, fp32, AdamW's two states) give for this rank's local
+  parameters (its tp slices, its pipeline stage) over its dp group; state/formula
+  is what padding and alignment add;
 * step time: the median of ``--steps`` timed steps after ``--warmup``; on a
   shared 2-core machine this mostly shows CPU contention.
 """
@@ -57,7 +65,18 @@ from bench.common import free_port, quiet_gloo_warnings
 
 WORLD = 4
 GLOBAL_BATCH, SEQ = 8, 128
-SYSTEMS = ("dp4-z3", "tp2dp2-z1", "pp2dp2-z1", "fsdp2+tp")
+SYSTEMS = (
+    "dp4-z3", "tp2dp2-z1", "tp2dp2-z3", "tp2dp2-z1-ckpt", "pp2dp2-z1", "pp2dp2-z2", "fsdp2+tp",
+)  # fmt: skip
+# what each zeroplane system runs: (stage, tp, pp, activation checkpointing)
+LAYOUTS = {
+    "dp4-z3": (3, 1, 1, "none"),
+    "tp2dp2-z1": (1, 2, 1, "none"),
+    "tp2dp2-z3": (3, 2, 1, "none"),
+    "tp2dp2-z1-ckpt": (1, 2, 1, "units"),
+    "pp2dp2-z1": (1, 1, 2, "none"),
+    "pp2dp2-z2": (2, 1, 2, "none"),
+}
 
 
 def gpt():
@@ -124,6 +143,7 @@ def measure(system: str, rank: int, warmup: int, steps: int) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     import worker
+    from coordinator.core.memory import model_state_bytes
     from worker.mesh import ParallelConfig, parallelize
     from worker.pipeline import pipeline
 
@@ -132,28 +152,26 @@ def measure(system: str, rank: int, warmup: int, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     hidden = model.cfg.n_embd
     row: dict = {"system": system, "rank": rank, "psi": numel}
-    if system == "dp4-z3":
-        engine = worker.initialize(model, opt, config=worker.ZeroConfig(stage=3))
-        dp, d, tp = WORLD, rank, 1
-    elif system == "tp2dp2-z1":
-        engine = parallelize(
-            model,
-            opt,
-            config=worker.ZeroConfig(stage=1),
-            parallel=ParallelConfig(tensor_parallel=2),
-        )
-        dp, d, tp = engine.shape.dp, engine.coords.dp, 2
-    elif system == "pp2dp2-z1":
+    if system not in LAYOUTS:
+        return measure_fsdp2_tp(model, rank, warmup, steps)
+    stage, tp, pp, ckpt = LAYOUTS[system]
+    config = worker.ZeroConfig(stage=stage, activation_checkpointing=ckpt)
+    if pp > 1:
         engine = pipeline(
             model,
             opt,
-            config=worker.ZeroConfig(stage=1),
-            parallel=ParallelConfig(pipeline_parallel=2, microbatches=4),
+            config=config,
+            parallel=ParallelConfig(pipeline_parallel=pp, microbatches=4),
         )
-        dp, d, tp = engine.shape.dp, engine.coords.dp, 1
         row["pp_stage"] = engine.coords.pp
+    elif tp > 1:
+        engine = parallelize(model, opt, config=config, parallel=ParallelConfig(tensor_parallel=tp))
     else:
-        return measure_fsdp2_tp(model, rank, warmup, steps)
+        engine = worker.initialize(model, opt, config=config)
+    dp = engine.shape.dp if pp * tp > 1 else WORLD
+    d = engine.coords.dp if pp * tp > 1 else rank
+    local = sum(p.numel() for p in engine.module.parameters())
+    row["formula"] = model_state_bytes(local, stage=stage, world_size=dp, dtype="fp32").total
     rows = GLOBAL_BATCH // dp
     times, acts, moved_dp, moved_tp = [], 0, 0, 0.0
     for step in range(warmup + steps + 1):
@@ -164,7 +182,7 @@ def measure(system: str, rank: int, warmup: int, steps: int) -> dict:
         # CommDebugMode counts DTensor's collectives (its module tracker trips over
         # stage 3's hooks, so only where there are any)
         counter = CommDebugMode() if tp > 1 else contextlib.nullcontext()
-        if system == "pp2dp2-z1":
+        if pp > 1:
             _, acts = saved_bytes(
                 engine.engine.module, lambda i=idx, t=tgt: engine.train_step(i, t)
             )
@@ -188,7 +206,7 @@ def measure(system: str, rank: int, warmup: int, steps: int) -> dict:
         activations=acts,
         dp_bytes=moved_dp,
         tp_bytes=moved_tp,
-        pp_bytes=2 * 4 * (rows // 4) * SEQ * hidden * 4 if system == "pp2dp2-z1" else 0,
+        pp_bytes=2 * 4 * (rows // 4) * SEQ * hidden * 4 if pp > 1 else 0,
         step_s=statistics.median(times),
     )
     return row
@@ -264,15 +282,16 @@ def table(rows: list[dict]) -> str:
     lines = [
         f"GPT, {rows[0]['psi'] / 1e6:.1f}M parameters, global batch {GLOBAL_BATCH}x{SEQ}, "
         f"{WORLD} ranks on gloo; MB = 1e6 bytes, per rank, per step",
-        f"{'system':<14}{'rank':>5}{'state MB':>10}{'act MB':>9}{'dp MB':>9}{'tp MB':>9}"
-        f"{'pp MB':>9}{'step s':>8}{'state/dp4-z3':>14}",
+        f"{'system':<16}{'rank':>5}{'state MB':>10}{'formula':>9}{'act MB':>9}{'dp MB':>9}"
+        f"{'tp MB':>9}{'pp MB':>9}{'step s':>8}{'state/dp4-z3':>14}",
     ]
     for r in rows:
         ratio = r["model_state"] / base["model_state"] if base else float("nan")
+        formula = mb(r["formula"]) if "formula" in r else "       -"
         lines.append(
-            f"{r['system']:<14}{r['rank']:>5}{mb(r['model_state']):>10}{mb(r['activations']):>9}"
-            f"{mb(r['dp_bytes']):>9}{mb(r['tp_bytes']):>9}{mb(r['pp_bytes']):>9}"
-            f"{r['step_s']:>8.2f}{ratio:>14.2f}"
+            f"{r['system']:<16}{r['rank']:>5}{mb(r['model_state']):>10}{formula:>9}"
+            f"{mb(r['activations']):>9}{mb(r['dp_bytes']):>9}{mb(r['tp_bytes']):>9}"
+            f"{mb(r['pp_bytes']):>9}{r['step_s']:>8.2f}{ratio:>14.2f}"
         )
     return "\n".join(lines)
 
@@ -292,7 +311,7 @@ def main() -> None:
             print(f"{system}: failed: {exc}", file=sys.stderr)
             continue
         keep = [ranks[0]]
-        if system == "pp2dp2-z1":
+        if system.startswith("pp"):
             keep.append(next(r for r in ranks if r.get("pp_stage") == 1))
         rows += keep
         print(table(rows), flush=True)

@@ -666,6 +666,9 @@ ENV_DOCS: dict[str, str] = {
     "ZEROPLANE_MEMBERSHIP_WAIT_S": "Seconds a worker waits for a generation it can "
     "train in (below `--min-workers`, or all ranks meeting at the rendezvous) before it "
     "gives up (default 600); it says every 30 s what it waits for.",
+    "ZEROPLANE_PEER_LOSS_WAIT_S": "Seconds a tensor-parallel worker whose DTensor "
+    "collective failed waits for the coordinator to confirm a lost peer (a newer "
+    "generation) before it takes the error for the script's own (default 30).",
     "ZEROPLANE_HPARAMS": "A trial's point of the search space as JSON, set by `zeroplane "
     "hpo` for each trial's workers; `worker.hpo.trial()` reads it (its defaults when "
     "unset).",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +54,13 @@ def main() -> None:
     p.add_argument("--checkpoint", type=Path)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--data-cache", type=Path, default=Path.home() / ".cache" / "zeroplane")
+    p.add_argument(
+        "--replica-every",
+        type=int,
+        default=1,
+        help="in-memory replicas every this many steps (a lost rank recovers from them)",
+    )
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to pause per step")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -67,9 +75,8 @@ def main() -> None:
     parallel = ParallelConfig.from_env(
         pipeline_schedule=args.schedule, microbatches=args.microbatches
     )
-    engine = worker.initialize(
-        model, opt, config=worker.ZeroConfig(stage=args.stage), parallel=parallel, loss_fn=lm_loss
-    )
+    config = worker.ZeroConfig(stage=args.stage, replica_interval=args.replica_every)
+    engine = worker.initialize(model, opt, config=config, parallel=parallel, loss_fn=lm_loss)
     loader = StepLoader(
         data, LoaderConfig(global_batch=args.global_batch, micro_batch=args.micro_batch)
     ).attach(engine)
@@ -87,6 +94,7 @@ def main() -> None:
             continue  # a peer was lost; the engine re-formed the job at global_steps
         if engine.global_steps % 5 == 0 and first_rank():
             logging.info("step %d loss %.4f", engine.global_steps, loss)
+        time.sleep(args.step_sleep)
     state = engine.full_state_dict()  # every rank: a collective over the whole mesh
     if args.out and first_rank():
         torch.save(state, args.out)

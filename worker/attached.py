@@ -18,9 +18,10 @@ its tp and pp degrees, or 0 for a degree the coordinator chooses
 (``$ZEROPLANE_MESH=auto``) with coordinator/core/meshplan.py ``choose_mesh``
 from the inventory and the smallest device memory; the generation carries the
 mesh shape and each member's coordinates (proto ``Generation.mesh``,
-``Member.mesh``), and the worker builds exactly that mesh. A lost rank still
-ends the job: re-forming a mesh live is not built yet (coordinator/core/meshplan.py
-``check_resize`` states the rule it would follow)."""
+``Member.mesh``), and the worker builds exactly that mesh. This module's fixed
+group serves pipeline-parallel and ``--mesh auto`` workers, and a lost rank ends
+their job; a tensor-parallel worker is elastic by whole groups instead
+(worker/elastic/mesh_session.py [Note: elastic by whole groups])."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import ipaddress
 import logging
 import os
@@ -21,6 +22,8 @@ __all__ = [
     "abort_default_group",
     "all_gather_flat",
     "backend_for",
+    "parallelize_local",
+    "rebind_hook_mesh",
     "reduce_scatter_flat",
     "serving_store",
 ]
@@ -106,9 +109,14 @@ def abort_default_group(timeout: timedelta) -> None:
 
     if not dist.is_initialized():
         return
-    broken = [distributed_c10d._get_default_group()]
+    default = distributed_c10d._get_default_group()
+    me = dist.get_rank()
+    subgroups = [pg for pg, ranks in _group_ranks().items() if pg is not default and me in ranks]
+    broken = [default, *subgroups]
     if dist.get_backend() == "gloo":
         _close_connections(dist.get_rank(), dist.get_world_size())
+        for pg in subgroups:  # a DeviceMesh's tp and dp groups: a peer may wait there
+            _close_connections(dist.get_rank(), dist.get_world_size(), group=pg)
     _lowest_priority(_TRANSPORT_THREADS)
     abort = getattr(distributed_c10d, "_abort_process_group", None)
     if abort is not None:
@@ -132,9 +140,10 @@ _RELEASE_MARGIN_S = 5.0
 _CLOSING_TAG = 0x7A7F
 
 
-def _close_connections(rank: int, world_size: int) -> None:
-    """Close this rank's connections of the broken default gloo group, so that every
-    peer still waiting on an operation with this rank fails now.
+def _close_connections(rank: int, world_size: int, group: object | None = None) -> None:
+    """Close this rank's connections of the broken default gloo group (or of
+    ``group``, one of its subgroups), so that every peer still waiting on an
+    operation with this rank fails now.
 
     [Note: a survivor that learns late]
     A peer that died breaks the connections to it, and whoever waits on it
@@ -152,13 +161,25 @@ def _close_connections(rank: int, world_size: int) -> None:
     and the one that closed its connections to it in turn does the same.
     """
     probe = torch.empty(1)
-    for peer in range(world_size):
+    peers = range(world_size) if group is None else _group_ranks().get(group, {})
+    for peer in peers:
         if peer == rank:
             continue
         # the timeout is the point: it closes the connection (or it already was)
         with contextlib.suppress(Exception):
-            work = dist.irecv(probe, src=peer, tag=_CLOSING_TAG)
+            work = dist.irecv(probe, src=peer, group=group, tag=_CLOSING_TAG)
             work.wait(timeout=timedelta(milliseconds=1))
+
+
+def _group_ranks() -> dict[object, dict[int, int]]:
+    """Every process group this process holds, with its members' global ranks."""
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    table = getattr(world, "pg_group_ranks", None)
+    if table is None:
+        table = getattr(distributed_c10d, "_pg_group_ranks", {})
+    return dict(table)
 
 
 def _release_later(holder: list[object], seconds: float) -> None:
@@ -182,3 +203,29 @@ def _lowest_priority(thread_name: str) -> None:
                 os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
         except OSError:  # the thread ended meanwhile
             continue
+
+
+def parallelize_local(module: object, mesh: object, style: object) -> None:
+    """torch's ``parallelize_module`` with each rank splitting its (identical) full
+    tensors locally, without a scatter from the tp group's first rank: every rank
+    already holds the same values, and a construction that communicates could not
+    run on a newcomer whose tp peers are built already (worker/elastic/mesh_session.py).
+    torch before 2.6 has no ``src_data_rank``: its styles scatter as they always did."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if "src_data_rank" in inspect.signature(parallelize_module).parameters:
+        parallelize_module(module, mesh, style, src_data_rank=None)
+    else:
+        parallelize_module(module, mesh, style)
+
+
+def rebind_hook_mesh(hook: object, mesh: object) -> bool:
+    """Point a forward hook that torch's ``distribute_module`` registered (a closure
+    over ``device_mesh``) at ``mesh``; False where ``hook`` closes over no mesh.
+    The one place that knows how torch's tensor-parallel styles keep their mesh."""
+    code = getattr(hook, "__code__", None)
+    cells = getattr(hook, "__closure__", None)
+    if code is None or not cells or "device_mesh" not in code.co_freevars:
+        return False
+    cells[code.co_freevars.index("device_mesh")].cell_contents = mesh
+    return True

@@ -25,9 +25,10 @@ The mesh's rank order is coordinator/core/meshplan.py's [Note: mesh rank order].
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -38,9 +39,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from coordinator.core.meshplan import PP_ENV, TP_ENV, MeshCoords, MeshShape
 from worker.birth import Init, SlicedInit, meta_names, skip_init
-from worker.collectives import Collectives
+from worker.collectives import CollectiveError, Collectives
 from worker.config import ZeroConfig
+from worker.elastic.phases import StepAborted
 from worker.engine import OptimizerArg, ZeroEngine, module_device
+from worker.inventory import Inventory
 from worker.metrics import MetricsServer
 from worker.schedule import SchedulerArg
 from worker.tp import TensorParallel, apply_tp, gather_full, gpt_plan
@@ -227,6 +230,8 @@ class MeshEngine(ZeroEngine):
         device: torch.device | str | None = None,
         init: Init | None = None,
         metrics: MetricsServer | None = None,
+        initial_state: Literal["module", "peers"] = "module",
+        inventory: Inventory | None = None,
     ) -> None:
         super().__init__(
             module,
@@ -237,14 +242,58 @@ class MeshEngine(ZeroEngine):
             device=device,
             init=init,
             metrics=metrics,
+            initial_state=initial_state,
+            inventory=inventory,
         )
-        self.mesh, self.shape, self.coords, self.tp = mesh, shape, coords, tp
-        self.tp_comm = Collectives(mesh["tp"].get_group()) if shape.tp > 1 else Collectives(None)
-        self.mesh_labels = coords.labels()
-        self.norm_scope = norm_scope(self, mesh, shape, tp)
-        self.publish_snapshot()
+        self.tp = tp
+        self._place(mesh, shape, coords)
         if tp is not None:
             tp.activate()
+
+    def _place(self, mesh: DeviceMesh, shape: MeshShape, coords: MeshCoords) -> None:
+        """This rank's mesh, its shape and coordinates, and what depends on them."""
+        self.mesh, self.shape, self.coords = mesh, shape, coords
+        self.tp_comm = Collectives(mesh["tp"].get_group()) if shape.tp > 1 else Collectives(None)
+        self.mesh_labels = coords.labels()
+        self.norm_scope = norm_scope(self, mesh, shape, self.tp)
+        self.publish_snapshot()
+
+    def rebind_mesh(self, mesh: DeviceMesh, shape: MeshShape, coords: MeshCoords) -> None:
+        """Move to the mesh of a re-formed job (worker/elastic/mesh_session.py): the
+        same tp (and pp) degree and this rank's tp index, another dp width. The
+        shard state is rebuilt for the new dp group by the caller (``adopt``)."""
+        if (shape.tp, shape.pp) != (self.shape.tp, self.shape.pp):
+            raise ValueError(
+                f"an elastic mesh job keeps tp={self.shape.tp}, pp={self.shape.pp}; "
+                f"the new mesh has tp={shape.tp}, pp={shape.pp}"
+            )
+        if self.tp is not None:
+            self.tp.rebind(mesh["tp"])
+        self._place(mesh, shape, coords)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._peer_loss():
+            return super().forward(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
+        with self._peer_loss():
+            super().backward(loss, retain_graph=retain_graph)
+
+    @contextlib.contextmanager
+    def _peer_loss(self) -> Iterator[None]:
+        """The tensor-parallel collectives run inside torch's DTensor, whose errors are
+        plain RuntimeErrors: in an elastic session, one raised from torch.distributed
+        is a peer lost if the coordinator confirms it (a newer generation), and the
+        session recovers (worker/elastic/mesh_session.py)."""
+        try:
+            yield
+        except (CollectiveError, StepAborted):
+            raise
+        except RuntimeError as exc:
+            confirm = getattr(self.membership, "peer_lost", None)
+            if confirm is None or not _from_distributed(exc) or not confirm():
+                raise
+            self.membership.recover(self, CollectiveError(f"tensor parallel: {exc}"))  # type: ignore[union-attr]
 
     @property
     def engine(self) -> ZeroEngine:
@@ -275,6 +324,17 @@ class MeshEngine(ZeroEngine):
         if self.tp is not None:
             self.tp.deactivate()
         super().close()
+
+
+def _from_distributed(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside torch.distributed (a collective's wait or
+    its transport), by where it came from, not by its message."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def parallelize(

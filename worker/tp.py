@@ -70,10 +70,10 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
-    parallelize_module,
 )
 
 from worker.collectives import Collectives
+from worker.compat import parallelize_local, rebind_hook_mesh
 
 __all__ = [
     "Conv1DColwiseParallel",
@@ -363,19 +363,24 @@ class TensorParallel:
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
+        # this rank's place, kept: it outlives the mesh of a job that re-forms
+        self._size, self._rank = mesh.size(), mesh.get_local_rank()
         self.slices: dict[str, TPSlice] = {}
         # module -> [(parameter name, placements)], and the module's name in the model
         self._views: dict[nn.Module, list[tuple[str, tuple]]] = {}
         self._names: dict[nn.Module, str] = {}
         self._hooks: list = []
+        # the input and output hooks torch's styles put on each planned module
+        # (closures over the mesh), for :meth:`rebind`
+        self._torch_hooks: list[Callable] = []
 
     @property
     def size(self) -> int:
-        return self.mesh.size()
+        return self._size
 
     @property
     def rank(self) -> int:
-        return self.mesh.get_local_rank()
+        return self._rank
 
     @contextlib.contextmanager
     def whole(self, module: nn.Module) -> Iterator[None]:
@@ -404,6 +409,26 @@ class TensorParallel:
                     p.copy_(tp_slice.take(params[pname].detach()))
         finally:
             params.update({pname: p for pname, (p, _) in local.items()})
+
+    def rebind(self, mesh: DeviceMesh) -> None:
+        """Run on ``mesh`` from now on: the tp group of a job that re-formed (an
+        elastic mesh job's new generation, worker/elastic/mesh_session.py). Each
+        rank keeps its tp index, so the local shards and :attr:`slices` stand; the
+        DTensor views and torch's input and output conversions take the new mesh."""
+        if mesh.size() != self.size:
+            raise ValueError(
+                f"a tensor-parallel group of {self.size} ranks cannot move to one of {mesh.size()}"
+            )
+        if mesh.get_local_rank() != self.rank:
+            raise ValueError(
+                f"tp rank {self.rank} cannot move to tp rank {mesh.get_local_rank()}: its "
+                "local shards are another slice"
+            )
+        for hook in self._torch_hooks:
+            rebind_hook_mesh(hook, mesh)
+        self.mesh = mesh
+        if self._hooks:
+            self.activate()
 
     def activate(self) -> None:
         """Install the DTensor-view hooks (after the engine's: see the module note)."""
@@ -466,7 +491,10 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> TensorParallel:
         if len(styles) > 1:
             raise ValueError(f"module {name!r} matches {len(styles)} tensor-parallel plan entries")
         module = by_module[name]
-        parallelize_module(module, mesh, styles[0])
+        hooks_before = {*module._forward_pre_hooks, *module._forward_hooks}
+        parallelize_local(module, mesh, styles[0])
+        for table in (module._forward_pre_hooks, module._forward_hooks):
+            tp._torch_hooks += [h for k, h in table.items() if k not in hooks_before]
         parts = getattr(styles[0], "parts", 1)  # fused projections
         views = []
         for pname, p in list(module.named_parameters(recurse=False)):

@@ -461,13 +461,18 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
                 raise ValueError(f"--{flag.replace('_', '-')} {n}: {exc}") from None
     low = args.nproc if args.min_workers is None else args.min_workers
     high = args.nproc if args.max_workers is None else args.max_workers
-    if low != high:
+    if low != high and args.pp > 1:
         raise ValueError(
-            "an elastic mesh job is not supported yet: resizing dp by whole model-parallel "
-            f"groups of {shape.group_size} is planned (coordinator/core/meshplan.py check_resize) "
-            "but the workers cannot re-form a mesh live; give --min-workers = --max-workers"
+            "an elastic pipeline-parallel job is not supported: its stages are bound to the "
+            "pipeline group they were built over; give --min-workers = --max-workers "
+            "(tensor-parallel jobs scale by whole groups of tp workers)"
         )
     return {TP_ENV: str(args.tp), PP_ENV: str(args.pp)}
+
+
+def _group_size(args: argparse.Namespace) -> int:
+    """Workers per model-parallel group: what a mesh job scales by (1 for ZeRO alone)."""
+    return max(1, getattr(args, "tp", 1)) * max(1, getattr(args, "pp", 1))
 
 
 def _final_status(
@@ -583,9 +588,12 @@ def _wait_scaling(
         sig: signal.signal(sig, lambda signum, _: requests.append(signum))
         for sig in (signal.SIGUSR1, signal.SIGUSR2)
     }
+    # a mesh job scales by whole model-parallel groups (the newest group retires)
+    group = _group_size(args)
+    unit = "one" if group == 1 else f"a group of {group}"
     print(
         f"zeroplane run: elastic between {low} and {high} workers; "
-        f"kill -USR1 {os.getpid()} adds one, kill -USR2 {os.getpid()} removes one",
+        f"kill -USR1 {os.getpid()} adds {unit}, kill -USR2 {os.getpid()} removes {unit}",
         file=sys.stderr,
         flush=True,
     )
@@ -594,12 +602,17 @@ def _wait_scaling(
             while requests:
                 n = len(job.running)
                 if requests.pop(0) == signal.SIGUSR1:
-                    if n < high:
-                        job.add_worker()
+                    if n + group <= high:
+                        for _ in range(group):
+                            job.add_worker()
                     else:
                         print(f"zeroplane run: already at {high} workers", file=sys.stderr)
-                elif len(set(map(job.worker_id, job.running)) - departed()) > low:
-                    job.retire_worker()
+                elif len(set(map(job.worker_id, job.running)) - departed()) - group >= low:
+                    if group == 1:
+                        job.retire_worker()  # the newest
+                    else:  # the newest group's worth
+                        for index in sorted(job.running)[-group:]:
+                            job.retire_worker(index)
                 else:
                     print(f"zeroplane run: already at {low} workers", file=sys.stderr)
             _keep_minimum(job, low, departed, over)

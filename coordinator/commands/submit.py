@@ -160,6 +160,14 @@ def submit(args: argparse.Namespace) -> int:
 _COMPLETE = {"job": "complete", "trainjob": "Complete", "pytorchjob": "Succeeded"}
 
 
+def _whole_groups(spec: JobSpec) -> str:
+    """What a scale of a mesh job must keep: whole model-parallel groups of processes."""
+    group = spec.tensor_parallel * spec.pipeline_parallel
+    if group == 1:
+        return ""
+    return f", N x {spec.device.count} process(es) a multiple of tp*pp = {group}"
+
+
 def _next_steps(spec: JobSpec, overlay: Path, token_path: Path) -> list[tuple[str, str]]:
     kubectl = f"kubectl -n {spec.namespace}" if spec.namespace else "kubectl"
     workload = {
@@ -175,7 +183,7 @@ def _next_steps(spec: JobSpec, overlay: Path, token_path: Path) -> list[tuple[st
             (
                 "scale",
                 f"{kubectl} patch {workload} --type=merge -p '{scale}' "
-                f"(N in [{spec.workers.min}, {spec.workers.max}])",
+                f"(N in [{spec.workers.min}, {spec.workers.max}]{_whole_groups(spec)})",
             )
         )
     workers = f"app.kubernetes.io/instance={spec.name},app.kubernetes.io/component=worker"

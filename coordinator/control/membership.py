@@ -38,7 +38,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.core.layout import ParamSpec, layout_steps
-from coordinator.core.meshplan import MeshShape, choose_mesh, tp_sharded_numel
+from coordinator.core.meshplan import (
+    GroupArrangement,
+    MeshCoords,
+    MeshShape,
+    arrange_groups,
+    choose_mesh,
+    tp_sharded_numel,
+)
 from coordinator.core.messages import (
     FINISHED,
     STOPPED,
@@ -159,6 +166,8 @@ class Proposal:
     epoch: str
     mesh: MeshShape | None = None
     mesh_reason: str = ""
+    # survivors of the previous generation left out (an elastic mesh job's broken group)
+    standby: tuple[str, ...] = ()
 
 
 def build_generation(p: Proposal) -> Generation:
@@ -321,6 +330,8 @@ class Membership:
         self._hosts: dict[str, set[str]] = {}
         # Registered workers not in the current generation, in registration order.
         self._joiners: dict[str, None] = {}
+        # the rendezvous endpoints of the last generations, not given out again soon
+        self._recent_endpoints: deque[str] = deque(maxlen=8)
         # every worker's last report, kept after it leaves or is lost (the job's summary)
         self._last_reports: dict[str, WorkerReport] = {}
         # Members of the current generation that are gone (left, expired, replaced).
@@ -578,16 +589,23 @@ class Membership:
             else [m.worker_id for m in previous.members if m.worker_id not in self._lost]
         )
         fixed = self._fixed_group()
+        arranged = self._arrange_groups()
+        standby: tuple[str, ...] = ()
         if fixed is not None:
             # a group the workers' script formed itself: its ranks are theirs
             admitted = sorted(fixed, key=lambda wid: self._workers[wid].info.fixed_rank or 0)
+        elif arranged is not None:
+            # an elastic mesh job: whole groups, each survivor keeping its position
+            survivors, admitted = list(arranged.order), list(arranged.admitted)
+            standby = arranged.standby
         else:
             _, admitted_count = self._target_size()
             admitted = [w for w in self._joiners if self._workers[w].info.fixed_rank is None]
             admitted = admitted[:admitted_count]
             # Joiners grouped by host, so that ranks on one machine are neighbours.
             admitted.sort(key=lambda wid: (self._workers[wid].info.host, wid))
-        workers = tuple(self._workers[wid] for wid in survivors + admitted)
+        order = survivors if arranged is not None else survivors + admitted
+        workers = tuple(self._workers[wid] for wid in order)
         infos = tuple(w.info for w in workers)
         memories = [i.device_memory_bytes for i in infos if i.device_memory_bytes > 0]
         plan, asked = self.plan, self._asked_stage(workers)
@@ -643,6 +661,7 @@ class Membership:
             epoch=self.epoch,
             mesh=mesh,
             mesh_reason=mesh_reason,
+            standby=standby,
         )
 
     def _plan_mesh(
@@ -707,8 +726,13 @@ class Membership:
         ):
             return False
         self.generation = generation
+        self._recent_endpoints.append(generation.rendezvous_endpoint)
         for wid in proposal.admitted:
             del self._joiners[wid]
+        for wid in proposal.standby:
+            # a survivor whose model-parallel group could not be completed
+            self._joiners[wid] = None
+            self._event("standby", wid, "its model-parallel group is not whole")
         self._lost.clear()
         self._left.clear()
         self._refused = None
@@ -757,7 +781,45 @@ class Membership:
             )
         return asked[-1] if asked else None
 
+    def _elastic_mesh(self) -> tuple[int, int] | None:
+        """The (tp, pp) of an elastic mesh job: workers that ask for fixed degrees
+        (not ``--mesh auto``) without a group of their own; None otherwise."""
+        for w in self._workers.values():
+            mesh = w.info.mesh
+            if mesh is None or w.info.fixed_rank is not None or 0 in mesh:
+                return None
+            return mesh
+        return None
+
+    def _arrange_groups(self) -> GroupArrangement | None:
+        """An elastic mesh job's next generation as whole groups
+        (coordinator/core/meshplan.py [Note: arranging whole groups]); None for any
+        other job."""
+        degrees = self._elastic_mesh()
+        if degrees is None:
+            return None
+        previous = self.generation
+        survivors: dict[str, MeshCoords] = {}
+        if previous is not None and previous.mesh is not None:
+            survivors = {
+                m.worker_id: previous.mesh.coords(m.rank)
+                for m in previous.members
+                if m.worker_id not in self._lost
+            }
+        joiners = [w for w in self._joiners if self._workers[w].info.fixed_rank is None]
+        joiners.sort(key=lambda wid: (self._workers[wid].info.host, wid))  # a group on one host
+        return arrange_groups(
+            tp=degrees[0],
+            pp=degrees[1],
+            survivors=survivors,
+            joiners=joiners,
+            max_world=self.config.max_workers,
+        )
+
     def _target_size(self) -> tuple[int, int]:
+        arranged = self._arrange_groups()
+        if arranged is not None:
+            return arranged.world_size - len(arranged.admitted), len(arranged.admitted)
         survivors = 0 if self.generation is None else self.generation.world_size - len(self._lost)
         admitted = min(len(self._joiners), self.config.max_workers - survivors)
         if survivors >= self.config.min_workers and self._recovering():
@@ -826,16 +888,20 @@ class Membership:
         return f"join window: generation {self.generation_id + 1} forms in {max(left, 0):.1f}s"
 
     def _rendezvous(self, rank0: _Worker, previous: Generation | None) -> str:
-        # A fresh port per generation: the old store may still be up while ranks move over.
-        used = None if previous is None else previous.rendezvous_endpoint
+        # A fresh port per generation: an old store may still be up while ranks move
+        # over, and a broken generation's for as long as its group is held after an
+        # abort (worker/compat.py abort_default_group): not one of the last few.
+        used = set(self._recent_endpoints)
+        if previous is not None:
+            used.add(previous.rendezvous_endpoint)
         for port in rank0.free_ports:
             endpoint = _endpoint(rank0.info.host, port)
-            if endpoint != used:
+            if endpoint not in used:
                 return endpoint
         # Correct only when rank 0 runs beside the coordinator (local runs).
         while True:
             endpoint = _endpoint(rank0.info.host, free_port())
-            if endpoint != used:
+            if endpoint not in used:
                 logger.warning(
                     "rank 0 (%s) reported no free port; using %s, free on the coordinator's host",
                     rank0.info.worker_id,

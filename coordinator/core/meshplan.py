@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.core.memory import (
@@ -31,11 +31,13 @@ __all__ = [
     "PP_ENV",
     "TP_ENV",
     "TP_PATTERNS",
+    "GroupArrangement",
     "MeshCandidate",
     "MeshChangeRefused",
     "MeshChoice",
     "MeshCoords",
     "MeshShape",
+    "arrange_groups",
     "check_resize",
     "choose_mesh",
     "tp_sharded_numel",
@@ -145,6 +147,72 @@ def check_resize(shape: MeshShape, new_world_size: int) -> MeshShape:
             "would break one"
         )
     return MeshShape(pp=shape.pp, dp=new_world_size // shape.group_size, tp=shape.tp)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupArrangement:
+    """The next generation of an elastic mesh job: its workers in rank order, the
+    newcomers placed, and the survivors left without a place (standbys)."""
+
+    order: tuple[str, ...]
+    admitted: tuple[str, ...]
+    standby: tuple[str, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.order)
+
+
+def arrange_groups(
+    *,
+    tp: int,
+    pp: int,
+    survivors: Mapping[str, MeshCoords],
+    joiners: Sequence[str],
+    max_world: int,
+) -> GroupArrangement:
+    """Whole model-parallel groups for the next generation of an elastic mesh job.
+
+    [Note: arranging whole groups]
+    A group is the ``tp * pp`` ranks of one dp index, one at each (pp, tp)
+    position. Every survivor keeps its position: its shards are that position's,
+    and each position's ring of dp ranks re-shards among itself
+    (worker/elastic/mesh_session.py [Note: elastic by whole groups]). So the
+    survivors of each position are queued, those of the most complete old groups
+    first (they stay together) and then in their old dp order, and group ``d``
+    takes the ``d``-th of every queue; a queue too short is made up with newcomers
+    (``joiners``, in order). The number of groups is the largest whose gaps the
+    newcomers fill, up to ``max_world`` ranks. Survivors of broken groups whose
+    positions complement each other form a group together, a scale-up keeps
+    every member's coordinates, and a survivor beyond the groups formed stands
+    by. ``survivors``: each surviving member's coordinates in the previous
+    generation."""
+    size = tp * pp
+    slots = [(p, t) for p in range(pp) for t in range(tp)]
+    queues: dict[tuple[int, int], list[str]] = {slot: [] for slot in slots}
+    whole = {d: 0 for d in (c.dp for c in survivors.values())}
+    for c in survivors.values():
+        whole[c.dp] += 1
+    # the most complete old groups first (they stay together), then by old dp index
+    for wid, c in sorted(survivors.items(), key=lambda kv: (-whole[kv[1].dp], kv[1].dp)):
+        queues[(c.pp, c.tp)].append(wid)
+    groups = 0
+    while (groups + 1) * size <= max_world and sum(
+        max(0, groups + 1 - len(q)) for q in queues.values()
+    ) <= len(joiners):
+        groups += 1
+    pool = iter(joiners)  # group by group: a group's newcomers are neighbours
+    filled = [
+        {slot: q[d] if d < len(q) else next(pool) for slot, q in queues.items()}
+        for d in range(groups)
+    ]
+    order = tuple(filled[d][(p, t)] for p in range(pp) for d in range(groups) for t in range(tp))
+    placed = set(order)
+    return GroupArrangement(
+        order=order,
+        admitted=tuple(w for w in joiners if w in placed),
+        standby=tuple(w for w in survivors if w not in placed),
+    )
 
 
 # --------------------------------------------------------------------------- planning

@@ -7,7 +7,7 @@ the plan."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +18,10 @@ __all__ = [
     "RestorePlan",
     "RestoreSource",
     "StateId",
+    "current_rings",
+    "plan_mesh_restore",
     "plan_restore",
+    "ring_lost",
 ]
 
 # (generation id, rank, world size): whose state a rank holds
@@ -147,6 +150,21 @@ def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
     skips it), and the state ids say what each rank really holds.
     Raises when nothing the group holds covers the whole job.
     """
+    live = _complete_live(holdings)
+    if live is not None:
+        return RestorePlan(RestoreSource.LIVE, generation=live)
+
+    forward = _roll_forward_plan(holdings)
+    if forward is not None:
+        return forward
+
+    for gen, step, lost in _replica_candidates(holdings):
+        return RestorePlan(RestoreSource.REPLICA, generation=gen, step=step, lost=lost)
+    return _last_resort(holdings)
+
+
+def _complete_live(holdings: Sequence[Holding]) -> int | None:
+    """The newest generation whose every rank's live state some holding is."""
     by_generation: dict[int, set[int]] = {}
     worlds: dict[int, int] = {}
     for h in holdings:
@@ -156,12 +174,15 @@ def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
             worlds[gen] = world
     for gen in sorted(by_generation, reverse=True):
         if by_generation[gen] == set(range(worlds[gen])):
-            return RestorePlan(RestoreSource.LIVE, generation=gen)
+            return gen
+    return None
 
-    forward = _roll_forward_plan(holdings)
-    if forward is not None:
-        return forward
 
+def _replica_candidates(
+    holdings: Sequence[Holding],
+) -> Iterator[tuple[int, int, frozenset[int]]]:
+    """The (generation, step) replica sets that cover every rank of their
+    generation, newest first, each with its ranks no member is (``lost``)."""
     # newest first; a member without a replica of that (generation, step) would
     # restore ahead of (or behind) the others: replicas are all or nothing
     for gen, step in sorted({r[:2] for h in holdings for r in h.replicas}, reverse=True):
@@ -175,8 +196,67 @@ def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
         # each rank keeps its own state and its left neighbour's
         covered = present | {(r - 1) % world for r in present if (r - 1) % world in lost}
         if usable and covered == set(range(world)):
-            return RestorePlan(RestoreSource.REPLICA, generation=gen, step=step, lost=lost)
+            yield gen, step, lost
 
+
+def plan_mesh_restore(rings: Sequence[Sequence[Holding]]) -> RestorePlan:
+    """:func:`plan_restore` for a tensor-parallel job, whose state is one ring of
+    dp ranks per tp (and pp) index: ``rings`` holds, for each, the holdings of the
+    new group's ranks that keep that index. Every ring must restore the same step,
+    so one source serves them all: the live state where every ring has all of its
+    ranks whole at one step, else the newest replica step that covers every ring
+    (each ring's own lost ranks are its business: :func:`ring_lost`), else a
+    checkpoint, else (nobody holds anything) the module."""
+    lives = {_complete_live(ring) for ring in rings}
+    if len(lives) == 1 and None not in lives:
+        gen = lives.pop()
+        # a rank that stood by may hold an older generation's state: it sends nothing
+        steps = {h.live_step for ring in rings for h in ring if h.live and h.live[0] == gen}
+        if len(steps) == 1:
+            return RestorePlan(RestoreSource.LIVE, generation=gen)
+    if all(any(h.holds_state for h in ring) for ring in rings):
+        common: set[tuple[int, int]] | None = None
+        for ring in rings:
+            found = {(gen, step) for gen, step, _ in _replica_candidates(ring)}
+            common = found if common is None else common & found
+        if common:
+            gen, step = max(common)
+            return RestorePlan(RestoreSource.REPLICA, generation=gen, step=step)
+    everyone = [h for ring in rings for h in ring]
+    return _last_resort(everyone)
+
+
+def current_rings(rings: Sequence[Sequence[Holding]]) -> list[list[Holding]]:
+    """``rings`` with a holding of an older generation than the newest any rank
+    holds (a rank that stood by while the others went on) taken for holding
+    nothing: its state is not the job's any more."""
+
+    def newest(h: Holding) -> int:
+        gens = [h.live[0]] if h.live is not None else []
+        return max([*gens, *(r[0] for r in h.replicas)], default=-1)
+
+    latest = max((newest(h) for ring in rings for h in ring if h.holds_state), default=-1)
+    return [
+        [
+            h
+            if not h.holds_state or newest(h) == latest
+            else Holding(live=None, replicas=(), holds_state=False, checkpoint=h.checkpoint)
+            for h in ring
+        ]
+        for ring in rings
+    ]
+
+
+def ring_lost(ring: Sequence[Holding], generation: int, step: int) -> frozenset[int]:
+    """The ranks of one ring that no member holds the replica of (generation, step) of."""
+    for gen, at, lost in _replica_candidates(ring):
+        if (gen, at) == (generation, step):
+            return lost
+    raise ValueError(f"no replica of generation {generation} at step {step} covers this ring")
+
+
+def _last_resort(holdings: Sequence[Holding]) -> RestorePlan:
+    """A checkpoint, or the module where nobody holds anything; else nothing covers the job."""
     for h in holdings:
         if h.checkpoint is not None:
             return RestorePlan(RestoreSource.CHECKPOINT, checkpoint=h.checkpoint)

@@ -1,0 +1,296 @@
+"""Elastic tensor-parallel jobs under ``zeroplane run`` (worker/elastic/mesh_session.py
+[Note: elastic by whole groups]; coordinator/core/meshplan.py [Note: arranging whole
+groups]): a tp=2 job grows by a whole group and shrinks back, and a SIGKILLed rank
+recovers from its dp neighbour's replica, each ending equal to one process training
+the same batches with torch alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.control.membership import Membership
+from coordinator.core.layout import ParamSpec
+from coordinator.core.meshplan import MeshCoords, MeshShape, arrange_groups
+from coordinator.core.settings import MembershipConfig, PlanConfig
+from coordinator.launchers.local import find_free_port
+from tests.coordinator_util import Clock, worker
+from tests.scripts.mesh_elastic_train import batches, build
+from worker.elastic.restore_plan import (
+    Holding,
+    RestoreSource,
+    current_rings,
+    plan_mesh_restore,
+    ring_lost,
+)
+from worker.pipeline import lm_loss
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "mesh_elastic_train.py"
+STEPS = 24
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    """One process, torch alone: the same model, SGD and batches."""
+    model, opt = build()
+    for x in batches(steps):
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------- the plan, pure
+
+
+def _c(dp: int, tp: int, pp: int = 0) -> MeshCoords:
+    return MeshCoords(pp=pp, dp=dp, tp=tp)
+
+
+def test_a_scale_up_keeps_every_members_coordinates() -> None:
+    old = {f"m{d}{t}": _c(d, t) for d in range(2) for t in range(2)}
+    got = arrange_groups(tp=2, pp=1, survivors=old, joiners=["x", "y", "z"], max_world=6)
+    assert got.order == ("m00", "m01", "m10", "m11", "x", "y")
+    assert got.admitted == ("x", "y") and got.standby == ()
+
+
+def test_a_broken_group_is_completed_by_a_newcomer_in_the_lost_position() -> None:
+    # dp=1's tp=1 rank was lost: its tp=0 peer keeps position tp=0, the newcomer takes tp=1
+    old = {"a": _c(0, 0), "b": _c(0, 1), "c": _c(1, 0)}
+    got = arrange_groups(tp=2, pp=1, survivors=old, joiners=["x"], max_world=4)
+    assert got.order == ("a", "b", "c", "x")
+    # without a newcomer the broken group's survivor stands by
+    alone = arrange_groups(tp=2, pp=1, survivors=old, joiners=[], max_world=4)
+    assert alone.order == ("a", "b") and alone.standby == ("c",)
+
+
+def test_survivors_of_broken_groups_in_complementary_positions_form_one() -> None:
+    old = {"a": _c(0, 0), "b": _c(0, 1), "c": _c(2, 0), "d": _c(1, 1)}
+    got = arrange_groups(tp=2, pp=1, survivors=old, joiners=[], max_world=8)
+    assert got.order == ("a", "b", "c", "d") and got.standby == ()
+
+
+def test_groups_of_a_pipeline_and_tensor_mesh_follow_the_rank_order() -> None:
+    got = arrange_groups(tp=2, pp=2, survivors={}, joiners=list("abcdefghi"), max_world=8)
+    shape = MeshShape(pp=2, dp=2, tp=2)
+    # group d holds the joiners 4d..4d+3, one per (pp, tp) position
+    by_group = {}
+    for rank, wid in enumerate(got.order):
+        by_group.setdefault(shape.coords(rank).dp, set()).add(wid)
+    assert by_group == {0: set("abcd"), 1: set("efgh")}
+
+
+def test_the_coordinator_forms_whole_groups_and_stands_a_broken_ones_survivor_by() -> None:
+    clock = Clock()
+    m = Membership(
+        MembershipConfig(min_workers=2, max_workers=4, join_window_s=0.0),
+        PlanConfig(stage=1, bucket_numel=1 << 16, align=2),
+        clock=clock,
+        wall_clock=clock,
+    )
+    inv = [ParamSpec(name="w", shape=(64, 64), dtype="float32")]
+    for name in ("w0", "w1", "w2", "w3", "w4"):
+        m.register(dataclasses.replace(worker(name), mesh=(2, 1)), inv)
+    gen = m.maybe_form()
+    assert gen is not None and gen.mesh == MeshShape(dp=2, tp=2)
+    assert [mb.worker_id for mb in gen.members] == ["w0", "w1", "w2", "w3"]  # w4 waits
+    m.process_exited("w3", "was killed by SIGKILL")  # dp=1 tp=1
+    gen = m.maybe_form()
+    assert gen is not None
+    # w4 takes the lost position; w2 keeps dp's group and its tp index
+    assert {mb.worker_id: gen.coords(mb.rank) for mb in gen.members} == {
+        "w0": _c(0, 0), "w1": _c(0, 1), "w2": _c(1, 0), "w4": _c(1, 1),
+    }  # fmt: skip
+    m.process_exited("w1", "was killed by SIGKILL")
+    gen = m.maybe_form()
+    assert gen is not None and [mb.worker_id for mb in gen.members] == ["w2", "w4"]
+    assert m.status().worker("w0").state == "standby"
+
+
+def _held(live=None, step=-1, replicas=()) -> Holding:
+    return Holding(live=live, replicas=tuple(replicas), holds_state=True, checkpoint=None,
+                   live_step=step)  # fmt: skip
+
+
+def test_every_ring_restores_the_same_step() -> None:
+    # a scale-up: every ring whole and live at one step
+    rings = [[_held((3, d, 2), 9) for d in range(2)] for _ in range(2)]
+    assert plan_mesh_restore(rings).source is RestoreSource.LIVE
+    # tp=1's dp=1 rank was lost: both rings roll back to the newest replica step
+    # they all hold (ring 0 could go on live, it must not)
+    both = [(3, 8, 0, 2)], [(3, 7, 0, 2), (3, 8, 0, 2)]
+    rings = [
+        [_held((3, 0, 2), 9, both[1]), _held((3, 1, 2), 9, [(3, 8, 1, 2)])],
+        [_held((3, 0, 2), 9, both[0])],
+    ]
+    plan = plan_mesh_restore(rings)
+    assert (plan.source, plan.generation, plan.step) == (RestoreSource.REPLICA, 3, 8)
+    assert ring_lost(rings[1], 3, 8) == {1} and ring_lost(rings[0], 3, 8) == frozenset()
+
+
+def test_a_rank_that_stood_by_brings_nothing() -> None:
+    stale = _held((1, 1, 2), 4, [(1, 3, 1, 2)])
+    rings = [[_held((2, 0, 1), 7, [(2, 6, 0, 1)]), stale], [_held((2, 0, 1), 7, [(2, 6, 0, 1)])]]
+    current = current_rings(rings)
+    assert not current[0][1].holds_state
+    assert plan_mesh_restore(current).source is RestoreSource.LIVE
+
+
+def test_a_ring_nobody_holds_is_not_covered() -> None:
+    rings = [[_held((2, 0, 1), 7)], [Holding(None, (), False, None)]]
+    with pytest.raises(RuntimeError, match="neither in-memory replicas nor a checkpoint"):
+        plan_mesh_restore(rings)
+
+
+# ---------------------------------------------------------------- zeroplane run
+
+
+class MeshRun:
+    """`zeroplane run --tp 2` of the script in the background, its output in a file."""
+
+    def __init__(self, tmp: Path, *flags: str, stage: int) -> None:
+        self.tmp, self.port = tmp, find_free_port()
+        cmd = [
+            sys.executable, "-m", "coordinator.cli", "run", "--tp", "2", *flags,
+            "--no-fork-server", "--progress", "off", "--http-port", str(self.port),
+            str(SCRIPT), str(tmp), "--steps", str(STEPS), "--stage", str(stage),
+        ]  # fmt: skip
+        self.log_path = tmp / "run.log"
+        self.log = self.log_path.open("w+")
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=_env()
+        )
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def step(self) -> int:
+        try:
+            return int((self.tmp / "step").read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def status(self) -> dict:
+        url = f"http://127.0.0.1:{self.port}/api/status"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.load(r)
+
+    def world(self) -> int:
+        try:
+            return int(self.status().get("world_size", 0))
+        except OSError:
+            return 0
+
+    def wait_until(self, what: str, ok: Callable[[], bool], timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not ok():
+            assert self.proc.poll() is None, f"the job ended before {what}:\n{self.text()[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what}:\n{self.text()[-4000:]}"
+            time.sleep(0.1)
+
+    def workers(self) -> list[int]:
+        """The launcher's worker processes (its children), oldest first."""
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
+        )
+        return sorted(int(p) for p in out.stdout.split())
+
+    def finish(self, timeout: float = 180) -> str:
+        (self.tmp / "hurry").touch()
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.close()
+        text = self.text()
+        assert self.proc.returncode == 0, text[-4000:]
+        return text
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def assert_matches_reference(tmp: Path) -> None:
+    got = torch.load(tmp / "final.pt", weights_only=True)
+    want = reference(STEPS)
+    assert set(got) == set(want)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst < 1e-5, f"the elastic mesh job differs from one process by {worst:.3g}"
+
+
+@pytest.fixture
+def run(tmp_path: Path):
+    runs: list[MeshRun] = []
+
+    def start(*flags: str, stage: int) -> MeshRun:
+        runs.append(MeshRun(tmp_path, *flags, stage=stage))
+        return runs[-1]
+
+    yield start
+    for r in runs:
+        r.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_tp_job_grows_by_a_group_and_shrinks_back(run) -> None:
+    job = run("--nproc", "4", "--min-nproc", "4", "--max-nproc", "6", stage=1)
+    job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
+    first = job.workers()
+    assert len(first) == 4
+    job.proc.send_signal(signal.SIGUSR1)  # a whole group: two workers
+    job.wait_until("six ranks", lambda: job.world() == 6)
+    grown = job.step()
+    doc = job.status()
+    assert doc["mesh"] == {"pp": 1, "dp": 3, "tp": 2}
+    coords = sorted((w["mesh"]["dp"], w["mesh"]["tp"]) for w in doc["workers"] if w.get("mesh"))
+    assert coords == [(d, t) for d in range(3) for t in range(2)], doc["workers"]
+    job.wait_until("six ranks training", lambda: job.step() >= grown + 3)
+    assert job.step() < STEPS - 4, "the job is too fast for this test to resize it"
+    job.proc.send_signal(signal.SIGUSR2)  # the newest group leaves
+    job.wait_until("back to four", lambda: job.world() == 4)
+    text = job.finish()
+    # the first four were never restarted: four registrations, then the group's two
+    assert text.count("INFO coordinator.control.membership: registered") == 6, text[-4000:]
+    assert "restored from live" in text  # the scale-up keeps everyone's state
+    assert "restored from replica" in text  # the leave: replicas of that very step
+    assert "recovered" not in text  # no step was abandoned
+    assert_matches_reference(job.tmp)
+
+
+@pytest.mark.timeout(300)
+def test_a_sigkilled_rank_of_a_tp_job_recovers_from_replicas(run) -> None:
+    """Its tp peer stands by (its group is broken), the survivors train on as one
+    group, and the launcher's replacement makes two groups again."""
+    job = run("--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=3)
+    job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 4)
+    victim = job.workers()[-1]
+    os.kill(victim, signal.SIGKILL)
+    job.wait_until("the recovery", lambda: "recovered as" in job.text())
+    job.wait_until("four ranks again", lambda: job.world() == 4)
+    text = job.finish()
+    assert "restored from replica" in text, text[-4000:]
+    assert "its model-parallel group is not whole" in text
+    assert_matches_reference(job.tmp)
