@@ -294,3 +294,19 @@ def test_a_sigkilled_rank_of_a_tp_job_recovers_from_replicas(run) -> None:
     assert "restored from replica" in text, text[-4000:]
     assert "its model-parallel group is not whole" in text
     assert_matches_reference(job.tmp)
+
+
+@pytest.mark.timeout(300)
+def test_one_worker_asked_to_leave_takes_its_group_out_and_its_peer_stands_by(run) -> None:
+    """A SIGTERM from outside to one worker of a group: it leaves at a step boundary
+    (every replica refreshed there, so nothing is trained again), its tp peer has no
+    group and stands by, and it leaves with exit 0 when the job finishes."""
+    job = run("--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=2)
+    job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
+    os.kill(job.workers()[-1], signal.SIGTERM)
+    job.wait_until("one group", lambda: job.world() == 2)
+    text = job.finish()
+    assert "left the job: asked to leave" in text
+    assert "standing by" in text and "the job ended while this rank stood by" in text
+    assert "restored from replica" in text and "recovered" not in text
+    assert_matches_reference(job.tmp)

@@ -229,7 +229,7 @@ class MeshSession(FinalReport):
         start = time.perf_counter()
         self.keeper.drop_refresh(wait=False)  # its group is broken
         logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
-        gen = self.control.wait_to_re_form(stop=lambda: self.leave_requested)
+        gen = self._next_generation()
         if gen is None:
             self._exit("the job ended while this rank waited to re-form")
         reached = engine.global_steps
@@ -275,10 +275,31 @@ class MeshSession(FinalReport):
             report(self.control, engine)
             self._exit("asked to leave")
         start = time.perf_counter()
-        gen = self.control.wait_to_re_form()
-        assert gen is not None  # a survivor's stop() is never true
+        gen = self._next_generation()
+        if gen is None:
+            self._exit("the job ended while this rank waited to re-form")
         self._switch(engine, gen, broken=True)
         engine.stats.record_pause("scale_down", time.perf_counter() - start)
+
+    def _next_generation(self) -> Generation | None:
+        """The coordinator's next generation, whether it places this rank or not (a
+        rank it leaves out stands by: :meth:`_switch`); None once the job is over.
+        Below the job's minimum that may take a while: up to
+        ``$ZEROPLANE_MEMBERSHIP_WAIT_S``."""
+        control = self.control
+        deadline = time.monotonic() + control.patience_s
+        while True:
+            try:
+                return control.wait_newer(member=False, timeout=1.0)
+            except TimeoutError:
+                pass
+            if control.client.job_finished:
+                return None
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"the coordinator formed no generation after {control.generation.id} "
+                    f"within {control.patience_s:g}s"
+                )
 
     def _exit(self, why: str) -> NoReturn:
         """Leave the job and end this process with 0: what it held is the others' now."""
@@ -302,8 +323,10 @@ class MeshSession(FinalReport):
             )  # fmt: skip
             abort_default_group(control.timeout)
             held = None
-            gen = control.wait_newer(member=True, timeout=control.patience_s)
-            broken = False
+            placed = control.wait_to_re_form(stop=lambda: True)
+            if placed is None:
+                self._exit("the job ended while this rank stood by")
+            gen, broken = placed, False
         control.move_to(gen, broken=broken)
         gen = control.generation
         shape = gen.mesh
