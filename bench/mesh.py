@@ -31,7 +31,8 @@ and last stage, shown as two rows):
 * dp / tp / pp bytes: what the rank sends per step. dp is measured (the
   collectives module's wire bytes of the ZeRO collectives; FSDP2's is the
   formula ``3*Ψ_rank*(dp-1)/dp`` for its gather-gather-scatter); tp is torch
-  DTensor's all-reduces counted by ``CommDebugMode`` times their size and the
+  DTensor's all-reduces counted (a dispatch mode that counts torch's functional
+  all-reduce; torch's ``CommDebugMode`` trips over stage 3's hooks) times their size and the
   ring factor ``2(t-1)/t``; pp is the activations and gradients the stage
   sends (``PipelineStage``'s p2p, by formula: one ``b*s*h`` tensor per
   micro-batch each way);
@@ -58,6 +59,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -117,8 +119,20 @@ def data_bytes(report: dict) -> int:
     return sum(v["wire_bytes"] for op, v in report.items() if op != "control")
 
 
-def tp_bytes(counts: dict, tp: int, numel: int) -> float:
-    calls = sum(n for op, n in counts.items() if "all_reduce" in str(op))
+class AllReduces(TorchDispatchMode):
+    """Counts the all-reduces DTensor issues (torch's functional collectives)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "all_reduce" in str(func):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tp_bytes(calls: int, tp: int, numel: int) -> float:
     return calls * numel * 4 * 2 * (tp - 1) / tp
 
 
@@ -140,8 +154,6 @@ def run_rank(rank: int, port: int, system: str, warmup: int, steps: int, out: di
 
 
 def measure(system: str, rank: int, warmup: int, steps: int) -> dict:
-    from torch.distributed.tensor.debug import CommDebugMode
-
     import worker
     from coordinator.core.memory import model_state_bytes
     from worker.mesh import ParallelConfig, parallelize
@@ -179,9 +191,7 @@ def measure(system: str, rank: int, warmup: int, steps: int) -> dict:
         idx, tgt = idx[rows * d : rows * (d + 1)], tgt[rows * d : rows * (d + 1)]
         before = engine.comm_report()
         start = time.perf_counter()
-        # CommDebugMode counts DTensor's collectives (its module tracker trips over
-        # stage 3's hooks, so only where there are any)
-        counter = CommDebugMode() if tp > 1 else contextlib.nullcontext()
+        counter = AllReduces() if tp > 1 else contextlib.nullcontext()
         if pp > 1:
             _, acts = saved_bytes(
                 engine.engine.module, lambda i=idx, t=tgt: engine.train_step(i, t)
@@ -199,7 +209,7 @@ def measure(system: str, rank: int, warmup: int, steps: int) -> dict:
         # sends (dp-1)/dp of it in a ring
         moved_dp = (data_bytes(after) - data_bytes(before)) * (dp - 1) / dp
         if tp > 1:
-            moved_tp = tp_bytes(counter.get_comm_counts(), tp, rows * SEQ * hidden)
+            moved_tp = tp_bytes(counter.calls, tp, rows * SEQ * hidden)
     report = engine.memory_report()
     row.update(
         model_state=report["params"] + report["grads"] + report["master"] + report["optimizer"],
@@ -215,7 +225,6 @@ def measure(system: str, rank: int, warmup: int, steps: int) -> dict:
 def measure_fsdp2_tp(model, rank: int, warmup: int, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import parallelize_module
 
     from worker.tp import gpt_plan
@@ -234,7 +243,7 @@ def measure_fsdp2_tp(model, rank: int, warmup: int, steps: int) -> dict:
         idx, tgt = batch(step)
         idx, tgt = idx[rows * d : rows * (d + 1)], tgt[rows * d : rows * (d + 1)]
         start = time.perf_counter()
-        counter = CommDebugMode()
+        counter = AllReduces()
         with counter:
             loss, acts = saved_bytes(model, lambda i=idx, t=tgt: model(i, t))
             loss.backward()
@@ -243,8 +252,7 @@ def measure_fsdp2_tp(model, rank: int, warmup: int, steps: int) -> dict:
         elapsed = time.perf_counter() - start
         if step >= warmup and step < warmup + steps:
             times.append(elapsed)
-        counts = {k: v for k, v in counter.get_comm_counts().items() if "all_reduce" in str(k)}
-        moved_tp = tp_bytes(counts, 2, rows * SEQ * model.cfg.n_embd)
+        moved_tp = tp_bytes(counter.calls, 2, rows * SEQ * model.cfg.n_embd)
     local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
     state = sum(
         getattr(t, "_local_tensor", t).numel() * 4

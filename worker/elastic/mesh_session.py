@@ -62,7 +62,7 @@ from worker.birth import Init
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compat import abort_default_group
 from worker.config import ZeroConfig
-from worker.control import ControlPlane, env_seconds
+from worker.control import ControlPlane, JobFinished, LeftBeforeAdmission, env_seconds
 from worker.elastic.phases import StepAborted
 from worker.elastic.restore_plan import (
     RestoreSource,
@@ -95,6 +95,9 @@ class MeshSession(FinalReport):
         self.control = control
         self.keeper = elastic.ReplicaKeeper()
         self.leave_requested = False
+        # what this rank brought to a change still being made: a peer lost during
+        # it leaves the state half rebuilt, and the next attempt brings this again
+        self._carried: _Held | None = None
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         logger.info("SIGTERM: leaving at the next step boundary")
@@ -129,15 +132,22 @@ class MeshSession(FinalReport):
         requested = threading.Event()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: requested.set())
-        control = ControlPlane.join(
-            address,
-            inventory,
-            device=device,
-            metrics_port=None if metrics is None else metrics.port,
-            stop=requested.is_set,
-            stage=config.stage,
-            mesh=(tp, 1),
-        )
+        try:
+            control = ControlPlane.join(
+                address,
+                inventory,
+                device=device,
+                metrics_port=None if metrics is None else metrics.port,
+                stop=requested.is_set,
+                stage=config.stage,
+                mesh=(tp, 1),
+            )
+        except LeftBeforeAdmission as exc:
+            if metrics is not None:
+                metrics.close()
+            finished = isinstance(exc, JobFinished)
+            logger.info("%s: nothing to do", "the job finished" if finished else "SIGTERM")
+            raise SystemExit(0) from None
         session = cls(control)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, session._on_sigterm)
@@ -314,7 +324,8 @@ class MeshSession(FinalReport):
         assert isinstance(engine, MeshEngine)
         control = self.control
         me = control.client.worker_id
-        held = self._hold(engine)
+        held = self._carried if self._carried is not None else self._hold(engine)
+        self._carried = held
         engine.state.release()
         if gen.rank_of(me) is None:
             logger.warning(
@@ -322,7 +333,7 @@ class MeshSession(FinalReport):
                 "standing by", gen.id,
             )  # fmt: skip
             abort_default_group(control.timeout)
-            held = None
+            held = self._carried = None
             placed = control.wait_to_re_form(stop=lambda: True)
             if placed is None:
                 self._exit("the job ended while this rank stood by")
@@ -337,6 +348,7 @@ class MeshSession(FinalReport):
             )
         engine.rebind_mesh(build_mesh(shape, engine.device.type), shape, shape.coords(control.rank))
         self._restore(engine, gen, held=held)
+        self._carried = None
 
     def _hold(self, engine: MeshEngine) -> _Held:
         """What this rank brings to the next generation, taken before its buffers go."""
