@@ -499,10 +499,10 @@ def test_run_refuses_a_mesh_the_workers_cannot_fill(capsys) -> None:
     code = main(["run", "--nproc", "4", "--tp", "2", "--min-nproc", "3", "--max-nproc", "4", "x"])
     assert code == 2
     assert "--min-workers 3" in capsys.readouterr().err
-    # tensor-parallel jobs scale by whole groups (tests/test_mesh_elastic.py); pipelines do not
-    code = main(["run", "--nproc", "4", "--pp", "2", "--min-nproc", "2", "--max-nproc", "4", "x"])
+    # mesh jobs scale by whole groups (tests/test_mesh_elastic.py); --mesh auto does not
+    code = main(["run", "--nproc", "4", "--mesh", "auto", "--min-nproc", "2", "x"])
     assert code == 2
-    assert "elastic pipeline-parallel job is not supported" in capsys.readouterr().err
+    assert "--mesh auto with --min-workers != --max-workers" in capsys.readouterr().err
 
 
 def test_job_spec_takes_the_mesh_and_exports_it() -> None:
@@ -526,10 +526,9 @@ def test_job_spec_takes_the_mesh_and_exports_it() -> None:
     assert env["ZEROPLANE_TP"] == "2" and env["ZEROPLANE_PP"] == "1"
     with pytest.raises(JobSpecError, match=r"workers\.min"):
         parse_job_spec({**base, "workers": {"min": 3, "max": 4}, "tensor_parallel": 2})
-    # tensor parallelism scales by whole groups; a pipeline does not scale
+    # a mesh job scales by whole groups
     assert parse_job_spec({**base, "tensor_parallel": 2}).workers.max == 4
-    with pytest.raises(JobSpecError, match="elastic pipeline-parallel job"):
-        parse_job_spec({**base, "pipeline_parallel": 2})
+    assert parse_job_spec({**base, "pipeline_parallel": 2}).workers.min == 2
 
 
 def test_parallel_config_from_env(monkeypatch) -> None:

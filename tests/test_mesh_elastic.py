@@ -1,8 +1,8 @@
-"""Elastic tensor-parallel jobs under ``zeroplane run`` (worker/elastic/mesh_session.py
+"""Elastic mesh jobs under ``zeroplane run`` (worker/elastic/mesh_session.py
 [Note: elastic by whole groups]; coordinator/core/meshplan.py [Note: arranging whole
 groups]): a tp=2 job grows by a whole group and shrinks back, and a SIGKILLed rank
-recovers from its dp neighbour's replica, each ending equal to one process training
-the same batches with torch alone."""
+of a tp or a pp job recovers from its dp neighbour's replica, each ending equal to
+one process training the same batches with torch alone."""
 
 from __future__ import annotations
 
@@ -159,10 +159,10 @@ def test_a_ring_nobody_holds_is_not_covered() -> None:
 class MeshRun:
     """`zeroplane run --tp 2` of the script in the background, its output in a file."""
 
-    def __init__(self, tmp: Path, *flags: str, stage: int) -> None:
+    def __init__(self, tmp: Path, *flags: str, stage: int, mesh: tuple[str, ...]) -> None:
         self.tmp, self.port = tmp, find_free_port()
         cmd = [
-            sys.executable, "-m", "coordinator.cli", "run", "--tp", "2", *flags,
+            sys.executable, "-m", "coordinator.cli", "run", *mesh, *flags,
             "--no-fork-server", "--progress", "off", "--http-port", str(self.port),
             str(SCRIPT), str(tmp), "--steps", str(STEPS), "--stage", str(stage),
         ]  # fmt: skip
@@ -245,8 +245,8 @@ def assert_matches_reference(tmp: Path) -> None:
 def run(tmp_path: Path):
     runs: list[MeshRun] = []
 
-    def start(*flags: str, stage: int) -> MeshRun:
-        runs.append(MeshRun(tmp_path, *flags, stage=stage))
+    def start(*flags: str, stage: int, mesh: tuple[str, ...] = ("--tp", "2")) -> MeshRun:
+        runs.append(MeshRun(tmp_path, *flags, stage=stage, mesh=mesh))
         return runs[-1]
 
     yield start
@@ -309,4 +309,19 @@ def test_one_worker_asked_to_leave_takes_its_group_out_and_its_peer_stands_by(ru
     assert "left the job: asked to leave" in text
     assert "standing by" in text and "the job ended while this rank stood by" in text
     assert "restored from replica" in text and "recovered" not in text
+    assert_matches_reference(job.tmp)
+
+
+@pytest.mark.timeout(300)
+def test_a_sigkilled_stage_of_a_pipeline_recovers_from_replicas(run) -> None:
+    """pp=2 x dp=2 at stage 2: a rank of the last stage is lost; its stage's dp ring
+    restores it from its neighbour's replica, the first stage's rolls back with it,
+    and the pipeline's stages and schedule are rebuilt over the new pp groups."""
+    job = run("--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=2, mesh=("--pp", "2"))
+    job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 4)
+    os.kill(job.workers()[-1], signal.SIGKILL)
+    job.wait_until("the recovery", lambda: "recovered as" in job.text())
+    job.wait_until("four ranks again", lambda: job.world() == 4)
+    text = job.finish()
+    assert "restored from replica" in text, text[-4000:]
     assert_matches_reference(job.tmp)

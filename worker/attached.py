@@ -19,8 +19,8 @@ its tp and pp degrees, or 0 for a degree the coordinator chooses
 from the inventory and the smallest device memory; the generation carries the
 mesh shape and each member's coordinates (proto ``Generation.mesh``,
 ``Member.mesh``), and the worker builds exactly that mesh. This module's fixed
-group serves pipeline-parallel and ``--mesh auto`` workers, and a lost rank ends
-their job; a tensor-parallel worker is elastic by whole groups instead
+group serves ``--mesh auto`` workers, and a lost rank ends their job; a worker
+given its tp and pp is elastic by whole groups instead
 (worker/elastic/mesh_session.py [Note: elastic by whole groups])."""
 
 from __future__ import annotations

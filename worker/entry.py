@@ -207,30 +207,33 @@ def _mesh_in_job(
     device: torch.device | str | None,
     init: Init | None,
 ) -> ZeroEngine:
-    """A mesh worker in a coordinator's job. A tensor-parallel one is an elastic
-    member whose group zeroplane forms (worker/elastic/mesh_session.py); a pipeline's
-    or a ``--mesh auto`` one's ranks are its launcher's (the group forms from
+    """A mesh worker in a coordinator's job. One given its tp and pp is an elastic
+    member whose group zeroplane forms (worker/elastic/mesh_session.py); a ``--mesh
+    auto`` one's ranks are its launcher's (the group forms from
     ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``), its mesh the generation's."""
     from worker.mesh import ParallelConfig
 
     device = place_module(model, device)
-    if not auto and parallel is not None and parallel.pipeline_parallel == 1:
-        # tensor parallel: an elastic member whose group zeroplane forms and re-forms
-        # (worker/elastic/mesh_session.py [Note: elastic by whole groups])
+    if not auto and parallel is not None:
+        # an elastic member whose group zeroplane forms and re-forms by whole
+        # model-parallel groups (worker/elastic/mesh_session.py [Note: elastic by whole
+        # groups])
         from worker.elastic.mesh_session import MeshSession
 
+        if parallel.pipeline_parallel > 1 and init is not None:
+            raise ValueError("init= with pipeline parallelism is not supported yet")
         return MeshSession.join(
-            model, optimizer, config=config, address=address, tp=parallel.tensor_parallel,
-            plan=_plan_for(model, plan), device=device, loss_fn=loss_fn,
+            model, optimizer, config=config, address=address, parallel=parallel,
+            plan=_plan_for(model, plan), device=device, split=split, loss_fn=loss_fn,
             scheduler=lr_scheduler, init=init,
         )  # fmt: skip
     _init_from_launcher_env(device)
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
-            "a pipeline-parallel (or --mesh auto) worker in a coordinator's job takes its "
-            "rank from its launcher (zeroplane run and torchrun set RANK, WORLD_SIZE, "
-            "MASTER_ADDR, MASTER_PORT), and none is set: only tensor-parallel jobs have "
-            "their group formed by zeroplane (worker/elastic/mesh_session.py)"
+            "a --mesh auto worker in a coordinator's job takes its rank from its launcher "
+            "(zeroplane run and torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), "
+            "and none is set; a worker given tp and pp ($ZEROPLANE_TP, $ZEROPLANE_PP) has "
+            "its group formed by zeroplane (worker/elastic/mesh_session.py)"
         )
     base = parallel or ParallelConfig()
     ask = (

@@ -281,14 +281,20 @@ class MeshEngine(ZeroEngine):
 
     @contextlib.contextmanager
     def _peer_loss(self) -> Iterator[None]:
-        """The tensor-parallel collectives run inside torch's DTensor, whose errors are
-        plain RuntimeErrors: in an elastic session, one raised from torch.distributed
-        is a peer lost if the coordinator confirms it (a newer generation), and the
-        session recovers (worker/elastic/mesh_session.py)."""
+        """The tensor-parallel collectives run inside torch's DTensor (and a pipeline's
+        sends inside torch's schedule), whose errors are plain RuntimeErrors: in an
+        elastic session, one raised from torch.distributed is a peer lost if the
+        coordinator confirms it (a newer generation), and the session recovers
+        (worker/elastic/mesh_session.py); so does a failed collective of this engine's
+        own outside the engine's guarded methods."""
         try:
             yield
-        except (CollectiveError, StepAborted):
+        except StepAborted:
             raise
+        except CollectiveError as exc:
+            if self.membership is None:
+                raise
+            self.membership.recover(self, exc)  # as the engine's guarded methods do
         except RuntimeError as exc:
             confirm = getattr(self.membership, "peer_lost", None)
             if confirm is None or not _from_distributed(exc) or not confirm():

@@ -85,9 +85,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from coordinator.core.layout import ParamSpec
+from coordinator.core.meshplan import MeshCoords, MeshShape
 from worker.checkpoint import DEFAULT_SHARD_BYTES, Planned, write_safetensors_shards
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
@@ -183,12 +185,29 @@ class PipelineEngine(MeshEngine):
         self._targets, self._width = torch.zeros(1), 1
         # every stage's parameters, for checkpoints ([Note: pipeline checkpoints])
         self._whole: tuple[tuple[ParamSpec, ...], dict[str, str], list[str]] | None = None
-        stage = PipelineStage(
-            module, self.coords.pp, self.shape.pp, self.device, group=self.mesh["pp"].get_group()
-        )
-        schedule_cls = ScheduleGPipe if parallel.pipeline_schedule == "gpipe" else Schedule1F1B
+        self.parallel = parallel
         self.microbatches = parallel.microbatches
-        self.schedule = schedule_cls(stage, parallel.microbatches, loss_fn=self._weighted_loss)
+        self._build_schedule()
+
+    def _build_schedule(self) -> None:
+        """torch's stage and schedule over this mesh's pp group (they infer the
+        shapes they send at their first step)."""
+        stage = PipelineStage(
+            self.module, self.coords.pp, self.shape.pp, self.device,
+            group=self.mesh["pp"].get_group(),
+        )  # fmt: skip
+        gpipe = self.parallel.pipeline_schedule == "gpipe"
+        schedule_cls = ScheduleGPipe if gpipe else Schedule1F1B
+        self.schedule = schedule_cls(stage, self.microbatches, loss_fn=self._weighted_loss)
+
+    def rebind_mesh(self, mesh: DeviceMesh, shape: MeshShape, coords: MeshCoords) -> None:
+        """:meth:`MeshEngine.rebind_mesh`, and the stage and schedule over the new pp
+        group (this rank keeps its stage: worker/elastic/mesh_session.py)."""
+        if coords.pp != self.coords.pp:
+            raise ValueError(f"pipeline stage {self.coords.pp} cannot move to stage {coords.pp}")
+        super().rebind_mesh(mesh, shape, coords)
+        self.pp_comm = Collectives(mesh["pp"].get_group())
+        self._build_schedule()
 
     @property
     def is_last(self) -> bool:
@@ -293,12 +312,13 @@ class PipelineEngine(MeshEngine):
         if loss_fn is not None and loss_fn is not self.loss_fn:
             raise ValueError("a pipeline's loss_fn is fixed when it is built: pass it there")
         inputs, targets, weight = self._cut(batches)
-        if self.coords.pp == 0:
-            self.schedule.step(inputs)
-        elif self.is_last:
-            self.schedule.step(target=targets)
-        else:
-            self.schedule.step()
+        with self._peer_loss():  # the schedule's sends and receives are torch's
+            if self.coords.pp == 0:
+                self.schedule.step(inputs)
+            elif self.is_last:
+                self.schedule.step(target=targets)
+            else:
+                self.schedule.step()
         # [Note: pipeline gradients into ZeRO]
         zero = torch.stack([p.reshape(-1)[0] for p in self._trainable]).sum() * 0.0
         ZeroEngine.backward(self, zero)
@@ -314,7 +334,8 @@ class PipelineEngine(MeshEngine):
         # the loss summed over dp lives on the last stage: every stage gets it
         pair = self.stats.global_loss
         if pair is not None and self.shape.pp > 1:
-            self.pp_comm.broadcast(pair, src=self.shape.pp - 1)
+            with self._peer_loss():
+                self.pp_comm.broadcast(pair, src=self.shape.pp - 1)
         return self.mean_loss()
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
@@ -465,6 +486,38 @@ def pipeline(
     shape = parallel.shape(world)
     mesh = build_mesh(shape, module_device(model).type)
     coords = shape.coords(dist.get_rank())
+    engine = pipeline_on_mesh(
+        model, optimizer, config=config, parallel=parallel, mesh=mesh, shape=shape,
+        coords=coords, split=split, loss_fn=loss_fn, plan=plan, lr_scheduler=lr_scheduler,
+        metrics=metrics,
+    )  # fmt: skip
+    logger.info(
+        "pipeline stage %d of %d (dp rank %d of %d), schedule %s, %d micro-batches",
+        coords.pp, shape.pp, coords.dp, shape.dp, parallel.pipeline_schedule,
+        parallel.microbatches,
+    )  # fmt: skip
+    return engine
+
+
+def pipeline_on_mesh(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    *,
+    config: ZeroConfig,
+    parallel: ParallelConfig,
+    mesh: DeviceMesh,
+    shape: MeshShape,
+    coords: MeshCoords,
+    split: Split = split_gpt,
+    loss_fn: LossFn = lm_loss,
+    plan: dict | Callable[[nn.Module], dict] | None = None,
+    lr_scheduler: SchedulerArg | None = None,
+    **extra: Any,
+) -> PipelineEngine:
+    """This rank's stage of ``model`` on ``mesh`` at ``coords`` (:func:`pipeline`'s
+    engine, on a mesh the caller built: an elastic session's, worker/elastic/
+    mesh_session.py). ``extra``: the engine's own keyword arguments."""
+    check_combination(config, parallel)
     stage_module = split(model, coords.pp, shape.pp)
     kept = set(stage_module.parameters())
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -475,13 +528,8 @@ def pipeline(
     # the stage module keeps the model's names, so the model's plan applies to it
     engine = engine_on_mesh(
         PipelineEngine, stage_module, optimizer, model, config, mesh, shape, coords, plan,
-        lr_scheduler, parallel=parallel, loss_fn=loss_fn, metrics=metrics,
+        lr_scheduler, parallel=parallel, loss_fn=loss_fn, **extra,
     )  # fmt: skip
     # the whole model's (a Hugging Face config.json), for save_pretrained
     engine.model_config = getattr(model, "config", None)
-    logger.info(
-        "pipeline stage %d of %d (dp rank %d of %d), schedule %s, %d micro-batches",
-        coords.pp, shape.pp, coords.dp, shape.dp, parallel.pipeline_schedule,
-        parallel.microbatches,
-    )  # fmt: skip
     return engine

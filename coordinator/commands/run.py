@@ -86,7 +86,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=1,
         metavar="T",
         help="tensor-parallel degree: $ZEROPLANE_TP for worker.mesh.ParallelConfig.from_env "
-        "(default 1); --nproc must be a multiple of T*PP",
+        "(default 1); --nproc must be a multiple of T*PP. A mesh job is elastic by whole "
+        "groups of T*PP workers (--min-workers/--max-workers)",
     )
     parser.add_argument(
         "--pp",
@@ -131,7 +132,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="B",
         help="elastic: at most B workers (default: --nproc). While the job runs, "
         "`kill -USR1 PID` starts one more local worker and `kill -USR2 PID` asks the "
-        "newest to hand over its shards and leave (PID: this launcher, printed at start)",
+        "newest to hand over its shards and leave (PID: this launcher, printed at start); "
+        "with --tp T/--pp PP, T*PP workers at a time (a whole group)",
     )
     add_alias(parser, "--max-nproc", to=max_workers)
     parser.add_argument(
@@ -459,14 +461,6 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
                 check_resize(shape, n)
             except MeshChangeRefused as exc:
                 raise ValueError(f"--{flag.replace('_', '-')} {n}: {exc}") from None
-    low = args.nproc if args.min_workers is None else args.min_workers
-    high = args.nproc if args.max_workers is None else args.max_workers
-    if low != high and args.pp > 1:
-        raise ValueError(
-            "an elastic pipeline-parallel job is not supported: its stages are bound to the "
-            "pipeline group they were built over; give --min-workers = --max-workers "
-            "(tensor-parallel jobs scale by whole groups of tp workers)"
-        )
     return {TP_ENV: str(args.tp), PP_ENV: str(args.pp)}
 
 

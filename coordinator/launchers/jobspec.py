@@ -152,8 +152,8 @@ class JobSpec:
     tensor_parallel / pipeline_parallel: the mesh's tp and pp, ``$ZEROPLANE_TP`` and
         ``$ZEROPLANE_PP`` in the workers; every worker count the job may run at
         (``workers`` times ``device.count`` processes) must be whole groups of tp*pp.
-        A tensor-parallel job is elastic by whole groups (pipelines are not); a
-        count between them leaves the extra workers standing by.
+        A mesh job is elastic by whole groups; a count between them leaves the
+        extra workers standing by.
     resources: per worker pod, ``cpu`` and ``memory`` as Kubernetes quantities.
     compression: gradient compression, ``$ZEROPLANE_COMPRESSION`` in the workers.
     grace_period_s: how long a worker pod gets between SIGTERM and SIGKILL to hand
@@ -253,14 +253,6 @@ class JobSpec:
                 f"tensor_parallel*pipeline_parallel = {group}",
                 getattr(self.workers, name),
             )
-        _check(
-            self.pipeline_parallel == 1 or self.workers.min == self.workers.max,
-            "workers",
-            "a fixed size (min = max) with pipeline_parallel > 1: an elastic "
-            "pipeline-parallel job is not supported (tensor-parallel jobs scale by whole "
-            "groups of tensor_parallel processes)",
-            self.workers,
-        )
         _check(isinstance(self.resources, Mapping), "resources", "a mapping", self.resources)
         for key, value in self.resources.items():
             _check(key in ("cpu", "memory"), f"resources.{key}", "one of cpu, memory", key)

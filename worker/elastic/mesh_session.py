@@ -1,19 +1,22 @@
-"""An elastic tensor-parallel worker in a coordinator's job (:class:`MeshSession`).
+"""An elastic mesh worker (tensor and pipeline parallel) in a coordinator's job
+(:class:`MeshSession`).
 
 [Note: elastic by whole groups]
-A tensor-parallel job's state is one ring of dp ranks per tp index: the ranks
-with tp index t hold the same local shards (their slice of each planned
-parameter, and the replicated ones whole) and shard those across dp with
-ZeRO. A membership change keeps tp and moves dp by whole model-parallel groups
-(the ``tp`` ranks of one dp index; coordinator/core/meshplan.py
-``arrange_groups``): the coordinator keeps each survivor's tp index, so its
-shards stay its own ring's, and places a newcomer wherever a group needs one.
-At the change every rank of the new generation, in its new process group:
+A mesh job's state is one ring of dp ranks per (pp, tp) position: the ranks at
+position (p, t) hold the same local shards (their pipeline stage's parameters,
+their slice of each planned one, the replicated ones whole) and shard those
+across dp with ZeRO. A membership change keeps tp and pp and moves dp by whole
+model-parallel groups (the ``tp * pp`` ranks of one dp index;
+coordinator/core/meshplan.py ``arrange_groups``): the coordinator keeps each
+survivor's position, so its shards stay its own ring's, and places a newcomer
+wherever a group needs one. At the change every rank of the new generation,
+in its new process group:
 
-1. builds the new DeviceMesh and moves its tensor-parallel hooks to its tp
+1. builds the new DeviceMesh, moves its tensor-parallel hooks to its tp
    group (:meth:`worker.tp.TensorParallel.rebind`: the local parameters, the
-   optimizer and the engine's hooks stay what they are); a newcomer builds
-   its engine empty (``initial_state="peers"``);
+   optimizer and the engine's hooks stay what they are) and rebuilds its
+   pipeline stage and schedule over its pp group; a newcomer builds its
+   engine empty (``initial_state="peers"``);
 2. shares what it holds for its ring (one small all-reduce over the world:
    its live state's id and step, its replicas'), and every rank picks the
    same source (worker/elastic/restore_plan.py ``plan_mesh_restore``): the
@@ -26,21 +29,20 @@ At the change every rank of the new generation, in its new process group:
    group (worker/elastic/live_exchange.py ``exchange``, as a data-parallel
    job does over the world) and refreshes its replicas.
 
-A rank whose group cannot be completed (its tp peers lost, nobody to take
+A rank whose group cannot be completed (its group peers lost, nobody to take
 their place) stands by: it drops its state and joins again, holding nothing,
 when the coordinator places it in a later generation.
 
 Changes are voted at step boundaries over the whole world (one small MAX
 all-reduce after each step: the newest generation any rank has heard of,
 whether any rank was asked to leave). A lost peer fails a collective
-mid-step: a dp one (the engine's) or a tp one inside torch's DTensor, which
-raises a plain RuntimeError from torch.distributed; the engine
-(worker/mesh.py ``MeshEngine._peer_loss``) takes the latter for a lost peer
-only once the coordinator has formed a newer generation (:meth:`peer_lost`).
-Replicas need ``ZeroConfig.replica_interval`` (1: every step); without them a
-lost rank's shards come from the last checkpoint, and without one the job
-ends. Pipeline-parallel jobs are not elastic (their stages are bound to the
-pp group they were built over).
+mid-step: a dp one (the engine's), a tp one inside torch's DTensor or a send
+inside torch's pipeline schedule; the last two raise a plain RuntimeError
+from torch.distributed, which the engine (worker/mesh.py
+``MeshEngine._peer_loss``) takes for a lost peer only once the coordinator
+has formed a newer generation (:meth:`peer_lost`). Replicas need
+``ZeroConfig.replica_interval`` (1: every step); without them a lost rank's
+shards come from the last checkpoint, and without one the job ends.
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 from torch import nn
 
+from coordinator.core.meshplan import MeshCoords, MeshShape
 from coordinator.core.messages import FINISHED, Generation
 from worker import elastic
 from worker.ballot import BoundaryVote
@@ -71,11 +74,14 @@ from worker.elastic.restore_plan import (
     ring_lost,
 )
 from worker.engine import LossFn, OptimizerArg, ZeroEngine, build_inventory_for, resolve_optimizer
-from worker.mesh import MeshEngine, build_mesh, engine_on_mesh
+from worker.mesh import MeshEngine, ParallelConfig, build_mesh, engine_on_mesh
 from worker.metrics import SnapshotBoard, start_metrics
 from worker.reporting import FinalReport, planned_config, report
 from worker.schedule import SchedulerArg, resolve_scheduler
 from worker.state import Counters, Entries
+
+if TYPE_CHECKING:
+    from worker.pipeline import Split
 
 __all__ = ["PEER_LOSS_WAIT_ENV", "MeshSession"]
 
@@ -114,16 +120,18 @@ class MeshSession(FinalReport):
         *,
         config: ZeroConfig,
         address: str,
-        tp: int,
+        parallel: ParallelConfig,
         plan: object,
         device: torch.device,
+        split: Split | None = None,
         loss_fn: LossFn | None = None,
         scheduler: SchedulerArg | None = None,
         init: Init | None = None,
     ) -> MeshEngine:
-        """Register at ``address`` asking for tensor parallelism ``tp``, wait for a
-        place in a generation, form its group and mesh, and build the engine: from
-        the module in the job's first generation, from the members' shards after."""
+        """Register at ``address`` asking for ``parallel``'s tp and pp, wait for a
+        place in a generation, form its group and mesh, and build the engine (a
+        :class:`MeshEngine`, or a pipeline's stage): from the module in the job's
+        first generation, from the members' shards after."""
         user_optimizer = resolve_optimizer(model, optimizer)
         scheduler = resolve_scheduler(scheduler, user_optimizer)
         # the whole model's inventory: the coordinator plans for the model as it is
@@ -140,7 +148,7 @@ class MeshSession(FinalReport):
                 metrics_port=None if metrics is None else metrics.port,
                 stop=requested.is_set,
                 stage=config.stage,
-                mesh=(tp, 1),
+                mesh=(parallel.tensor_parallel, parallel.pipeline_parallel),
             )
         except LeftBeforeAdmission as exc:
             if metrics is not None:
@@ -156,20 +164,34 @@ class MeshSession(FinalReport):
         control.init_process_group()
         gen = control.generation
         shape = gen.mesh
-        if shape is None or shape.pp != 1:
+        asked = (parallel.tensor_parallel, parallel.pipeline_parallel)
+        if shape is None or (shape.tp, shape.pp) != asked:
             control.close(leave=True)
             raise RuntimeError(
-                f"generation {gen.id} has no tensor-parallel mesh ({gen.mesh_reason or 'none'}): "
-                "is another job registered with this coordinator?"
+                f"generation {gen.id} has the mesh {shape} ({gen.mesh_reason or 'none'}), "
+                f"not tp={asked[0]}, pp={asked[1]}: is another job registered with this "
+                "coordinator?"
             )
         mesh = build_mesh(shape, device.type)
-        newcomer = gen.reshard is not None
-        engine = engine_on_mesh(
-            MeshEngine, model, user_optimizer, model, planned_config(config, gen, control.rank),
-            mesh, shape, shape.coords(control.rank), plan, scheduler, device=device, init=init,
-            metrics=metrics, initial_state="peers" if newcomer else "module",
-        )  # fmt: skip
-        engine.loss_fn = loss_fn
+        coords = shape.coords(control.rank)
+        planned = planned_config(config, gen, control.rank)
+        born = "peers" if gen.reshard is not None else "module"
+        if shape.pp > 1:
+            from worker.pipeline import lm_loss, pipeline_on_mesh, split_gpt
+
+            engine: MeshEngine = pipeline_on_mesh(
+                model, user_optimizer, config=planned, parallel=parallel, mesh=mesh,
+                shape=shape, coords=coords, split=split or split_gpt, loss_fn=loss_fn or lm_loss,
+                plan=plan, lr_scheduler=scheduler, device=device, metrics=metrics,
+                initial_state=born,
+            )  # fmt: skip
+        else:
+            engine = engine_on_mesh(
+                MeshEngine, model, user_optimizer, model, planned, mesh, shape, coords, plan,
+                scheduler, device=device, init=init, metrics=metrics, initial_state=born,
+            )  # fmt: skip
+            engine.loss_fn = loss_fn
+        newcomer = born == "peers"
         engine.membership = session
         session.report_at_exit(engine)
         if newcomer:
@@ -179,8 +201,8 @@ class MeshSession(FinalReport):
             session._refresh(engine)
         engine.state.drop_module_values()
         logger.info(
-            "mesh dp=%d x tp=%d from generation %d: this rank is dp=%d tp=%d, at step %d",
-            shape.dp, shape.tp, gen.id, engine.coords.dp, engine.coords.tp, engine.global_steps,
+            "mesh %s from generation %d: this rank is %s, at step %d",
+            _words(shape), gen.id, _words(engine.coords), engine.global_steps,
         )  # fmt: skip
         report(control, engine)
         return engine
@@ -247,8 +269,8 @@ class MeshSession(FinalReport):
         engine.mark_restored()
         engine.stats.record_pause("crash", time.perf_counter() - start)
         logger.warning(
-            "recovered as dp=%d tp=%d of dp=%d at step %d (this rank had reached step %d)",
-            engine.coords.dp, engine.coords.tp, engine.shape.dp, engine.global_steps, reached,  # type: ignore[attr-defined]
+            "recovered as %s of %s at step %d (this rank had reached step %d)",
+            _words(engine.coords), _words(engine.shape), engine.global_steps, reached,  # type: ignore[attr-defined]
         )  # fmt: skip
         raise StepAborted(
             f"step abandoned after a lost peer; resume at step {engine.global_steps}"
@@ -344,7 +366,7 @@ class MeshSession(FinalReport):
         if shape is None or (shape.tp, shape.pp) != (engine.shape.tp, engine.shape.pp):
             raise RuntimeError(
                 f"generation {gen.id} changed the mesh to {shape}: an elastic mesh job keeps "
-                f"tp={engine.shape.tp}"
+                f"tp={engine.shape.tp}, pp={engine.shape.pp}"
             )
         engine.rebind_mesh(build_mesh(shape, engine.device.type), shape, shape.coords(control.rank))
         self._restore(engine, gen, held=held)
@@ -356,6 +378,7 @@ class MeshSession(FinalReport):
         replicas, self.keeper.replicas = self.keeper.replicas, []
         return _Held(
             generation=self.control.generation.id,
+            pp=engine.coords.pp,
             tp=engine.coords.tp,
             dp=engine.rank,
             dp_size=engine.world_size,
@@ -369,7 +392,8 @@ class MeshSession(FinalReport):
         """Every rank of ``gen``, in its new group: agree on the source and re-shard
         each ring over the new dp group ([Note: elastic by whole groups])."""
         coords, shape = engine.coords, engine.shape
-        keep = held is not None and held.tp == coords.tp
+        ring = coords.pp * shape.tp + coords.tp
+        keep = held is not None and (held.pp, held.tp) == (coords.pp, coords.tp)
         mine = elastic.Holding(
             live=(held.generation, held.dp, held.dp_size)
             if keep and held is not None and held.live is not None
@@ -380,17 +404,17 @@ class MeshSession(FinalReport):
             live_step=held.step if keep and held is not None and held.live is not None else -1,
         )
         table = torch.zeros(gen.world_size, 1 + mine.WIDTH, dtype=torch.int64, device=engine.device)
-        table[self.control.rank, 0] = coords.tp
+        table[self.control.rank, 0] = ring
         table[self.control.rank, 1:] = mine.encode()
         Collectives(None).all_reduce(table, op="sum", control=True)
         rows = table.cpu()
-        rings: list[list[elastic.Holding]] = [[] for _ in range(shape.tp)]
+        rings: list[list[elastic.Holding]] = [[] for _ in range(shape.group_size)]
         for row in rows:
             rings[int(row[0])].append(elastic.Holding.decode(row[1:]))
         held_words = "; ".join(
-            f"tp {t}: "
-            + ", ".join(f"live {h.live} at {h.live_step}, replicas {h.replicas}" for h in ring)
-            for t, ring in enumerate(rings)
+            f"ring {r} (pp {r // shape.tp}, tp {r % shape.tp}): "
+            + ", ".join(f"live {h.live} at {h.live_step}, replicas {h.replicas}" for h in held_by)
+            for r, held_by in enumerate(rings)
         )
         logger.info("generation %d: the ranks hold %s", gen.id, held_words)
         rings = current_rings(rings)
@@ -411,7 +435,7 @@ class MeshSession(FinalReport):
             if replica is not None:  # else it stood by: its state is older
                 entries, counters = dict(replica.own), replica.counters
                 assert plan.generation is not None and plan.step is not None
-                if replica.neighbour_rank in ring_lost(rings[coords.tp], *wanted):
+                if replica.neighbour_rank in ring_lost(rings[ring], *wanted):
                     entries.update(replica.neighbour)
         if plan.source is RestoreSource.CHECKPOINT:
             engine.state.build(dp_comm, from_module=False)  # torn until the checkpoint is in
@@ -443,12 +467,17 @@ class MeshSession(FinalReport):
             self.keeper.refresh(engine.state, self.control.generation.id)
 
 
+def _words(mesh: MeshShape | MeshCoords) -> str:
+    return f"pp={mesh.pp} dp={mesh.dp} tp={mesh.tp}"
+
+
 @dataclass
 class _Held:
     """What a rank holds for its ring when it leaves a generation: its live state
     (None unless whole at a step boundary), its counters and its replicas."""
 
     generation: int
+    pp: int
     tp: int
     dp: int
     dp_size: int
