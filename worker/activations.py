@@ -72,12 +72,35 @@ def checkpoint_modules(modules: list[nn.Module]) -> None:
         original = module.forward
 
         @functools.wraps(original)
-        def forward(*args: Any, _original=original, **kwargs: Any) -> Any:
+        def forward(*args: Any, _original=original, _module=module, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return _original(*args, **kwargs)
-            return checkpoint(_original, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_shadowed(_module, _original), *args, use_reentrant=False, **kwargs)
 
         module.forward = forward  # type: ignore[method-assign]
+
+
+def _shadowed(module: nn.Module, run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` with the parameters ``module`` sees now, in its recomputation too. A
+    hook outside ``forward`` may shadow a parameter for the call (a tensor-parallel
+    module's DTensor views, worker/tp.py [Note: local parameters, DTensor forward])
+    and drop it after; the recomputation runs ``forward`` alone, so it would see the
+    local shard where the forward saw the whole tensor. The forward's own views go
+    back for it: the same tensors, so what it saves matches."""
+    shadows = {n: v for n, v in vars(module).items() if n in module._parameters}
+    if not shadows:
+        return run
+
+    def again(*args: Any, **kwargs: Any) -> Any:
+        missing = [n for n in shadows if n not in vars(module)]
+        vars(module).update({n: shadows[n] for n in missing})
+        try:
+            return run(*args, **kwargs)
+        finally:
+            for n in missing:
+                vars(module).pop(n, None)
+
+    return again
 
 
 def unwrap(modules: list[nn.Module]) -> None:

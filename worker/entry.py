@@ -93,7 +93,8 @@ def initialize(
     for, as ``zeroplane run --tp/--pp`` sets them; else none). The engine is then
     a :class:`~worker.mesh.MeshEngine` (``plan``: the tensor-parallel plan, default
     :func:`worker.tp.gpt_plan`) or a :class:`~worker.pipeline.PipelineEngine`
-    (``split``: the model into stages, default :func:`worker.pipeline.split_gpt`),
+    (``split``: the model into stages, default the built-in one for a GPT or a
+    Hugging Face decoder laid out as Llama, :func:`worker.pipeline.split_for`),
     with the same surface as every engine (worker/surface.py). ``loss_fn(output,
     targets)``: the loss :meth:`ZeroEngine.train_batch` takes of each micro-batch
     (a pipeline's last stage computes it; default there the language-model
@@ -124,8 +125,8 @@ def initialize(
         )
     if _model_parallel(parallel):
         return _on_mesh(
-            model, optimizer, config, parallel, plan=plan, split=split, loss_fn=loss_fn,
-            lr_scheduler=lr_scheduler, device=device, init=init,
+            model, optimizer, config, parallel, plan=_plan_for(model, plan), split=split,
+            loss_fn=loss_fn, lr_scheduler=lr_scheduler, device=device, init=init,
         )  # fmt: skip
     for name, given in (("plan", plan), ("split", split)):
         if given is not None:
@@ -273,9 +274,10 @@ def _open_degrees(model: nn.Module, plan: Any, split: Split | None) -> tuple[int
     """The degrees a ``--mesh auto`` worker leaves to the coordinator (0) and those it
     fixes at 1: tensor parallelism needs a plan (given, or the built-in GPT's, or a
     Hugging Face model's known to worker.tp.hf_plan), a pipeline a split (given, or
-    the built-in untied GPT's). Asking for what the script cannot build would fail
-    every worker once the generation formed."""
+    a built-in one for an untied GPT or Llama-like decoder). Asking for what the
+    script cannot build would fail every worker once the generation formed."""
     from worker.models import GPT
+    from worker.pipeline import splittable
     from worker.tp import hf_plan
 
     gpt = isinstance(model, GPT)
@@ -286,7 +288,7 @@ def _open_degrees(model: nn.Module, plan: Any, split: Split | None) -> tuple[int
             tp_ok = True
         except ValueError:
             pass
-    pp_ok = split is not None or (gpt and not model.cfg.tie_weights)
+    pp_ok = split is not None or splittable(model)
     return (0 if tp_ok else 1, 0 if pp_ok else 1)
 
 
@@ -328,7 +330,7 @@ def _on_mesh(
     """A mesh engine: :func:`worker.mesh.parallelize` (tensor parallel) or
     :func:`worker.pipeline.pipeline` (pipeline stages, tensor parallel within)."""
     from worker.mesh import parallelize
-    from worker.pipeline import lm_loss, pipeline, split_gpt
+    from worker.pipeline import lm_loss, pipeline
 
     device = place_module(model, device)
     _init_from_launcher_env(device)
@@ -336,7 +338,7 @@ def _on_mesh(
         if init is not None:
             raise ValueError("init= with pipeline parallelism is not supported yet")
         return pipeline(
-            model, optimizer, config=config, parallel=parallel, split=split or split_gpt,
+            model, optimizer, config=config, parallel=parallel, split=split,
             loss_fn=loss_fn or lm_loss, plan=plan, lr_scheduler=lr_scheduler, metrics=metrics,
         )  # fmt: skip
     if split is not None:

@@ -46,7 +46,7 @@ from worker.engine import OptimizerArg, ZeroEngine, module_device
 from worker.inventory import Inventory
 from worker.metrics import MetricsServer
 from worker.schedule import SchedulerArg
-from worker.tp import TensorParallel, apply_tp, gather_full, gpt_plan
+from worker.tp import TensorParallel, apply_tp, gather_full, gpt_plan, stage_plan
 from worker.tp_checkpoint import FullExport, FullView
 
 __all__ = [
@@ -414,6 +414,8 @@ def engine_on_mesh(
         before = dict(module.named_parameters(remove_duplicate=False))
         chosen = plan if plan is not None else gpt_plan
         chosen = chosen(model) if callable(chosen) else chosen
+        if module is not model:  # a pipeline stage: the plan's entries it holds
+            chosen = stage_plan(chosen, module, model)
         check_heads(model, shape.tp)
         tp = apply_tp(module, mesh["tp"], chosen)  # meta tensors stay meta
         optimizer = rebuild_optimizer(optimizer, before, module)

@@ -5,7 +5,9 @@
     loss = engine.train_batch([(inputs, targets)])  # the step's mean loss, every rank
 
 The model is split by layer index (:func:`split_gpt` for worker.models GPT,
-or the caller's ``split(model, stage, stages) -> nn.Module``); each rank holds
+:func:`split_decoder` for a Hugging Face decoder laid out as Llama, or the
+caller's ``split(model, stage, stages) -> nn.Module``; :func:`split_for` picks
+one of the first two); each rank holds
 its stage's module, keeping the model's parameter names, and runs torch's
 ``PipelineStage`` with a ``ScheduleGPipe`` or ``Schedule1F1B`` over the pp
 group. With ``tensor_parallel > 1`` the stage's modules are tensor-parallel
@@ -100,7 +102,16 @@ from worker.metrics import MetricsServer
 from worker.schedule import SchedulerArg
 from worker.tp_checkpoint import FullView
 
-__all__ = ["GPTStage", "PipelineEngine", "layer_bounds", "pipeline", "split_gpt"]
+__all__ = [
+    "DecoderStage",
+    "GPTStage",
+    "PipelineEngine",
+    "layer_bounds",
+    "pipeline",
+    "split_decoder",
+    "split_for",
+    "split_gpt",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +157,95 @@ class GPTStage(nn.Module):
 
 def split_gpt(model: nn.Module, stage: int, stages: int) -> nn.Module:
     return GPTStage(model, stage, stages)
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a Hugging Face causal decoder laid out as Llama (Llama,
+    Qwen2, Mistral: ``model.embed_tokens``, ``model.layers``, ``model.rotary_emb``,
+    ``model.norm``, ``lm_head``), under the model's parameter names: the embedding on
+    the first stage, ``model.layers.{lo..hi-1}``, the norm and head on the last. It
+    takes token ids (first stage) or hidden states and returns hidden states or the
+    logits; a stage computes the rotary embedding of its positions itself and runs
+    its layers under a causal mask (no padding mask: a pipeline's micro-batches are
+    whole sequences)."""
+
+    def __init__(self, model: nn.Module, stage: int, stages: int) -> None:
+        super().__init__()
+        if stages > 1 and getattr(model.config, "tie_word_embeddings", False):
+            raise ValueError(
+                "a decoder with tie_word_embeddings=True cannot be split into pipeline "
+                "stages: its embedding and head are one parameter on the first and last stage"
+            )
+        inner = model.model
+        lo, hi = layer_bounds(len(inner.layers), stage, stages)
+        self.first, self.last = stage == 0, stage == stages - 1
+        body = nn.Module()
+        if self.first:
+            body.embed_tokens = inner.embed_tokens
+        body.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(lo, hi)})
+        body.rotary_emb = inner.rotary_emb
+        if self.last:
+            body.norm = inner.norm
+        self.model = body
+        if self.last:
+            self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        body = self.model
+        if self.first:
+            x = body.embed_tokens(x)
+        seq = x.shape[1]
+        positions = torch.arange(seq, device=x.device).unsqueeze(0)
+        rotary = body.rotary_emb(x, positions)
+        blocked = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        mask = torch.zeros(seq, seq, dtype=x.dtype, device=x.device)
+        mask = mask.masked_fill(blocked, torch.finfo(x.dtype).min)[None, None]
+        for layer in body.layers.values():
+            out = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+            x = out[0] if isinstance(out, tuple) else out  # a tuple before transformers 4.54
+        return self.lm_head(body.norm(x)) if self.last else x
+
+
+def split_decoder(model: nn.Module, stage: int, stages: int) -> nn.Module:
+    return DecoderStage(model, stage, stages)
+
+
+def _decoder_layout(model: nn.Module) -> bool:
+    inner = getattr(model, "model", None)
+    return (
+        hasattr(model, "config")
+        and hasattr(model, "lm_head")
+        and all(hasattr(inner, n) for n in ("embed_tokens", "layers", "rotary_emb", "norm"))
+    )
+
+
+def splittable(model: nn.Module) -> bool:
+    """Whether a built-in split takes ``model`` into stages (a tied embedding and
+    head cannot be split)."""
+    from worker.models import GPT
+
+    if isinstance(model, GPT):
+        return not model.cfg.tie_weights
+    return _decoder_layout(model) and not getattr(model.config, "tie_word_embeddings", False)
+
+
+def split_for(model: nn.Module, split: Split | None = None) -> Split:
+    """``split``, or the built-in one for ``model``: :func:`split_gpt` for
+    worker.models GPT, :func:`split_decoder` for a Hugging Face decoder laid out as
+    Llama; any other model needs its own ``split(model, stage, stages)``."""
+    from worker.models import GPT
+
+    if split is not None:
+        return split
+    if isinstance(model, GPT):
+        return split_gpt
+    if _decoder_layout(model):
+        return split_decoder
+    raise ValueError(
+        f"no built-in pipeline split for {type(model).__name__}: pass "
+        "split=fn(model, stage, stages) -> the stage's nn.Module (worker.pipeline."
+        "split_gpt and split_decoder are examples)"
+    )
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -469,7 +569,7 @@ def pipeline(
     *,
     config: ZeroConfig,
     parallel: ParallelConfig,
-    split: Split = split_gpt,
+    split: Split | None = None,
     loss_fn: LossFn = lm_loss,
     plan: dict | Callable[[nn.Module], dict] | None = None,
     lr_scheduler: SchedulerArg | None = None,
@@ -508,7 +608,7 @@ def pipeline_on_mesh(
     mesh: DeviceMesh,
     shape: MeshShape,
     coords: MeshCoords,
-    split: Split = split_gpt,
+    split: Split | None = None,
     loss_fn: LossFn = lm_loss,
     plan: dict | Callable[[nn.Module], dict] | None = None,
     lr_scheduler: SchedulerArg | None = None,
@@ -518,7 +618,7 @@ def pipeline_on_mesh(
     engine, on a mesh the caller built: an elastic session's, worker/elastic/
     mesh_session.py). ``extra``: the engine's own keyword arguments."""
     check_combination(config, parallel)
-    stage_module = split(model, coords.pp, shape.pp)
+    stage_module = split_for(model, split)(model, coords.pp, shape.pp)
     kept = set(stage_module.parameters())
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer.state:

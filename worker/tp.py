@@ -470,6 +470,20 @@ def _matches(pattern: str, name: str) -> bool:
     )
 
 
+def stage_plan(plan: Plan, stage: nn.Module, model: nn.Module) -> Plan:
+    """The entries of the whole ``model``'s ``plan`` that its pipeline ``stage``
+    holds a module of (the embedding's only on the first stage, the head's only on
+    the last); an entry that matches no module of the model at all stays, for
+    :func:`apply_tp` to name."""
+    held = [n for n, _ in stage.named_modules()]
+    whole = [n for n, _ in model.named_modules()]
+    return {
+        pattern: style
+        for pattern, style in plan.items()
+        if any(_matches(pattern, n) for n in held) or not any(_matches(pattern, n) for n in whole)
+    }
+
+
 def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> TensorParallel:
     """Parallelize ``model`` over the 1-D ``mesh`` with torch's ``parallelize_module``
     and ``plan`` (module name patterns, ``*`` per name atom, as torch's), then give

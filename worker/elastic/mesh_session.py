@@ -177,11 +177,11 @@ class MeshSession(FinalReport):
         planned = planned_config(config, gen, control.rank)
         born = "peers" if gen.reshard is not None else "module"
         if shape.pp > 1:
-            from worker.pipeline import lm_loss, pipeline_on_mesh, split_gpt
+            from worker.pipeline import lm_loss, pipeline_on_mesh
 
             engine: MeshEngine = pipeline_on_mesh(
                 model, user_optimizer, config=planned, parallel=parallel, mesh=mesh,
-                shape=shape, coords=coords, split=split or split_gpt, loss_fn=loss_fn or lm_loss,
+                shape=shape, coords=coords, split=split, loss_fn=loss_fn or lm_loss,
                 plan=plan, lr_scheduler=scheduler, device=device, metrics=metrics,
                 initial_state=born,
             )  # fmt: skip
