@@ -689,14 +689,18 @@ LAYOUT_FIELD = pb.Generation.DESCRIPTOR.fields_by_name["layout"].number
 
 def _rank_beat(msg: pb.HeartbeatRequest | pb.RankBeat, what: str) -> RankBeat:
     """A Heartbeat's (or a host heartbeat's rank's) fields, validated."""
-    worker_id = _valid(
-        f"{what}.worker_id", lambda v: check_worker_id(f"{what}.worker_id", v), msg.worker_id
-    )
-    generation_id = _valid(
-        f"{what}.generation_id",
-        lambda v: check_count(f"{what}.generation_id", v),
-        msg.generation_id,
-    )
+    try:  # the common case, with no field names built (one per rank per interval)
+        worker_id = check_worker_id("", msg.worker_id)
+        generation_id = check_count("", msg.generation_id)
+    except ValueError:  # again, to say which field of ``what`` is wrong
+        worker_id = _valid(
+            f"{what}.worker_id", lambda v: check_worker_id(f"{what}.worker_id", v), msg.worker_id
+        )
+        generation_id = _valid(
+            f"{what}.generation_id",
+            lambda v: check_count(f"{what}.generation_id", v),
+            msg.generation_id,
+        )
     ports = tuple(msg.free_ports)
     if len(ports) > 8 or any(not 0 < p < 65536 for p in ports):
         raise InvalidRequest("free_ports: at most 8 ports, each in [1, 65535]")

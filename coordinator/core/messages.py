@@ -167,6 +167,28 @@ class WorkerReport:
     total_steps: int | None = None
 
     def __post_init__(self) -> None:
+        # one heartbeat per rank per interval: the common case is checked in one
+        # expression, and only a report that fails it is walked to say what is wrong
+        loss, total = self.loss, self.total_steps
+        if (
+            len(self.checkpoint) <= 4096
+            and len(self.model_state_bytes) <= 16
+            and all(
+                0 < len(k) <= 64 and 0 <= v <= MAX_BYTES for k, v in self.model_state_bytes.items()
+            )
+            and 0 <= self.device_allocated_bytes <= MAX_BYTES
+            and 0 <= self.device_reserved_bytes <= MAX_BYTES
+            and 0 <= self.step <= MAX_COUNT
+            and 0 <= self.applied_generation_id <= MAX_COUNT
+            and 0 <= self.samples <= MAX_COUNT
+            and 0 <= self.tokens <= MAX_COUNT
+            and (loss is None or math.isfinite(loss))
+            and (total is None or 1 <= total <= MAX_COUNT)
+        ):
+            return
+        self._explain()
+
+    def _explain(self) -> None:
         if len(self.checkpoint) > 4096:
             raise ValueError("WorkerReport.checkpoint is longer than 4096 characters")
         if len(self.model_state_bytes) > 16:
@@ -353,7 +375,8 @@ def _check_id(name: str, value: str) -> None:
         raise ValueError(
             f"{name} {value[:40]!r}... is {len(value)} characters, more than {MAX_ID_CHARS}"
         )
-    if not value.isprintable() or any(c.isspace() for c in value):
+    # str.isprintable() is False for every whitespace character but the ASCII space
+    if not value.isprintable() or " " in value:
         raise ValueError(f"{name} {value!r} has whitespace or unprintable characters")
 
 
