@@ -268,8 +268,9 @@ def test_the_plans_activation_flags(tmp_path) -> None:
 def test_mesh_auto_leaves_open_only_what_the_script_can_build() -> None:
     """A --mesh auto worker asks the coordinator to choose tp only with a plan it has
     (given, the built-in GPT's, a known Hugging Face family's) and pp only with a split
-    (given, or the untied built-in GPT's); the rest it fixes at 1."""
-    from tests.reference import tiny_llama
+    (given, or a built-in one: the untied GPT's, an untied Llama-like decoder's); the
+    rest it fixes at 1."""
+    from tests.reference import tiny_gpt2, tiny_llama
     from worker.entry import _open_degrees
     from worker.models import GPT, GPTConfig
 
@@ -282,4 +283,7 @@ def test_mesh_auto_leaves_open_only_what_the_script_can_build() -> None:
     assert _open_degrees(gpt(True), None, None) == (0, 1)
     assert _open_degrees(torch.nn.Linear(4, 4), None, None) == (1, 1)
     assert _open_degrees(torch.nn.Linear(4, 4), {"x": None}, lambda *a: None) == (0, 0)
-    assert _open_degrees(tiny_llama(vocab=32, seq=8), None, None) == (0, 1)
+    assert _open_degrees(tiny_llama(vocab=32, seq=8), None, None) == (0, 0)
+    assert _open_degrees(tiny_llama(vocab=32, seq=8, tie=True), None, None) == (0, 1)
+    # a GPT-2 has a known plan but no built-in split
+    assert _open_degrees(tiny_gpt2(vocab=32, seq=8), None, None) == (0, 1)
