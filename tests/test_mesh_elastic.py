@@ -118,6 +118,44 @@ def test_the_coordinator_forms_whole_groups_and_stands_a_broken_ones_survivor_by
     assert m.status().worker("w0").state == "standby"
 
 
+def test_a_standby_fills_only_the_position_its_engine_was_built_for() -> None:
+    """pp=2 x tp=2: a rank of one group is lost, its three peers stand by; with a
+    newcomer the group is whole again, each standby back in its own (pp, tp)
+    position (its engine holds that stage and that slice) and the newcomer in the
+    lost one, whatever their registration order."""
+    clock = Clock()
+    m = Membership(
+        MembershipConfig(min_workers=4, max_workers=8, join_window_s=0.0),
+        PlanConfig(stage=1, bucket_numel=1 << 16, align=2),
+        clock=clock,
+        wall_clock=clock,
+    )
+    inv = [ParamSpec(name="w", shape=(64, 64), dtype="float32")]
+    for i in range(8):
+        m.register(dataclasses.replace(worker(f"w{i}"), mesh=(2, 2)), inv)
+    gen = m.maybe_form()
+    assert gen is not None and gen.mesh == MeshShape(pp=2, dp=2, tp=2)
+    before = {mb.worker_id: gen.coords(mb.rank) for mb in gen.members}
+    group = sorted((w for w, c in before.items() if c.dp == 0), key=lambda w: before[w].pp)
+    lost = next(w for w in group if (before[w].pp, before[w].tp) == (1, 0))
+    m.process_exited(lost, "was killed by SIGKILL")
+    gen = m.maybe_form()
+    assert gen is not None and gen.world_size == 4
+    standbys = {w for w in group if w != lost}
+    assert all(m.status().worker(w).state == "standby" for w in standbys)
+    m.register(dataclasses.replace(worker("new"), mesh=(2, 2)), inv)
+    gen = m.maybe_form()
+    assert gen is not None and gen.world_size == 8
+    after = {mb.worker_id: gen.coords(mb.rank) for mb in gen.members}
+    for w in standbys:
+        assert (after[w].pp, after[w].tp) == (before[w].pp, before[w].tp), (w, after)
+    assert (after["new"].pp, after["new"].tp) == (1, 0)
+    # every position of every dp index is filled once
+    assert sorted((c.pp, c.dp, c.tp) for c in after.values()) == [
+        (p, d, t) for p in range(2) for d in range(2) for t in range(2)
+    ]
+
+
 def _held(live=None, step=-1, replicas=()) -> Holding:
     return Holding(live=live, replicas=tuple(replicas), holds_state=True, checkpoint=None,
                    live_step=step)  # fmt: skip
@@ -324,4 +362,43 @@ def test_a_sigkilled_stage_of_a_pipeline_recovers_from_replicas(run) -> None:
     job.wait_until("four ranks again", lambda: job.world() == 4)
     text = job.finish()
     assert "restored from replica" in text, text[-4000:]
+    assert_matches_reference(job.tmp)
+
+
+@pytest.mark.timeout(300)
+def test_a_tp_x_pp_job_grows_by_a_group_and_shrinks_back(run) -> None:
+    """pp=2 x tp=2: groups of four; each stage's schedule and each tp group re-form."""
+    job = run("--nproc", "4", "--min-nproc", "4", "--max-nproc", "8", stage=1,
+              mesh=("--pp", "2", "--tp", "2"))  # fmt: skip
+    job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
+    job.proc.send_signal(signal.SIGUSR1)
+    job.wait_until("eight ranks", lambda: job.world() == 8)
+    assert job.status()["mesh"] == {"pp": 2, "dp": 2, "tp": 2}
+    grown = job.step()
+    job.wait_until("eight ranks training", lambda: job.step() >= grown + 3)
+    assert job.step() < STEPS - 4, "the job is too fast for this test to resize it"
+    job.proc.send_signal(signal.SIGUSR2)
+    job.wait_until("back to four", lambda: job.world() == 4)
+    text = job.finish()
+    assert "recovered" not in text
+    assert_matches_reference(job.tmp)
+
+
+@pytest.mark.timeout(300)
+def test_a_sigkilled_rank_of_a_tp_x_pp_job_comes_back_whole(run) -> None:
+    """pp=2 x dp=2 x tp=2 at stage 2: a rank is lost, its group's three others stand
+    by (unless its replacement registers first) and the other group trains on from
+    replicas; the launcher's replacement makes
+    the group whole again, each standby back in its own stage and tp slice (the
+    coordinator keeps their positions), and DTensor's cached decisions from the
+    mesh of an earlier generation are forgotten (worker/compat.py forget_meshes)."""
+    job = run("--nproc", "8", "--min-nproc", "4", "--max-nproc", "8", stage=2,
+              mesh=("--pp", "2", "--tp", "2"))  # fmt: skip
+    job.wait_until("eight ranks training", lambda: job.world() == 8 and job.step() >= 4)
+    os.kill(job.workers()[2], signal.SIGKILL)
+    job.wait_until("the recovery", lambda: "recovered as" in job.text())
+    job.wait_until("eight ranks again", lambda: job.world() == 8)
+    text = job.finish()
+    assert "restored from replica" in text, text[-4000:]
+    # (whether the three stood by depends on when the replacement registered)
     assert_matches_reference(job.tmp)

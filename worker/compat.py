@@ -219,6 +219,37 @@ def parallelize_local(module: object, mesh: object, style: object) -> None:
         parallelize_module(module, mesh, style)
 
 
+def forget_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions and redistribution plans.
+
+    A ``DeviceMesh`` equals another of the same ranks, shape and dim names whatever
+    its process groups, so after a job re-forms (worker/elastic/mesh_session.py) a
+    cached decision keyed by the new mesh can hand back an output spec that holds
+    the old mesh object, and its collective then names a process group that was
+    destroyed ("Could not resolve the process group registered under the name
+    ..."). The caches differ between torch versions: each one present is cleared."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        clear = getattr(getattr(propagator, name, None), "cache_clear", None)
+        if clear is not None:
+            clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:
+        native()
+    try:
+        from torch.distributed.tensor import _redistribute
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return
+    plans = getattr(_redistribute, "_gen_transform_infos", None)
+    if hasattr(plans, "cache_clear"):
+        plans.cache_clear()
+    planner = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if planner is not None:
+        planner()
+
+
 def rebind_hook_mesh(hook: object, mesh: object) -> bool:
     """Point a forward hook that torch's ``distribute_module`` registered (a closure
     over ``device_mesh``) at ``mesh``; False where ``hook`` closes over no mesh.

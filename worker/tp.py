@@ -73,7 +73,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from worker.collectives import Collectives
-from worker.compat import parallelize_local, rebind_hook_mesh
+from worker.compat import forget_meshes, parallelize_local, rebind_hook_mesh
 
 __all__ = [
     "Conv1DColwiseParallel",
@@ -426,6 +426,7 @@ class TensorParallel:
             )
         for hook in self._torch_hooks:
             rebind_hook_mesh(hook, mesh)
+        forget_meshes()  # cached decisions would bring back the old mesh's groups
         self.mesh = mesh
         if self._hooks:
             self.activate()

@@ -330,6 +330,10 @@ class Membership:
         self._hosts: dict[str, set[str]] = {}
         # Registered workers not in the current generation, in registration order.
         self._joiners: dict[str, None] = {}
+        # an elastic mesh job's standbys and the position each held: its engine is
+        # built for that pipeline stage and tp slice, so it can fill only that
+        # position ([Note: arranging whole groups])
+        self._standby_at: dict[str, MeshCoords] = {}
         # the rendezvous endpoints of the last generations, not given out again soon
         self._recent_endpoints: deque[str] = deque(maxlen=8)
         # every worker's last report, kept after it leaves or is lost (the job's summary)
@@ -729,9 +733,15 @@ class Membership:
         self._recent_endpoints.append(generation.rendezvous_endpoint)
         for wid in proposal.admitted:
             del self._joiners[wid]
+            self._standby_at.pop(wid, None)
         for wid in proposal.standby:
             # a survivor whose model-parallel group could not be completed
             self._joiners[wid] = None
+            previous = proposal.previous
+            if previous is not None and previous.mesh is not None:
+                rank = previous.rank_of(wid)
+                if rank is not None:
+                    self._standby_at[wid] = previous.mesh.coords(rank)
             self._event("standby", wid, "its model-parallel group is not whole")
         self._lost.clear()
         self._left.clear()
@@ -806,14 +816,25 @@ class Membership:
                 for m in previous.members
                 if m.worker_id not in self._lost
             }
-        joiners = [w for w in self._joiners if self._workers[w].info.fixed_rank is None]
+        # a standby keeps the position its engine was built for: queued with the
+        # survivors there, admitted when a group takes it
+        bound = {w: c for w, c in self._standby_at.items() if w in self._joiners}
+        joiners = [
+            w for w in self._joiners if self._workers[w].info.fixed_rank is None and w not in bound
+        ]
         joiners.sort(key=lambda wid: (self._workers[wid].info.host, wid))  # a group on one host
-        return arrange_groups(
+        arranged = arrange_groups(
             tp=degrees[0],
             pp=degrees[1],
-            survivors=survivors,
+            survivors={**survivors, **bound},
             joiners=joiners,
             max_world=self.config.max_workers,
+        )
+        placed = set(arranged.order)
+        return dataclasses.replace(
+            arranged,
+            admitted=arranged.admitted + tuple(w for w in bound if w in placed),
+            standby=tuple(w for w in arranged.standby if w not in bound),
         )
 
     def _target_size(self) -> tuple[int, int]:
@@ -1051,6 +1072,7 @@ class Membership:
 
     def _drop(self, worker_id: str, kind: str, detail: str) -> None:
         worker = self._workers.pop(worker_id)
+        self._standby_at.pop(worker_id, None)
         if worker_id in self._joiners:
             del self._joiners[worker_id]
         else:  # not a standby, so a member of the current generation
