@@ -396,16 +396,20 @@ def train_pp_tp() -> dict:
     return {"params": engine.state_dict(), "norm": engine.engine.last_grad_norm}
 
 
-def train_pp_llama(stage: int, tp: int, clip: float) -> dict:
+def train_pp_llama(stage: int, tp: int, clip: float, pp: int = 2) -> dict:
     """A Hugging Face Llama split by the built-in decoder split (picked for it):
     pp=2 x dp=2, or pp=2 x tp=2 under llama_plan (the embedding planned on the
-    first stage only, the head on the last)."""
+    first stage only, the head on the last); with pp=1 the same loop at tp=2 x
+    dp=2, where ``loss_fn`` gets the logits of HF's output, as from a pipeline."""
+    from worker.pipeline import lm_loss
+
     model = _llama()
     engine = worker.initialize(
         model,
         _opt(model),
         config=worker.ZeroConfig(stage=stage, bucket_numel=300, gradient_clipping=clip),
-        parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=2, microbatches=4),
+        parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, microbatches=4),
+        loss_fn=lm_loss,
     )
     dp, d = engine.shape.dp, engine.coords.dp
     rows = 4  # per dp rank: 4 micro-batches of one sequence
@@ -437,10 +441,12 @@ def reference_llama_logits(clip: float) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("stage", "tp", "clip"), [(2, 1, 0.0), (1, 2, 0.05)])
-def test_pp2_llama_matches_reference(pools, stage: int, tp: int, clip: float) -> None:
+@pytest.mark.parametrize(
+    ("stage", "tp", "clip", "pp"), [(2, 1, 0.0, 2), (1, 2, 0.05, 2), (1, 2, 0.0, 1)]
+)
+def test_llama_one_loop_matches_reference(pools, stage: int, tp: int, clip: float, pp: int):
     want = reference_llama_logits(clip)
-    for case in pools(4).run(train_pp_llama, stage, tp, clip):
+    for case in pools(4).run(train_pp_llama, stage, tp, clip, pp):
         # full_state_dict gathers over dp, tp and the stages: the whole model
         _compare(case["params"], want)
         if clip:

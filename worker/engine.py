@@ -573,8 +573,10 @@ class ZeroEngine:
         arguments, a dict of keyword arguments, or one tensor, and the model returns
         the loss (or an output with ``.loss``); with ``loss_fn`` (here, or given to
         ``worker.initialize``) a micro-batch is ``(inputs, targets)`` and its loss
-        ``loss_fn(model(inputs), targets)``. Returns the step's mean loss over the
-        global batch (:meth:`mean_loss`), on every rank."""
+        ``loss_fn(model(inputs), targets)`` (of a Hugging Face model's output, its
+        ``.logits``, as a pipeline's last stage gives them, so one ``loss_fn`` serves
+        every layout). Returns the step's mean loss over the global batch
+        (:meth:`mean_loss`), on every rank."""
         if not batches:
             raise ValueError("train_batch needs at least one micro-batch")
         if self._micro_weights is None:
@@ -588,7 +590,7 @@ class ZeroEngine:
         for batch in batches:
             if loss_fn is not None:
                 inputs, targets = batch
-                loss = loss_fn(self(inputs), targets)
+                loss = loss_fn(_logits(self(inputs)), targets)
             elif isinstance(batch, Mapping):
                 loss = self(**batch)
             else:
@@ -955,6 +957,15 @@ class ZeroEngine:
 
 def _fp32(g: torch.Tensor) -> torch.Tensor:
     return g if g.dtype == torch.float32 else g.float()
+
+
+def _logits(output: Any) -> Any:
+    """A model output as ``loss_fn`` takes it: a Hugging Face ``ModelOutput``'s logits,
+    anything else as it is."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    return output if logits is None else logits
 
 
 def _sizes(batch: Any) -> dict[str, int]:
