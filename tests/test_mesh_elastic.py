@@ -91,17 +91,26 @@ def test_groups_of_a_pipeline_and_tensor_mesh_follow_the_rank_order() -> None:
     assert by_group == {0: set("abcd"), 1: set("efgh")}
 
 
-def test_the_coordinator_forms_whole_groups_and_stands_a_broken_ones_survivor_by() -> None:
+def _membership(low: int, high: int, names: list[str], mesh: tuple[int, int]) -> Membership:
+    """A coordinator's membership with ``names`` registered for an elastic ``mesh``
+    (tp, pp)."""
     clock = Clock()
     m = Membership(
-        MembershipConfig(min_workers=2, max_workers=4, join_window_s=0.0),
+        MembershipConfig(min_workers=low, max_workers=high, join_window_s=0.0),
         PlanConfig(stage=1, bucket_numel=1 << 16, align=2),
         clock=clock,
         wall_clock=clock,
     )
-    inv = [ParamSpec(name="w", shape=(64, 64), dtype="float32")]
-    for name in ("w0", "w1", "w2", "w3", "w4"):
-        m.register(dataclasses.replace(worker(name), mesh=(2, 1)), inv)
+    for name in names:
+        m.register(dataclasses.replace(worker(name), mesh=mesh), INVENTORY)
+    return m
+
+
+INVENTORY = [ParamSpec(name="w", shape=(64, 64), dtype="float32")]
+
+
+def test_the_coordinator_forms_whole_groups_and_stands_a_broken_ones_survivor_by() -> None:
+    m = _membership(2, 4, ["w0", "w1", "w2", "w3", "w4"], (2, 1))
     gen = m.maybe_form()
     assert gen is not None and gen.mesh == MeshShape(dp=2, tp=2)
     assert [mb.worker_id for mb in gen.members] == ["w0", "w1", "w2", "w3"]  # w4 waits
@@ -123,16 +132,7 @@ def test_a_standby_fills_only_the_position_its_engine_was_built_for() -> None:
     newcomer the group is whole again, each standby back in its own (pp, tp)
     position (its engine holds that stage and that slice) and the newcomer in the
     lost one, whatever their registration order."""
-    clock = Clock()
-    m = Membership(
-        MembershipConfig(min_workers=4, max_workers=8, join_window_s=0.0),
-        PlanConfig(stage=1, bucket_numel=1 << 16, align=2),
-        clock=clock,
-        wall_clock=clock,
-    )
-    inv = [ParamSpec(name="w", shape=(64, 64), dtype="float32")]
-    for i in range(8):
-        m.register(dataclasses.replace(worker(f"w{i}"), mesh=(2, 2)), inv)
+    m = _membership(4, 8, [f"w{i}" for i in range(8)], (2, 2))
     gen = m.maybe_form()
     assert gen is not None and gen.mesh == MeshShape(pp=2, dp=2, tp=2)
     before = {mb.worker_id: gen.coords(mb.rank) for mb in gen.members}
@@ -143,7 +143,7 @@ def test_a_standby_fills_only_the_position_its_engine_was_built_for() -> None:
     assert gen is not None and gen.world_size == 4
     standbys = {w for w in group if w != lost}
     assert all(m.status().worker(w).state == "standby" for w in standbys)
-    m.register(dataclasses.replace(worker("new"), mesh=(2, 2)), inv)
+    m.register(dataclasses.replace(worker("new"), mesh=(2, 2)), INVENTORY)
     gen = m.maybe_form()
     assert gen is not None and gen.world_size == 8
     after = {mb.worker_id: gen.coords(mb.rank) for mb in gen.members}
