@@ -17,6 +17,13 @@ same model and the same batches:
   AdamW), DeepSpeed with ``offload_optimizer: {device: cpu}`` and its own
   ``DeepSpeedCPUAdam`` (it compiles ``cpu_adam`` on first use, ~45 s). On a CPU
   run the "host" is the same memory: this measures the offload path's own cost.
+* ``zp3l`` / ``zp3rl``  a diagnostic, not a system (name them to run them): ``zp3`` /
+  ``zp3r`` with every stage-3 gather replaced by a local copy of this rank's own
+  shard into every slot, the bytes the all-gather would have written. Hooks,
+  resizes, prefetch and the backward's reduce-scatters run as shipped; the
+  parameters are wrong by design, so is the loss. Beside ``zp3``/``zp3r`` in one
+  run, the difference is what moving the parameters costs, the rest is stage 3's
+  own bookkeeping.
 
 Every system uses fp32 torch AdamW with the same hyperparameters. By default
 (``--schedule interleaved``) all systems are built at once and stepped in turn,
@@ -77,8 +84,10 @@ SEQ_LEN = 64
 KINDS = ("params", "grads", "master", "optimizer")
 ALL_SYSTEMS = ("ddp", "fsdp2", "zp0", "zp1", "zp2", "zp3", "zp3r", "ds0", "ds1", "ds2", "ds3")
 OFFLOAD_SYSTEMS = tuple(f"{p}{s}o" for p in ("zp", "ds") for s in (1, 2, 3))
+DIAGNOSTIC_SYSTEMS = ("zp3l", "zp3rl")
+NAMED_ONLY = OFFLOAD_SYSTEMS + DIAGNOSTIC_SYSTEMS
 STAGE_OF = (
-    {"ddp": 0, "fsdp2": 3, "zp3r": 3}
+    {"ddp": 0, "fsdp2": 3, "zp3r": 3, "zp3l": 3, "zp3rl": 3}
     | {f"{p}{s}": s for p in ("zp", "ds") for s in range(4)}
     | {name: int(name[2]) for name in OFFLOAD_SYSTEMS}
 )
@@ -339,8 +348,41 @@ def build_deepspeed(
     )
 
 
+class _LocalGathers:
+    """The collectives a ``zp3l``/``zp3rl`` gather unit is given: every other call goes to
+    the real ones, an all-gather copies this rank's input into every slot instead."""
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def all_gather(self, output: Tensor, input: Tensor, **_: Any) -> Any:
+        n = self._comm.world_size
+        output.view(n, -1).copy_(input.reshape(1, -1).expand(n, -1))
+        return _Done()
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def _gather_locally(engine: Any) -> None:
+    """Diagnostic (``zp3l``, ``zp3rl``): stage 3's gathers become local copies."""
+    for unit in engine.units:
+        real = unit.gather
+        unit.gather = lambda comm, real=real: real(_LocalGathers(comm))
+
+
 def build_zeroplane(
-    model: nn.Module, stage: int, ctx: RankContext, offload: bool = False, keep: bool = False
+    model: nn.Module,
+    stage: int,
+    ctx: RankContext,
+    offload: bool = False,
+    keep: bool = False,
+    local: bool = False,
 ) -> Harness:
     import worker
 
@@ -352,6 +394,8 @@ def build_zeroplane(
         stage3_max_reuse_distance=10**9 if keep else 0,
     )
     engine = worker.initialize(model, opt, config=config)
+    if local:
+        _gather_locally(engine)
 
     def forward_backward(x: Tensor, y: Tensor) -> Tensor:
         loss = engine(x, y)
@@ -374,8 +418,15 @@ def make_harness(system: str, model: nn.Module, spec: ModelSpec, ctx: RankContex
     if system.startswith("ds"):
         return build_deepspeed(model, STAGE_OF[system], ctx, offload)
     if system.startswith("zp"):
-        return build_zeroplane(model, STAGE_OF[system], ctx, offload, keep=system == "zp3r")
-    known = ", ".join(ALL_SYSTEMS + OFFLOAD_SYSTEMS)
+        return build_zeroplane(
+            model,
+            STAGE_OF[system],
+            ctx,
+            offload,
+            keep=system in ("zp3r", "zp3rl"),
+            local=system in DIAGNOSTIC_SYSTEMS,
+        )
+    known = ", ".join(ALL_SYSTEMS + NAMED_ONLY)
     raise ValueError(f"unknown system {system!r}; choose from {known}")
 
 
@@ -613,7 +664,7 @@ def _ds_peer(r: Result) -> str:
 
 def _target(r: Result, by: dict[str, Result], paired: bool) -> str:
     """zeroplane's goals: stages 0-2 <= 1.05x DDP, stage 3 <= FSDP2, each < DeepSpeed's stage."""
-    if not r.system.startswith("zp"):
+    if not r.system.startswith("zp") or r.system in DIAGNOSTIC_SYSTEMS:
         return ""
     checks = []
     vs_ddp = time_ratio(r, by.get("ddp"), paired)
@@ -715,8 +766,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=list(ALL_SYSTEMS),
         metavar="SYSTEM",
-        help=f"any of: {' '.join(ALL_SYSTEMS + OFFLOAD_SYSTEMS)} (the last six offload "
-        "the optimizer; not run unless named)",
+        help=f"any of: {' '.join(ALL_SYSTEMS + NAMED_ONLY)} (the last eight are not run "
+        "unless named: six offload the optimizer, zp3l/zp3rl are stage 3 with its gathers "
+        "replaced by local copies, a diagnostic)",
     )
     p.add_argument(
         "--schedule",
@@ -733,9 +785,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--table-from", metavar="JSON", help="print the table of an earlier --json run and exit"
     )
     args = p.parse_args(argv)
-    unknown = sorted(set(args.systems) - set(ALL_SYSTEMS) - set(OFFLOAD_SYSTEMS))
+    unknown = sorted(set(args.systems) - set(ALL_SYSTEMS) - set(NAMED_ONLY))
     if unknown:
-        p.error(f"unknown systems {unknown}; choose from {' '.join(ALL_SYSTEMS + OFFLOAD_SYSTEMS)}")
+        p.error(f"unknown systems {unknown}; choose from {' '.join(ALL_SYSTEMS + NAMED_ONLY)}")
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or args.world < 1:
         p.error("--steps and --rounds must be >= 1, --warmup >= 0, --world >= 1")
     args.models = ["gpt", "mlp"] if args.model == "both" else [args.model]
