@@ -34,6 +34,7 @@ from coordinator.control.embedded import EmbeddedCoordinator
 from coordinator.control.host_agent import HostAgent
 from coordinator.control.server import create_server
 from coordinator.core.layout import ParamSpec
+from coordinator.core.meshplan import MeshCoords
 from coordinator.core.messages import GENERATION_METADATA_KEY, WorkerReport
 from coordinator.core.settings import HOST_AGENT_ENV, CoordinatorConfig
 from tests.coordinator_util import (
@@ -542,6 +543,40 @@ def test_embedded_coordinator_hands_workers_their_environment(monkeypatch, tmp_p
             ClientConfig.from_env()
     finally:
         embedded.stop()
+
+
+def test_a_worker_registering_again_carries_the_mesh_position_it_holds() -> None:
+    """A mesh worker's client sends the position its engine holds (hold_position) with
+    a registration again; the coordinator places it there. Here it held tp 1 and
+    registers again with a fresh coordinator before "b": by registration order it
+    would be tp 0."""
+    cfg = config(lease_timeout_s=1.0, min_workers=2, max_workers=2)
+    first, port = create_server(cfg)
+    first.start()
+    second = None
+    try:
+        with client(port, backoff_max_s=0.2) as a:
+            epoch = a.register(dataclasses.replace(worker("a"), mesh=(2, 1)), inventory()).epoch
+            a.start()
+            a.hold_position(MeshCoords(pp=0, dp=0, tp=1))
+            first.stop(grace=0)
+            second, _ = create_server(
+                dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, port=port))
+            )
+            second.start()
+            wait_until(lambda: a.registration is not None and a.registration.epoch != epoch,
+                       what="a registered with the new coordinator")  # fmt: skip
+            with client(port) as b:
+                b.register(dataclasses.replace(worker("b"), mesh=(2, 1)), inventory())
+                b.start()
+                gen = wait_until(lambda: b.generation, what="the first generation")
+                assert gen.mesh is not None and gen.mesh.tp == 2
+                assert gen.coords(gen.rank_of("a")).tp == 1
+                assert gen.coords(gen.rank_of("b")).tp == 0
+    finally:
+        first.stop(grace=0)
+        if second is not None:
+            second.stop(grace=0)
 
 
 def test_a_coordinator_restarted_without_state_is_followed_as_a_new_epoch() -> None:

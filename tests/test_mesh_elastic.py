@@ -23,6 +23,7 @@ import torch
 from coordinator.control.membership import Membership
 from coordinator.core.layout import ParamSpec
 from coordinator.core.meshplan import MeshCoords, MeshShape, arrange_groups
+from coordinator.core.messages import worker_from_proto, worker_to_proto
 from coordinator.core.settings import MembershipConfig, PlanConfig
 from coordinator.launchers.local import find_free_port
 from tests.coordinator_util import Clock, worker
@@ -154,6 +155,49 @@ def test_a_standby_fills_only_the_position_its_engine_was_built_for() -> None:
     assert sorted((c.pp, c.dp, c.tp) for c in after.values()) == [
         (p, d, t) for p in range(2) for d in range(2) for t in range(2)
     ]
+
+
+def test_after_a_coordinator_restart_a_standby_is_placed_where_its_engine_says() -> None:
+    """The coordinator keeps standbys' positions in memory only; after a restart from
+    its state file the standbys register again, each with the position its engine
+    holds (``WorkerInfo.held``, set by the worker), and go back there: registered
+    before a newcomer or after it, in any order, and through the wire format."""
+    m = _membership(4, 8, [f"w{i}" for i in range(8)], (2, 2))
+    gen = m.maybe_form()
+    assert gen is not None
+    before = {mb.worker_id: gen.coords(mb.rank) for mb in gen.members}
+    group = [w for w, c in before.items() if c.dp == 0]
+    lost = next(w for w in group if (before[w].pp, before[w].tp) == (1, 0))
+    m.process_exited(lost, "was killed by SIGKILL")
+    gen = m.maybe_form()
+    assert gen is not None and gen.world_size == 4
+    standbys = [w for w in group if w != lost]
+
+    restarted = _membership(4, 8, [], (2, 2))
+    restarted.restore(m.snapshot())
+    for mb in gen.members:
+        restarted.heartbeat(mb.worker_id, gen.id)
+    restarted.register(dataclasses.replace(worker("new"), mesh=(2, 2)), INVENTORY)
+    for w in reversed(standbys):
+        info = dataclasses.replace(worker(w), mesh=(2, 2), held=before[w])
+        restarted.register(worker_from_proto(worker_to_proto(info)), INVENTORY)
+    gen = restarted.maybe_form()
+    assert gen is not None and gen.world_size == 8
+    after = {mb.worker_id: gen.coords(mb.rank) for mb in gen.members}
+    for w in standbys:
+        assert (after[w].pp, after[w].tp) == (before[w].pp, before[w].tp), (w, after)
+    assert (after["new"].pp, after["new"].tp) == (1, 0)
+
+
+def test_a_held_position_must_fit_the_mesh_asked_for() -> None:
+    with pytest.raises(ValueError, match=r"WorkerInfo\.held is a mesh position"):
+        dataclasses.replace(worker("a"), held=_c(0, 0))
+    with pytest.raises(ValueError, match=r"WorkerInfo.held.tp must be in \[0, 1\], got 2"):
+        dataclasses.replace(worker("a"), mesh=(2, 1), held=_c(0, 2))
+    with pytest.raises(ValueError, match=r"WorkerInfo.held.pp must be in \[0, 2\], got 3"):
+        dataclasses.replace(worker("a"), mesh=(2, 3), held=_c(0, 0, pp=3))
+    # a degree left to the coordinator (0, --mesh auto) bounds nothing
+    assert dataclasses.replace(worker("a"), mesh=(0, 0), held=_c(5, 3, pp=2)).held == _c(5, 3, 2)
 
 
 def _held(live=None, step=-1, replicas=()) -> Holding:

@@ -61,6 +61,7 @@ from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as 
 from coordinator.control.host_agent import AgentLink
 from coordinator.control.tls import TlsMismatch, probe
 from coordinator.core.layout import ParamSpec
+from coordinator.core.meshplan import MeshCoords
 from coordinator.core.messages import (
     GENERATION_METADATA_KEY,
     Generation,
@@ -551,6 +552,14 @@ class CoordinatorClient:
         generation = generation_from_proto(msg)
         self._accept(generation)
         return generation
+
+    def hold_position(self, coords: MeshCoords) -> None:
+        """Record the mesh position this worker's engine holds (``WorkerInfo.held``):
+        a registration again (after a coordinator restart or a lost lease) carries it,
+        and the coordinator then places this worker only there."""
+        worker = self._worker
+        if worker is not None and worker.mesh is not None and worker.held != coords:
+            self._worker = dataclasses.replace(worker, held=coords)
 
     def announce_leaving(self) -> None:
         """Say in a heartbeat sent now, and in every one after, that this worker was

@@ -380,14 +380,25 @@ class Membership:
             old.info, old.deadline = info, lease
             old.free_ports = info.free_ports or old.free_ports
             old.peer = peer or old.peer
+            self._bind_held(info)
             self._event("reattached", info.worker_id)
             return True
         if old is not None:
             self._drop(info.worker_id, "replaced", "registered again as a new process")
         self._workers[info.worker_id] = _Worker(info, now, lease, info.free_ports, peer=peer)
         self._joiners[info.worker_id] = None
+        self._bind_held(info)
         self._event("registered", info.worker_id, f"host {info.host}")
         return False
+
+    def _bind_held(self, info: WorkerInfo) -> None:
+        """A joiner whose engine holds a mesh position (``WorkerInfo.held``: it trained
+        before, and registers again after a coordinator restart or a lost lease) is
+        arranged only there, as a standby is ([Note: arranging whole groups]). The
+        worker says so itself, so the binding survives a restart without a state file
+        entry."""
+        if info.held is not None and info.worker_id in self._joiners:
+            self._standby_at[info.worker_id] = info.held
 
     def _check_mesh(self, info: WorkerInfo) -> None:
         """Every worker of a job asks for the same mesh (or none): one rank on another

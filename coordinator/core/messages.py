@@ -110,6 +110,10 @@ class WorkerInfo:
     # The mesh a worker trains on, as ``(tensor_parallel, pipeline_parallel)``; 0
     # leaves a degree to the coordinator (``--mesh auto``); None: data parallel only.
     mesh: tuple[int, int] | None = None
+    # An elastic mesh job's worker whose engine is built: the position it held in the
+    # last generation it trained in, the only (pp, tp) it can fill when it registers
+    # again (coordinator/core/meshplan.py [Note: arranging whole groups]).
+    held: MeshCoords | None = None
 
     def __post_init__(self) -> None:
         _check_id("WorkerInfo.worker_id", self.worker_id)
@@ -143,6 +147,16 @@ class WorkerInfo:
                 ("tensor_parallel", "pipeline_parallel"), self.mesh, strict=True
             ):
                 _check_range(f"WorkerInfo.mesh.{name}", degree, 0, MAX_WORLD_SIZE)
+        if self.held is not None:
+            if self.mesh is None:
+                raise ValueError("WorkerInfo.held is a mesh position: it needs WorkerInfo.mesh")
+            for name, value, degree in (
+                ("pp", self.held.pp, self.mesh[1]),
+                ("tp", self.held.tp, self.mesh[0]),
+                ("dp", self.held.dp, 0),
+            ):
+                top = (degree or MAX_WORLD_SIZE) - 1
+                _check_range(f"WorkerInfo.held.{name}", value, 0, top)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -553,6 +567,7 @@ def worker_to_proto(info: WorkerInfo) -> pb.WorkerInfo:
         mesh=None
         if info.mesh is None
         else pb.MeshRequest(tensor_parallel=info.mesh[0], pipeline_parallel=info.mesh[1]),
+        held=_coords_to_proto(info.held),
     )
 
 
@@ -570,6 +585,9 @@ def worker_from_proto(msg: pb.WorkerInfo) -> WorkerInfo:
         fixed_world_size=msg.fixed_world_size if msg.HasField("fixed_world_size") else None,
         mesh=(msg.mesh.tensor_parallel, msg.mesh.pipeline_parallel)
         if msg.HasField("mesh")
+        else None,
+        held=MeshCoords(pp=msg.held.pp, dp=msg.held.dp, tp=msg.held.tp)
+        if msg.HasField("held")
         else None,
     )
 

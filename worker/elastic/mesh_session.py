@@ -193,6 +193,7 @@ class MeshSession(FinalReport):
             engine.loss_fn = loss_fn
         newcomer = born == "peers"
         engine.membership = session
+        control.client.hold_position(engine.coords)
         session.report_at_exit(engine)
         if newcomer:
             # joining a running job: the members hand this rank its shards
@@ -369,6 +370,8 @@ class MeshSession(FinalReport):
                 f"tp={engine.shape.tp}, pp={engine.shape.pp}"
             )
         engine.rebind_mesh(build_mesh(shape, engine.device.type), shape, shape.coords(control.rank))
+        # a registration again places this rank only at its (pp, tp) position
+        control.client.hold_position(engine.coords)
         self._restore(engine, gen, held=held)
         self._carried = None
 
