@@ -23,7 +23,7 @@ import torch
 from coordinator.control.membership import Membership
 from coordinator.core.layout import ParamSpec
 from coordinator.core.meshplan import MeshCoords, MeshShape, arrange_groups
-from coordinator.core.messages import worker_from_proto, worker_to_proto
+from coordinator.core.messages import Generation, worker_from_proto, worker_to_proto
 from coordinator.core.settings import MembershipConfig, PlanConfig
 from coordinator.launchers.local import find_free_port
 from tests.coordinator_util import Clock, worker
@@ -128,11 +128,10 @@ def test_the_coordinator_forms_whole_groups_and_stands_a_broken_ones_survivor_by
     assert m.status().worker("w0").state == "standby"
 
 
-def test_a_standby_fills_only_the_position_its_engine_was_built_for() -> None:
-    """pp=2 x tp=2: a rank of one group is lost, its three peers stand by; with a
-    newcomer the group is whole again, each standby back in its own (pp, tp)
-    position (its engine holds that stage and that slice) and the newcomer in the
-    lost one, whatever their registration order."""
+def _one_group_broken() -> tuple[Membership, dict[str, MeshCoords], list[str], Generation]:
+    """pp=2 x tp=2 at dp=2, then dp 0's rank at (pp 1, tp 0) lost: (the membership, every
+    worker's coordinates before, that group's three standbys, the generation without
+    them)."""
     m = _membership(4, 8, [f"w{i}" for i in range(8)], (2, 2))
     gen = m.maybe_form()
     assert gen is not None and gen.mesh == MeshShape(pp=2, dp=2, tp=2)
@@ -142,15 +141,28 @@ def test_a_standby_fills_only_the_position_its_engine_was_built_for() -> None:
     m.process_exited(lost, "was killed by SIGKILL")
     gen = m.maybe_form()
     assert gen is not None and gen.world_size == 4
-    standbys = {w for w in group if w != lost}
-    assert all(m.status().worker(w).state == "standby" for w in standbys)
-    m.register(dataclasses.replace(worker("new"), mesh=(2, 2)), INVENTORY)
-    gen = m.maybe_form()
+    return m, before, [w for w in group if w != lost], gen
+
+
+def _placed_back(gen: Generation | None, before: dict[str, MeshCoords], standbys: list[str]):
+    """Each standby in its own (pp, tp) position, the newcomer "new" in the lost one."""
     assert gen is not None and gen.world_size == 8
     after = {mb.worker_id: gen.coords(mb.rank) for mb in gen.members}
     for w in standbys:
         assert (after[w].pp, after[w].tp) == (before[w].pp, before[w].tp), (w, after)
     assert (after["new"].pp, after["new"].tp) == (1, 0)
+    return after
+
+
+def test_a_standby_fills_only_the_position_its_engine_was_built_for() -> None:
+    """pp=2 x tp=2: a rank of one group is lost, its three peers stand by; with a
+    newcomer the group is whole again, each standby back in its own (pp, tp)
+    position (its engine holds that stage and that slice) and the newcomer in the
+    lost one, whatever their registration order."""
+    m, before, standbys, _ = _one_group_broken()
+    assert all(m.status().worker(w).state == "standby" for w in standbys)
+    m.register(dataclasses.replace(worker("new"), mesh=(2, 2)), INVENTORY)
+    after = _placed_back(m.maybe_form(), before, standbys)
     # every position of every dp index is filled once
     assert sorted((c.pp, c.dp, c.tp) for c in after.values()) == [
         (p, d, t) for p in range(2) for d in range(2) for t in range(2)
@@ -161,18 +173,8 @@ def test_after_a_coordinator_restart_a_standby_is_placed_where_its_engine_says()
     """The coordinator keeps standbys' positions in memory only; after a restart from
     its state file the standbys register again, each with the position its engine
     holds (``WorkerInfo.held``, set by the worker), and go back there: registered
-    before a newcomer or after it, in any order, and through the wire format."""
-    m = _membership(4, 8, [f"w{i}" for i in range(8)], (2, 2))
-    gen = m.maybe_form()
-    assert gen is not None
-    before = {mb.worker_id: gen.coords(mb.rank) for mb in gen.members}
-    group = [w for w, c in before.items() if c.dp == 0]
-    lost = next(w for w in group if (before[w].pp, before[w].tp) == (1, 0))
-    m.process_exited(lost, "was killed by SIGKILL")
-    gen = m.maybe_form()
-    assert gen is not None and gen.world_size == 4
-    standbys = [w for w in group if w != lost]
-
+    after a newcomer, in reverse order, and through the wire format."""
+    m, before, standbys, gen = _one_group_broken()
     restarted = _membership(4, 8, [], (2, 2))
     restarted.restore(m.snapshot())
     for mb in gen.members:
@@ -181,12 +183,7 @@ def test_after_a_coordinator_restart_a_standby_is_placed_where_its_engine_says()
     for w in reversed(standbys):
         info = dataclasses.replace(worker(w), mesh=(2, 2), held=before[w])
         restarted.register(worker_from_proto(worker_to_proto(info)), INVENTORY)
-    gen = restarted.maybe_form()
-    assert gen is not None and gen.world_size == 8
-    after = {mb.worker_id: gen.coords(mb.rank) for mb in gen.members}
-    for w in standbys:
-        assert (after[w].pp, after[w].tp) == (before[w].pp, before[w].tp), (w, after)
-    assert (after["new"].pp, after["new"].tp) == (1, 0)
+    _placed_back(restarted.maybe_form(), before, standbys)
 
 
 def test_a_held_position_must_fit_the_mesh_asked_for() -> None:
