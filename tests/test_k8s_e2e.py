@@ -21,6 +21,7 @@ import torch
 from coordinator.launchers.jobspec import JobSpec, Workers
 from coordinator.launchers.k8s import render
 from tests.k8s_local import LocalCluster, Pod, available
+from tests.test_mesh_elastic import reference as mesh_reference
 from tests.test_run_e2e import reference
 from tests.test_tls import tls_secret
 
@@ -212,3 +213,58 @@ def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Pat
         # one step lost or repeated moves it by 1.4e-2
         assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-3
         assert cluster.stop(second) == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_mesh_job_scales_by_whole_groups_of_pods(tmp_path: Path) -> None:
+    """tp=2 from the job spec: the Indexed Job scaled from 2 pods to 4 adds a whole tp
+    group, and back to 2 takes it away again (both of its pods get SIGTERM), with the
+    first group never restarted; the parameters equal one process's."""
+    total = 60
+    token = secrets.token_hex(16)
+    spec = dataclasses.replace(
+        job(steps=total),
+        script="tests/scripts/mesh_elastic_train.py",
+        # the script's output directory is the pod's /tmp; steps are paced (0.5 s)
+        # until /tmp/hurry exists
+        args=("/tmp", "--steps", str(total), "--stage", "1", "--step-sleep", "0.5"),
+        workers=Workers(min=2, max=4, replicas=2),
+        tensor_parallel=2,
+    )
+    with LocalCluster(render(spec, token=token), tmp_path) as cluster:
+        coordinator = cluster.start("Deployment", "e2e-coordinator")
+        cluster.wait_for(
+            lambda: cluster.probe(coordinator, "readinessProbe"), 60, "ready", [coordinator]
+        )
+        workers = [cluster.start("Job", "e2e-worker", i) for i in range(2)]
+        first = [coordinator, *workers]
+        cluster.wait_for(lambda: steps(cluster, token)[1] >= 2, 120, "training", first)
+
+        new = cluster.scale_job("e2e-worker", 4)
+        assert len(new) == 2
+        cluster.wait_for(lambda: steps(cluster, token)[0] == 4, 120, "four ranks", first + new)
+        report = status(cluster, token)
+        assert report["mesh"] == {"pp": 1, "dp": 2, "tp": 2}
+        # rank = dp * tp + tp_index at pp=1 (coordinator/core/meshplan.py [Note: mesh rank order])
+        coords = {w["info"]["worker_id"]: divmod(w["rank"], 2) for w in report["workers"]}
+        # the first group kept dp 0; the new pods are the other group, one at each tp
+        assert sorted(coords[p.hostname] for p in workers) == [(0, 0), (0, 1)], coords
+        assert sorted(coords[p.hostname] for p in new) == [(1, 0), (1, 1)], coords
+
+        assert steps(cluster, token)[1] < total - 10, "the job is too fast to scale it down"
+        assert cluster.scale_job("e2e-worker", 2) == []
+        for pod in new:
+            assert pod.exit_code == 128 + signal.SIGTERM, pod.output()[-3000:]
+        assert any("left the job: asked to leave" in p.output() for p in new)
+        for pod in workers:
+            (pod.volume("/tmp") / "hurry").touch()
+        wait_complete(cluster, workers, [coordinator], 180)
+        events = status(cluster, token)["events"]
+        registered = sorted(e["worker_id"] for e in events if e["kind"] == "registered")
+        assert registered == sorted(p.hostname for p in workers + new), "a pod registered twice"
+        outs = [p for w in workers if (p := w.volume("/tmp") / "final.pt").exists()]
+        assert len(outs) == 1
+        got = torch.load(outs[0], weights_only=True)
+        want = mesh_reference(total)
+        assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+        assert cluster.stop(coordinator) == 0
