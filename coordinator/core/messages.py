@@ -586,9 +586,7 @@ def worker_from_proto(msg: pb.WorkerInfo) -> WorkerInfo:
         mesh=(msg.mesh.tensor_parallel, msg.mesh.pipeline_parallel)
         if msg.HasField("mesh")
         else None,
-        held=MeshCoords(pp=msg.held.pp, dp=msg.held.dp, tp=msg.held.tp)
-        if msg.HasField("held")
-        else None,
+        held=_coords_from_proto(msg, "held"),
     )
 
 
@@ -748,6 +746,14 @@ def _coords_to_proto(coords: MeshCoords | None) -> pb.MeshCoords | None:
     return None if coords is None else pb.MeshCoords(pp=coords.pp, dp=coords.dp, tp=coords.tp)
 
 
+def _coords_from_proto(msg: Message, field: str) -> MeshCoords | None:
+    """``msg``'s ``MeshCoords`` field ``field``, or None where it is not set."""
+    if not msg.HasField(field):
+        return None
+    c = getattr(msg, field)
+    return MeshCoords(pp=c.pp, dp=c.dp, tp=c.tp)
+
+
 def serialize_steps(msg: pb.Generation) -> Steps[bytes]:
     """``msg.SerializeToString()`` in steps (coordinator/core/steps.py): its layout's buckets
     and its reshard moves go out in pieces, each a ``Generation`` holding a few of them.
@@ -900,7 +906,7 @@ def generation_from_proto(msg: pb.Generation, previous: Generation | None = None
             f"for {len(members)} members"
         )
     for m in () if msg.HasField("members_delta") else msg.members:
-        given = MeshCoords(pp=m.mesh.pp, dp=m.mesh.dp, tp=m.mesh.tp) if m.HasField("mesh") else None
+        given = _coords_from_proto(m, "mesh")
         if given != (None if mesh is None else mesh.coords(m.rank)):
             raise ValueError(
                 f"generation {msg.id}: rank {m.rank}'s mesh coordinates {given} are not its "
