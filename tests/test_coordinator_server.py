@@ -309,7 +309,7 @@ def test_a_launcher_seeing_a_process_exit_drops_the_worker_at_once() -> None:
 
 
 def test_a_member_waiting_to_re_form_says_what_the_coordinator_waits_for() -> None:
-    from worker.control import MEMBERSHIP_WAIT_ENV, ControlPlane
+    from worker.rendezvous import MEMBERSHIP_WAIT_ENV, ControlPlane
 
     cfg = config(min_workers=2, max_workers=2, lease_timeout_s=30.0)
     with two_members(cfg) as (_, a, b, g1):
@@ -341,7 +341,7 @@ def test_a_member_asked_to_leave_waits_for_a_generation_unless_the_job_is_over()
     """Below min_workers a member asked to leave keeps waiting (a replacement may be
     starting, and it hands over in that generation); once its launcher says the job
     is stopping, it gives up waiting (None) instead of waiting out its patience."""
-    from worker.control import ControlPlane
+    from worker.rendezvous import ControlPlane
 
     cfg = config(min_workers=2, max_workers=2, lease_timeout_s=30.0)
     with two_members(cfg) as (server, a, b, g1):
@@ -360,7 +360,7 @@ def test_a_member_asked_to_leave_waits_for_a_generation_unless_the_job_is_over()
 
 @pytest.mark.parametrize("raw", ["soon", "0", "-5", "nan"])
 def test_worker_time_settings_from_the_environment_name_a_bad_value(monkeypatch, raw) -> None:
-    from worker.control import MEMBERSHIP_WAIT_ENV, env_seconds
+    from worker.rendezvous import MEMBERSHIP_WAIT_ENV, env_seconds
 
     monkeypatch.setenv(MEMBERSHIP_WAIT_ENV, raw)
     with pytest.raises(ValueError, match=rf"\$ZEROPLANE_MEMBERSHIP_WAIT_S .*{raw!r}"):

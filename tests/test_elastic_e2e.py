@@ -319,7 +319,7 @@ def test_a_leave_and_a_join_in_one_generation(job_factory) -> None:
 @pytest.mark.timeout(240)
 def test_a_leave_while_a_scale_up_is_pending_goes_first(job_factory, monkeypatch) -> None:
     """A newcomer was admitted and the members train on until it is ready to switch
-    (worker/control.py [Note: meeting ahead]) when a member is told to stop. The
+    (worker/rendezvous.py [Note: meeting ahead]) when a member is told to stop. The
     leave goes first (worker/elastic/change.py [Note: a leave prepared ahead]). The
     generation the newcomer was admitted to still holds the leaver, so the survivor
     waits for the next one, which the newcomer joins. Nothing is recovered."""
@@ -548,7 +548,7 @@ class LauncherRun:
     def story(self, limit: int = 6000) -> str:
         """What happened, for a failure message: the membership, launcher and recovery
         lines (tracebacks cut to their last line), then the end of the log."""
-        keep = ("coordinator.control.membership", "coordinator.launchers.local", "worker.control",
+        keep = ("coordinator.control.membership", "coordinator.launchers.local", "worker.rendezvous",
                 "worker.elastic", "worker.reporting", "Error:", "zeroplane run:")  # fmt: skip
         lines = [ln[:240] for ln in self.text().splitlines() if any(k in ln for k in keep)]
         return "\n".join(lines)[-limit:] + "\n--- the log's end ---\n" + self.text()[-2000:]

@@ -220,10 +220,12 @@ def test_coordinator_subpackages_import_only_the_layers_before_them() -> None:
 def test_no_module_name_is_in_both_packages() -> None:
     # coordinator/commands/ names each module for its subcommand; the rest is unique
     def names(root: Path, skip: tuple[str, ...] = ()) -> set[str]:
+        # a module's name, or a package's (coordinator/control/ is named ``control``)
         return {
-            p.stem
+            p.parent.name if p.stem == "__init__" else p.stem
             for p in _sources(root)
-            if p.stem != "__init__" and not set(p.relative_to(root).parts[:-1]) & set(skip)
+            if p.parent != root or p.stem != "__init__"
+            if not set(p.relative_to(root).parts[:-1]) & set(skip)
         }
 
     both = names(WORKER) & names(COORDINATOR, skip=("commands",))

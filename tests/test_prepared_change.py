@@ -1,5 +1,5 @@
 """A scale-up prepared while the members train: the ranks meet ahead at the new
-generation's store and switch once every rank is ready (worker/control.py
+generation's store and switch once every rank is ready (worker/rendezvous.py
 [Note: meeting ahead]), and the build, the import and the exchange take buffers
 written ahead (worker/state.py [Note: a build from buffers written ahead]).
 Training is checked against the uninterrupted torch reference."""
@@ -17,7 +17,7 @@ from tests.test_control_meet import _Client, _free_port, _Generation
 from tests.test_elastic_engine import STEPS, matches_reference, pair_then_newcomer, train
 from worker.ballot import BoundaryVote
 from worker.collectives import Collectives
-from worker.control import ControlPlane
+from worker.rendezvous import ControlPlane
 from worker.elastic import (
     ExchangeBuffers,
     _Packing,

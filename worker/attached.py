@@ -39,7 +39,7 @@ from worker.ballot import BoundaryVote
 from worker.birth import Init
 from worker.collectives import CollectiveError, Handle
 from worker.config import ZeroConfig
-from worker.control import ControlPlane
+from worker.rendezvous import ControlPlane
 from worker.engine import (
     OptimizerArg,
     ZeroEngine,

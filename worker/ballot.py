@@ -15,7 +15,7 @@ waited on in ``step()``, so it overlaps backward:
   anyone does: when every rank was told to leave, nobody is left to hand
   over to), and 1 if this rank knows of a newer generation whose ranks are
   not all ready for it yet (so the maximum says whether anyone waits: the
-  switch waits for the slowest, worker/control.py [Note: meeting ahead]).
+  switch waits for the slowest, worker/rendezvous.py [Note: meeting ahead]).
   Every rank thus learns the same thing at the same step boundary and
   changes membership together (worker/elastic/session.py).
 """

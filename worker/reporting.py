@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from coordinator.core.messages import FINISHED, Generation
 from worker.config import ZeroConfig
-from worker.control import ControlPlane
+from worker.rendezvous import ControlPlane
 from worker.engine import ZeroEngine
 
 __all__ = ["FinalReport", "planned_config", "report"]

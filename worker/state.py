@@ -488,7 +488,7 @@ class ShardState:
         and on two cores shared by three ranks far more than the copy into it:
         in bench/elastic.py a member's build and import took 0.37 s and 0.16 s
         at the first scale-up. A member that knows of a scale-up before switching
-        (worker/control.py [Note: meeting ahead]) writes them in a thread while
+        (worker/rendezvous.py [Note: meeting ahead]) writes them in a thread while
         it trains: :meth:`reserve_plan` lists what the build and the import would
         make (by size, dtype and device; the optimizer state's fields as this
         rank's optimizer holds them now), a thread makes them

@@ -862,7 +862,7 @@ class Membership:
         """The current generation replaced lost ranks and not every member has
         applied it yet. Newcomers wait for it: its members restore together, and a
         generation that superseded it before it formed must replace lost ranks too,
-        so that everyone in it takes the same path (worker/control.py
+        so that everyone in it takes the same path (worker/rendezvous.py
         [Note: superseded rendezvous])."""
         gen = self.generation
         if gen is None or gen.reshard is None or not gen.reshard.lost_ranks:

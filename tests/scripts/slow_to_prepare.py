@@ -1,5 +1,5 @@
 """examples/train_gpt.py, except that as a newcomer this worker is not ready to
-switch (worker/control.py [Note: meeting ahead]) until the file named by
+switch (worker/rendezvous.py [Note: meeting ahead]) until the file named by
 ``$ZEROPLANE_TEST_PROCEED`` exists: the members keep training in their old
 generation meanwhile, with a scale-up pending."""
 

@@ -52,7 +52,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # how long members train on waiting for a scale-up's ranks to be ready before
-# switching anyway ([Note: meeting ahead] in worker/control.py)
+# switching anyway ([Note: meeting ahead] in worker/rendezvous.py)
 _AHEAD_PATIENCE_S = 30.0
 NO_GENERATION = "asked to leave while waiting for a generation, and the job is over"
 
@@ -76,7 +76,7 @@ def after_loss(gen: Generation) -> bool:
 
 def ready_for(session: Session, engine: ZeroEngine, gen: Generation) -> bool:
     """Whether every rank of ``gen``, a scale-up of this one, is ready to switch
-    ([Note: meeting ahead] in worker/control.py): polled at each step boundary
+    ([Note: meeting ahead] in worker/rendezvous.py): polled at each step boundary
     while the members train on, for at most ``_AHEAD_PATIENCE_S``; after that the
     switch goes ahead, and the meeting handles a newcomer that never came. This
     rank is ready once it has written its buffers for ``gen`` (worker/state.py

@@ -17,7 +17,7 @@ from worker import elastic
 from worker.birth import Init
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
-from worker.control import ControlPlane, JobFinished, LeftBeforeAdmission
+from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission
 from worker.elastic.change import after_loss
 from worker.elastic.phases import Phase, Session
 from worker.elastic.recovery import restore
@@ -117,7 +117,7 @@ def join(
             warming.start()
         try:
             # the generation formed may be newer; the members switch once this
-            # rank's buffers are written ([Note: meeting ahead] in worker/control.py)
+            # rank's buffers are written ([Note: meeting ahead] in worker/rendezvous.py)
             control.init_process_group(ready=lambda: warming is None or not warming.is_alive())
         finally:
             if warming is not None:

@@ -187,7 +187,7 @@ def exchange(
     old member (a newcomer holds nothing yet). ``entries``/``counters``: send
     these (a replica's snapshot) instead of the engine's live state.
     ``buffers``: written ahead, to pack into and receive into where they are large
-    enough (worker/control.py [Note: meeting ahead]).
+    enough (worker/rendezvous.py [Note: meeting ahead]).
     """
     via_comm = Collectives(via)
     new_world = len(new_members)

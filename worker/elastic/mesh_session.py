@@ -65,7 +65,7 @@ from worker.birth import Init
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compat import abort_default_group
 from worker.config import ZeroConfig
-from worker.control import ControlPlane, JobFinished, LeftBeforeAdmission, env_seconds
+from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission, env_seconds
 from worker.elastic.phases import StepAborted
 from worker.elastic.restore_plan import (
     RestoreSource,

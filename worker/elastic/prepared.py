@@ -1,5 +1,5 @@
 """A membership change a member prepares for while it trains: a scale-up
-([Note: meeting ahead] in worker/control.py) or a leave ([Note: a leave prepared
+([Note: meeting ahead] in worker/rendezvous.py) or a leave ([Note: a leave prepared
 ahead] in worker/elastic/change.py). What an elastic session prepares is one of
 :class:`PreparedScaleUp`, :class:`PreparedLeave`, or nothing (None); change.py
 makes the change with what it wrote."""
@@ -68,7 +68,7 @@ class _Prepared:
 
 @dataclass
 class PreparedScaleUp(_Prepared):
-    """A scale-up to ``generation`` ([Note: meeting ahead] in worker/control.py),
+    """A scale-up to ``generation`` ([Note: meeting ahead] in worker/rendezvous.py),
     where this rank is ``rank`` of ``world_size``."""
 
 

@@ -37,7 +37,7 @@ from worker.ballot import BoundaryVote
 from worker.birth import Init
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.config import ZeroConfig
-from worker.control import ControlPlane
+from worker.rendezvous import ControlPlane
 from worker.elastic import (
     Handover,
     PendingRefresh,

@@ -1,4 +1,4 @@
-"""How ranks meet at a generation's store (worker/control.py `ControlPlane._meet`):
+"""How ranks meet at a generation's store (worker/rendezvous.py `ControlPlane._meet`):
 a newcomer waiting for rank 0 to host the store keeps looking often
 ([Note: a newcomer waits at the store])."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from worker import control
-from worker.control import ControlPlane
+from worker import rendezvous
+from worker.rendezvous import ControlPlane
 
 
 @dataclass
@@ -57,7 +57,7 @@ def test_a_newcomer_waiting_for_the_store_looks_often_and_then_meets_at_once(mon
     port = _free_port()
     gen = _Generation(f"127.0.0.1:{port}", world_size=2)
     sleeps = _Sleeps()
-    monkeypatch.setattr(control.time, "sleep", sleeps)
+    monkeypatch.setattr(rendezvous.time, "sleep", sleeps)
     # the newcomer is rank 1 and arrives first; rank 0 opens the store later
     planes = [ControlPlane(_Client(str(r)), gen, "gloo", timedelta(seconds=10)) for r in (0, 1)]
     met: dict[int, object] = {}
@@ -78,7 +78,7 @@ def test_a_newcomer_waiting_for_the_store_looks_often_and_then_meets_at_once(mon
 
     # before the store is up, the newcomer looks at least every _MEET_PROBE_S (it
     # used to back off to _MEET_POLL_S, and met up to that long after rank 0 arrived)
-    assert len(probing) > 10 and max(probing) <= control._MEET_PROBE_S, probing
+    assert len(probing) > 10 and max(probing) <= rendezvous._MEET_PROBE_S, probing
 
 
 def _listening_on(port: int) -> set[str]:
