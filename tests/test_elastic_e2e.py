@@ -548,8 +548,9 @@ class LauncherRun:
     def story(self, limit: int = 6000) -> str:
         """What happened, for a failure message: the membership, launcher and recovery
         lines (tracebacks cut to their last line), then the end of the log."""
-        keep = ("coordinator.control.membership", "coordinator.launchers.local", "worker.rendezvous",
-                "worker.elastic", "worker.reporting", "Error:", "zeroplane run:")  # fmt: skip
+        keep = ("coordinator.control.membership", "coordinator.launchers.local",
+                "worker.rendezvous", "worker.elastic", "worker.reporting", "Error:",
+                "zeroplane run:")  # fmt: skip
         lines = [ln[:240] for ln in self.text().splitlines() if any(k in ln for k in keep)]
         return "\n".join(lines)[-limit:] + "\n--- the log's end ---\n" + self.text()[-2000:]
 

@@ -13,11 +13,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.test_control_meet import _Client, _free_port, _Generation
 from tests.test_elastic_engine import STEPS, matches_reference, pair_then_newcomer, train
+from tests.test_rendezvous_meet import _Client, _free_port, _Generation
 from worker.ballot import BoundaryVote
 from worker.collectives import Collectives
-from worker.rendezvous import ControlPlane
 from worker.elastic import (
     ExchangeBuffers,
     _Packing,
@@ -28,6 +27,7 @@ from worker.elastic import (
     wire_device,
 )
 from worker.flat import Reserve
+from worker.rendezvous import ControlPlane
 from worker.state import _probe_state_fields
 
 

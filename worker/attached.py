@@ -39,7 +39,6 @@ from worker.ballot import BoundaryVote
 from worker.birth import Init
 from worker.collectives import CollectiveError, Handle
 from worker.config import ZeroConfig
-from worker.rendezvous import ControlPlane
 from worker.engine import (
     OptimizerArg,
     ZeroEngine,
@@ -48,6 +47,7 @@ from worker.engine import (
 )
 from worker.inventory import Inventory
 from worker.metrics import MetricsServer, SnapshotBoard, start_metrics
+from worker.rendezvous import ControlPlane
 from worker.reporting import FinalReport, planned_config, report
 from worker.schedule import SchedulerArg, resolve_scheduler
 

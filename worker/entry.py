@@ -23,10 +23,10 @@ from worker.attached import AttachedSession
 from worker.birth import Init, place_module
 from worker.compat import backend_for
 from worker.config import ZeroConfig
-from worker.rendezvous import coordinator_address
 from worker.elastic.session import ElasticSession
 from worker.engine import LossFn, OptimizerArg, ZeroEngine
 from worker.metrics import MetricsServer
+from worker.rendezvous import coordinator_address
 from worker.schedule import SchedulerArg
 
 if TYPE_CHECKING:

@@ -62,9 +62,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from worker.config import ZeroConfig, stage_from_env
-from worker.rendezvous import coordinator_address
 from worker.engine import ZeroEngine
 from worker.entry import initialize
+from worker.rendezvous import coordinator_address
 from worker.sharded import mark_gathered
 
 __all__ = ["PRECISIONS", "ZeroplanePrecision", "ZeroplaneStrategy", "engine_config"]

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from coordinator.core.messages import FINISHED, Generation
 from worker.config import ZeroConfig
-from worker.rendezvous import ControlPlane
 from worker.engine import ZeroEngine
+from worker.rendezvous import ControlPlane
 
 __all__ = ["FinalReport", "planned_config", "report"]
 

@@ -17,7 +17,6 @@ from worker import elastic
 from worker.birth import Init
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
-from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission
 from worker.elastic.change import after_loss
 from worker.elastic.phases import Phase, Session
 from worker.elastic.recovery import restore
@@ -29,6 +28,7 @@ from worker.engine import (
 )
 from worker.flat import Reserve
 from worker.metrics import SnapshotBoard, start_metrics
+from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission
 from worker.reporting import planned_config, report
 from worker.schedule import SchedulerArg, resolve_scheduler
 

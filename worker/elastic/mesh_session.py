@@ -65,7 +65,6 @@ from worker.birth import Init
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compat import abort_default_group
 from worker.config import ZeroConfig
-from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission, env_seconds
 from worker.elastic.phases import StepAborted
 from worker.elastic.restore_plan import (
     RestoreSource,
@@ -76,6 +75,7 @@ from worker.elastic.restore_plan import (
 from worker.engine import LossFn, OptimizerArg, ZeroEngine, build_inventory_for, resolve_optimizer
 from worker.mesh import MeshEngine, ParallelConfig, build_mesh, engine_on_mesh
 from worker.metrics import SnapshotBoard, start_metrics
+from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission, env_seconds
 from worker.reporting import FinalReport, planned_config, report
 from worker.schedule import SchedulerArg, resolve_scheduler
 from worker.state import Counters, Entries

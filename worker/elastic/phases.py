@@ -38,9 +38,9 @@ from typing import Any, NoReturn, Protocol
 from coordinator.core.messages import Generation
 from worker import elastic
 from worker.collectives import CollectiveError, Collectives
-from worker.rendezvous import ControlPlane
 from worker.elastic.prepared import PreparedLeave, PreparedScaleUp
 from worker.engine import ZeroEngine
+from worker.rendezvous import ControlPlane
 
 __all__ = [
     "TRANSITIONS",

@@ -37,7 +37,6 @@ from worker.ballot import BoundaryVote
 from worker.birth import Init
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.config import ZeroConfig
-from worker.rendezvous import ControlPlane
 from worker.elastic import (
     Handover,
     PendingRefresh,
@@ -50,6 +49,7 @@ from worker.elastic import (
 from worker.elastic.phases import TRANSITIONS, Held, Phase, StepClock, admitted
 from worker.elastic.prepared import PreparedLeave, PreparedScaleUp
 from worker.engine import OptimizerArg, ZeroEngine
+from worker.rendezvous import ControlPlane
 from worker.reporting import FinalReport, report
 from worker.schedule import SchedulerArg
 
