@@ -26,30 +26,21 @@ given its tp and pp is elastic by whole groups instead
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from coordinator.core.meshplan import MeshShape
 from coordinator.core.messages import FINISHED
 from worker.ballot import BoundaryVote
-from worker.birth import Init
 from worker.collectives import CollectiveError, Handle
-from worker.config import ZeroConfig
-from worker.engine import (
-    OptimizerArg,
-    ZeroEngine,
-    build_inventory_for,
-    resolve_optimizer,
-)
-from worker.inventory import Inventory
+from worker.engine import ZeroEngine
+from worker.factory import build_engine
 from worker.metrics import MetricsServer, SnapshotBoard, start_metrics
 from worker.rendezvous import ControlPlane
-from worker.reporting import FinalReport, planned_config, report
-from worker.schedule import SchedulerArg, resolve_scheduler
+from worker.reporting import FinalReport, report
+from worker.spec import EngineSpec
 
 __all__ = ["AttachedSession"]
 
@@ -70,23 +61,11 @@ class AttachedSession(FinalReport):
         self.control = control
 
     @classmethod
-    def attach(
-        cls,
-        model: nn.Module,
-        optimizer: OptimizerArg,
-        *,
-        config: ZeroConfig,
-        address: str,
-        group: dist.ProcessGroup | None,
-        scheduler: SchedulerArg | None = None,
-        device: torch.device,
-        init: Init | None = None,
-    ) -> ZeroEngine:
-        rank = dist.get_rank(group)
-        user_optimizer, inventory, metrics, control = _join_fixed(
-            model, optimizer, config, address, device, group=group
-        )
-        scheduler = resolve_scheduler(scheduler, user_optimizer)
+    def attach(cls, spec: EngineSpec) -> ZeroEngine:
+        """A data-parallel worker over the script's own group (``spec.group``, or the
+        default one), registered with the script's ranks."""
+        rank = dist.get_rank(spec.group)
+        metrics, control = _join_fixed(spec)
         gen = control.generation
         if rank == 0:
             logger.warning(
@@ -95,18 +74,7 @@ class AttachedSession(FinalReport):
                 "from replicas) are off for this job. Let worker.initialize form the "
                 "group (no dist.init_process_group in the script) to have them."
             )
-        engine = ZeroEngine(
-            model,
-            user_optimizer,
-            config=planned_config(config, gen, rank),
-            group=group,
-            inventory=inventory,
-            align=gen.align,
-            metrics=metrics,
-            lr_scheduler=scheduler,
-            device=device,
-            init=init,
-        )
+        engine = build_engine(spec, generation=gen, rank=rank, metrics=metrics)
         if engine.layout != gen.layout:
             control.close(leave=True)
             raise RuntimeError(
@@ -116,30 +84,24 @@ class AttachedSession(FinalReport):
         return cls._start(control, engine)
 
     @classmethod
-    def attach_mesh(
-        cls,
-        model: nn.Module,
-        optimizer: OptimizerArg,
-        *,
-        config: ZeroConfig,
-        address: str,
-        ask: tuple[int, int],
-        device: torch.device,
-        build: MeshBuild,
-    ) -> ZeroEngine:
+    def attach_mesh(cls, spec: EngineSpec) -> ZeroEngine:
         """A worker of a mesh job in a coordinator's job ([Note: mesh jobs in the
         coordinator's job]): it registers the whole model's inventory with the mesh
-        it asks for (``ask``: tp and pp, 0 for a degree the coordinator chooses),
-        takes the generation's mesh, stage and bucket size, and ``build`` makes the
-        engine on that mesh (a MeshEngine, a PipelineEngine, or a ZeroEngine where
-        the mesh is one rank deep) with the metrics endpoint registered."""
-        user_optimizer, _, metrics, control = _join_fixed(
-            model, optimizer, config, address, device, mesh=ask
-        )
+        it asks for (tp and pp, 0 for a degree the coordinator chooses), takes the
+        generation's mesh, stage and bucket size, and builds its engine on that
+        mesh (a MeshEngine, a PipelineEngine, or a ZeroEngine where the mesh is one
+        rank deep) with the metrics endpoint registered."""
+        metrics, control = _join_fixed(spec, mesh=spec.asked_degrees())
         gen = control.generation
         rank, shape = control.rank, gen.mesh or MeshShape(dp=gen.world_size)
         try:
-            engine = build(user_optimizer, planned_config(config, gen, rank), shape, metrics)
+            engine = build_engine(
+                spec,
+                generation=gen,
+                rank=rank,
+                shape=shape if shape.group_size > 1 else None,
+                metrics=metrics,
+            )
         except BaseException:
             control.close(leave=True)
             raise
@@ -188,40 +150,27 @@ class AttachedSession(FinalReport):
         self.control.close(leave=True, reason=FINISHED)
 
 
-# what builds a mesh job's engine: (the optimizer, the planned config, the mesh, metrics)
-MeshBuild = Callable[
-    [torch.optim.Optimizer, ZeroConfig, MeshShape, MetricsServer | None], ZeroEngine
-]
-
-
 def _join_fixed(
-    model: nn.Module,
-    optimizer: OptimizerArg,
-    config: ZeroConfig,
-    address: str,
-    device: torch.device,
-    *,
-    group: dist.ProcessGroup | None = None,
-    mesh: tuple[int, int] | None = None,
-) -> tuple[torch.optim.Optimizer, Inventory, MetricsServer | None, ControlPlane]:
+    spec: EngineSpec, *, mesh: tuple[int, int] | None = None
+) -> tuple[MetricsServer | None, ControlPlane]:
     """Register a worker of a group its launcher or script formed (its ranks fixed) and
-    wait for the generation that keeps them: the optimizer, the inventory it
-    registered, its metrics endpoint and its control plane."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    user_optimizer = resolve_optimizer(model, optimizer)
-    inventory = build_inventory_for(model, user_optimizer, config)
-    metrics = start_metrics(config, SnapshotBoard())
+    wait for the generation that keeps them: its metrics endpoint and its control
+    plane. ``spec`` is resolved: its optimizer and the inventory it registered."""
+    rank, world = dist.get_rank(spec.group), dist.get_world_size(spec.group)
+    inventory = spec.resolve()
+    metrics = start_metrics(spec.config, SnapshotBoard())
+    assert spec.device is not None
     control = ControlPlane.join(
-        address,
+        spec.coordinator or "",
         inventory,
-        device=device,
+        device=spec.device,
         metrics_port=None if metrics is None else metrics.port,
-        stage=config.stage,
+        stage=spec.config.stage,
         fixed=(rank, world),
         mesh=mesh,
     )
     _check_placed(control, rank, world)
-    return user_optimizer, inventory, metrics, control
+    return metrics, control
 
 
 def _check_placed(control: ControlPlane, rank: int, world: int) -> None:

@@ -227,6 +227,7 @@ class ZeroEngine:
         build_for: Collectives | None = None,
         device: torch.device | str | None = None,
         init: Init | None = None,
+        loss_fn: LossFn | None = None,
     ) -> None:
         if initial_state not in ("module", "peers"):
             raise ValueError(f"initial_state must be 'module' or 'peers', got {initial_state!r}")
@@ -276,7 +277,7 @@ class ZeroEngine:
         self._micro_weights: list[float] | None = None
         self._micro_counts: list[int] = []
         # train_batch's loss of (output, targets), when the model does not return one
-        self.loss_fn: LossFn | None = None
+        self.loss_fn = loss_fn  # train_batch's, where the model returns no loss
         if initial_state == "peers":
             self.state.keep_module_values()
         world = build_for or Collectives(group)

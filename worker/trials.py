@@ -49,8 +49,9 @@ import torch.distributed as dist
 from torch import nn
 
 from worker.config import ZeroConfig
-from worker.engine import ZeroEngine
+from worker.factory import build_engine
 from worker.models import GPT, GPTConfig
+from worker.spec import EngineSpec
 
 __all__ = ["ModelSpec", "gpt_spec", "main", "run_trial"]
 
@@ -133,7 +134,7 @@ def run_trial(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    engine = ZeroEngine(model, opt, config=config)
+    engine = build_engine(EngineSpec(model=model, optimizer=opt, config=config))
     try:
         rank, world = engine.rank, engine.world_size
         accum = config.gradient_accumulation_steps

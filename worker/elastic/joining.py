@@ -9,51 +9,34 @@ import logging
 import signal
 import threading
 
-import torch
-from torch import nn
-
 from coordinator.core.messages import Generation
 from worker import elastic
-from worker.birth import Init
 from worker.collectives import Collectives
-from worker.config import ZeroConfig
 from worker.elastic.change import after_loss
 from worker.elastic.phases import Phase, Session
 from worker.elastic.recovery import restore
 from worker.engine import (
-    OptimizerArg,
     ZeroEngine,
-    build_inventory_for,
-    resolve_optimizer,
 )
+from worker.factory import build_engine
 from worker.flat import Reserve
 from worker.metrics import SnapshotBoard, start_metrics
 from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission
-from worker.reporting import planned_config, report
-from worker.schedule import SchedulerArg, resolve_scheduler
+from worker.reporting import report
+from worker.spec import EngineSpec
 
 __all__ = ["join"]
 
 logger = logging.getLogger(__name__)
 
 
-def join(
-    session: Session,
-    model: nn.Module,
-    optimizer: OptimizerArg,
-    *,
-    config: ZeroConfig,
-    address: str,
-    scheduler: SchedulerArg | None = None,
-    device: torch.device,
-    init: Init | None = None,
-) -> ZeroEngine:
-    """Register ``session`` at ``address``, wait for a rank, form the generation's
-    group and build the engine for it: from the module's values in a new job, from
-    the members' shards when joining a running one."""
-    user_optimizer = resolve_optimizer(model, optimizer)
-    scheduler = resolve_scheduler(scheduler, user_optimizer)
-    inventory = build_inventory_for(model, user_optimizer, config)
+def join(session: Session, spec: EngineSpec) -> ZeroEngine:
+    """Register ``session`` at ``spec``'s coordinator, wait for a rank, form the
+    generation's group and build the engine for it: from the module's values in a
+    new job, from the members' shards when joining a running one."""
+    inventory = spec.resolve()
+    config, device = spec.config, spec.device
+    assert device is not None and spec.coordinator is not None
     metrics = start_metrics(config, SnapshotBoard())
     if threading.current_thread() is threading.main_thread():
         # before registering: a SIGTERM while joining (a pod deleted as it
@@ -61,19 +44,14 @@ def join(
         signal.signal(signal.SIGTERM, session._on_sigterm)
 
     def build(gen: Generation, rank: int, comm: Collectives | None) -> ZeroEngine:
-        return ZeroEngine(
-            model,
-            user_optimizer,
-            config=planned_config(config, gen, rank),
+        return build_engine(
+            spec,
+            generation=gen,
+            rank=rank,
+            metrics=metrics,
             # after the job's first generation a new process holds nothing
             initial_state="peers" if gen.reshard is not None else "module",
-            inventory=inventory,
-            align=gen.align,
-            metrics=metrics,
-            lr_scheduler=scheduler,
             build_for=comm,
-            device=device,
-            init=init,
         )
 
     engine: ZeroEngine | None = None
@@ -81,7 +59,7 @@ def join(
     wire: list[elastic.ExchangeBuffers] = []  # what the warm thread writes to receive into
     try:
         control = ControlPlane.join(
-            address,
+            spec.coordinator,
             inventory,
             device=device,
             metrics_port=None if metrics is None else metrics.port,

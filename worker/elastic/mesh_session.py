@@ -52,19 +52,16 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import torch
-from torch import nn
 
 from coordinator.core.meshplan import MeshCoords, MeshShape
 from coordinator.core.messages import FINISHED, Generation
 from worker import elastic
 from worker.ballot import BoundaryVote
-from worker.birth import Init
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compat import abort_default_group
-from worker.config import ZeroConfig
 from worker.elastic.phases import StepAborted
 from worker.elastic.restore_plan import (
     RestoreSource,
@@ -72,16 +69,15 @@ from worker.elastic.restore_plan import (
     plan_mesh_restore,
     ring_lost,
 )
-from worker.engine import LossFn, OptimizerArg, ZeroEngine, build_inventory_for, resolve_optimizer
-from worker.mesh import MeshEngine, ParallelConfig, build_mesh, engine_on_mesh
+from worker.engine import ZeroEngine
+from worker.factory import build_engine
+from worker.mesh_engine import MeshEngine
 from worker.metrics import SnapshotBoard, start_metrics
+from worker.parallel import build_mesh
 from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission, env_seconds
-from worker.reporting import FinalReport, planned_config, report
-from worker.schedule import SchedulerArg, resolve_scheduler
+from worker.reporting import FinalReport, report
+from worker.spec import EngineSpec
 from worker.state import Counters, Entries
-
-if TYPE_CHECKING:
-    from worker.pipeline import Split
 
 __all__ = ["PEER_LOSS_WAIT_ENV", "MeshSession"]
 
@@ -113,42 +109,29 @@ class MeshSession(FinalReport):
     # ------------------------------------------------------------ joining
 
     @classmethod
-    def join(
-        cls,
-        model: nn.Module,
-        optimizer: OptimizerArg,
-        *,
-        config: ZeroConfig,
-        address: str,
-        parallel: ParallelConfig,
-        plan: object,
-        device: torch.device,
-        split: Split | None = None,
-        loss_fn: LossFn | None = None,
-        scheduler: SchedulerArg | None = None,
-        init: Init | None = None,
-    ) -> MeshEngine:
-        """Register at ``address`` asking for ``parallel``'s tp and pp, wait for a
+    def join(cls, spec: EngineSpec) -> MeshEngine:
+        """Register at ``spec``'s coordinator asking for its tp and pp, wait for a
         place in a generation, form its group and mesh, and build the engine (a
         :class:`MeshEngine`, or a pipeline's stage): from the module in the job's
         first generation, from the members' shards after."""
-        user_optimizer = resolve_optimizer(model, optimizer)
-        scheduler = resolve_scheduler(scheduler, user_optimizer)
         # the whole model's inventory: the coordinator plans for the model as it is
-        inventory = build_inventory_for(model, user_optimizer, config)
+        inventory = spec.resolve()
+        config, device = spec.config, spec.device
+        assert device is not None and spec.coordinator is not None
+        asked = spec.asked_degrees()
         metrics = start_metrics(config, SnapshotBoard())
         requested = threading.Event()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: requested.set())
         try:
             control = ControlPlane.join(
-                address,
+                spec.coordinator,
                 inventory,
                 device=device,
                 metrics_port=None if metrics is None else metrics.port,
                 stop=requested.is_set,
                 stage=config.stage,
-                mesh=(parallel.tensor_parallel, parallel.pipeline_parallel),
+                mesh=asked,
             )
         except LeftBeforeAdmission as exc:
             if metrics is not None:
@@ -164,7 +147,6 @@ class MeshSession(FinalReport):
         control.init_process_group()
         gen = control.generation
         shape = gen.mesh
-        asked = (parallel.tensor_parallel, parallel.pipeline_parallel)
         if shape is None or (shape.tp, shape.pp) != asked:
             control.close(leave=True)
             raise RuntimeError(
@@ -172,25 +154,18 @@ class MeshSession(FinalReport):
                 f"not tp={asked[0]}, pp={asked[1]}: is another job registered with this "
                 "coordinator?"
             )
-        mesh = build_mesh(shape, device.type)
-        coords = shape.coords(control.rank)
-        planned = planned_config(config, gen, control.rank)
         born = "peers" if gen.reshard is not None else "module"
-        if shape.pp > 1:
-            from worker.pipeline import lm_loss, pipeline_on_mesh
-
-            engine: MeshEngine = pipeline_on_mesh(
-                model, user_optimizer, config=planned, parallel=parallel, mesh=mesh,
-                shape=shape, coords=coords, split=split, loss_fn=loss_fn or lm_loss,
-                plan=plan, lr_scheduler=scheduler, device=device, metrics=metrics,
-                initial_state=born,
-            )  # fmt: skip
-        else:
-            engine = engine_on_mesh(
-                MeshEngine, model, user_optimizer, model, planned, mesh, shape, coords, plan,
-                scheduler, device=device, init=init, metrics=metrics, initial_state=born,
-            )  # fmt: skip
-            engine.loss_fn = loss_fn
+        engine = build_engine(
+            spec,
+            generation=gen,
+            rank=control.rank,
+            shape=shape,
+            mesh=build_mesh(shape, device.type),
+            coords=shape.coords(control.rank),
+            metrics=metrics,
+            initial_state=born,
+        )
+        assert isinstance(engine, MeshEngine)
         newcomer = born == "peers"
         engine.membership = session
         control.client.hold_position(engine.coords)

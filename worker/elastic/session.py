@@ -30,13 +30,10 @@ import time
 from typing import Any, NoReturn
 
 import torch
-from torch import nn
 
 from coordinator.core.messages import FINISHED, Generation
 from worker.ballot import BoundaryVote
-from worker.birth import Init
 from worker.collectives import CollectiveError, Collectives, Handle
-from worker.config import ZeroConfig
 from worker.elastic import (
     Handover,
     PendingRefresh,
@@ -48,10 +45,10 @@ from worker.elastic import (
 )
 from worker.elastic.phases import TRANSITIONS, Held, Phase, StepClock, admitted
 from worker.elastic.prepared import PreparedLeave, PreparedScaleUp
-from worker.engine import OptimizerArg, ZeroEngine
+from worker.engine import ZeroEngine
 from worker.rendezvous import ControlPlane
 from worker.reporting import FinalReport, report
-from worker.schedule import SchedulerArg
+from worker.spec import EngineSpec
 
 __all__ = ["ElasticSession", "Phase"]
 
@@ -111,29 +108,10 @@ class ElasticSession(FinalReport):
     # ------------------------------------------------------------ joining
 
     @classmethod
-    def join(
-        cls,
-        model: nn.Module,
-        optimizer: OptimizerArg,
-        *,
-        config: ZeroConfig,
-        address: str,
-        scheduler: SchedulerArg | None = None,
-        device: torch.device,
-        init: Init | None = None,
-    ) -> ZeroEngine:
-        """Register at ``address``, wait for a rank, form the generation's group and
-        build the engine for it (worker/elastic/joining.py)."""
-        return joining.join(
-            cls(),
-            model,
-            optimizer,
-            config=config,
-            address=address,
-            scheduler=scheduler,
-            device=device,
-            init=init,
-        )
+    def join(cls, spec: EngineSpec) -> ZeroEngine:
+        """Register at ``spec``'s coordinator, wait for a rank, form the generation's
+        group and build the engine for it (worker/elastic/joining.py)."""
+        return joining.join(cls(), spec)
 
     # ------------------------------------------------------------ the engine's seams
 

@@ -1,0 +1,233 @@
+"""The one place that constructs an engine of any layout ([Note: one way in] in
+worker/spec.py): a :class:`~worker.engine.ZeroEngine` for a data-parallel job, a
+:class:`~worker.mesh_engine.MeshEngine` tensor-parallel over a mesh's tp group, or
+a :class:`~worker.pipeline_engine.PipelineEngine` for this rank's pipeline stage,
+each from an :class:`~worker.spec.EngineSpec`, with the coordinator's plan for
+this rank applied once here."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from coordinator.core.meshplan import MeshCoords, MeshShape
+from coordinator.core.messages import Generation
+from worker.birth import Init, SlicedInit, meta_names, skip_init
+from worker.collectives import Collectives
+from worker.config import ZeroConfig
+from worker.engine import OptimizerArg, ZeroEngine, module_device
+from worker.mesh_engine import MeshEngine
+from worker.metrics import MetricsServer
+from worker.parallel import ParallelConfig, build_mesh, check_combination, check_heads
+from worker.pipeline_engine import PipelineEngine
+from worker.reporting import planned_config
+from worker.spec import EngineSpec, default_plan
+from worker.splits import lm_loss, split_for
+from worker.tp import TensorParallel, apply_tp, stage_plan
+
+__all__ = ["build_engine", "rebuild_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=MeshEngine)
+
+
+def build_engine(
+    spec: EngineSpec,
+    *,
+    generation: Generation | None = None,
+    rank: int = 0,
+    shape: MeshShape | None = None,
+    mesh: DeviceMesh | None = None,
+    coords: MeshCoords | None = None,
+    metrics: MetricsServer | None = None,
+    initial_state: Literal["module", "peers"] = "module",
+    build_for: Collectives | None = None,
+) -> ZeroEngine:
+    """The engine ``spec`` asks for, at this rank.
+
+    ``generation``: the coordinator's generation this rank (``rank``) builds for:
+    its stage and bucket size apply (worker/reporting.py ``planned_config``), and
+    a data-parallel engine takes its alignment. ``shape``: the mesh this rank is
+    in (the generation's, or by default the spec's layout over the process
+    group); ``mesh`` and ``coords``: torch's DeviceMesh and this rank's place in
+    it, built from ``shape`` when not given. ``metrics``: the endpoint a
+    coordinator's job started before the engine. ``initial_state``, ``build_for``:
+    :class:`~worker.engine.ZeroEngine`'s (a newcomer builds empty, for peers to
+    fill)."""
+    config = spec.config if generation is None else planned_config(spec.config, generation, rank)
+    if shape is None and spec.model_parallel:
+        assert spec.parallel is not None
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        shape = spec.parallel.shape(world)
+    if shape is None:
+        return ZeroEngine(
+            spec.model,
+            spec.optimizer,
+            config=config,
+            group=spec.group,
+            initial_state=initial_state,
+            inventory=spec.inventory,
+            align=1 if generation is None else generation.align,
+            metrics=metrics,
+            lr_scheduler=spec.lr_scheduler,
+            build_for=build_for,
+            device=spec.device,
+            init=spec.init,
+            loss_fn=spec.loss_fn,
+        )
+    parallel = _layout_of(spec.parallel, shape)
+    check_combination(config, parallel)
+    if mesh is None:
+        device_type = (spec.device or module_device(spec.model)).type
+        mesh = build_mesh(shape, device_type)
+    if coords is None:
+        coords = shape.coords(dist.get_rank() if shape.world_size > 1 else 0)
+    if shape.pp > 1:
+        if spec.init is not None:
+            raise ValueError("init= with pipeline parallelism is not supported yet")
+        engine: MeshEngine = _stage_engine(
+            spec, config, parallel, mesh, shape, coords, metrics, initial_state
+        )
+    else:
+        engine = _tp_engine(
+            MeshEngine, spec.model, spec.optimizer, spec.model, config, mesh, shape, coords,
+            spec.plan, spec.lr_scheduler, device=spec.device, init=spec.init, metrics=metrics,
+            initial_state=initial_state, loss_fn=spec.loss_fn,
+        )  # fmt: skip
+    logger.info(
+        "mesh pp=%d dp=%d tp=%d: this rank is pp=%d dp=%d tp=%d",
+        shape.pp, shape.dp, shape.tp, coords.pp, coords.dp, coords.tp,
+    )  # fmt: skip
+    return engine
+
+
+def _layout_of(asked: ParallelConfig | None, shape: MeshShape) -> ParallelConfig:
+    """The layout an engine on ``shape`` runs: the script's, with the degrees the
+    mesh has (a coordinator's ``--mesh auto`` choice), and enough micro-batches to
+    fill the pipeline."""
+    base = asked or ParallelConfig()
+    if (base.tensor_parallel, base.pipeline_parallel) == (shape.tp, shape.pp):
+        return base
+    return dataclasses.replace(
+        base,
+        tensor_parallel=shape.tp,
+        pipeline_parallel=shape.pp,
+        microbatches=max(base.microbatches, shape.pp),
+    )
+
+
+def _stage_engine(
+    spec: EngineSpec,
+    config: ZeroConfig,
+    parallel: ParallelConfig,
+    mesh: DeviceMesh,
+    shape: MeshShape,
+    coords: MeshCoords,
+    metrics: MetricsServer | None,
+    initial_state: Literal["module", "peers"],
+) -> PipelineEngine:
+    """This rank's stage of ``spec.model`` (split by ``spec.split`` or the built-in
+    split for the model) on ``mesh`` at ``coords``."""
+    model, optimizer = spec.model, spec.optimizer
+    stage_module = split_for(model, spec.split)(model, coords.pp, shape.pp)
+    kept = set(stage_module.parameters())
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError("the optimizer already has state; pass one that has not stepped")
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if p in kept]
+    # the stage module keeps the model's names, so the model's plan applies to it
+    engine = _tp_engine(
+        PipelineEngine, stage_module, optimizer, model, config, mesh, shape, coords, spec.plan,
+        spec.lr_scheduler, device=spec.device, parallel=parallel,
+        loss_fn=spec.loss_fn or lm_loss, metrics=metrics, initial_state=initial_state,
+    )  # fmt: skip
+    # the whole model's (a Hugging Face config.json), for save_pretrained
+    engine.model_config = getattr(model, "config", None)
+    logger.info(
+        "pipeline stage %d of %d (dp rank %d of %d), schedule %s, %d micro-batches",
+        coords.pp, shape.pp, coords.dp, shape.dp, parallel.pipeline_schedule,
+        parallel.microbatches,
+    )  # fmt: skip
+    return engine
+
+
+def _tp_engine(
+    cls: type[E],
+    module: nn.Module,
+    optimizer: OptimizerArg,
+    model: nn.Module,
+    config: ZeroConfig,
+    mesh: DeviceMesh,
+    shape: MeshShape,
+    coords: MeshCoords,
+    plan: object,
+    lr_scheduler: object,
+    *,
+    device: torch.device | None = None,
+    init: Init | None = None,
+    **extra: object,
+) -> E:
+    """A ``cls`` engine over the dp group of ``mesh`` for ``module`` (the model, or
+    its pipeline stage, which keeps the model's parameter names), tensor-parallel
+    over tp by ``plan`` (default: the built-in GPT's, or a Hugging Face model's,
+    worker/spec.py ``default_plan``); ``extra``: ``cls``'s own keyword arguments."""
+    tp: TensorParallel | None = None
+    if shape.tp > 1:
+        before = dict(module.named_parameters(remove_duplicate=False))
+        chosen = default_plan(model, plan)
+        chosen = chosen(model) if callable(chosen) else chosen
+        if module is not model:  # a pipeline stage: the plan's entries it holds
+            chosen = stage_plan(chosen, module, model)
+        check_heads(model, shape.tp)
+        tp = apply_tp(module, mesh["tp"], chosen)  # meta tensors stay meta
+        optimizer = rebuild_optimizer(optimizer, before, module)
+        if meta_names(module) and init is not skip_init:
+            # each planned module initializes whole, keeps its slice
+            init = SlicedInit(init, tp.whole)
+    return cls(
+        module,
+        optimizer,
+        config=config,
+        mesh=mesh,
+        shape=shape,
+        coords=coords,
+        tp=tp,
+        lr_scheduler=lr_scheduler,
+        device=device,
+        init=init,
+        **extra,
+    )
+
+
+def rebuild_optimizer(
+    optimizer: OptimizerArg, before: dict[str, nn.Parameter], model: nn.Module
+) -> torch.optim.Optimizer:
+    """The user's optimizer over ``model``'s current parameters: a factory is
+    called; an optimizer built over the parameters as they were (``before``, by
+    name) gets the new ones in its param groups (it has no state yet)."""
+    now = dict(model.named_parameters(remove_duplicate=False))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        return optimizer([{"params": params}])
+    if optimizer.state:
+        raise ValueError("the optimizer already has state; pass one that has not stepped yet")
+    name_of = {p: n for n, p in before.items()}
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if p not in name_of]
+        if missing:
+            raise ValueError(
+                f"the optimizer holds a tensor of shape {tuple(missing[0].shape)} that is not "
+                "a parameter of the model"
+            )
+    # no state yet: the groups' parameter lists are all that refers to the old ones
+    for group in optimizer.param_groups:
+        group["params"] = [now[name_of[p]] for p in group["params"]]
+    return optimizer

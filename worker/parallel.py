@@ -1,0 +1,116 @@
+"""The model-parallel layout a script asks for beside ZeRO (:class:`ParallelConfig`),
+what composes with what, and torch's DeviceMesh for it.
+
+The mesh's rank order is coordinator/core/meshplan.py's [Note: mesh rank order].
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from coordinator.core.meshplan import PP_ENV, TP_ENV, MeshShape
+from worker.config import ZeroConfig
+
+__all__ = ["ParallelConfig", "Schedule", "build_mesh", "check_combination", "check_heads"]
+
+Schedule = Literal["gpipe", "1f1b"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Model parallelism beside ZeRO (which runs over the data-parallel rest).
+
+    Attributes:
+        tensor_parallel: ranks that split each planned layer (tp); 1 = off.
+        pipeline_parallel: pipeline stages (pp), split by layer index; 1 = off.
+        pipeline_schedule: ``"gpipe"`` (all forwards, then all backwards) or
+            ``"1f1b"`` (one forward, one backward: fewer micro-batches in flight).
+        microbatches: micro-batches per pipeline step (>= pipeline_parallel).
+    """
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: Schedule = "gpipe"
+    microbatches: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.pipeline_schedule not in ("gpipe", "1f1b"):
+            raise ValueError(
+                f"ParallelConfig.pipeline_schedule must be 'gpipe' or '1f1b', "
+                f"got {self.pipeline_schedule!r}"
+            )
+        if self.pipeline_parallel > 1 and self.microbatches < self.pipeline_parallel:
+            raise ValueError(
+                f"ParallelConfig.microbatches ({self.microbatches}) must be >= "
+                f"pipeline_parallel ({self.pipeline_parallel}) to fill the pipeline"
+            )
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ParallelConfig:
+        """tp and pp as the launcher set them (``zeroplane run --tp/--pp``, the job
+        spec: ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``); 1 where unset."""
+        values: dict[str, Any] = {}
+        for field_name, env in (("tensor_parallel", TP_ENV), ("pipeline_parallel", PP_ENV)):
+            raw = os.environ.get(env)
+            if raw is not None:
+                if not raw.isdigit():
+                    raise ValueError(f"${env} must be an integer >= 1, got {raw!r}")
+                values[field_name] = int(raw)
+        return cls(**{**values, **overrides})
+
+    def shape(self, world_size: int) -> MeshShape:
+        return MeshShape.for_world(world_size, tp=self.tensor_parallel, pp=self.pipeline_parallel)
+
+
+def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
+    """Refuse, with the reason, what this composition does not do (README, "The mesh")."""
+    pp = parallel.pipeline_parallel
+    if pp > 1 and config.stage > 2:
+        raise ValueError(
+            f"pipeline_parallel > 1 runs with ZeRO stages 0-2, got stage {config.stage}: "
+            "stage 3 gathers each unit per forward and backward, which the pipeline "
+            "schedule interleaves over micro-batches (worker/pipeline.py [Note: pipeline "
+            "gradients into ZeRO])"
+        )
+    if pp > 1 and config.gradient_accumulation_steps != 1:
+        raise ValueError(
+            "with pipeline_parallel > 1 the pipeline's micro-batches are the accumulation: "
+            "set ParallelConfig.microbatches, and gradient_accumulation_steps=1"
+        )
+
+
+def build_mesh(shape: MeshShape, device_type: str = "cpu") -> DeviceMesh:
+    """torch's DeviceMesh over the default group, dims named ``pp``, ``dp``, ``tp``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("build_mesh needs torch.distributed initialized (all ranks)")
+    world = dist.get_world_size()
+    if world != shape.world_size:
+        raise ValueError(
+            f"mesh pp={shape.pp} x dp={shape.dp} x tp={shape.tp} needs {shape.world_size} "
+            f"ranks, the process group has {world}"
+        )
+    return init_device_mesh(
+        device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=("pp", "dp", "tp")
+    )
+
+
+def check_heads(model: nn.Module, tp: int) -> None:
+    """Attention heads must split evenly over tp (worker.models GPT, HF configs)."""
+    configs = [getattr(model, "cfg", None), getattr(model, "config", None)]
+    for cfg in configs:
+        for key in ("n_head", "num_attention_heads", "num_key_value_heads"):
+            heads = getattr(cfg, key, None)
+            if isinstance(heads, int) and heads % tp:
+                raise ValueError(
+                    f"the model's {key}={heads} cannot be split over tensor_parallel={tp}"
+                )
