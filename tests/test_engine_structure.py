@@ -230,3 +230,20 @@ def test_no_module_name_is_in_both_packages() -> None:
 
     both = names(WORKER) & names(COORDINATOR, skip=("commands",))
     assert not both, sorted(both)
+
+
+ENGINE_CLASSES = {"ZeroEngine", "MeshEngine", "PipelineEngine"}
+
+
+def test_engines_are_constructed_in_the_factory_only() -> None:
+    # [Note: one way in] in worker/spec.py: worker/factory.py is the one place that
+    # calls an engine class (or a class handed to it as ``cls``)
+    offenders = []
+    for path in _sources(WORKER):
+        if path == WORKER / "factory.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            called = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            if called and node.func.id in ENGINE_CLASSES:  # type: ignore[attr-defined]
+                offenders.append(f"{path.relative_to(WORKER)}:{node.lineno}")
+    assert not offenders, offenders

@@ -1,4 +1,4 @@
-"""Elastic mesh jobs under ``zeroplane run`` (worker/elastic/mesh_session.py
+"""Elastic mesh jobs under ``zeroplane run`` (worker/elastic/rings.py
 [Note: elastic by whole groups]; coordinator/core/meshplan.py [Note: arranging whole
 groups]): a tp=2 job grows by a whole group and shrinks back, and a SIGKILLed rank
 of a tp or a pp job recovers from its dp neighbour's replica, each ending equal to

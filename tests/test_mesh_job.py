@@ -271,8 +271,12 @@ def test_mesh_auto_leaves_open_only_what_the_script_can_build() -> None:
     (given, or a built-in one: the untied GPT's, an untied Llama-like decoder's); the
     rest it fixes at 1."""
     from tests.reference import tiny_gpt2, tiny_llama
-    from worker.entry import _open_degrees
     from worker.models import GPT, GPTConfig
+    from worker.spec import EngineSpec
+
+    def _open_degrees(model: torch.nn.Module, plan: object, split: object) -> tuple[int, int]:
+        spec = EngineSpec(model=model, optimizer=None, plan=plan, split=split, mesh_auto=True)
+        return spec.asked_degrees()
 
     def gpt(tie: bool) -> GPT:
         return GPT(

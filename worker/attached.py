@@ -21,7 +21,7 @@ mesh shape and each member's coordinates (proto ``Generation.mesh``,
 ``Member.mesh``), and the worker builds exactly that mesh. This module's fixed
 group serves ``--mesh auto`` workers, and a lost rank ends their job; a worker
 given its tp and pp is elastic by whole groups instead
-(worker/elastic/mesh_session.py [Note: elastic by whole groups])."""
+(worker/elastic/rings.py [Note: elastic by whole groups])."""
 
 from __future__ import annotations
 

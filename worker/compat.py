@@ -209,7 +209,7 @@ def parallelize_local(module: object, mesh: object, style: object) -> None:
     """torch's ``parallelize_module`` with each rank splitting its (identical) full
     tensors locally, without a scatter from the tp group's first rank: every rank
     already holds the same values, and a construction that communicates could not
-    run on a newcomer whose tp peers are built already (worker/elastic/mesh_session.py).
+    run on a newcomer whose tp peers are built already (worker/elastic/rings.py).
     torch before 2.6 has no ``src_data_rank``: its styles scatter as they always did."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -223,7 +223,7 @@ def forget_meshes() -> None:
     """Drop DTensor's caches of sharding decisions and redistribution plans.
 
     A ``DeviceMesh`` equals another of the same ranks, shape and dim names whatever
-    its process groups, so after a job re-forms (worker/elastic/mesh_session.py) a
+    its process groups, so after a job re-forms (worker/elastic/rings.py) a
     cached decision keyed by the new mesh can hand back an output spec that holds
     the old mesh object, and its collective then names a process group that was
     destroyed ("Could not resolve the process group registered under the name

@@ -18,7 +18,6 @@ from torch import nn
 from worker.attached import AttachedSession
 from worker.birth import Init
 from worker.config import ZeroConfig
-from worker.elastic.mesh_session import MeshSession
 from worker.elastic.session import ElasticSession
 from worker.engine import LossFn, OptimizerArg, ZeroEngine
 from worker.factory import build_engine
@@ -134,7 +133,7 @@ def _mesh_auto(spec: EngineSpec) -> ZeroEngine:
             "a --mesh auto worker in a coordinator's job takes its rank from its launcher "
             "(zeroplane run and torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), "
             "and none is set; a worker given tp and pp ($ZEROPLANE_TP, $ZEROPLANE_PP) has "
-            "its group formed by zeroplane (worker/elastic/mesh_session.py)"
+            "its group formed by zeroplane (worker/elastic/rings.py)"
         )
     return AttachedSession.attach_mesh(spec)
 
@@ -147,6 +146,6 @@ ROUTES: dict[Placement, Callable[[EngineSpec], ZeroEngine]] = {
     Placement.MESH: _direct,
     Placement.ATTACHED: AttachedSession.attach,
     Placement.ELASTIC: ElasticSession.join,
-    Placement.ELASTIC_MESH: MeshSession.join,
+    Placement.ELASTIC_MESH: ElasticSession.join,  # by whole tp x pp groups
     Placement.MESH_AUTO: _mesh_auto,
 }

@@ -117,7 +117,7 @@ class MeshEngine(ZeroEngine):
         self.publish_snapshot()
 
     def rebind_mesh(self, mesh: DeviceMesh, shape: MeshShape, coords: MeshCoords) -> None:
-        """Move to the mesh of a re-formed job (worker/elastic/mesh_session.py): the
+        """Move to the mesh of a re-formed job (worker/elastic/rings.py): the
         same tp (and pp) degree and this rank's tp index, another dp width. The
         shard state is rebuilt for the new dp group by the caller (``adopt``)."""
         if (shape.tp, shape.pp) != (self.shape.tp, self.shape.pp):
@@ -143,7 +143,7 @@ class MeshEngine(ZeroEngine):
         sends inside torch's schedule), whose errors are plain RuntimeErrors: in an
         elastic session, one raised from torch.distributed is a peer lost if the
         coordinator confirms it (a newer generation), and the session recovers
-        (worker/elastic/mesh_session.py); so does a failed collective of this engine's
+        (worker/elastic/rings.py); so does a failed collective of this engine's
         own outside the engine's guarded methods."""
         try:
             yield

@@ -79,7 +79,7 @@ def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
         raise ValueError(
             f"pipeline_parallel > 1 runs with ZeRO stages 0-2, got stage {config.stage}: "
             "stage 3 gathers each unit per forward and backward, which the pipeline "
-            "schedule interleaves over micro-batches (worker/pipeline.py [Note: pipeline "
+            "schedule interleaves over micro-batches (worker/pipeline_engine.py [Note: pipeline "
             "gradients into ZeRO])"
         )
     if pp > 1 and config.gradient_accumulation_steps != 1:

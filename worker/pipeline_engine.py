@@ -141,7 +141,7 @@ class PipelineEngine(MeshEngine):
 
     def rebind_mesh(self, mesh: DeviceMesh, shape: MeshShape, coords: MeshCoords) -> None:
         """:meth:`MeshEngine.rebind_mesh`, and the stage and schedule over the new pp
-        group (this rank keeps its stage: worker/elastic/mesh_session.py)."""
+        group (this rank keeps its stage: worker/elastic/rings.py)."""
         if coords.pp != self.coords.pp:
             raise ValueError(f"pipeline stage {self.coords.pp} cannot move to stage {coords.pp}")
         super().rebind_mesh(mesh, shape, coords)

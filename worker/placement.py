@@ -9,7 +9,7 @@ situation ([Note: one way in] in worker/spec.py).
 | ``MESH`` | none, or the script's group given | as ``GROUP`` | > 1 | a mesh engine over it |
 | ``ATTACHED`` | yes | the script's own | 1 | a member that reports; its group cannot re-form |
 | ``ELASTIC`` | yes | formed by zeroplane | 1 | an elastic member (worker/elastic/session.py) |
-| ``ELASTIC_MESH`` | yes | formed by zeroplane | > 1 | elastic by whole tp x pp groups (worker/elastic/mesh_session.py) |
+| ``ELASTIC_MESH`` | yes | formed by zeroplane | > 1 | elastic by whole tp x pp groups (worker/elastic/rings.py) |
 | ``MESH_AUTO`` | yes (``--mesh auto``) | the launcher's | chosen by the coordinator | a member of a fixed mesh (worker/attached.py) |
 
 ``--mesh auto`` without a coordinator is refused: nobody would choose the mesh.

@@ -199,7 +199,7 @@ class StagingPool:
 
     def trim(self) -> None:
         """Drop the free buffers beyond the pool's size (a pipeline's step grows it to
-        every bucket of its stage: worker/pipeline.py [Note: pipeline gradients into
+        every bucket of its stage: worker/pipeline_engine.py [Note: pipeline gradients into
         ZeRO])."""
         keep = max(0, self.size - len(self._holders))
         if len(self._free) > keep:

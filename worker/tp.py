@@ -412,7 +412,7 @@ class TensorParallel:
 
     def rebind(self, mesh: DeviceMesh) -> None:
         """Run on ``mesh`` from now on: the tp group of a job that re-formed (an
-        elastic mesh job's new generation, worker/elastic/mesh_session.py). Each
+        elastic mesh job's new generation, worker/elastic/rings.py). Each
         rank keeps its tp index, so the local shards and :attr:`slices` stand; the
         DTensor views and torch's input and output conversions take the new mesh."""
         if mesh.size() != self.size:

@@ -46,7 +46,7 @@ __all__ = [
 
 
 # What launchers set in every worker (`zeroplane run --tp/--pp`, the job spec);
-# worker/mesh.py ParallelConfig.from_env reads them, and each rank takes its
+# worker/parallel.py ParallelConfig.from_env reads them, and each rank takes its
 # coordinates from its RANK by [Note: mesh rank order].
 TP_ENV = "ZEROPLANE_TP"
 PP_ENV = "ZEROPLANE_PP"
@@ -177,7 +177,7 @@ def arrange_groups(
     A group is the ``tp * pp`` ranks of one dp index, one at each (pp, tp)
     position. Every survivor keeps its position: its shards are that position's,
     and each position's ring of dp ranks re-shards among itself
-    (worker/elastic/mesh_session.py [Note: elastic by whole groups]). So the
+    (worker/elastic/rings.py [Note: elastic by whole groups]). So the
     survivors of each position are queued, those of the most complete old groups
     first (they stay together) and then in their old dp order, and group ``d``
     takes the ``d``-th of every queue; a queue too short is made up with newcomers

@@ -163,6 +163,10 @@ class Session(Protocol):
     ahead: PreparedScaleUp | PreparedLeave | None
     keeper: elastic.ReplicaKeeper
     clock: StepClock
+    # an engine on a mesh: re-formed ring by ring (worker/elastic/rings.py), with
+    # what it carries across a change (rings.Carried) while the change is made
+    rings: bool
+    carried: Any
 
     def _to(self, phase: Phase) -> None: ...
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
+import torch.distributed as dist
 
 from coordinator.core.messages import Generation
 from worker import elastic
@@ -23,9 +24,9 @@ from worker.elastic.change import NO_GENERATION, join_ahead, leave_holding_state
 from worker.elastic.phases import Phase, RecoveryTiming, Session, StepAborted, admitted
 from worker.engine import ZeroEngine
 from worker.reporting import report
-from worker.state import Entries
+from worker.state import Counters, Entries
 
-__all__ = ["recover", "recover_in_formed", "restore"]
+__all__ = ["Restoring", "recover", "recover_in_formed", "restore", "restore_from"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +128,19 @@ def restore(
         "; ".join(f"live {h.live} at {h.live_step}, log {h.log}, replicas {h.replicas}"
                   for h in holdings),
     )  # fmt: skip
-    restoring = _Restoring(
-        session, engine, plan, live, replicas, log, list(range(gen.world_size)), comm, holds_state
+    restoring = Restoring(
+        session=session,
+        engine=engine,
+        plan=plan,
+        live=live,
+        replicas=replicas,
+        log=log,
+        members=list(range(gen.world_size)),
+        comm=comm,
+        holds_state=holds_state,
+        lost=plan.lost,
     )
-    source = _RESTORE_FROM[plan.source](restoring)
+    source = restore_from(restoring)
     engine.mark_restored()
     session.held.generation = gen.id
     keeper.retire(replicas)  # adopted: nothing reads them now
@@ -152,11 +162,17 @@ def restore(
 # ------------------------------------------------------------ one function per source
 
 
-@dataclasses.dataclass(frozen=True)
-class _Restoring:
-    """What a restore source's function works from: the plan every rank agreed on,
-    what this rank holds (``live``, ``replicas``, ``log``), the new group's
-    ``members`` and collectives."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Restoring:
+    """What a restore source's function works from, in every layout: the plan every
+    rank agreed on, what this rank holds (``live``, ``replicas``, ``log``), the new
+    group's ``members`` and collectives (``comm``; ``via``: the group the exchange
+    runs over, None for the world) and ``lost``, the ranks of this rank's ring that
+    nobody is now (their state comes from their right neighbour's replica).
+
+    A data-parallel rank's live state is its engine's own. A mesh rank's left the
+    engine when its ring re-formed (worker/elastic/rings.py): ``carried`` holds it
+    (the entries and counters of ``live``)."""
 
     session: Session
     engine: ZeroEngine
@@ -167,28 +183,40 @@ class _Restoring:
     members: list[int]
     comm: Collectives
     holds_state: bool
+    lost: frozenset[int] = frozenset()
+    carried: tuple[Entries, Counters] | None = None
+    via: dist.ProcessGroup | None = None
 
 
-def _from_live(ctx: _Restoring) -> str:
+def restore_from(ctx: Restoring) -> str:
+    """Restore from the plan's source (one function per :class:`RestoreSource`);
+    what the log says it was."""
+    return _RESTORE_FROM[ctx.plan.source](ctx)
+
+
+def _from_live(ctx: Restoring) -> str:
     engine, plan, live, held = ctx.engine, ctx.plan, ctx.live, ctx.session.held
     sends = live is not None and live[0] == plan.generation
     handed, held.handed = held.handed, None
     entries: Entries | None = None if sends else {}
+    counters = None if handed is None else handed.handover.counters
     if sends and handed is not None:  # a hand-over this rank had not adopted yet
         entries = handed.handover.entries
+    if ctx.carried is not None:  # a ring re-formed: the state left the engine
+        entries, counters = ctx.carried if sends else ({}, None)
     handover = elastic.exchange(
         engine.state,
         holds_state=sends,
-        via=None,
+        via=ctx.via,
         new_members=ctx.members,
         entries=entries,
-        counters=None if handed is None else handed.handover.counters,
+        counters=counters,
     )
     ctx.session._adopt(engine, handover, ctx.comm)
     return "live state, nothing rolled back"
 
 
-def _from_forward(ctx: _Restoring) -> str:
+def _from_forward(ctx: Restoring) -> str:
     engine, plan, live, log = ctx.engine, ctx.plan, ctx.live, ctx.log
     # survivors keep their state; each lost rank's comes from its right neighbour
     entries = engine.state.export_ranges(copy=False) if live is not None else {}
@@ -210,7 +238,7 @@ def _from_forward(ctx: _Restoring) -> str:
     handover = elastic.exchange(
         engine.state,
         holds_state=live is not None,
-        via=None,
+        via=ctx.via,
         new_members=ctx.members,
         entries=entries,
     )
@@ -221,19 +249,19 @@ def _from_forward(ctx: _Restoring) -> str:
     )
 
 
-def _from_replica(ctx: _Restoring) -> str:
+def _from_replica(ctx: Restoring) -> str:
     engine, plan = ctx.engine, ctx.plan
     entries: Entries = {}
     wanted = (plan.generation, plan.step)
     replica = next((r for r in ctx.replicas if r.ident[:2] == wanted), None)
-    if replica is not None:
+    if replica is not None:  # (a rank that stood by holds an older state: none)
         entries = dict(replica.own)
-        if replica.neighbour_rank in plan.lost:
+        if replica.neighbour_rank in ctx.lost:
             entries.update(replica.neighbour)
     handover = elastic.exchange(
         engine.state,
-        holds_state=ctx.holds_state,
-        via=None,
+        holds_state=ctx.holds_state and replica is not None,
+        via=ctx.via,
         new_members=ctx.members,
         entries=entries,
         counters=None if replica is None else replica.counters,
@@ -242,13 +270,13 @@ def _from_replica(ctx: _Restoring) -> str:
     return "in-memory replicas"
 
 
-def _from_module(ctx: _Restoring) -> str:
+def _from_module(ctx: Restoring) -> str:
     ctx.engine.state.build_from_kept_module(ctx.comm)
     ctx.engine.publish_snapshot()
     return "nothing: every holder of the job's state was lost, it starts again"
 
 
-def _from_checkpoint(ctx: _Restoring) -> str:
+def _from_checkpoint(ctx: Restoring) -> str:
     engine = ctx.engine
     checkpoint_dir = Path(ctx.plan.checkpoint or "")
     engine.state.build(ctx.comm, from_module=False)  # torn until the checkpoint is in
@@ -258,7 +286,7 @@ def _from_checkpoint(ctx: _Restoring) -> str:
 
 
 # what each source restores from, and what the log says it was
-_RESTORE_FROM: dict[elastic.RestoreSource, Callable[[_Restoring], str]] = {
+_RESTORE_FROM: dict[elastic.RestoreSource, Callable[[Restoring], str]] = {
     elastic.RestoreSource.LIVE: _from_live,
     elastic.RestoreSource.FORWARD: _from_forward,
     elastic.RestoreSource.REPLICA: _from_replica,

@@ -42,6 +42,7 @@ from worker.elastic import (
     change,
     joining,
     recovery,
+    rings,
 )
 from worker.elastic.phases import TRANSITIONS, Held, Phase, StepClock, admitted
 from worker.elastic.prepared import PreparedLeave, PreparedScaleUp
@@ -80,6 +81,10 @@ class ElasticSession(FinalReport):
         self.ahead: PreparedScaleUp | PreparedLeave | None = None
         # the last step boundary and the times between the last few
         self.clock = StepClock()
+        # an engine on a mesh re-forms ring by ring (worker/elastic/rings.py), and
+        # carries its state across a change it had to retry (a peer lost in it)
+        self.rings = False
+        self.carried: rings.Carried | None = None
 
     # what the keeper holds, read as the session's own
     @property
@@ -110,13 +115,18 @@ class ElasticSession(FinalReport):
     @classmethod
     def join(cls, spec: EngineSpec) -> ZeroEngine:
         """Register at ``spec``'s coordinator, wait for a rank, form the generation's
-        group and build the engine for it (worker/elastic/joining.py)."""
+        group (and mesh) and build the engine for it (worker/elastic/joining.py; on a
+        mesh, worker/elastic/rings.py)."""
+        if spec.model_parallel:
+            return rings.join(cls(), spec)
         return joining.join(cls(), spec)
 
     # ------------------------------------------------------------ the engine's seams
 
     def vote(self, engine: ZeroEngine) -> BoundaryVote:
         control = admitted(self)
+        if self.rings:  # the dp ballot carries no membership: the world votes after
+            return BoundaryVote(generation=control.generation.id)
         generation, waiting = control.latest_id, False
         newest = control.client.generation
         ahead = self.ahead
@@ -154,7 +164,8 @@ class ElasticSession(FinalReport):
         every rank's send meets its neighbour's receive."""
         st, config = engine.state, engine.config
         if not (
-            config.replica_interval
+            not self.rings  # a lost rank of a mesh rolls its ring back to the replicas
+            and config.replica_interval
             and config.replica_gradient_log
             and st.stage.optimizer_sharded
             and not st.placement.optimizer_on_host
@@ -180,6 +191,9 @@ class ElasticSession(FinalReport):
         self._refresh_replica(engine)
 
     def after_step(self, engine: ZeroEngine, agreed: BoundaryVote, stepped: bool) -> None:
+        if self.rings:
+            rings.boundary(self, engine, stepped)
+            return
         control = admitted(self)
         if stepped:
             self.keeper.log.commit(engine.global_steps)
@@ -218,8 +232,16 @@ class ElasticSession(FinalReport):
 
     def recover(self, engine: ZeroEngine, exc: CollectiveError) -> NoReturn:
         """A peer is gone: form the coordinator's next generation and restore
-        (worker/elastic/recovery.py)."""
+        (worker/elastic/recovery.py; on a mesh, ring by ring: worker/elastic/rings.py)."""
+        if self.rings:
+            rings.recover(self, engine, exc)
         recovery.recover(self, engine, exc)
+
+    def peer_lost(self) -> bool:
+        """Whether the coordinator confirms a lost peer (a newer generation), for an
+        error raised inside torch's DTensor or pipeline schedule (worker/mesh_engine.py
+        ``MeshEngine._peer_loss``)."""
+        return rings.peer_lost(self)
 
     def close(self) -> None:
         member = self.phase is Phase.MEMBER
