@@ -17,12 +17,16 @@ With ``--holders`` an argument also counts when one of its attributes (its
 the model: the model carried one level deep. Nothing deeper (no lists of modules,
 no closures). The table gives the stops, the distinct files they are in, and the
 *returns*: stops in a file visited earlier in the walk that is not the file of
-the stop just before. ``--list`` prints the walk, one ``file:function`` a stop.
+the stop just before; the *route*: the stops before the first engine
+``__init__`` (the way to the constructor), and their files. ``--list`` prints
+the walk, one ``file:function`` a stop.
 
 ``--placement``: ``alone`` (default; no process group, no launcher or coordinator
-environment) or ``group`` (a one-rank gloo group the script forms first, the
-placement of a script under a launcher). ``mesh`` and the coordinator's
-placements need several processes or a coordinator, and are not measured here.
+environment); ``group`` (a one-rank gloo group the script forms first, as under a
+launcher); ``elastic`` (a coordinator served from threads of this process, one
+worker, zeroplane forms the group); ``attached`` (that coordinator and the
+script's own one-rank group). Only the calling thread is profiled. ``mesh``
+needs several processes and is not measured here.
 
 ``--root DIR`` goes first on ``sys.path`` and is the working directory, so the same
 script measures any checkout (``git worktree add /tmp/old-tree <commit>``).
@@ -34,8 +38,10 @@ import argparse
 import os
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
+PLACEMENTS = ("alone", "group", "elastic", "attached")
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -55,13 +61,8 @@ def _arguments(frame) -> list:
 def _carries(value, model, holders: bool) -> bool:
     if value is model:
         return True
-    if not holders:
-        return False
-    try:
-        attrs = vars(value)
-    except TypeError:
-        return False
-    return any(v is model for v in list(attrs.values()))
+    attrs = getattr(value, "__dict__", None) if holders else None
+    return isinstance(attrs, dict) and any(v is model for v in list(attrs.values()))
 
 
 def walk(root: Path, placement: str, holders: bool) -> list[tuple[str, str]]:
@@ -76,7 +77,8 @@ def walk(root: Path, placement: str, holders: bool) -> list[tuple[str, str]]:
     from worker.models import GPT, GPTConfig
 
     assert Path(worker.__file__).resolve().is_relative_to(root), worker.__file__
-    if placement == "group":
+    server = _coordinator() if placement in ("elastic", "attached") else None
+    if placement in ("group", "attached"):
         import torch.distributed as dist
 
         store = Path(tempfile.mkdtemp()) / "store"
@@ -94,29 +96,56 @@ def walk(root: Path, placement: str, holders: bool) -> list[tuple[str, str]]:
             rel = os.path.relpath(frame.f_code.co_filename, root)
             stops.append((rel, frame.f_code.co_qualname))
 
+    address = None if server is None else server.address
     sys.setprofile(profile)
     try:
-        worker.initialize(model, optimizer, config=worker.ZeroConfig(stage=3))
+        engine = worker.initialize(
+            model, optimizer, config=worker.ZeroConfig(stage=3), coordinator=address
+        )
     finally:
         sys.setprofile(None)
+    if server is not None:
+        engine.close()
+        server.stop(grace=0.2)
     return stops
 
 
+def _coordinator():
+    """A one-worker coordinator in this process's threads (elastic, attached)."""
+    from coordinator.control.server import create_server
+    from coordinator.core import settings as s
+
+    token = "construction-walk-token-0123"
+    os.environ.update(ZEROPLANE_TOKEN=token, ZEROPLANE_WORKER_ID="walk-0")
+    membership = s.MembershipConfig(min_workers=1, max_workers=1, join_window_s=0.0)
+    server, _ = create_server(
+        s.CoordinatorConfig(
+            server=s.ServerConfig(host="127.0.0.1", port=0, token=token),
+            membership=membership,
+            plan=s.PlanConfig(stage=3, precision="fp32"),
+        )
+    )
+    server.start()
+    return server
+
+
 def summary(stops: list[tuple[str, str]]) -> dict[str, int]:
-    seen: set[str] = set()
-    returns, previous = 0, None
-    for file, _ in stops:
-        if file in seen and file != previous:
-            returns += 1
-        seen.add(file)
-        previous = file
-    return {"stops": len(stops), "files": len(seen), "returns": returns}
+    files = [file for file, _ in stops]
+    returns = sum(f in files[:i] and f != files[i - 1] for i, f in enumerate(files) if i)
+    route = next((i for i, (_, f) in enumerate(stops) if f.endswith("Engine.__init__")), len(stops))
+    return {
+        "stops": len(stops),
+        "files": len(set(files)),
+        "returns": returns,
+        "route": route,
+        "route files": len(set(files[:route])),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
-    parser.add_argument("--placement", choices=("alone", "group"), default="alone")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="alone")
     parser.add_argument("--holders", action="store_true", help="count one attribute deep")
     parser.add_argument("--list", action="store_true", help="print the walk")
     args = parser.parse_args()
@@ -129,11 +158,9 @@ def main() -> None:
     numbers = summary(stops)
     rule = "argument or one attribute deep" if args.holders else "argument"
     print(f"root {root}  placement {args.placement}  rule: model is an {rule}")
-    print(f"{'stops':>8} {'files':>8} {'returns':>8}")
-    print(f"{numbers['stops']:>8} {numbers['files']:>8} {numbers['returns']:>8}")
-    per_file: dict[str, int] = {}
-    for file, _ in stops:
-        per_file[file] = per_file.get(file, 0) + 1
+    print(" ".join(f"{k:>12}" for k in numbers))
+    print(" ".join(f"{v:>12}" for v in numbers.values()))
+    per_file = Counter(file for file, _ in stops)
     print("files (stops):", ", ".join(f"{f} ({n})" for f, n in per_file.items()))
 
 

@@ -16,14 +16,18 @@ from worker.elastic.phases import StepAborted
 from worker.engine import ZeroEngine
 from worker.entry import initialize
 from worker.hf import from_pretrained
+from worker.leaves import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules
 
 __all__ = [
     "StepAborted",
     "ZeroConfig",
     "ZeroEngine",
     "from_pretrained",
+    "get_z3_leaf_modules",
     "initialize",
     "meta_parameters",
     "models",
+    "set_z3_leaf_modules",
     "skip_init",
+    "unset_z3_leaf_modules",
 ]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from coordinator.core.layout import ParamSpec
+from worker.leaves import is_leaf
 
 __all__ = ["Inventory", "build_inventory", "dtype_name", "persistent_buffers"]
 
@@ -106,7 +107,10 @@ def _assign_units(root: nn.Module, min_numel: int) -> tuple[dict[nn.Parameter, i
     not-yet-assigned parameters reach ``min_numel``. A unit takes only
     parameters all of whose owning modules lie inside it, so a tied weight
     used by two blocks goes to their common ancestor and is gathered while
-    both run. The root (unit 0) takes everything left.
+    both run. A leaf module (worker/leaves.py [Note: data-dependent modules at
+    stage 3]: a mixture of experts' block) is one unit with its whole subtree:
+    nothing inside it becomes a unit of its own. The root (unit 0) takes
+    everything left.
     """
     owners: dict[nn.Parameter, set[str]] = {}
     for mod_name, mod in root.named_modules(remove_duplicate=False):
@@ -119,24 +123,26 @@ def _assign_units(root: nn.Module, min_numel: int) -> tuple[dict[nn.Parameter, i
     def inside(prefix: str, name: str) -> bool:
         return prefix == "" or name == prefix or name.startswith(prefix + ".")
 
-    def visit(mod: nn.Module, prefix: str, is_block: bool) -> None:
+    def visit(mod: nn.Module, prefix: str, is_block: bool, in_leaf: bool) -> None:
         is_container = isinstance(mod, nn.ModuleList | nn.Sequential)
+        leaf = not in_leaf and mod is not root and is_leaf(mod)
         for child_name, child in mod.named_children():
-            visit(child, f"{prefix}.{child_name}" if prefix else child_name, is_container)
-        if mod is root:
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            visit(child, name, is_container, in_leaf or leaf)
+        if mod is root or in_leaf:
             return
         free = [
             p
             for p in _unique(mod.parameters())
             if p not in unit_of and all(inside(prefix, o) for o in owners[p])
         ]
-        if free and (is_block or sum(p.numel() for p in free) >= min_numel):
+        if free and (is_block or leaf or sum(p.numel() for p in free) >= min_numel):
             unit = len(unit_modules)
             unit_modules[unit] = mod
             for p in free:
                 unit_of[p] = unit
 
-    visit(root, "", False)
+    visit(root, "", False, False)
     return unit_of, unit_modules
 
 
