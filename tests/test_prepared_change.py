@@ -17,7 +17,8 @@ from tests.test_elastic_engine import STEPS, matches_reference, pair_then_newcom
 from tests.test_rendezvous_meet import _Client, _free_port, _Generation
 from worker.ballot import BoundaryVote
 from worker.collectives import Collectives
-from worker.elastic import (
+from worker.flat import Reserve
+from worker.live import (
     ExchangeBuffers,
     _Packing,
     exchange,
@@ -26,7 +27,6 @@ from worker.elastic import (
     sent_bound,
     wire_device,
 )
-from worker.flat import Reserve
 from worker.rendezvous import ControlPlane
 from worker.state import _probe_state_fields
 
@@ -138,7 +138,7 @@ def test_the_packed_bound_covers_every_split_of_a_ranks_share(stage: int) -> Non
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_sent_bound_covers_what_a_rank_sends_and_no_more_than_it_owns(stage: int) -> None:
     """Scale-ups and scale-downs (the last ranks leave): what each old rank packs
-    for every other new rank, as worker/elastic/live_exchange.py ``exchange`` slices it."""
+    for every other new rank, as worker/live/exchange.py ``exchange`` slices it."""
     import types
 
     from coordinator.core.ranges import Range, RangeIndex, owned_ranges

@@ -68,7 +68,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves, tree_map
 
 from coordinator.core.layout import Layout
-from worker import checkpoint, elastic, pretrained
+from worker import checkpoint, live, pretrained
 from worker.activations import SavedBytes, checkpoint_modules, choose_modules, unwrap
 from worker.ballot import Ballot, BoundaryVote
 from worker.birth import Init, default_device, place_module
@@ -112,7 +112,7 @@ class Membership(Protocol):
     ) -> Handle | None:
         """Before the optimizer step: start sending this step's final partition
         gradients to the neighbour that keeps this rank's replica; the engine waits
-        on the handle before it steps (worker/elastic/replicas.py [Note: rolling a lost rank
+        on the handle before it steps (worker/live/replicas.py [Note: rolling a lost rank
         forward])."""
         ...
 
@@ -634,7 +634,7 @@ class ZeroEngine:
             logged.wait()
         # the step's loss summed over the ranks, overlapping the optimizer step; with
         # the log, it is also the step's go: no rank steps before every rank's log is
-        # delivered (worker/elastic/replicas.py [Note: rolling a lost rank forward])
+        # delivered (worker/live/replicas.py [Note: rolling a lost rank forward])
         loss_pair = self.stats.close_window_loss(st.device)
         loss_sum = st.comm.all_reduce(loss_pair, async_op=True, control=True)
         if logged is not None:
@@ -898,7 +898,7 @@ class ZeroEngine:
         of ``via`` in new-rank order; a newcomer built its engine with
         ``initial_state="peers"`` and passes ``holds_state=False``) and any
         leaving ranks (not in ``new_members``; their engine ends detached). See
-        worker/elastic/live_exchange.py [Note: live reshard]. With a coordinator, the session
+        worker/live/exchange.py [Note: live reshard]. With a coordinator, the session
         does this by itself when the coordinator changes the membership.
         """
         if self.state.micro_in_step:
@@ -912,7 +912,7 @@ class ZeroEngine:
                     "group (the coordinator's sessions re-form that one); nothing was "
                     f"moved. Use {name}=1 to reconfigure onto subgroups"
                 )
-        handover = elastic.exchange(
+        handover = live.exchange(
             self.state, holds_state=holds_state, via=via, new_members=new_members
         )
         if new_group is None and Collectives(via).rank not in new_members:
@@ -920,10 +920,10 @@ class ZeroEngine:
             return
         self.adopt(handover, Collectives(new_group))
 
-    def adopt(self, handover: elastic.Handover, comm: Collectives | None) -> None:
+    def adopt(self, handover: live.Handover, comm: Collectives | None) -> None:
         """Take this rank's state from a hand-over: rebuilt for ``comm``'s world, or
         (``None``) into the buffers already built for it (a newcomer's)."""
-        elastic.adopt(self.state, handover, comm)
+        live.adopt(self.state, handover, comm)
         self.ballot.clear()
         self.after_restore()
 

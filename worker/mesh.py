@@ -39,9 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from coordinator.core.meshplan import PP_ENV, TP_ENV, MeshCoords, MeshShape
 from worker.birth import Init, SlicedInit, meta_names, skip_init
-from worker.collectives import CollectiveError, Collectives
+from worker.collectives import CollectiveError, Collectives, StepAborted
 from worker.config import ZeroConfig
-from worker.elastic.phases import StepAborted
 from worker.engine import OptimizerArg, ZeroEngine, module_device
 from worker.inventory import Inventory
 from worker.metrics import MetricsServer

@@ -3,7 +3,7 @@
 :class:`ShardState` is the one owner of what a rank holds between steps. The
 engine (worker/engine.py) drives it through a step; checkpoints
 (worker/checkpoint.py), the live exchange between world sizes
-(worker/elastic/live_exchange.py) and the metrics exporter use only its public methods:
+(worker/live/exchange.py) and the metrics exporter use only its public methods:
 
 * :meth:`build` for a world (``Collectives``), from the module's values or
   empty for a transfer to fill; :meth:`release` before building again;
@@ -22,7 +22,7 @@ name and element range wherever it lives.
 
 ``whole`` says whether the state is complete at a step boundary (not half
 stepped, not half rebuilt): only then is it a source for recovery after a
-peer is lost (worker/elastic/restore_plan.py [Note: recovery sources]).
+peer is lost (worker/live/restore_plan.py [Note: recovery sources]).
 """
 
 from __future__ import annotations

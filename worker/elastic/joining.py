@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from coordinator.core.messages import Generation
-from worker import elastic
+from worker import live
 from worker.birth import Init
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
@@ -78,7 +78,7 @@ def join(
 
     engine: ZeroEngine | None = None
     warming: threading.Thread | None = None
-    wire: list[elastic.ExchangeBuffers] = []  # what the warm thread writes to receive into
+    wire: list[live.ExchangeBuffers] = []  # what the warm thread writes to receive into
     try:
         control = ControlPlane.join(
             address,
@@ -153,7 +153,7 @@ def join(
         restore(session, engine, gen, holds_state=False)
     elif newcomer:
         # joining a running job: the members hand this rank its shards
-        handover = elastic.exchange(
+        handover = live.exchange(
             engine.state,
             holds_state=False,
             via=None,
@@ -178,7 +178,7 @@ def join(
     return engine
 
 
-def _warm(engine: ZeroEngine, wire: list[elastic.ExchangeBuffers]) -> None:
+def _warm(engine: ZeroEngine, wire: list[live.ExchangeBuffers]) -> None:
     """A newcomer built ahead, while it meets the members: the transient buffers
     of its first backward (ShardState.warm), the optimizer state its import
     makes and a buffer to receive its shards into (worker/state.py [Note: a
@@ -189,7 +189,7 @@ def _warm(engine: ZeroEngine, wire: list[elastic.ExchangeBuffers]) -> None:
         fields = state.state_fields()  # a probe: found once for both
         plan = state.reserve_plan(state.rank, state.world_size, buffers=False, fields=fields)
         state.reserve = Reserve.make(plan)
-        recv = elastic.packed_bound(state, state.rank, state.world_size, fields)
-        wire.append(elastic.ExchangeBuffers.make(0, recv, elastic.wire_device(state.comm)))
+        recv = live.packed_bound(state, state.rank, state.world_size, fields)
+        wire.append(live.ExchangeBuffers.make(0, recv, live.wire_device(state.comm)))
     except Exception as exc:  # out of memory, say: the import allocates as before
         logger.warning("writing the newcomer's buffers ahead failed: %s", exc)

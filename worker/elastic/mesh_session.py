@@ -19,14 +19,14 @@ in its new process group:
    engine empty (``initial_state="peers"``);
 2. shares what it holds for its ring (one small all-reduce over the world:
    its live state's id and step, its replicas'), and every rank picks the
-   same source (worker/elastic/restore_plan.py ``plan_mesh_restore``): the
+   same source (worker/live/restore_plan.py ``plan_mesh_restore``): the
    live state when every ring's ranks are all here and whole at one step (a
    scale-up), else the newest replica step that covers every ring (a lost
    rank: its shards come from its right dp neighbour's copy; a leave: every
    rank refreshed its replica at the boundary it left at, so nothing rolls
    back), else the last checkpoint;
 3. re-shards each ring from its old dp width to its new one over the new dp
-   group (worker/elastic/live_exchange.py ``exchange``, as a data-parallel
+   group (worker/live/exchange.py ``exchange``, as a data-parallel
    job does over the world) and refreshes its replicas.
 
 A rank whose group cannot be completed (its group peers lost, nobody to take
@@ -59,20 +59,19 @@ from torch import nn
 
 from coordinator.core.meshplan import MeshCoords, MeshShape
 from coordinator.core.messages import FINISHED, Generation
-from worker import elastic
+from worker import live
 from worker.ballot import BoundaryVote
 from worker.birth import Init
-from worker.collectives import CollectiveError, Collectives, Handle
+from worker.collectives import CollectiveError, Collectives, Handle, StepAborted
 from worker.compat import abort_default_group
 from worker.config import ZeroConfig
-from worker.elastic.phases import StepAborted
-from worker.elastic.restore_plan import (
+from worker.engine import LossFn, OptimizerArg, ZeroEngine, build_inventory_for, resolve_optimizer
+from worker.live.restore_plan import (
     RestoreSource,
     current_rings,
     plan_mesh_restore,
     ring_lost,
 )
-from worker.engine import LossFn, OptimizerArg, ZeroEngine, build_inventory_for, resolve_optimizer
 from worker.mesh import MeshEngine, ParallelConfig, build_mesh, engine_on_mesh
 from worker.metrics import SnapshotBoard, start_metrics
 from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission, env_seconds
@@ -99,7 +98,7 @@ class MeshSession(FinalReport):
     def __init__(self, control: ControlPlane) -> None:
         super().__init__()
         self.control = control
-        self.keeper = elastic.ReplicaKeeper()
+        self.keeper = live.ReplicaKeeper()
         self.leave_requested = False
         # what this rank brought to a change still being made: a peer lost during
         # it leaves the state half rebuilt, and the next attempt brings this again
@@ -397,7 +396,7 @@ class MeshSession(FinalReport):
         coords, shape = engine.coords, engine.shape
         ring = coords.pp * shape.tp + coords.tp
         keep = held is not None and (held.pp, held.tp) == (coords.pp, coords.tp)
-        mine = elastic.Holding(
+        mine = live.Holding(
             live=(held.generation, held.dp, held.dp_size)
             if keep and held is not None and held.live is not None
             else None,
@@ -411,9 +410,9 @@ class MeshSession(FinalReport):
         table[self.control.rank, 1:] = mine.encode()
         Collectives(None).all_reduce(table, op="sum", control=True)
         rows = table.cpu()
-        rings: list[list[elastic.Holding]] = [[] for _ in range(shape.group_size)]
+        rings: list[list[live.Holding]] = [[] for _ in range(shape.group_size)]
         for row in rows:
-            rings[int(row[0])].append(elastic.Holding.decode(row[1:]))
+            rings[int(row[0])].append(live.Holding.decode(row[1:]))
         held_words = "; ".join(
             f"ring {r} (pp {r // shape.tp}, tp {r % shape.tp}): "
             + ", ".join(f"live {h.live} at {h.live_step}, replicas {h.replicas}" for h in held_by)
@@ -447,7 +446,7 @@ class MeshSession(FinalReport):
             engine.state.build_from_kept_module(dp_comm)
             engine.publish_snapshot()
         else:
-            handover = elastic.exchange(
+            handover = live.exchange(
                 engine.state,
                 holds_state=bool(entries),
                 via=dp_comm.group,
@@ -487,4 +486,4 @@ class _Held:
     step: int
     live: Entries | None
     counters: Counters
-    replicas: list[elastic.Replica]
+    replicas: list[live.Replica]

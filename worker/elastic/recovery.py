@@ -1,7 +1,7 @@
 """Recovery: a peer was lost mid-step (a collective failed). The session forms the
 coordinator's next generation without it, the ranks share what each holds, and
 every rank restores one consistent state from the source the plan picks
-(worker/elastic/restore_plan.py [Note: recovery sources]): one function per
+(worker/live/restore_plan.py [Note: recovery sources]): one function per
 :class:`RestoreSource`. Then :class:`StepAborted` tells the training loop to carry on
 from ``engine.global_steps``."""
 
@@ -17,10 +17,10 @@ from typing import NoReturn
 import torch
 
 from coordinator.core.messages import Generation
-from worker import elastic
-from worker.collectives import CollectiveError, Collectives
+from worker import live
+from worker.collectives import CollectiveError, Collectives, StepAborted
 from worker.elastic.change import NO_GENERATION, join_ahead, leave_holding_state
-from worker.elastic.phases import Phase, RecoveryTiming, Session, StepAborted, admitted
+from worker.elastic.phases import Phase, RecoveryTiming, Session, admitted
 from worker.engine import ZeroEngine
 from worker.reporting import report
 from worker.state import Entries
@@ -77,7 +77,7 @@ def recover_in_formed(session: Session, engine: ZeroEngine, intended: Generation
     )
 
 
-def _live(session: Session, engine: ZeroEngine) -> elastic.StateId | None:
+def _live(session: Session, engine: ZeroEngine) -> live.StateId | None:
     """Whose state this rank's shards are, while whole ([Note: recovery sources])."""
     held = session.held
     if held.handed is not None:
@@ -96,7 +96,7 @@ def restore(
     timing: RecoveryTiming | None = None,
 ) -> None:
     """Bring every rank of ``gen`` to one consistent state after a loss, from the
-    best source the group holds (worker/elastic/restore_plan.py [Note: recovery
+    best source the group holds (worker/live/restore_plan.py [Note: recovery
     sources]). A collective of the new group; a worker that joins in the same
     generation (a restarted pod under its old name) takes part holding nothing
     (``holds_state=False``)."""
@@ -105,22 +105,22 @@ def restore(
     started = time.perf_counter()
     reached = engine.global_steps
     replicas, keeper.replicas = (keeper.replicas if holds_state else []), []
-    log, keeper.log = keeper.log, elastic.GradientLog()
-    live = _live(session, engine) if holds_state else None
-    mine = elastic.Holding(
-        live=live,
+    log, keeper.log = keeper.log, live.GradientLog()
+    live_id = _live(session, engine) if holds_state else None
+    mine = live.Holding(
+        live=live_id,
         replicas=tuple(r.ident for r in replicas),
         holds_state=holds_state,
         checkpoint=None if engine.last_checkpoint is None else str(engine.last_checkpoint),
-        live_step=engine.global_steps if live is not None else -1,
+        live_step=engine.global_steps if live_id is not None else -1,
         log=log.coverage() if holds_state else None,
     )
     table = torch.zeros(gen.world_size, mine.WIDTH, dtype=torch.int64, device=engine.device)
     table[control.rank] = mine.encode()
     comm = Collectives(None)
     comm.all_reduce(table, op="sum", control=True)
-    holdings = [elastic.Holding.decode(row) for row in table.cpu()]
-    plan = elastic.plan_restore(holdings)
+    holdings = [live.Holding.decode(row) for row in table.cpu()]
+    plan = live.plan_restore(holdings)
     logger.info(
         "recovery plan %s (generation %s, step %s, lost %s) from %s",
         plan.source, plan.generation, plan.step, sorted(plan.lost),
@@ -128,8 +128,9 @@ def restore(
                   for h in holdings),
     )  # fmt: skip
     restoring = _Restoring(
-        session, engine, plan, live, replicas, log, list(range(gen.world_size)), comm, holds_state
-    )
+        session, engine, plan, live_id, replicas, log, list(range(gen.world_size)), comm,
+        holds_state,
+    )  # fmt: skip
     source = _RESTORE_FROM[plan.source](restoring)
     engine.mark_restored()
     session.held.generation = gen.id
@@ -160,23 +161,23 @@ class _Restoring:
 
     session: Session
     engine: ZeroEngine
-    plan: elastic.RestorePlan
-    live: elastic.StateId | None
-    replicas: list[elastic.Replica]
-    log: elastic.GradientLog
+    plan: live.RestorePlan
+    live: live.StateId | None
+    replicas: list[live.Replica]
+    log: live.GradientLog
     members: list[int]
     comm: Collectives
     holds_state: bool
 
 
 def _from_live(ctx: _Restoring) -> str:
-    engine, plan, live, held = ctx.engine, ctx.plan, ctx.live, ctx.session.held
-    sends = live is not None and live[0] == plan.generation
+    engine, plan, live_id, held = ctx.engine, ctx.plan, ctx.live, ctx.session.held
+    sends = live_id is not None and live_id[0] == plan.generation
     handed, held.handed = held.handed, None
     entries: Entries | None = None if sends else {}
     if sends and handed is not None:  # a hand-over this rank had not adopted yet
         entries = handed.handover.entries
-    handover = elastic.exchange(
+    handover = live.exchange(
         engine.state,
         holds_state=sends,
         via=None,
@@ -189,12 +190,12 @@ def _from_live(ctx: _Restoring) -> str:
 
 
 def _from_forward(ctx: _Restoring) -> str:
-    engine, plan, live, log = ctx.engine, ctx.plan, ctx.live, ctx.log
+    engine, plan, live_id, log = ctx.engine, ctx.plan, ctx.live, ctx.log
     # survivors keep their state; each lost rank's comes from its right neighbour
-    entries = engine.state.export_ranges(copy=False) if live is not None else {}
+    entries = engine.state.export_ranges(copy=False) if live_id is not None else {}
     left = (engine.rank - 1) % engine.world_size
     replayed = 0
-    if live is not None and left in plan.lost:
+    if live_id is not None and left in plan.lost:
         replica = max(
             (
                 r
@@ -205,11 +206,11 @@ def _from_forward(ctx: _Restoring) -> str:
             key=lambda r: r.counters.global_steps,
         )
         steps = log.between(replica.counters.global_steps, plan.step or 0)
-        entries.update(elastic.roll_forward(engine.state, left, replica.neighbour, steps))
+        entries.update(live.roll_forward(engine.state, left, replica.neighbour, steps))
         replayed = len(steps)
-    handover = elastic.exchange(
+    handover = live.exchange(
         engine.state,
-        holds_state=live is not None,
+        holds_state=live_id is not None,
         via=None,
         new_members=ctx.members,
         entries=entries,
@@ -230,7 +231,7 @@ def _from_replica(ctx: _Restoring) -> str:
         entries = dict(replica.own)
         if replica.neighbour_rank in plan.lost:
             entries.update(replica.neighbour)
-    handover = elastic.exchange(
+    handover = live.exchange(
         engine.state,
         holds_state=ctx.holds_state,
         via=None,
@@ -258,10 +259,10 @@ def _from_checkpoint(ctx: _Restoring) -> str:
 
 
 # what each source restores from, and what the log says it was
-_RESTORE_FROM: dict[elastic.RestoreSource, Callable[[_Restoring], str]] = {
-    elastic.RestoreSource.LIVE: _from_live,
-    elastic.RestoreSource.FORWARD: _from_forward,
-    elastic.RestoreSource.REPLICA: _from_replica,
-    elastic.RestoreSource.MODULE: _from_module,
-    elastic.RestoreSource.CHECKPOINT: _from_checkpoint,
+_RESTORE_FROM: dict[live.RestoreSource, Callable[[_Restoring], str]] = {
+    live.RestoreSource.LIVE: _from_live,
+    live.RestoreSource.FORWARD: _from_forward,
+    live.RestoreSource.REPLICA: _from_replica,
+    live.RestoreSource.MODULE: _from_module,
+    live.RestoreSource.CHECKPOINT: _from_checkpoint,
 }

@@ -16,8 +16,8 @@ import torch
 
 from coordinator.core.ranges import Range
 from worker.collectives import CollectiveError, Collectives, Handle
-from worker.elastic.live_exchange import _start_exchange, pack_entries, unpack_entries
-from worker.elastic.restore_plan import ReplicaId
+from worker.live.exchange import _start_exchange, pack_entries, unpack_entries
+from worker.live.restore_plan import ReplicaId
 from worker.state import Counters, Entries, MissingRange, ShardState
 
 __all__ = [
