@@ -79,7 +79,7 @@ def ready_for(session: Session, engine: ZeroEngine, gen: Generation) -> bool:
     ([Note: meeting ahead] in worker/rendezvous.py): polled at each step boundary
     while the members train on, for at most ``_AHEAD_PATIENCE_S``; after that the
     switch goes ahead, and the meeting handles a newcomer that never came. This
-    rank is ready once it has written its buffers for ``gen`` (worker/state.py
+    rank is ready once it has written its buffers for ``gen`` (worker/build_ahead.py
     [Note: a build from buffers written ahead]), in a thread started here."""
     control = admitted(session)
     ahead = session.ahead

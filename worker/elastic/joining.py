@@ -181,7 +181,7 @@ def join(
 def _warm(engine: ZeroEngine, wire: list[live.ExchangeBuffers]) -> None:
     """A newcomer built ahead, while it meets the members: the transient buffers
     of its first backward (ShardState.warm), the optimizer state its import
-    makes and a buffer to receive its shards into (worker/state.py [Note: a
+    makes and a buffer to receive its shards into (worker/build_ahead.py [Note: a
     build from buffers written ahead]); appended to ``wire``."""
     state = engine.state
     state.warm()

@@ -66,6 +66,7 @@ from worker.collectives import CollectiveError, Collectives, Handle, StepAborted
 from worker.compat import abort_default_group
 from worker.config import ZeroConfig
 from worker.engine import LossFn, OptimizerArg, ZeroEngine, build_inventory_for, resolve_optimizer
+from worker.entries import Entries
 from worker.live.restore_plan import (
     RestoreSource,
     current_rings,
@@ -77,7 +78,7 @@ from worker.metrics import SnapshotBoard, start_metrics
 from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission, env_seconds
 from worker.reporting import FinalReport, planned_config, report
 from worker.schedule import SchedulerArg, resolve_scheduler
-from worker.state import Counters, Entries
+from worker.state import Counters
 
 if TYPE_CHECKING:
     from worker.pipeline import Split

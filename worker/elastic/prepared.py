@@ -26,7 +26,7 @@ class _Prepared:
     """A membership change a member prepares for while it trains: the
     generation (for a leave, the current one), since when, this rank's place
     after the change (None: it is the leaver), and the thread writing its
-    buffers: the build's (worker/state.py [Note: a build from buffers written
+    buffers: the build's (worker/build_ahead.py [Note: a build from buffers written
     ahead]) and the exchange's."""
 
     generation: int

@@ -22,8 +22,8 @@ from worker.collectives import CollectiveError, Collectives, StepAborted
 from worker.elastic.change import NO_GENERATION, join_ahead, leave_holding_state
 from worker.elastic.phases import Phase, RecoveryTiming, Session, admitted
 from worker.engine import ZeroEngine
+from worker.entries import Entries
 from worker.reporting import report
-from worker.state import Entries
 
 __all__ = ["recover", "recover_in_formed", "restore"]
 

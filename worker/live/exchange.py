@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from coordinator.core.ranges import Range, RangeIndex, owned_ranges
 from worker.collectives import Collectives, Handle
-from worker.state import Counters, Entries, ShardState
+from worker.entries import Entries
+from worker.state import Counters, ShardState
 
 __all__ = [
     "ExchangeBuffers",
