@@ -15,7 +15,7 @@ from tests.test_checkpoint import GLOBAL, global_batch, reference, use_extra
 from worker.ballot import BoundaryVote
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.data import LoaderConfig, PackedTokens, StepLoader
-from worker.elastic import (
+from worker.live import (
     GradientLog,
     Holding,
     buffer_of,
@@ -327,7 +327,7 @@ def session_reuses_buffers(stage: int) -> bool:
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_session_snapshots_into_buffers_nothing_reads(pools, stage: int) -> None:
-    """[Note: a snapshot into the last one's buffer] in worker/elastic/replicas.py."""
+    """[Note: a snapshot into the last one's buffer] in worker/live/replicas.py."""
     assert all(pools(3).run(session_reuses_buffers, stage))
 
 

@@ -1,5 +1,7 @@
-"""The worker package's shape: one module per concern, no import cycles, no reaching
-into the engine's private members; what a user sees of it in a profiler."""
+"""The worker package's shape: one module per concern, no import cycles between
+modules or packages, nothing under the engine importing the sessions, no module or
+class past its size, no reaching into the engine's private members; what a user
+sees of it in a profiler."""
 
 from __future__ import annotations
 
@@ -47,12 +49,16 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-def test_the_worker_import_graph_has_no_cycle() -> None:
-    graph = {
+def _worker_graph() -> dict[str, set[str]]:
+    """Module -> the worker modules it imports (worker/__init__.py, the entry, aside)."""
+    return {
         _module_name(p): _imports(p) - {_module_name(p)}
         for p in WORKER.rglob("*.py")
         if p != WORKER / "__init__.py"
     }
+
+
+def _fail_on_cycle(graph: dict[str, set[str]], what: str) -> None:
     state: dict[str, str] = {}
 
     def visit(node: str, path: list[str]) -> None:
@@ -60,7 +66,7 @@ def test_the_worker_import_graph_has_no_cycle() -> None:
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
                 cycle = [*path[path.index(nxt) :], nxt] if nxt in path else [node, nxt]
-                pytest.fail("import cycle in worker/: " + " -> ".join(cycle))
+                pytest.fail(f"import cycle in {what}: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt, [*path, nxt])
         state[node] = "done"
@@ -68,6 +74,11 @@ def test_the_worker_import_graph_has_no_cycle() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+def test_the_worker_import_graph_has_no_cycle() -> None:
+    graph = _worker_graph()
+    _fail_on_cycle(graph, "worker/")
     # the layering docs/design.md states ("The layering the tests enforce"):
     # session -> engine -> state -> collectives
     session = "elastic.session"
@@ -76,6 +87,37 @@ def test_the_worker_import_graph_has_no_cycle() -> None:
     assert {"engine"} <= graph["attached"] and "attached" not in graph["engine"]
     # the elastic package's parts import downwards only: its __init__ never the session
     assert not {session, "elastic.joining", "elastic.change"} & graph["elastic"]
+    # the live exchange the engine uses is worker/live/, under the engine
+    assert "live" in graph["engine"] and "engine" not in graph["live"]
+
+
+# worker/'s subpackages; every other module of worker/ is a unit of its own
+WORKER_PACKAGES = ("elastic", "live", "data")
+
+
+def test_worker_packages_form_no_cycle_and_nothing_under_the_engine_imports_the_sessions() -> None:
+    graph = _worker_graph()
+
+    def unit(module: str) -> str:
+        return module.split(".")[0]
+
+    assert {unit(m) for m in graph if "." in m} <= set(WORKER_PACKAGES)
+    units: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        units.setdefault(unit(module), set()).update(unit(m) for m in imported)
+    _fail_on_cycle({u: deps - {u} for u, deps in units.items()}, "worker/'s packages")
+    # the library under the engine imports nothing of the sessions above it
+    assert "elastic" not in units["live"]
+    # nor does anything the engine imports, directly or not
+    under, todo = set(), ["engine"]
+    while todo:
+        module = todo.pop()
+        if module not in under:
+            under.add(module)
+            todo.extend(graph.get(module, ()))
+    offenders = sorted(m for m in under if unit(m) == "elastic")
+    assert not offenders, offenders
+    assert {"live", "state", "collectives"} <= under
 
 
 def test_no_module_reaches_into_the_engines_private_members() -> None:
@@ -215,6 +257,30 @@ def test_coordinator_subpackages_import_only_the_layers_before_them() -> None:
     # and every module lives in one of them
     loose = {p.name for p in COORDINATOR.glob("*.py")} - {"__init__.py", "cli.py"}
     assert not loose, loose
+
+
+# the roots whose modules and classes the size limits hold for
+SIZE_ROOTS = (WORKER,)
+MAX_MODULE_LINES = 900
+MAX_CLASS_LINES = 650
+
+
+def test_no_module_or_class_outgrows_its_limit() -> None:
+    # past these, a module or a class holds more than one concern: split it by concern
+    offenders = []
+    for root in SIZE_ROOTS:
+        for path in _sources(root):
+            text = path.read_text()
+            where = path.relative_to(root.parent)
+            lines = len(text.splitlines())
+            if lines > MAX_MODULE_LINES:
+                offenders.append(f"{where}: {lines} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ClassDef):
+                    size = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if size > MAX_CLASS_LINES:
+                        offenders.append(f"{where}: class {node.name}, {size} lines")
+    assert not offenders, offenders
 
 
 def test_no_module_name_is_in_both_packages() -> None:

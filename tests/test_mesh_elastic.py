@@ -28,7 +28,7 @@ from coordinator.core.settings import MembershipConfig, PlanConfig
 from coordinator.launchers.local import find_free_port
 from tests.coordinator_util import Clock, worker
 from tests.scripts.mesh_elastic_train import batches, build
-from worker.elastic.restore_plan import (
+from worker.live.restore_plan import (
     Holding,
     RestoreSource,
     current_rings,

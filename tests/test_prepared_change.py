@@ -1,7 +1,7 @@
 """A scale-up prepared while the members train: the ranks meet ahead at the new
 generation's store and switch once every rank is ready (worker/rendezvous.py
 [Note: meeting ahead]), and the build, the import and the exchange take buffers
-written ahead (worker/state.py [Note: a build from buffers written ahead]).
+written ahead (worker/build_ahead.py [Note: a build from buffers written ahead]).
 Training is checked against the uninterrupted torch reference."""
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import torch
 from tests.test_elastic_engine import STEPS, matches_reference, pair_then_newcomer, train
 from tests.test_rendezvous_meet import _Client, _free_port, _Generation
 from worker.ballot import BoundaryVote
+from worker.build_ahead import probe_state_fields
 from worker.collectives import Collectives
-from worker.elastic import (
+from worker.flat import Reserve
+from worker.live import (
     ExchangeBuffers,
     _Packing,
     exchange,
@@ -26,9 +28,7 @@ from worker.elastic import (
     sent_bound,
     wire_device,
 )
-from worker.flat import Reserve
 from worker.rendezvous import ControlPlane
-from worker.state import _probe_state_fields
 
 
 def _pointers(*tensors: torch.Tensor | None) -> set[int]:
@@ -138,7 +138,7 @@ def test_the_packed_bound_covers_every_split_of_a_ranks_share(stage: int) -> Non
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_sent_bound_covers_what_a_rank_sends_and_no_more_than_it_owns(stage: int) -> None:
     """Scale-ups and scale-downs (the last ranks leave): what each old rank packs
-    for every other new rank, as worker/elastic/live_exchange.py ``exchange`` slices it."""
+    for every other new rank, as worker/live/exchange.py ``exchange`` slices it."""
     import types
 
     from coordinator.core.ranges import Range, RangeIndex, owned_ranges
@@ -185,12 +185,12 @@ class _NeedsArgs(torch.optim.Optimizer):
 def test_a_newcomer_probes_its_optimizers_per_element_state() -> None:
     w = torch.nn.Parameter(torch.zeros(3))
     cpu = torch.device("cpu")
-    adam = _probe_state_fields(torch.optim.AdamW([w], lr=1e-3), cpu)
+    adam = probe_state_fields(torch.optim.AdamW([w], lr=1e-3), cpu)
     assert adam == {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
-    momentum = _probe_state_fields(torch.optim.SGD([w], lr=0.1, momentum=0.9), cpu)
+    momentum = probe_state_fields(torch.optim.SGD([w], lr=0.1, momentum=0.9), cpu)
     assert momentum == {"momentum_buffer": torch.float32}
-    assert _probe_state_fields(torch.optim.SGD([w], lr=0.1), cpu) == {}
-    assert _probe_state_fields(_NeedsArgs([w], schedule=None), cpu) == {}
+    assert probe_state_fields(torch.optim.SGD([w], lr=0.1), cpu) == {}
+    assert probe_state_fields(_NeedsArgs([w], schedule=None), cpu) == {}
     assert w.grad is None and torch.equal(w, torch.zeros(3)), "the probe touched the model"
 
 

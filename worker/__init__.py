@@ -11,8 +11,8 @@ checkpoint with ``worker.from_pretrained(path, optimizer, config=...)``.
 
 from worker import models
 from worker.birth import meta_parameters, skip_init
+from worker.collectives import StepAborted
 from worker.config import ZeroConfig
-from worker.elastic.phases import StepAborted
 from worker.engine import ZeroEngine
 from worker.entry import initialize
 from worker.hf import from_pretrained

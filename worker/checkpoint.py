@@ -75,8 +75,9 @@ from coordinator.core.manifest import (
     resolve,
 )
 from coordinator.core.ranges import Range
+from worker.entries import MissingRange
 from worker.inventory import dtype_name, persistent_buffers
-from worker.state import MissingRange, ShardState
+from worker.state import ShardState
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from worker.compat import all_gather_flat, reduce_scatter_flat
 
-__all__ = ["CollectiveError", "Collectives", "Handle", "OpStats"]
+__all__ = ["CollectiveError", "Collectives", "Handle", "OpStats", "StepAborted"]
 
 Op = Literal[
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send_recv", "control"
@@ -52,6 +52,13 @@ class CollectiveError(RuntimeError):
     issuing or waiting on a collective, so callers tell a broken group from
     their own bugs by type, never by message text.
     """
+
+
+class StepAborted(RuntimeError):
+    """A peer was lost mid-step. The session has re-formed the job and rolled back to
+    ``engine.global_steps``: carry on with the training loop from that step
+    (``worker.StepAborted``; raised by the sessions above the engine, worker/elastic/,
+    and caught by the engines that retry a step, worker/mesh.py)."""
 
 
 @contextmanager

@@ -129,7 +129,7 @@ class ZeroConfig:
             rank's replica forward to the survivors' step instead of rolling
             everyone back and training the steps again. Costs 4 bytes per
             parameter / world size sent per step, and held per step since the
-            last refresh (see worker/elastic/replicas.py [Note: rolling a lost rank forward]).
+            last refresh (see worker/live/replicas.py [Note: rolling a lost rank forward]).
         metrics_port: serve Prometheus metrics on this port (0: a free one;
             see worker/metrics.py); None: as ``$ZEROPLANE_METRICS_PORT`` says,
             which launchers set, and off when it is unset.

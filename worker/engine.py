@@ -14,35 +14,14 @@ coordinator's job and following its membership is worker/elastic/session.py.
 
 See ``coordinator/core/layout.py`` [Note: shard layout], ``worker/flat.py``
 [Note: flat buffers] and ``worker/optim.py`` [Note: per-parameter shard views].
-
-[Note: bucket order]
-Collectives must be issued in the same order on every rank, but which
-parameters get gradients, and when, can differ by rank. Buckets are
-therefore launched strictly in index order: a bucket whose gradients are
-complete waits for every bucket before it. Parameters that are not in this
-micro-step's autograd graph are known before backward starts (a walk over
-``loss.grad_fn``) and count as complete from the start.
-
-[Note: graphs that grow during backward]
-The walk is exact unless the graph holds a custom autograd Function whose
-backward may run a backward of its own: reentrant activation checkpointing
-(``checkpoint(..., use_reentrant=True)``, Hugging Face's
-``gradient_checkpointing_enable`` with it) recomputes its block inside its
-backward node, and the block's parameters enter autograd only then, in a
-nested graph the walk cannot see. Counting on the walk there launched their
-buckets before their gradients existed: silently wrong training. So when
-the walk meets such a node, what backward actually produced decides: the
-gradient hooks mark the parameters used, every bucket is reduced once
-``backward()`` has returned (when all nested backwards have finished), and
-the step-boundary ballot is cast then. Only overlap is lost, and only for
-those graphs. Known-safe Functions (non-reentrant checkpointing's
-``_NoopSaveInputs``) keep the walk. A gradient that still arrives after its
-bucket was reduced is an error naming the parameter, never a silent loss.
+The backward's gradient hooks and the launch of buckets in order are
+worker/grad_hooks.py ([Note: bucket order], [Note: graphs that grow during
+backward]).
 
 [Note: unused parameters]
 A parameter that no rank used this step must behave as in torch.optim: no
 update, state untouched. The used-parameter flags of each rank are known
-before backward (the graph walk above), OR-ed over micro-steps, and MAX
+before backward (the graph walk, worker/grad_hooks.py), OR-ed over micro-steps, and MAX
 all-reduced once per optimizer step in the step-boundary ballot
 (worker/ballot.py), overlapped with backward.
 """
@@ -52,29 +31,26 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
-import time
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.function import BackwardCFunction
-from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves, tree_map
 
 from coordinator.core.layout import Layout
-from worker import checkpoint, elastic, pretrained
+from worker import accounting, checkpoint, live, pretrained
 from worker.activations import SavedBytes, checkpoint_modules, choose_modules, unwrap
 from worker.ballot import Ballot, BoundaryVote
 from worker.birth import Init, default_device, place_module
+from worker.clipping import NormScope, clip_or_skip
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.config import ZeroConfig
-from worker.flat import BucketState, FlatBucket, GatherUnit
+from worker.flat import FlatBucket, GatherUnit
+from worker.grad_hooks import GradHooks
 from worker.inventory import Inventory, build_inventory
 from worker.metrics import MetricsServer, Snapshot, SnapshotBoard, start_metrics
 from worker.optim import ShardOptimizer
@@ -112,7 +88,7 @@ class Membership(Protocol):
     ) -> Handle | None:
         """Before the optimizer step: start sending this step's final partition
         gradients to the neighbour that keeps this rank's replica; the engine waits
-        on the handle before it steps (worker/elastic/replicas.py [Note: rolling a lost rank
+        on the handle before it steps (worker/live/replicas.py [Note: rolling a lost rank
         forward])."""
         ...
 
@@ -136,16 +112,6 @@ class Membership(Protocol):
     def close(self) -> None: ...
 
 
-class NormScope(Protocol):
-    """The global gradient norm beyond the dp group (tensor/pipeline parallelism):
-    each element's square counts ``weight(name)`` times on this rank (1/tp for a
-    parameter replicated over tp), and ``reduce`` sums over the other ranks."""
-
-    def weight(self, name: str) -> float: ...
-
-    def reduce(self, sumsq: torch.Tensor) -> None: ...
-
-
 def _guarded(method):
     """In a session, a failed collective becomes recovery (which raises StepAborted)."""
 
@@ -159,16 +125,6 @@ def _guarded(method):
             self.membership.recover(self, exc)
 
     return wrapper
-
-
-def _op_totals(comms: Iterable[Collectives]) -> dict[str, tuple[int, int, int, float]]:
-    """(calls, bytes, wire bytes, seconds) by op, summed over ``comms``."""
-    totals: dict[str, tuple[int, int, int, float]] = {}
-    for comm in comms:
-        for op, s in list(comm.stats.items()):
-            c, b, w, t = totals.get(op, (0, 0, 0, 0.0))
-            totals[op] = (c + s.calls, b + s.bytes, w + s.wire_bytes, t + s.seconds)
-    return totals
 
 
 def _check_hpz(config: ZeroConfig, world: Collectives) -> None:
@@ -270,8 +226,6 @@ class ZeroEngine:
         if self.lr_scheduler is not None:
             self._schedule = LrSchedule(self.lr_scheduler, self.user_optimizer, step=0)
             self._extras["lr_scheduler"] = self._schedule
-        self._next_bucket = 0
-        self._walk_exact = True
         # the weights of this step's micro-batches when they are not 1/accumulation
         # (set_micro_batches: shares of different sizes)
         self._micro_weights: list[float] | None = None
@@ -284,25 +238,11 @@ class ZeroEngine:
         if build_for is None:
             _check_hpz(config, world)
         self.state.build(world, from_module=initial_state == "module")
-        # the hooks live in autograd (C++), where the garbage collector cannot see
-        # them: a strong reference to the engine would keep it and all its buffers
-        # alive for as long as the model is
-        engine = weakref.ref(self)
-
-        def on_grad_ready(p: nn.Parameter) -> None:
-            live = engine()
-            if live is not None:
-                live._on_grad_ready(p)
-
-        self._grad_hooks = [
-            p.register_post_accumulate_grad_hook(on_grad_ready)
-            for p in self.inventory.params.values()
-            if p.requires_grad
-        ]
+        self._hooks = GradHooks(self.state, self.ballot, self.inventory.params.values())
         # None unless config.metrics_port or $ZEROPLANE_METRICS_PORT asks for it
         self.board = SnapshotBoard() if metrics is None else metrics.board
         self.metrics = metrics if metrics is not None else start_metrics(config, self.board)
-        self._memory_cache: tuple[int, float, dict[str, int], dict[str, int]] | None = None
+        self._memory = accounting.MemoryReadings()
         # metric labels of this rank's device-mesh position, and how the gradient
         # norm spans the model-parallel ranks (both set by worker/mesh.py)
         self.mesh_labels: dict[str, str] = {}
@@ -480,27 +420,13 @@ class ZeroEngine:
         self.stats.begin()
         weight = self._micro_weight()
         self.stats.add_loss(loss, weight)
-        st = self.state
+        st, hooks = self.state, self._hooks
         boundary = self.is_accumulation_boundary
-        in_graph, self._walk_exact = _params_in_graph(loss.grad_fn)
-        for p in in_graph:
-            hit = st.bucket_of.get(p)
-            if hit is not None:
-                self.ballot.mark_used(hit[0].param_index[hit[1]])
-        if boundary and self._walk_exact:
+        in_graph = hooks.walk(loss.grad_fn)
+        if boundary and hooks.exact:
             self._cast_ballot()
-        if st.reducer.grads_in_place:
-            self._restore_grad_views()
         reduce_now = st.reducer.every_micro_step or boundary
-        self._next_bucket = 0
-        for b in st.buckets:
-            b.pending = sum(1 for p in b.params if p in in_graph)
-            b.state = BucketState.FILLING if reduce_now else BucketState.IDLE
-        if reduce_now and self.config.overlap_comm and self._walk_exact:
-            for b in st.buckets:
-                if b.pending == 0:
-                    b.state = BucketState.READY
-            self._launch_ready()
+        hooks.arm(in_graph, reduce_now=reduce_now)
 
         scale = st.scaler.scale * weight
         st.params.begin_backward()
@@ -510,61 +436,16 @@ class ZeroEngine:
             st.params.end_backward()
             raise
 
-        if boundary and not self._walk_exact:
-            self._cast_ballot()  # see [Note: graphs that grow during backward]
+        if boundary and not hooks.exact:
+            # worker/grad_hooks.py [Note: graphs that grow during backward]
+            self._cast_ballot()
         if reduce_now:
-            for b in st.buckets:
-                if b.state is BucketState.FILLING:
-                    b.state = BucketState.READY
-            self._launch_ready()
-            with record_function("zeroplane.reduce"):
-                for b in st.buckets:
-                    st.reducer.finish(b)
+            hooks.drain()
         st.params.end_backward()
-
-    def _restore_grad_views(self) -> None:
-        # A user's model.zero_grad() sets .grad to None; put the views back.
-        for b in self.state.buckets:
-            if any(p.grad is None for p in b.params):
-                b.grad_views()
 
     def _cast_ballot(self) -> None:
         vote = self.membership.vote(self) if self.membership is not None else BoundaryVote()
         self.ballot.start(self.state.comm, vote)
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        b, pos = self.state.bucket_of[p]
-        if b.state in (BucketState.REDUCING, BucketState.REDUCED):
-            raise RuntimeError(
-                f"parameter {b.spec.slots[pos].name!r} received a gradient after its bucket "
-                "was reduced: this backward produced it outside the autograd graph that "
-                "engine.backward() could see (see worker/engine.py [Note: graphs that grow "
-                "during backward]); please report the model"
-            )
-        self.state.reducer.on_grad(b, pos, p)
-        if not self._walk_exact:
-            self.ballot.mark_used(b.param_index[pos])
-            return
-        if b.state is not BucketState.FILLING:
-            return
-        b.pending -= 1
-        if b.pending == 0:
-            b.state = BucketState.READY
-            if self.config.overlap_comm:
-                self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        """Launch buckets in index order (see [Note: bucket order])."""
-        st = self.state
-        while self._next_bucket < len(st.buckets):
-            b = st.buckets[self._next_bucket]
-            if b.state is not BucketState.READY:
-                return
-            with record_function("zeroplane.reduce"):
-                b.state = BucketState.REDUCING
-                st.reducer.launch(b, st.comm)
-            st.params.after_launch(b)
-            self._next_bucket += 1
 
     def train_batch(self, batches: Sequence[Any], loss_fn: LossFn | None = None) -> float | None:
         """One optimizer step on this rank's micro-batches ``batches`` (what
@@ -625,7 +506,11 @@ class ZeroEngine:
         factor = 1.0 / (st.world_size * st.scaler.scale)
         for g in grads:
             g.mul_(factor)
-        stepped = self._clip_or_skip(grads)
+        stepped, norm = clip_or_skip(grads, st, self.config, self.norm_scope)
+        if norm is not None:
+            self.last_grad_norm = norm
+        if not stepped:
+            logger.info("fp16 gradient overflow: step skipped, loss scale now %g", st.scaler.scale)
         used = self.ballot.used() if stepped else []
         logged: Handle | None = None
         if stepped and self.membership is not None:
@@ -635,7 +520,7 @@ class ZeroEngine:
             logged.wait()
         # the step's loss summed over the ranks, overlapping the optimizer step; with
         # the log, it is also the step's go: no rank steps before every rank's log is
-        # delivered (worker/elastic/replicas.py [Note: rolling a lost rank forward])
+        # delivered (worker/live/replicas.py [Note: rolling a lost rank forward])
         loss_pair = self.stats.close_window_loss(st.device)
         loss_sum = st.comm.all_reduce(loss_pair, async_op=True, control=True)
         if logged is not None:
@@ -664,40 +549,6 @@ class ZeroEngine:
         self.publish_snapshot()
         return stepped
 
-    def _clip_or_skip(self, grads: list[torch.Tensor]) -> bool:
-        clip = self.config.gradient_clipping
-        fp16 = self.config.dtype == "fp16"
-        if not clip and not fp16:
-            return True
-        sumsq = torch.zeros((), dtype=torch.float32, device=self.device)
-        scope = self.norm_scope
-        if scope is None:
-            for g in grads:
-                sumsq += g.pow(2).sum()
-        else:
-            for piece in self.state.optimizer.pieces:
-                g = grads[piece.bucket][piece.grad_offset : piece.grad_offset + piece.view.numel()]
-                sumsq += scope.weight(piece.name) * g.pow(2).sum()
-        if self.state.stage.optimizer_sharded:
-            self.comm.all_reduce(sumsq, control=True)
-        if scope is not None:
-            scope.reduce(sumsq)
-        norm = math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else math.inf
-        self.last_grad_norm = norm
-        overflow = not math.isfinite(norm)
-        self.state.scaler.update(overflow)
-        if fp16 and overflow:
-            logger.info(
-                "fp16 gradient overflow: step skipped, loss scale now %g", self.state.scaler.scale
-            )
-            return False
-        if clip:
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
-        return True
-
     # ------------------------------------------------------------ reports
 
     @contextlib.contextmanager
@@ -717,28 +568,19 @@ class ZeroEngine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds, by kind (padding included)."""
-        report = self.state.memory_report()
-        report["replica"] = 0 if self.membership is None else self.membership.replica_bytes()
-        report["total"] = sum(report.values())
-        # beside the model state, not in its total: what the last measured forward
-        # kept for backward (worker/activations.py [Note: saved-activation bytes])
-        report["activations"] = self.saved_activations.last
-        return report
+        return accounting.memory_report(
+            self.state, replica=self._replica_bytes(), activations=self.saved_activations.last
+        )
 
     def memory_by_location(self) -> dict[str, dict[str, int]]:
         """:meth:`memory_report`'s model-state bytes split by where they live,
         ``{"device": {kind: bytes}, "host": {kind: bytes}}`` (host: what
         ``offload_optimizer`` / ``offload_params`` put in host memory, see
         worker/offload.py); each side has a ``total``."""
-        split: dict[str, dict[str, int]] = dict(self.state.memory_by_location())
-        replica = 0 if self.membership is None else self.membership.replica_bytes()
-        # replicas are copies of the master partition and optimizer state: they
-        # live where those do
-        where = self.state.placement.master_location
-        for location, kinds in split.items():
-            kinds["replica"] = replica if location == where else 0
-            kinds["total"] = sum(kinds.values())
-        return split
+        return accounting.memory_by_location(self.state, replica=self._replica_bytes())
+
+    def _replica_bytes(self) -> int:
+        return 0 if self.membership is None else self.membership.replica_bytes()
 
     def comm_report(self, *, by_group: bool = False) -> dict[str, dict[str, Any]]:
         """Collective calls and logical bytes by op since start (see worker.collectives),
@@ -746,51 +588,22 @@ class ZeroEngine:
         the scopes of ``ShardState.comm_groups`` (``world``; ``node`` for hpZ's and
         qgZ's node groups, whose bytes never cross nodes; ``cross`` for qgZ's
         cross-node groups, whose payloads do)."""
-        reports = {scope: c.report() for scope, c in self.state.comm_groups().items()}
-        if by_group:
-            return reports
-        merged: dict[str, dict[str, Any]] = {}
-        for report in reports.values():
-            for op, stats in report.items():
-                into = merged.setdefault(op, dict.fromkeys(stats, 0))
-                for key, value in stats.items():
-                    into[key] += value
-        return dict(sorted(merged.items()))
+        return accounting.comm_report(self.state, by_group=by_group)
 
     def snapshot(self) -> Snapshot:
         """What this rank's metrics show now (worker/metrics.py)."""
-        st, stats = self.state, self.stats
-        # the memory report walks every bucket: at most four times a second, and
-        # again whenever the buffers were rebuilt
-        now = time.monotonic()
-        cache = self._memory_cache
-        if cache is None or cache[0] != st.builds or now - cache[1] > 0.25:
-            host = self.memory_by_location()["host"]
-            cache = self._memory_cache = (st.builds, now, self.memory_report(), host)
-        return Snapshot(
-            rank=st.rank,
-            stage=st.stage.number,
-            world_size=st.world_size,
+        memory, host = self._memory.read(
+            self.state.builds, lambda: (self.memory_report(), self.memory_by_location()["host"])
+        )
+        return accounting.snapshot(
+            self.state,
+            self.stats,
+            memory=memory,
+            memory_host=host,
             generation=0 if self.membership is None else self.membership.generation_id(),
-            backend=st.comm.backend,
             device=self.device,
-            dtype=self.config.dtype,
-            compression=self.config.compression,
-            trainable_numel=self.layout.numel,
-            master_numel=sum(b.master.numel() for b in st.buckets),
-            frozen_bytes=st.frozen_bytes(),
-            memory=dict(cache[2]),
-            memory_host=dict(cache[3]),
-            collectives=_op_totals(st.comm_groups().values()),
-            step_histogram=stats.histogram(),
-            global_steps=st.global_steps,
-            skipped_steps=st.skipped_steps,
-            changes=dict(stats.changes),
-            pause_seconds=dict(stats.pause_seconds),
-            samples=stats.samples,
-            tokens=stats.tokens,
-            loss=stats.loss,
-            mesh=dict(self.mesh_labels),
+            config=self.config,
+            mesh=self.mesh_labels,
         )
 
     def publish_snapshot(self) -> None:
@@ -899,7 +712,7 @@ class ZeroEngine:
         of ``via`` in new-rank order; a newcomer built its engine with
         ``initial_state="peers"`` and passes ``holds_state=False``) and any
         leaving ranks (not in ``new_members``; their engine ends detached). See
-        worker/elastic/live_exchange.py [Note: live reshard]. With a coordinator, the session
+        worker/live/exchange.py [Note: live reshard]. With a coordinator, the session
         does this by itself when the coordinator changes the membership.
         """
         if self.state.micro_in_step:
@@ -913,7 +726,7 @@ class ZeroEngine:
                     "group (the coordinator's sessions re-form that one); nothing was "
                     f"moved. Use {name}=1 to reconfigure onto subgroups"
                 )
-        handover = elastic.exchange(
+        handover = live.exchange(
             self.state, holds_state=holds_state, via=via, new_members=new_members
         )
         if new_group is None and Collectives(via).rank not in new_members:
@@ -921,10 +734,10 @@ class ZeroEngine:
             return
         self.adopt(handover, Collectives(new_group))
 
-    def adopt(self, handover: elastic.Handover, comm: Collectives | None) -> None:
+    def adopt(self, handover: live.Handover, comm: Collectives | None) -> None:
         """Take this rank's state from a hand-over: rebuilt for ``comm``'s world, or
         (``None``) into the buffers already built for it (a newcomer's)."""
-        elastic.adopt(self.state, handover, comm)
+        live.adopt(self.state, handover, comm)
         self.ballot.clear()
         self.after_restore()
 
@@ -943,9 +756,7 @@ class ZeroEngine:
     def close(self) -> None:
         """Leave the coordinator's job (if any), stop serving metrics and unhook the
         model; the engine must not be used after."""
-        for handle in self._grad_hooks:
-            handle.remove()
-        self._grad_hooks = []
+        self._hooks.remove()
         unwrap(self.checkpointed)
         self.state.params.detach()
         if self.membership is not None:
@@ -1013,26 +824,3 @@ def resolve_optimizer(module: nn.Module, optimizer: OptimizerArg) -> torch.optim
     raise TypeError(
         f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}"
     )
-
-
-# custom autograd Functions known not to run a backward of their own
-_SAFE_FUNCTIONS = frozenset({"_NoopSaveInputsBackward"})
-
-
-def _params_in_graph(root: Any) -> tuple[set[torch.Tensor], bool]:
-    """The leaf tensors (parameters) whose AccumulateGrad nodes ``root`` reaches, and
-    whether that is all backward can produce ([Note: graphs that grow during backward])."""
-    seen, stack, found = set(), [root], set()
-    exact = True
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)
-        if var is not None:
-            found.add(var)
-        elif isinstance(fn, BackwardCFunction) and type(fn).__name__ not in _SAFE_FUNCTIONS:
-            exact = False
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return found, exact

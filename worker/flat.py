@@ -58,7 +58,7 @@ Zeros = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 
 class Reserve:
     """Zeroed tensors made ahead of a build, which the build takes instead of
-    allocating, matched by size, dtype and device (worker/state.py [Note: a
+    allocating, matched by size, dtype and device (worker/build_ahead.py [Note: a
     build from buffers written ahead]). What a build does not take is dropped
     once it is done."""
 

@@ -19,9 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from coordinator.core.meshplan import MeshCoords, MeshShape
 from worker.birth import Init
-from worker.collectives import CollectiveError, Collectives
+from worker.collectives import CollectiveError, Collectives, StepAborted
 from worker.config import ZeroConfig
-from worker.elastic.phases import StepAborted
 from worker.engine import LossFn, OptimizerArg, ZeroEngine
 from worker.inventory import Inventory
 from worker.metrics import MetricsServer

@@ -119,7 +119,7 @@ class Placement:
         self, numel: int, dtype: torch.dtype, location: Location, device_zeros: Zeros | None = None
     ) -> torch.Tensor:
         """Zeros at ``location``; on the device made by ``device_zeros`` when given
-        (worker/state.py [Note: a build from buffers written ahead])."""
+        (worker/build_ahead.py [Note: a build from buffers written ahead])."""
         if location == "host":
             return self.host_zeros(numel, dtype)
         if device_zeros is not None:

@@ -367,7 +367,7 @@ class ControlPlane:
         has prepared (in a thread, beside training: a member writes the new
         layout's buffers, the optimizer state it will import and the hand-over's
         send and receive buffers; a newcomer, built ahead, its transient buffers,
-        optimizer state and receive buffer; worker/state.py [Note: a build from
+        optimizer state and receive buffer; worker/build_ahead.py [Note: a build from
         buffers written ahead]), and the members keep training in the old group,
         voting "waiting" (worker/ballot.py), until the count is whole. At the
         switch the members add themselves to the ``arrived`` count of the store

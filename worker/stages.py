@@ -21,7 +21,7 @@ in the same order for every stage: hooks → buckets → reduce → step → pub
 A bucket goes IDLE → FILLING (its gradients arrive, ``pending`` counts those
 still expected) → READY (every expected gradient is in) → REDUCING (its
 collective is launched; buckets launch strictly in index order, see
-worker/engine.py [Note: bucket order]) → REDUCED (waited on, result in place)
+worker/grad_hooks.py [Note: bucket order]) → REDUCED (waited on, result in place)
 and back to IDLE when gradients are zeroed after the step. A bucket that is
 not reduced this micro-step (stages 0–1 between accumulation boundaries)
 stays IDLE while its gradients accumulate in place.

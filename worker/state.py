@@ -3,7 +3,7 @@
 :class:`ShardState` is the one owner of what a rank holds between steps. The
 engine (worker/engine.py) drives it through a step; checkpoints
 (worker/checkpoint.py), the live exchange between world sizes
-(worker/elastic/live_exchange.py) and the metrics exporter use only its public methods:
+(worker/live/exchange.py) and the metrics exporter use only its public methods:
 
 * :meth:`build` for a world (``Collectives``), from the module's values or
   empty for a transfer to fill; :meth:`release` before building again;
@@ -22,16 +22,14 @@ name and element range wherever it lives.
 
 ``whole`` says whether the state is complete at a step boundary (not half
 stepped, not half rebuilt): only then is it a source for recovery after a
-peer is lost (worker/elastic/restore_plan.py [Note: recovery sources]).
+peer is lost (worker/live/restore_plan.py [Note: recovery sources]).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -39,10 +37,12 @@ from torch.profiler import record_function
 
 from coordinator.core.layout import Bucket, Layout, SlotShard, compute_layout
 from coordinator.core.ranges import Range, RangeIndex, owned_ranges
+from worker import build_ahead
 from worker.birth import Birth, Init, materialize_empty, meta_names
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compression import PendingAllGather, make_codec
 from worker.config import ZeroConfig
+from worker.entries import Entries, check_covered, export_entries, import_entries, owned_by
 from worker.flat import BucketState, FlatBucket, GatherUnit, NodeGroup, Reserve
 from worker.inventory import Inventory, persistent_buffers
 from worker.offload import HOST, Location, OffloadedGrads, Placement
@@ -60,19 +60,12 @@ from worker.stages import (
     StagingPool,
 )
 
-__all__ = ["PUBLISH_CHUNKS", "Counters", "Entries", "MissingRange", "ShardState"]
+__all__ = ["PUBLISH_CHUNKS", "Counters", "ShardState"]
 
 logger = logging.getLogger(__name__)
 
 # optimizer-step chunks whose all-gathers overlap the next chunk's update
 PUBLISH_CHUNKS = 4
-
-# ``name[start:stop]`` -> {"master": fp32 values, "state": optimizer state sliced alike}
-Entries = dict[str, dict[str, Any]]
-
-
-class MissingRange(KeyError):
-    """State for a range this rank owns is in none of the entries offered."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +123,8 @@ class ShardState:
         # until it is a member: if no peer holds anything, the job starts from them
         self._module_values: dict[str, torch.Tensor] | None = None
         self._publish_chunks: list[set[int]] = []
-        # buffers written ahead for the next build and import ([Note: a build from
-        # buffers written ahead]); :meth:`prepare` fills it, the build takes from it
+        # buffers written ahead for the next build and import (worker/build_ahead.py
+        # [Note: a build from buffers written ahead]); the build takes from it
         self.reserve = Reserve()
 
     def _make_reducer(self, reduce_dtype: torch.dtype) -> GradReducer:
@@ -428,7 +421,7 @@ class ShardState:
 
     def _build_bucket(self, spec, from_module: bool) -> FlatBucket:
         params = self._bucket_params(spec)
-        lo, hi = self._shard_range(spec, self.rank)
+        lo, hi = self.shard_range(spec, self.rank)
         pieces = spec.pieces(lo, hi)
         zeros = self.reserve.zeros
         sharded = self.stage.params.sharded
@@ -464,7 +457,7 @@ class ShardState:
         self.reducer.allocate(bucket, self.dtype, zeros)
         return bucket
 
-    def _shard_range(self, spec: Bucket, rank: int) -> tuple[int, int]:
+    def shard_range(self, spec: Bucket, rank: int) -> tuple[int, int]:
         """The elements of bucket ``spec`` whose optimizer state ``rank`` holds."""
         return spec.shard_range(rank) if self.stage.optimizer_sharded else (0, spec.padded_numel)
 
@@ -478,62 +471,19 @@ class ShardState:
     ) -> list[tuple[int, torch.dtype, torch.device]]:
         """What :meth:`build` and :meth:`import_ranges` make on the device for ``rank``
         of ``world_size``: (numel, dtype, device) per tensor; without ``buffers``,
-        only the optimizer state's (a newcomer built its buffers already). Read
-        beside training; making them is safe in another thread.
-
-        [Note: a build from buffers written ahead]
-        A membership change builds every buffer of the new layout (``full``, the
-        master partition, the gradient buffer) and the import makes the optimizer
-        state, while every rank waits. Fresh memory costs a page fault per 4 KiB,
-        and on two cores shared by three ranks far more than the copy into it:
-        in bench/elastic.py a member's build and import took 0.37 s and 0.16 s
-        at the first scale-up. A member that knows of a scale-up before switching
-        (worker/rendezvous.py [Note: meeting ahead]) writes them in a thread while
-        it trains: :meth:`reserve_plan` lists what the build and the import would
-        make (by size, dtype and device; the optimizer state's fields as this
-        rank's optimizer holds them now), a thread makes them
-        (:meth:`Reserve.make`) and puts them in :attr:`reserve`, and the build and
-        the import take these instead. A build
-        for another rank or world just finds fewer matches. Host buffers (with
-        offload) are not reserved. The cost: the new layout's buffers exist from
-        the vote to the switch, a step or a few earlier than they would.
-        """
-        out: list[tuple[int, torch.dtype, torch.device]] = []
-        on_device = not self.placement.optimizer_on_host
-        if not on_device:
-            fields = {}
-        elif fields is None:
-            fields = self.state_fields()
-        for spec in self.layout_for(world_size).buckets:
-            lo, hi = self._shard_range(spec, rank)
-            sharded = self.stage.params.sharded
-            if buffers and not sharded:
-                out.append((spec.padded_numel, self.dtype, self.device))
-            if buffers and (self.params.master_apart or sharded) and on_device:
-                out.append((hi - lo, torch.float32, self.device))
-            if buffers and sharded and not self.placement.params_on_host:
-                out.append((hi - lo, self.dtype, self.device))  # the parameter shard
-            if buffers:
-                out.append((self.reducer.grad_numel(spec), self.dtype, self.device))
-            for piece in spec.pieces(lo, hi):
-                out += [(piece.numel, dtype, self.device) for dtype in fields.values()]
-        return out
+        only the optimizer state's (a newcomer built its buffers already); ``fields``:
+        the optimizer state's (:meth:`state_fields` when None). Read beside training;
+        making them is safe in another thread (worker/build_ahead.py [Note: a build
+        from buffers written ahead])."""
+        if fields is None:
+            fields = {} if self.placement.optimizer_on_host else self.state_fields()
+        return build_ahead.reserve_plan(self, rank, world_size, buffers=buffers, fields=fields)
 
     def state_fields(self) -> dict[str, torch.dtype]:
         """The optimizer state's per-element fields and their dtypes (Adam's two
         moments, say), as this rank's optimizer holds them now; holding none yet
         (a newcomer), as one step of a fresh optimizer of its class makes them."""
-        state = self.optimizer.inner.state
-        for piece in self.optimizer.pieces:
-            held = state.get(piece.view)
-            if held:
-                n = piece.view.numel()
-                return {
-                    k: v.dtype
-                    for k, v in held.items()
-                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n
-                }
-        return _probe_state_fields(self.user_optimizer, self.master_device)
+        return build_ahead.state_fields(self.optimizer, self.user_optimizer, self.master_device)
 
     # ------------------------------------------------------------ the step's last phases
 
@@ -637,10 +587,7 @@ class ShardState:
     def owned(self) -> list[Range]:
         """The ranges this rank's optimizer owns (those of ``owned_ranges``), in the
         order of the optimizer's pieces."""
-        return [
-            Range(p.name, p.param_start, p.param_start + p.view.numel())
-            for p in self.optimizer.pieces
-        ]
+        return owned_by(self.optimizer)
 
     def written_ranges(self) -> list[Range]:
         """The ranges this rank writes to a checkpoint or a replica: range ``rank`` of
@@ -652,29 +599,8 @@ class ShardState:
     def export_ranges(self, *, copy: bool = True) -> Entries:
         """Master values and optimizer state for :meth:`written_ranges`: copies, or
         (``copy=False``) views of the live state, for a caller that serialises them
-        at once before the next optimizer step."""
-        held = RangeIndex()
-        views: dict[str, tuple[torch.Tensor, dict]] = {}
-        state = self.optimizer.inner.state
-        for piece in self.optimizer.pieces:
-            rng = Range(piece.name, piece.param_start, piece.param_start + piece.view.numel())
-            held.add(rng, rng.key)
-            views[rng.key] = (piece.view, state.get(piece.view, {}))
-        entries: Entries = {}
-        for want in self.written_ranges():
-            for have, a, b, key in held.overlapping(want):
-                if (a, b) != (want.start, want.stop):
-                    continue
-                view, opt_state = views[key]
-                lo, hi = a - have.start, b - have.start
-                entries[want.key] = {
-                    "master": _copied(view.detach()[lo:hi], copy),
-                    "state": {k: _slice_state(v, lo, hi, view, copy) for k, v in opt_state.items()},
-                }
-                break
-            else:
-                raise MissingRange(f"rank {self.rank} does not hold {want.key}")
-        return entries
+        at once before the next optimizer step (worker/entries.py)."""
+        return export_entries(self.optimizer, self.written_ranges(), self.rank, copy=copy)
 
     def import_ranges(self, entries: Entries, index: RangeIndex | None = None) -> None:
         """Set the master values and optimizer state of every range this rank owns
@@ -683,44 +609,15 @@ class ShardState:
 
         Coverage is checked before anything is assigned: a range missing from
         ``entries`` raises :class:`MissingRange` and leaves the state as it was.
-        The values are then copied straight into place (one copy).
+        The values are then copied straight into place (one copy; worker/entries.py).
         """
         index = index or RangeIndex.of_keys(entries)
-        owned = list(zip(self.owned(), self.optimizer.pieces, strict=True))
-        for want, _piece in owned:
-            covered = sum(b - a for _, a, b, _ in index.overlapping(want))
-            if covered != want.numel:
-                raise MissingRange(f"no state for elements of {want.key}")
+        owned = self.owned()
+        check_covered(owned, index)
         # every range is covered: from here on, copy straight into place
         self.whole = False
-        new_state: dict[torch.Tensor, dict] = {}
-        with torch.no_grad():
-            for want, piece in owned:
-                # the state goes where this rank's master partition lives (device or host)
-                home = piece.view.device
-                state: dict[str, Any] = {}
-                for have, a, b, _source in index.overlapping(want):
-                    entry = entries[have.key]
-                    src, dst = (
-                        slice(a - have.start, b - have.start),
-                        slice(a - want.start, b - want.start),
-                    )
-                    piece.view[dst] = entry["master"][src]
-                    for k, v in entry["state"].items():
-                        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == have.numel:
-                            if k not in state:
-                                # zeros where a source has no such state (never stepped)
-                                state[k] = self.reserve.zeros(want.numel, v.dtype, home)
-                            state[k][dst] = v[src]
-                        else:
-                            state.setdefault(k, v.clone() if isinstance(v, torch.Tensor) else v)
-                if state:
-                    new_state[piece.view] = state
+        import_entries(self.optimizer, owned, entries, index, self.reserve.zeros)
         self.reserve = Reserve()  # what the build and this import did not take
-        inner = self.optimizer.inner
-        inner.state.clear()
-        for view, state in new_state.items():
-            inner.state[view] = state
         self.publish_params()
         self.zero_grads()
         self.whole = True
@@ -821,45 +718,6 @@ def broadcast_tensors(
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
-
-
-def _probe_state_fields(
-    optimizer: torch.optim.Optimizer, device: torch.device
-) -> dict[str, torch.dtype]:
-    """The per-element state fields ``optimizer``'s class makes, from one step of a
-    fresh instance (its defaults, those its constructor takes) on a 2x3 zero
-    parameter with a zero gradient; {} when that fails (a class that takes other
-    arguments). Only a hint of what to write ahead: a wrong one finds no match."""
-    p = torch.zeros(2, 3, device=device, requires_grad=True)
-    p.grad = torch.zeros_like(p)
-    cls = type(optimizer)
-    try:
-        takes = inspect.signature(cls.__init__).parameters
-        if any(a.kind is inspect.Parameter.VAR_KEYWORD for a in takes.values()):
-            kwargs = dict(optimizer.defaults)
-        else:  # torch's AdamW lists Adam's decoupled_weight_decay, which it does not take
-            kwargs = {k: v for k, v in optimizer.defaults.items() if k in takes}
-        probe = cls([p], **kwargs)
-        probe.step()
-    except Exception:  # any failure only means nothing is written ahead
-        return {}
-    return {
-        k: v.dtype
-        for k, v in probe.state.get(p, {}).items()
-        if isinstance(v, torch.Tensor) and v.shape == p.shape
-    }
-
-
-def _slice_state(value: Any, lo: int, hi: int, view: torch.Tensor, copy: bool = True) -> Any:
-    if isinstance(value, torch.Tensor) and value.shape == view.shape:
-        return _copied(value.detach()[lo:hi], copy)
-    if isinstance(value, torch.Tensor):
-        return _copied(value.detach(), copy)
-    return value
-
-
-def _copied(t: torch.Tensor, copy: bool) -> torch.Tensor:
-    return t.clone() if copy else t
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

@@ -34,8 +34,9 @@ import torch
 
 from coordinator.core.ranges import Range, RangeIndex
 from worker.collectives import Collectives
+from worker.entries import Entries, MissingRange
 from worker.inventory import Inventory
-from worker.state import Entries, MissingRange, ShardState
+from worker.state import ShardState
 from worker.tp import TPSlice, gather_full
 
 __all__ = ["FullExport", "FullView"]

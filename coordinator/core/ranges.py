@@ -7,7 +7,7 @@ between world sizes and an in-memory replica all hold entries keyed
 ``name[start:stop]``. Moving state is then always the same question: which
 of the ranges held somewhere overlap the ranges a rank now owns. The
 coordinator's reshard schedule (``coordinator/core/reshard.py``), the workers'
-live exchange (``worker/elastic/live_exchange.py``) and checkpoint loading
+live exchange (``worker/live/exchange.py``) and checkpoint loading
 (``worker/checkpoint.py``) all answer it with this module. Torch-free.
 """
 

@@ -69,7 +69,7 @@ class ReshardSchedule:
     # A tuple, or a LazyMoves that builds it on first use.
     moves: Sequence[Move]
     # Old ranks whose worker is gone without a word: the members restore their
-    # state from what the survivors hold (worker/elastic/restore_plan.py [Note: recovery sources]).
+    # state from what the survivors hold (worker/live/restore_plan.py [Note: recovery sources]).
     lost_ranks: tuple[int, ...] = ()
     # Old ranks whose worker asked to leave (after handing its shards over).
     left_ranks: tuple[int, ...] = ()

@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-import worker.elastic
+import worker.live
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 
@@ -19,6 +19,6 @@ def die(*args: object, **kwargs: object) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-worker.elastic.exchange = die
+worker.live.exchange = die
 sys.argv = [str(EXAMPLE), *sys.argv[1:]]
 runpy.run_path(str(EXAMPLE), run_name="__main__")

@@ -30,7 +30,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from coordinator.core.messages import STOPPED, Generation
-from worker import elastic
+from worker import live
 from worker.collectives import Collectives
 from worker.compat import abort_default_group
 from worker.elastic.phases import Handed, PeerLost, Phase, Session, admitted
@@ -79,7 +79,7 @@ def ready_for(session: Session, engine: ZeroEngine, gen: Generation) -> bool:
     ([Note: meeting ahead] in worker/rendezvous.py): polled at each step boundary
     while the members train on, for at most ``_AHEAD_PATIENCE_S``; after that the
     switch goes ahead, and the meeting handles a newcomer that never came. This
-    rank is ready once it has written its buffers for ``gen`` (worker/state.py
+    rank is ready once it has written its buffers for ``gen`` (worker/build_ahead.py
     [Note: a build from buffers written ahead]), in a thread started here."""
     control = admitted(session)
     ahead = session.ahead
@@ -139,7 +139,7 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
     period is finite. A scale-up pending meanwhile waits for the leave; the
     generation it formed still holds the leaver, so the survivors wait for the
     next one (before, they took it for a lost member and recovered, or hung).
-    The send buffer is sized to what a rank sends (``elastic.sent_bound``): a
+    The send buffer is sized to what a rank sends (``live.sent_bound``): a
     scale-down's first survivor keeps all it owns and writes none."""
     control = admitted(session)
     ahead, session.ahead = session.ahead, None
@@ -149,7 +149,7 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
     survivors = [r for r in range(engine.world_size) if r != leaving]
     if engine.rank == leaving:
         session._to(Phase.LEAVING)
-    handover = elastic.exchange(
+    handover = live.exchange(
         engine.state, holds_state=True, via=None, new_members=survivors, buffers=wire
     )
     if engine.rank == leaving:
@@ -183,7 +183,7 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
         # newcomer die meanwhile, that hand-over is whole: recovery starts from it.
         me = survivors.index(engine.rank)
         session.held.handed = Handed((gen.id, me, len(survivors)), handover)
-        handover = elastic.exchange(
+        handover = live.exchange(
             engine.state,
             holds_state=True,
             via=None,
@@ -244,7 +244,7 @@ def grow_to(session: Session, engine: ZeroEngine, gen: Generation) -> None:
     ahead, session.ahead = session.ahead, None
     wire = ahead.wire if ahead is not None and ahead.generation == gen.id else None
     # the exchange exports from the old layout and rank, which the state still holds
-    handover = elastic.exchange(
+    handover = live.exchange(
         engine.state,
         holds_state=True,
         via=None,

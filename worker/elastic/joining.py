@@ -10,7 +10,7 @@ import signal
 import threading
 
 from coordinator.core.messages import Generation
-from worker import elastic
+from worker import live
 from worker.collectives import Collectives
 from worker.elastic.change import after_loss
 from worker.elastic.phases import Phase, Session
@@ -56,7 +56,7 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
 
     engine: ZeroEngine | None = None
     warming: threading.Thread | None = None
-    wire: list[elastic.ExchangeBuffers] = []  # what the warm thread writes to receive into
+    wire: list[live.ExchangeBuffers] = []  # what the warm thread writes to receive into
     try:
         control = ControlPlane.join(
             spec.coordinator,
@@ -131,7 +131,7 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
         restore(session, engine, gen, holds_state=False)
     elif newcomer:
         # joining a running job: the members hand this rank its shards
-        handover = elastic.exchange(
+        handover = live.exchange(
             engine.state,
             holds_state=False,
             via=None,
@@ -156,10 +156,10 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
     return engine
 
 
-def _warm(engine: ZeroEngine, wire: list[elastic.ExchangeBuffers]) -> None:
+def _warm(engine: ZeroEngine, wire: list[live.ExchangeBuffers]) -> None:
     """A newcomer built ahead, while it meets the members: the transient buffers
     of its first backward (ShardState.warm), the optimizer state its import
-    makes and a buffer to receive its shards into (worker/state.py [Note: a
+    makes and a buffer to receive its shards into (worker/build_ahead.py [Note: a
     build from buffers written ahead]); appended to ``wire``."""
     state = engine.state
     state.warm()
@@ -167,7 +167,7 @@ def _warm(engine: ZeroEngine, wire: list[elastic.ExchangeBuffers]) -> None:
         fields = state.state_fields()  # a probe: found once for both
         plan = state.reserve_plan(state.rank, state.world_size, buffers=False, fields=fields)
         state.reserve = Reserve.make(plan)
-        recv = elastic.packed_bound(state, state.rank, state.world_size, fields)
-        wire.append(elastic.ExchangeBuffers.make(0, recv, elastic.wire_device(state.comm)))
+        recv = live.packed_bound(state, state.rank, state.world_size, fields)
+        wire.append(live.ExchangeBuffers.make(0, recv, live.wire_device(state.comm)))
     except Exception as exc:  # out of memory, say: the import allocates as before
         logger.warning("writing the newcomer's buffers ahead failed: %s", exc)

@@ -18,7 +18,7 @@ lost peer raises, and :class:`Session`, the session as the modules that do its w
   coordinator and exits 0.
 * RECOVERING: a peer was lost mid-step; the session forms the coordinator's
   next generation, restores one consistent state from the best source the
-  group holds (worker/elastic/restore_plan.py [Note: recovery sources]) and raises
+  group holds (worker/live/restore_plan.py [Note: recovery sources]) and raises
   :class:`StepAborted` so the training loop carries on from
   ``engine.global_steps``.
 A SIGTERM in any phase only sets ``leave_requested``: it becomes a graceful
@@ -36,7 +36,7 @@ import time
 from typing import Any, NoReturn, Protocol
 
 from coordinator.core.messages import Generation
-from worker import elastic
+from worker import live
 from worker.collectives import CollectiveError, Collectives
 from worker.elastic.prepared import PreparedLeave, PreparedScaleUp
 from worker.engine import ZeroEngine
@@ -50,15 +50,9 @@ __all__ = [
     "Phase",
     "RecoveryTiming",
     "Session",
-    "StepAborted",
     "StepClock",
     "admitted",
 ]
-
-
-class StepAborted(RuntimeError):
-    """A peer was lost mid-step. The session has re-formed the job and rolled back to
-    ``engine.global_steps``: carry on with the training loop from that step."""
 
 
 class PeerLost(CollectiveError):
@@ -135,8 +129,8 @@ class Handed:
     and its id (whose state that is), between the two exchanges of a leave and a
     join in one generation."""
 
-    ident: elastic.StateId
-    handover: elastic.Handover
+    ident: live.StateId
+    handover: live.Handover
 
 
 @dataclasses.dataclass
@@ -161,7 +155,7 @@ class Session(Protocol):
     # the scale-up or leave this member prepares for ([Note: meeting ahead],
     # [Note: a leave prepared ahead])
     ahead: PreparedScaleUp | PreparedLeave | None
-    keeper: elastic.ReplicaKeeper
+    keeper: live.ReplicaKeeper
     clock: StepClock
     # an engine on a mesh: re-formed ring by ring (worker/elastic/rings.py), with
     # what it carries across a change (rings.Carried) while the change is made
@@ -179,7 +173,7 @@ class Session(Protocol):
     def _refresh_replica(self, engine: ZeroEngine) -> None: ...
 
     def _adopt(
-        self, engine: ZeroEngine, handover: elastic.Handover, comm: Collectives | None
+        self, engine: ZeroEngine, handover: live.Handover, comm: Collectives | None
     ) -> None: ...
 
     def _recover_in_formed(self, engine: ZeroEngine, intended: Generation) -> NoReturn: ...

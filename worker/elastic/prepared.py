@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from worker import elastic
+from worker import live
 from worker.flat import Reserve
 from worker.state import ShardState
 
@@ -26,7 +26,7 @@ class _Prepared:
     """A membership change a member prepares for while it trains: the
     generation (for a leave, the current one), since when, this rank's place
     after the change (None: it is the leaver), and the thread writing its
-    buffers: the build's (worker/state.py [Note: a build from buffers written
+    buffers: the build's (worker/build_ahead.py [Note: a build from buffers written
     ahead]) and the exchange's."""
 
     generation: int
@@ -34,21 +34,21 @@ class _Prepared:
     rank: int | None
     world_size: int
     thread: threading.Thread | None = None
-    wire: elastic.ExchangeBuffers | None = None
+    wire: live.ExchangeBuffers | None = None
 
     def start(self, state: ShardState) -> None:
         # what to make is read here, beside the step; the thread only allocates
-        send = elastic.sent_bound(state, self.rank, self.world_size)
+        send = live.sent_bound(state, self.rank, self.world_size)
         stays = self.rank is not None
-        recv = elastic.packed_bound(state, self.rank, self.world_size) if stays else 0
+        recv = live.packed_bound(state, self.rank, self.world_size) if stays else 0
         plan = state.reserve_plan(self.rank, self.world_size) if stays else []
-        device = elastic.wire_device(state.comm)
+        device = live.wire_device(state.comm)
 
         def write() -> None:
             try:
                 if plan:
                     state.reserve = Reserve.make(plan)
-                self.wire = elastic.ExchangeBuffers.make(send, recv, device)
+                self.wire = live.ExchangeBuffers.make(send, recv, device)
             except Exception as exc:  # out of memory, say: the change allocates as before
                 logger.warning("writing the buffers of generation %d ahead failed: %s",
                                self.generation, exc)  # fmt: skip

@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 
 from coordinator.core.messages import Generation
-from worker import elastic
-from worker.collectives import CollectiveError, Collectives
+from worker import live
+from worker.collectives import CollectiveError, Collectives, StepAborted
 from worker.elastic.change import NO_GENERATION, join_ahead, leave_holding_state
-from worker.elastic.phases import Phase, RecoveryTiming, Session, StepAborted, admitted
+from worker.elastic.phases import Phase, RecoveryTiming, Session, admitted
 from worker.engine import ZeroEngine
+from worker.entries import Entries
 from worker.reporting import report
-from worker.state import Counters, Entries
+from worker.state import Counters
 
 __all__ = ["Restoring", "recover", "recover_in_formed", "restore", "restore_from"]
 
@@ -78,7 +79,7 @@ def recover_in_formed(session: Session, engine: ZeroEngine, intended: Generation
     )
 
 
-def _live(session: Session, engine: ZeroEngine) -> elastic.StateId | None:
+def _live(session: Session, engine: ZeroEngine) -> live.StateId | None:
     """Whose state this rank's shards are, while whole ([Note: recovery sources])."""
     held = session.held
     if held.handed is not None:
@@ -106,22 +107,22 @@ def restore(
     started = time.perf_counter()
     reached = engine.global_steps
     replicas, keeper.replicas = (keeper.replicas if holds_state else []), []
-    log, keeper.log = keeper.log, elastic.GradientLog()
-    live = _live(session, engine) if holds_state else None
-    mine = elastic.Holding(
-        live=live,
+    log, keeper.log = keeper.log, live.GradientLog()
+    live_id = _live(session, engine) if holds_state else None
+    mine = live.Holding(
+        live=live_id,
         replicas=tuple(r.ident for r in replicas),
         holds_state=holds_state,
         checkpoint=None if engine.last_checkpoint is None else str(engine.last_checkpoint),
-        live_step=engine.global_steps if live is not None else -1,
+        live_step=engine.global_steps if live_id is not None else -1,
         log=log.coverage() if holds_state else None,
     )
     table = torch.zeros(gen.world_size, mine.WIDTH, dtype=torch.int64, device=engine.device)
     table[control.rank] = mine.encode()
     comm = Collectives(None)
     comm.all_reduce(table, op="sum", control=True)
-    holdings = [elastic.Holding.decode(row) for row in table.cpu()]
-    plan = elastic.plan_restore(holdings)
+    holdings = [live.Holding.decode(row) for row in table.cpu()]
+    plan = live.plan_restore(holdings)
     logger.info(
         "recovery plan %s (generation %s, step %s, lost %s) from %s",
         plan.source, plan.generation, plan.step, sorted(plan.lost),
@@ -132,7 +133,7 @@ def restore(
         session=session,
         engine=engine,
         plan=plan,
-        live=live,
+        live=live_id,
         replicas=replicas,
         log=log,
         members=list(range(gen.world_size)),
@@ -176,10 +177,10 @@ class Restoring:
 
     session: Session
     engine: ZeroEngine
-    plan: elastic.RestorePlan
-    live: elastic.StateId | None
-    replicas: list[elastic.Replica]
-    log: elastic.GradientLog
+    plan: live.RestorePlan
+    live: live.StateId | None
+    replicas: list[live.Replica]
+    log: live.GradientLog
     members: list[int]
     comm: Collectives
     holds_state: bool
@@ -195,8 +196,8 @@ def restore_from(ctx: Restoring) -> str:
 
 
 def _from_live(ctx: Restoring) -> str:
-    engine, plan, live, held = ctx.engine, ctx.plan, ctx.live, ctx.session.held
-    sends = live is not None and live[0] == plan.generation
+    engine, plan, live_id, held = ctx.engine, ctx.plan, ctx.live, ctx.session.held
+    sends = live_id is not None and live_id[0] == plan.generation
     handed, held.handed = held.handed, None
     entries: Entries | None = None if sends else {}
     counters = None if handed is None else handed.handover.counters
@@ -204,7 +205,7 @@ def _from_live(ctx: Restoring) -> str:
         entries = handed.handover.entries
     if ctx.carried is not None:  # a ring re-formed: the state left the engine
         entries, counters = ctx.carried if sends else ({}, None)
-    handover = elastic.exchange(
+    handover = live.exchange(
         engine.state,
         holds_state=sends,
         via=ctx.via,
@@ -217,12 +218,12 @@ def _from_live(ctx: Restoring) -> str:
 
 
 def _from_forward(ctx: Restoring) -> str:
-    engine, plan, live, log = ctx.engine, ctx.plan, ctx.live, ctx.log
+    engine, plan, live_id, log = ctx.engine, ctx.plan, ctx.live, ctx.log
     # survivors keep their state; each lost rank's comes from its right neighbour
-    entries = engine.state.export_ranges(copy=False) if live is not None else {}
+    entries = engine.state.export_ranges(copy=False) if live_id is not None else {}
     left = (engine.rank - 1) % engine.world_size
     replayed = 0
-    if live is not None and left in plan.lost:
+    if live_id is not None and left in plan.lost:
         replica = max(
             (
                 r
@@ -233,11 +234,11 @@ def _from_forward(ctx: Restoring) -> str:
             key=lambda r: r.counters.global_steps,
         )
         steps = log.between(replica.counters.global_steps, plan.step or 0)
-        entries.update(elastic.roll_forward(engine.state, left, replica.neighbour, steps))
+        entries.update(live.roll_forward(engine.state, left, replica.neighbour, steps))
         replayed = len(steps)
-    handover = elastic.exchange(
+    handover = live.exchange(
         engine.state,
-        holds_state=live is not None,
+        holds_state=live_id is not None,
         via=ctx.via,
         new_members=ctx.members,
         entries=entries,
@@ -258,7 +259,7 @@ def _from_replica(ctx: Restoring) -> str:
         entries = dict(replica.own)
         if replica.neighbour_rank in ctx.lost:
             entries.update(replica.neighbour)
-    handover = elastic.exchange(
+    handover = live.exchange(
         engine.state,
         holds_state=ctx.holds_state and replica is not None,
         via=ctx.via,
@@ -286,10 +287,10 @@ def _from_checkpoint(ctx: Restoring) -> str:
 
 
 # what each source restores from, and what the log says it was
-_RESTORE_FROM: dict[elastic.RestoreSource, Callable[[Restoring], str]] = {
-    elastic.RestoreSource.LIVE: _from_live,
-    elastic.RestoreSource.FORWARD: _from_forward,
-    elastic.RestoreSource.REPLICA: _from_replica,
-    elastic.RestoreSource.MODULE: _from_module,
-    elastic.RestoreSource.CHECKPOINT: _from_checkpoint,
+_RESTORE_FROM: dict[live.RestoreSource, Callable[[Restoring], str]] = {
+    live.RestoreSource.LIVE: _from_live,
+    live.RestoreSource.FORWARD: _from_forward,
+    live.RestoreSource.REPLICA: _from_replica,
+    live.RestoreSource.MODULE: _from_module,
+    live.RestoreSource.CHECKPOINT: _from_checkpoint,
 }

@@ -1,5 +1,5 @@
 """An elastic job on a mesh (tensor and pipeline parallel), re-formed ring by ring:
-what :class:`~worker.elastic.session.ElasticSession` does at a step boundary and
+what :class:`~worker.live.session.ElasticSession` does at a step boundary and
 after a loss when its engine is a :class:`~worker.mesh_engine.MeshEngine`
 (joining, the world's vote, a leave, a switch to the next generation, standing
 by, the restore of every ring through the one restore table of
@@ -23,14 +23,14 @@ in its new process group:
    engine empty (``initial_state="peers"``);
 2. shares what it holds for its ring (one small all-reduce over the world:
    its live state's id and step, its replicas'), and every rank picks the
-   same source (worker/elastic/restore_plan.py ``plan_mesh_restore``): the
+   same source (worker/live/restore_plan.py ``plan_mesh_restore``): the
    live state when every ring's ranks are all here and whole at one step (a
    scale-up), else the newest replica step that covers every ring (a lost
    rank: its shards come from its right dp neighbour's copy; a leave: every
    rank refreshed its replica at the boundary it left at, so nothing rolls
    back), else the last checkpoint;
 3. re-shards each ring from its old dp width to its new one over the new dp
-   group (worker/elastic/live_exchange.py ``exchange``, as a data-parallel
+   group (worker/live/exchange.py ``exchange``, as a data-parallel
    job does over the world) and refreshes its replicas.
 
 A rank whose group cannot be completed (its group peers lost, nobody to take
@@ -62,26 +62,27 @@ import torch
 
 from coordinator.core.meshplan import MeshCoords, MeshShape
 from coordinator.core.messages import Generation
-from worker import elastic
-from worker.collectives import CollectiveError, Collectives
+from worker import live
+from worker.collectives import CollectiveError, Collectives, StepAborted
 from worker.compat import abort_default_group
-from worker.elastic.phases import Phase, Session, StepAborted
+from worker.elastic.phases import Phase, Session
 from worker.elastic.recovery import Restoring, restore_from
-from worker.elastic.restore_plan import (
+from worker.engine import ZeroEngine
+from worker.entries import Entries
+from worker.factory import build_engine
+from worker.live.restore_plan import (
     RestoreSource,
     current_rings,
     plan_mesh_restore,
     ring_lost,
 )
-from worker.engine import ZeroEngine
-from worker.factory import build_engine
 from worker.mesh_engine import MeshEngine
 from worker.metrics import SnapshotBoard, start_metrics
 from worker.parallel import build_mesh
 from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission, env_seconds
 from worker.reporting import report
 from worker.spec import EngineSpec
-from worker.state import Counters, Entries
+from worker.state import Counters
 
 __all__ = ["PEER_LOSS_WAIT_ENV", "Carried", "boundary", "join", "peer_lost", "recover"]
 
@@ -105,7 +106,7 @@ class Carried:
     step: int
     live: Entries | None
     counters: Counters
-    replicas: list[elastic.Replica]
+    replicas: list[live.Replica]
 
 
 def join(session: Session, spec: EngineSpec) -> MeshEngine:
@@ -373,7 +374,7 @@ def _restore(
     keep = carried is not None and (carried.pp, carried.tp) == (coords.pp, coords.tp)
     held = carried if keep else None
     live = None if held is None or held.live is None else (held.generation, held.dp, held.dp_size)
-    mine = elastic.Holding(
+    mine = live.Holding(
         live=live,
         replicas=tuple(r.ident for r in held.replicas) if held is not None else (),
         holds_state=keep,
@@ -384,9 +385,9 @@ def _restore(
     table[control.rank, 0] = ring
     table[control.rank, 1:] = mine.encode()
     Collectives(None).all_reduce(table, op="sum", control=True)
-    rings: list[list[elastic.Holding]] = [[] for _ in range(shape.group_size)]
+    rings: list[list[live.Holding]] = [[] for _ in range(shape.group_size)]
     for row in table.cpu():
-        rings[int(row[0])].append(elastic.Holding.decode(row[1:]))
+        rings[int(row[0])].append(live.Holding.decode(row[1:]))
     held_words = "; ".join(
         f"ring {r} (pp {r // shape.tp}, tp {r % shape.tp}): "
         + ", ".join(f"live {h.live} at {h.live_step}, replicas {h.replicas}" for h in held_by)
@@ -407,7 +408,7 @@ def _restore(
             plan=plan,
             live=live,
             replicas=[] if held is None else held.replicas,
-            log=elastic.GradientLog(),
+            log=live.GradientLog(),
             members=list(range(shape.dp)),
             comm=dp_comm,
             holds_state=keep,

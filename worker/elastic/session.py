@@ -34,19 +34,11 @@ import torch
 from coordinator.core.messages import FINISHED, Generation
 from worker.ballot import BoundaryVote
 from worker.collectives import CollectiveError, Collectives, Handle
-from worker.elastic import (
-    Handover,
-    PendingRefresh,
-    Replica,
-    ReplicaKeeper,
-    change,
-    joining,
-    recovery,
-    rings,
-)
+from worker.elastic import change, joining, recovery, rings
 from worker.elastic.phases import TRANSITIONS, Held, Phase, StepClock, admitted
 from worker.elastic.prepared import PreparedLeave, PreparedScaleUp
 from worker.engine import ZeroEngine
+from worker.live import Handover, PendingRefresh, Replica, ReplicaKeeper
 from worker.rendezvous import ControlPlane
 from worker.reporting import FinalReport, report
 from worker.spec import EngineSpec
@@ -159,7 +151,7 @@ class ElasticSession(FinalReport):
     def log_gradients(
         self, engine: ZeroEngine, grads: list[torch.Tensor], used: list[int]
     ) -> Handle | None:
-        """[Note: rolling a lost rank forward] in worker/elastic/replicas.py. Whether
+        """[Note: rolling a lost rank forward] in worker/live/replicas.py. Whether
         to send depends only on what every rank agrees on (config, world, stage), so
         every rank's send meets its neighbour's receive."""
         st, config = engine.state, engine.config
@@ -258,7 +250,7 @@ class ElasticSession(FinalReport):
     def _refresh_replica(self, engine: ZeroEngine) -> None:
         """Start a refresh: every rank of the generation, at the same step boundary (a
         collective). The next boundary confirms it ([Note: a refresh overlaps a step]
-        in worker/elastic/replicas.py)."""
+        in worker/live/replicas.py)."""
         if not engine.config.replica_interval:
             return
         self.keeper.refresh(engine.state, admitted(self).generation.id)

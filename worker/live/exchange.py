@@ -19,7 +19,7 @@ a scale-up (newcomers join it), the old group for a graceful scale-down
 (leavers hand over before they exit). After a crash the dead rank's entries
 come from the replica a neighbour keeps (see :class:`Replica`), brought
 forward to the survivors' step by that neighbour's log of its gradients (see
-:class:`GradientLog`; both in worker/elastic/replicas.py).
+:class:`GradientLog`; both in worker/live/replicas.py).
 
 Entries cross the wire in a small self-describing format (a JSON header of
 names, dtypes and shapes, then raw bytes): no pickle.
@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from coordinator.core.ranges import Range, RangeIndex, owned_ranges
 from worker.collectives import Collectives, Handle
-from worker.state import Counters, Entries, ShardState
+from worker.entries import Entries
+from worker.state import Counters, ShardState
 
 __all__ = [
     "ExchangeBuffers",

@@ -16,9 +16,10 @@ import torch
 
 from coordinator.core.ranges import Range
 from worker.collectives import CollectiveError, Collectives, Handle
-from worker.elastic.live_exchange import _start_exchange, pack_entries, unpack_entries
-from worker.elastic.restore_plan import ReplicaId
-from worker.state import Counters, Entries, MissingRange, ShardState
+from worker.entries import Entries, MissingRange
+from worker.live.exchange import _start_exchange, pack_entries, unpack_entries
+from worker.live.restore_plan import ReplicaId
+from worker.state import Counters, ShardState
 
 __all__ = [
     "GradientLog",
