@@ -58,7 +58,7 @@ import grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from coordinator.control.host_agent import AgentLink
+from coordinator.control.agent_link import AgentLink
 from coordinator.control.tls import TlsMismatch, probe
 from coordinator.core.layout import ParamSpec
 from coordinator.core.meshplan import MeshCoords
