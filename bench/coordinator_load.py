@@ -345,7 +345,8 @@ def scale(hosts: int, ranks: int, state_dir: Path) -> dict[str, float | str]:
     from coordinator.control.membership import Membership
     from coordinator.control.server import _build_steps, _Servicer
     from coordinator.control.statefile import StateLog, StateStore, load_snapshot
-    from coordinator.core.messages import WorkerInfo, inventory_wire_steps, param_from_proto
+    from coordinator.core.conversions import inventory_wire_steps, param_from_proto
+    from coordinator.core.messages import WorkerInfo
     from coordinator.core.planner import PlanConfig
     from coordinator.core.settings import CoordinatorConfig, MembershipConfig, ServerConfig
     from coordinator.core.steps import finish

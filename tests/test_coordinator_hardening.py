@@ -23,8 +23,9 @@ from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.control import server as server_module
 from coordinator.control.statefile import MAGIC, load_snapshot, save_snapshot
+from coordinator.core.conversions import param_to_proto
 from coordinator.core.layout import ParamSpec
-from coordinator.core.messages import WorkerInfo, param_to_proto
+from coordinator.core.messages import WorkerInfo
 from coordinator.core.settings import HttpConfig
 from tests.coordinator_util import (
     AUTH,
@@ -273,14 +274,13 @@ def test_a_100k_parameter_inventory_registers_without_blocking_health(tmp_path) 
 
 
 def test_a_generation_serialized_in_pieces_parses_to_the_whole() -> None:
-    from coordinator.core.layout import compute_layout
-    from coordinator.core.messages import (
-        Generation,
-        Member,
+    from coordinator.core.generation_codec import (
         generation_from_proto,
         generation_to_proto,
         serialize_steps,
     )
+    from coordinator.core.layout import compute_layout
+    from coordinator.core.messages import Generation, Member
     from coordinator.core.reshard import ReshardSchedule, reshard_schedule
     from coordinator.core.steps import finish
 
@@ -316,7 +316,8 @@ def test_a_format_1_state_file_still_loads(tmp_path) -> None:
     from google.protobuf import json_format
 
     from coordinator.control.membership import Membership
-    from coordinator.core.messages import generation_to_proto, worker_to_proto
+    from coordinator.core.conversions import worker_to_proto
+    from coordinator.core.generation_codec import generation_to_proto
     from coordinator.core.settings import MembershipConfig, PlanConfig
 
     m = Membership(MembershipConfig(min_workers=2, max_workers=2), PlanConfig(bucket_numel=100))

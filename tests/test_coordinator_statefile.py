@@ -24,15 +24,14 @@ from coordinator.control.statefile import (
     load_snapshot,
     save_snapshot,
 )
-from coordinator.core.messages import (
-    Generation,
-    WorkerInfo,
-    generation_to_proto,
+from coordinator.core.conversions import (
     inventory_digest,
     inventory_wire,
     param_to_proto,
     worker_to_proto,
 )
+from coordinator.core.generation_codec import generation_to_proto
+from coordinator.core.messages import Generation, WorkerInfo
 from tests.coordinator_util import HOSTS, formed_on_hosts, inventory
 
 pytestmark = pytest.mark.timeout(60)

@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from coordinator.core.conversions import inventory_digest
 from coordinator.core.layout import ParamSpec, layout_steps
 from coordinator.core.meshplan import (
     GroupArrangement,
@@ -57,7 +58,6 @@ from coordinator.core.messages import (
     WorkerInfo,
     WorkerReport,
     WorkerStatus,
-    inventory_digest,
     metrics_target,
 )
 from coordinator.core.planner import PlanConfig, StageChoice, choose_stage
@@ -368,7 +368,7 @@ class Membership:
 
         ``inventory`` may be the job's own tuple (``self.inventory``), which is then not
         compared again; ``digest`` and ``wire``: its digest and canonical encoding
-        (``messages.inventory_wire``), if the caller has them. ``peer``: the IP address
+        (``conversions.inventory_wire``), if the caller has them. ``peer``: the IP address
         the registration came from.
         """
         self._check_inventory(inventory, digest, wire)

@@ -56,6 +56,20 @@ from coordinator.control.membership import (
 from coordinator.control.statefile import StateStore, length_delimited, load_snapshot
 from coordinator.control.telemetry import CoordinatorMetrics, RpcMetricsInterceptor
 from coordinator.control.web import CoordinatorHttp
+from coordinator.core.conversions import (
+    inventory_digest,
+    inventory_steps,
+    inventory_wire_steps,
+    report_from_proto,
+    status_to_proto,
+    worker_from_proto,
+)
+from coordinator.core.generation_codec import (
+    generation_steps,
+    members_delta,
+    moves_to_proto,
+    serialize_steps,
+)
 from coordinator.core.layout import ParamSpec
 from coordinator.core.messages import (
     GENERATION_METADATA_KEY,
@@ -66,18 +80,8 @@ from coordinator.core.messages import (
     WorkerReport,
     check_count,
     check_worker_id,
-    generation_steps,
-    inventory_digest,
-    inventory_steps,
-    inventory_wire_steps,
-    members_delta,
     metrics_target,
-    moves_to_proto,
     printable,
-    report_from_proto,
-    serialize_steps,
-    status_to_proto,
-    worker_from_proto,
 )
 from coordinator.core.reshard import LazyMoves, RankSchedules
 from coordinator.core.settings import (
