@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from coordinator.control import server as server_module
+from coordinator.control import published as published_module
 from coordinator.control.statefile import MAGIC, load_snapshot, save_snapshot
 from coordinator.core.conversions import param_to_proto
 from coordinator.core.layout import ParamSpec
@@ -158,7 +158,7 @@ def test_absurd_numbers_in_a_heartbeat_or_a_watch_are_invalid_argument() -> None
 def test_a_generation_that_fails_to_encode_is_never_published(monkeypatch, caplog) -> None:
     """Formation is atomic: an encoding failure leaves the old state whole, says why once,
     and the next change of membership forms normally."""
-    real = server_module.generation_steps
+    real = published_module.generation_steps
     broken = {"on": True}
 
     def encode(generation):
@@ -166,7 +166,7 @@ def test_a_generation_that_fails_to_encode_is_never_published(monkeypatch, caplo
             raise ValueError("Value out of range: 18446744073709551616")
         return (yield from real(generation))
 
-    monkeypatch.setattr(server_module, "generation_steps", encode)
+    monkeypatch.setattr(published_module, "generation_steps", encode)
     caplog.set_level(logging.INFO)
     with running(config(min_workers=1)) as server:
         channel, stub = raw_stub(server.port)

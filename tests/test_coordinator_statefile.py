@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.control import statefile
 from coordinator.control.membership import Membership, Snapshot
-from coordinator.control.server import _Published
+from coordinator.control.published import Published
 from coordinator.control.statefile import (
     MAGIC,
     StateLog,
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(60)
 def published(m: Membership, previous: Generation | None) -> Snapshot:
     """What the server saves after a formation: the snapshot with its wire forms."""
     assert m.generation is not None
-    return _Published.of(m.generation, previous).for_state_file(m.snapshot())
+    return Published.of(m.generation, previous).for_state_file(m.snapshot())
 
 
 def reform(m: Membership) -> Snapshot:
