@@ -23,27 +23,43 @@ data-parallel one; its mesh is chosen when the generation is planned.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from coordinator.control.roster import Roster
 from coordinator.core.meshplan import GroupArrangement, MeshCoords, arrange_groups
-from coordinator.core.messages import WorkerInfo
-
-if TYPE_CHECKING:
-    from coordinator.control.membership import Membership
+from coordinator.core.messages import Generation, WorkerInfo
+from coordinator.core.settings import MembershipConfig
 
 __all__ = [
     "Arrangement",
     "ElasticArrangement",
     "FixedArrangement",
+    "MembershipView",
     "MeshArrangement",
     "arrangement_for",
 ]
 
 
+class MembershipView(Protocol):
+    """What an arrangement reads of the membership (coordinator/control/membership.py)."""
+
+    generation: Generation | None
+    roster: Roster
+    config: MembershipConfig
+
+    def recovering(self) -> bool:
+        """A recovery is under way: newcomers wait for it."""
+        ...
+
+    def survivors(self) -> list[str]:
+        """The current generation's members still here, in rank order."""
+        ...
+
+
 class Arrangement:
     """How the next generation's workers are chosen and ordered ([Note: arrangements])."""
 
-    def sizes(self, ms: Membership) -> tuple[int, int]:
+    def sizes(self, ms: MembershipView) -> tuple[int, int]:
         """(the survivors, the waiting workers admitted) of the next generation."""
         survivors = 0 if ms.generation is None else ms.generation.world_size - len(ms.roster.gone)
         admitted = min(ms.roster.waiting_count, ms.config.max_workers - survivors)
@@ -51,12 +67,12 @@ class Arrangement:
             admitted = 0
         return survivors, admitted
 
-    def ready(self, ms: Membership) -> bool | None:
+    def ready(self, ms: MembershipView) -> bool | None:
         """Whether a generation is due, where this arrangement alone decides it; None
         where the membership's rules do (MembershipConfig)."""
         return None
 
-    def arrange(self, ms: Membership) -> GroupArrangement:
+    def arrange(self, ms: MembershipView) -> GroupArrangement:
         """The next generation's workers in rank order, those of them admitted now, and
         the survivors left out."""
         raise NotImplementedError
@@ -65,7 +81,7 @@ class Arrangement:
 class ElasticArrangement(Arrangement):
     """Survivors in order, then joiners grouped by host ([Note: arrangements])."""
 
-    def arrange(self, ms: Membership) -> GroupArrangement:
+    def arrange(self, ms: MembershipView) -> GroupArrangement:
         _, count = self.sizes(ms)
         admitted = list(ms.roster.waiting())[:count]
         # Joiners grouped by host, so that ranks on one machine are neighbours.
@@ -78,10 +94,10 @@ class ElasticArrangement(Arrangement):
 class FixedArrangement(Arrangement):
     """The ranks the workers' script gave them ([Note: arrangements])."""
 
-    def ready(self, ms: Membership) -> bool | None:
+    def ready(self, ms: MembershipView) -> bool | None:
         return self._group(ms) is not None if ms.generation is None else None
 
-    def arrange(self, ms: Membership) -> GroupArrangement:
+    def arrange(self, ms: MembershipView) -> GroupArrangement:
         group = self._group(ms) or []
         admitted = sorted(group, key=lambda wid: ms.roster.live[wid].info.fixed_rank or 0)
         return GroupArrangement(
@@ -89,7 +105,7 @@ class FixedArrangement(Arrangement):
         )
 
     @staticmethod
-    def _group(ms: Membership) -> list[str] | None:
+    def _group(ms: MembershipView) -> list[str] | None:
         """The waiting workers of the group, once all of its ranks have registered
         (None: it is not complete)."""
         waiting = [ms.roster.live[wid].info for wid in ms.roster.waiting()]
@@ -107,11 +123,11 @@ class MeshArrangement(Arrangement):
     def __init__(self, tp: int, pp: int) -> None:
         self.tp, self.pp = tp, pp
 
-    def sizes(self, ms: Membership) -> tuple[int, int]:
+    def sizes(self, ms: MembershipView) -> tuple[int, int]:
         arranged = self.arrange(ms)
         return arranged.world_size - len(arranged.admitted), len(arranged.admitted)
 
-    def arrange(self, ms: Membership) -> GroupArrangement:
+    def arrange(self, ms: MembershipView) -> GroupArrangement:
         previous = ms.generation
         survivors: dict[str, MeshCoords] = {}
         if previous is not None and previous.mesh is not None:
