@@ -45,8 +45,8 @@ if str(REPO) not in sys.path:
 from bench.common import stop_processes  # noqa: E402
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb  # noqa: E402
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc  # noqa: E402
+from coordinator.core.conversions import param_from_proto, param_to_proto  # noqa: E402
 from coordinator.core.layout import ParamSpec  # noqa: E402
-from coordinator.core.messages import param_from_proto, param_to_proto  # noqa: E402
 from tests.coordinator_fuzzing import KINDS, fuzz  # noqa: E402
 from tests.coordinator_util import TOKEN, HealthProbe, client, inventory, worker  # noqa: E402
 

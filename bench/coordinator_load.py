@@ -343,9 +343,11 @@ async def formation(n: int = 256) -> tuple[float, float, int]:
 def scale(hosts: int, ranks: int, state_dir: Path) -> dict[str, float | str]:
     """The coordinator's CPU for a job of ``hosts`` x ``ranks``, in process."""
     from coordinator.control.membership import Membership
-    from coordinator.control.server import _build_steps, _Servicer
+    from coordinator.control.published import publish_steps
+    from coordinator.control.servicer import Servicer
     from coordinator.control.statefile import StateLog, StateStore, load_snapshot
-    from coordinator.core.messages import WorkerInfo, inventory_wire_steps, param_from_proto
+    from coordinator.core.conversions import inventory_wire_steps, param_from_proto
+    from coordinator.core.messages import WorkerInfo
     from coordinator.core.planner import PlanConfig
     from coordinator.core.settings import CoordinatorConfig, MembershipConfig, ServerConfig
     from coordinator.core.steps import finish
@@ -362,7 +364,7 @@ def scale(hosts: int, ranks: int, state_dir: Path) -> dict[str, float | str]:
         plan=PlanConfig(stage=2),
     )
     m = Membership(cfg.membership, cfg.plan)
-    servicer = _Servicer(cfg, m)
+    servicer = Servicer(cfg, m)
     store = StateStore(cfg.server.state_file)
     host_ids = [f"host-{h:05d}" for h in range(hosts)]
     for host in host_ids:
@@ -376,7 +378,7 @@ def scale(hosts: int, ranks: int, state_dir: Path) -> dict[str, float | str]:
     def form() -> tuple[float, object]:
         t0 = cpu()
         proposal = m.propose()
-        generation, published = finish(_build_steps(proposal))
+        generation, published = finish(publish_steps(proposal))
         assert m.commit(proposal, generation)
         snapshot = published.for_state_file(m.snapshot())
         if not snapshot.inventory_wire:

@@ -32,7 +32,7 @@ import grpc
 from google.protobuf.message import Message
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
-from coordinator.core.messages import param_to_proto
+from coordinator.core.conversions import param_to_proto
 from tests.coordinator_util import AUTH, TOKEN, inventory
 from tests.grpc_raw import raw_call
 

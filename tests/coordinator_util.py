@@ -18,8 +18,9 @@ from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as 
 from coordinator.control.client import ClientConfig, CoordinatorClient
 from coordinator.control.membership import Membership
 from coordinator.control.server import CoordinatorServer, create_server
+from coordinator.core.conversions import param_to_proto
 from coordinator.core.layout import ParamSpec
-from coordinator.core.messages import WorkerInfo, param_to_proto
+from coordinator.core.messages import WorkerInfo
 from coordinator.core.settings import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from coordinator.core.messages import param_from_proto
+from coordinator.core.conversions import param_from_proto
 from tests.coordinator_fuzzing import KINDS, fuzz
 from tests.coordinator_util import HealthProbe, client, config, inventory, running, worker
 

@@ -21,10 +21,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from coordinator.control import server as server_module
+from coordinator.control import published as published_module
 from coordinator.control.statefile import MAGIC, load_snapshot, save_snapshot
+from coordinator.core.conversions import param_to_proto
 from coordinator.core.layout import ParamSpec
-from coordinator.core.messages import WorkerInfo, param_to_proto
+from coordinator.core.messages import WorkerInfo
 from coordinator.core.settings import HttpConfig
 from tests.coordinator_util import (
     AUTH,
@@ -157,7 +158,7 @@ def test_absurd_numbers_in_a_heartbeat_or_a_watch_are_invalid_argument() -> None
 def test_a_generation_that_fails_to_encode_is_never_published(monkeypatch, caplog) -> None:
     """Formation is atomic: an encoding failure leaves the old state whole, says why once,
     and the next change of membership forms normally."""
-    real = server_module.generation_steps
+    real = published_module.generation_steps
     broken = {"on": True}
 
     def encode(generation):
@@ -165,7 +166,7 @@ def test_a_generation_that_fails_to_encode_is_never_published(monkeypatch, caplo
             raise ValueError("Value out of range: 18446744073709551616")
         return (yield from real(generation))
 
-    monkeypatch.setattr(server_module, "generation_steps", encode)
+    monkeypatch.setattr(published_module, "generation_steps", encode)
     caplog.set_level(logging.INFO)
     with running(config(min_workers=1)) as server:
         channel, stub = raw_stub(server.port)
@@ -273,14 +274,13 @@ def test_a_100k_parameter_inventory_registers_without_blocking_health(tmp_path) 
 
 
 def test_a_generation_serialized_in_pieces_parses_to_the_whole() -> None:
-    from coordinator.core.layout import compute_layout
-    from coordinator.core.messages import (
-        Generation,
-        Member,
+    from coordinator.core.generation_codec import (
         generation_from_proto,
         generation_to_proto,
         serialize_steps,
     )
+    from coordinator.core.layout import compute_layout
+    from coordinator.core.messages import Generation, Member
     from coordinator.core.reshard import ReshardSchedule, reshard_schedule
     from coordinator.core.steps import finish
 
@@ -316,7 +316,8 @@ def test_a_format_1_state_file_still_loads(tmp_path) -> None:
     from google.protobuf import json_format
 
     from coordinator.control.membership import Membership
-    from coordinator.core.messages import generation_to_proto, worker_to_proto
+    from coordinator.core.conversions import worker_to_proto
+    from coordinator.core.generation_codec import generation_to_proto
     from coordinator.core.settings import MembershipConfig, PlanConfig
 
     m = Membership(MembershipConfig(min_workers=2, max_workers=2), PlanConfig(bucket_numel=100))

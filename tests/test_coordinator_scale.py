@@ -13,15 +13,13 @@ import pytest
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.control.membership import Membership, StaleGeneration, UnknownWorker
-from coordinator.core.layout import compute_layout
-from coordinator.core.messages import (
-    RankBeat,
-    WorkerInfo,
-    WorkerReport,
+from coordinator.core.generation_codec import (
     generation_from_proto,
     generation_to_proto,
     members_delta,
 )
+from coordinator.core.layout import compute_layout
+from coordinator.core.messages import RankBeat, WorkerInfo, WorkerReport
 from coordinator.core.reshard import LazyMoves, RankSchedules, reshard_schedule
 from tests.coordinator_util import (
     AUTH,

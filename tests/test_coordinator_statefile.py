@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.control import statefile
 from coordinator.control.membership import Membership, Snapshot
-from coordinator.control.server import _Published
+from coordinator.control.published import Published
 from coordinator.control.statefile import (
     MAGIC,
     StateLog,
@@ -24,15 +24,14 @@ from coordinator.control.statefile import (
     load_snapshot,
     save_snapshot,
 )
-from coordinator.core.messages import (
-    Generation,
-    WorkerInfo,
-    generation_to_proto,
+from coordinator.core.conversions import (
     inventory_digest,
     inventory_wire,
     param_to_proto,
     worker_to_proto,
 )
+from coordinator.core.generation_codec import generation_to_proto
+from coordinator.core.messages import Generation, WorkerInfo
 from tests.coordinator_util import HOSTS, formed_on_hosts, inventory
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,7 +40,7 @@ pytestmark = pytest.mark.timeout(60)
 def published(m: Membership, previous: Generation | None) -> Snapshot:
     """What the server saves after a formation: the snapshot with its wire forms."""
     assert m.generation is not None
-    return _Published.of(m.generation, previous).for_state_file(m.snapshot())
+    return Published.of(m.generation, previous).for_state_file(m.snapshot())
 
 
 def reform(m: Membership) -> Snapshot:

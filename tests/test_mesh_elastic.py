@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from coordinator.control.membership import Membership
+from coordinator.core.conversions import worker_from_proto, worker_to_proto
 from coordinator.core.layout import ParamSpec
 from coordinator.core.meshplan import MeshCoords, MeshShape, arrange_groups
-from coordinator.core.messages import Generation, worker_from_proto, worker_to_proto
+from coordinator.core.messages import Generation
 from coordinator.core.settings import MembershipConfig, PlanConfig
 from coordinator.launchers.local import find_free_port
 from tests.coordinator_util import Clock, worker

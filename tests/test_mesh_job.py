@@ -18,9 +18,9 @@ import torch
 
 from coordinator.control.membership import InventoryMismatch, Membership
 from coordinator.control.statefile import load_snapshot, save_snapshot
+from coordinator.core.generation_codec import generation_from_proto, generation_to_proto
 from coordinator.core.layout import ParamSpec
 from coordinator.core.meshplan import MeshCoords, MeshShape, mesh_candidates, tp_sharded_numel
-from coordinator.core.messages import generation_from_proto, generation_to_proto
 from coordinator.core.planner import ActivationShape
 from coordinator.core.settings import MembershipConfig, PlanConfig
 from coordinator.launchers.local import find_free_port

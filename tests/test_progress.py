@@ -14,15 +14,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from coordinator.core.messages import (
-    Event,
-    StatusReport,
-    WorkerInfo,
-    WorkerReport,
-    WorkerStatus,
-    report_from_proto,
-    report_to_proto,
-)
+from coordinator.core.conversions import report_from_proto, report_to_proto
+from coordinator.core.messages import Event, StatusReport, WorkerInfo, WorkerReport, WorkerStatus
 from coordinator.core.settings import MembershipConfig
 from coordinator.launchers.progress import ProgressDisplay, ProgressSample, ProgressTracker, follow
 

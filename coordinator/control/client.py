@@ -58,24 +58,25 @@ import grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from coordinator.control.host_agent import AgentLink
+from coordinator.control.agent_link import AgentLink
 from coordinator.control.tls import TlsMismatch, probe
-from coordinator.core.layout import ParamSpec
-from coordinator.core.meshplan import MeshCoords
-from coordinator.core.messages import (
-    GENERATION_METADATA_KEY,
-    Generation,
-    MissingPrevious,
-    RankBeat,
-    StatusReport,
-    WorkerInfo,
-    WorkerReport,
-    generation_from_proto,
+from coordinator.core.conversions import (
     param_to_proto,
     rank_beat_to_proto,
     report_to_proto,
     status_from_proto,
     worker_to_proto,
+)
+from coordinator.core.generation_codec import MissingPrevious, generation_from_proto
+from coordinator.core.layout import ParamSpec
+from coordinator.core.meshplan import MeshCoords
+from coordinator.core.messages import (
+    GENERATION_METADATA_KEY,
+    Generation,
+    RankBeat,
+    StatusReport,
+    WorkerInfo,
+    WorkerReport,
 )
 from coordinator.core.ports import free_ports
 from coordinator.core.settings import (

@@ -32,8 +32,9 @@ coordinator before the worker goes on (its final report, a leave it announces)
 asks for ``flush``: the agent forwards it at once and answers after the
 coordinator did.
 
-The wire: each message (``AgentBeat`` one way, ``AgentReply`` the other) framed by
-its length in 4 big-endian bytes. Nothing but the protobuf messages crosses it.
+The wire, and the worker's end of it (``AgentLink``), are
+coordinator/control/agent_link.py: each message (``AgentBeat`` one way, ``AgentReply``
+the other) framed by its length in 4 big-endian bytes.
 """
 
 from __future__ import annotations
@@ -44,59 +45,26 @@ import os
 import queue
 import shutil
 import socket
-import struct
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
+from coordinator.control.agent_link import recv_frame, send_frame
+from coordinator.control.client import ClientConfig, CoordinatorClient, CoordinatorError
 from coordinator.core.settings import HOST_AGENT_ENV
 
-if TYPE_CHECKING:
-    from coordinator.control.client import ClientConfig, CoordinatorClient
-
-__all__ = ["AgentLink", "HostAgent"]
+__all__ = ["HostAgent", "agent_host_id"]
 
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct(">I")
-MAX_FRAME_BYTES = 1 << 20  # a beat carries one report: far below this
 # The agent's interval until a worker has told it the coordinator's.
 _DEFAULT_INTERVAL_S = 1.0
-
-
-def send_frame(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_HEADER.pack(len(payload)) + payload)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(n - got)
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def recv_frame(sock: socket.socket) -> bytes | None:
-    """One framed message; None at the end of the stream."""
-    header = _recv_exact(sock, _HEADER.size)
-    if header is None:
-        return None
-    (size,) = _HEADER.unpack(header)
-    if size > MAX_FRAME_BYTES:
-        raise ValueError(f"a frame of {size} bytes, over the limit of {MAX_FRAME_BYTES}")
-    payload = _recv_exact(sock, size)
-    if payload is None:
-        raise ValueError("the stream ended inside a frame")
-    return payload
 
 
 class _Rank:
@@ -330,8 +298,6 @@ class _HostStream:
         self._requests: queue.SimpleQueue[pb.HostHeartbeatRequest | None] | None = None
 
     def __call__(self, request: pb.HostHeartbeatRequest) -> pb.HostHeartbeatResponse:
-        from coordinator.control.client import CoordinatorClient, CoordinatorError
-
         if self._client is None:
             self._client = CoordinatorClient(self._config())
         if self._call is None:
@@ -365,60 +331,6 @@ class _HostStream:
         self._reset()
         if self._client is not None:
             self._client.close()
-
-
-class AgentLink:
-    """A worker's connection to its host's agent ([Note: the host agent]): ``beat``
-    sends one and returns the agent's reply, or raises OSError when the agent cannot
-    be reached (the caller then heartbeats the coordinator itself)."""
-
-    def __init__(self, path: str, timeout_s: float) -> None:
-        self.path = path
-        self.timeout_s = timeout_s
-        self._sock: socket.socket | None = None
-        self._seq = 0
-        self._lock = threading.Lock()
-
-    @property
-    def seq(self) -> int:
-        """The seq of the newest beat sent (0: none)."""
-        return self._seq
-
-    def beat(
-        self, beat: pb.RankBeat, *, lease_s: float, interval_s: float, flush: bool = False
-    ) -> pb.AgentReply:
-        with self._lock:
-            try:
-                if self._sock is None:
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    sock.settimeout(self.timeout_s)
-                    sock.connect(self.path)
-                    self._sock = sock
-                self._seq += 1
-                msg = pb.AgentBeat(
-                    beat=beat,
-                    seq=self._seq,
-                    lease_timeout_s=lease_s,
-                    heartbeat_interval_s=interval_s,
-                    flush=flush,
-                )
-                send_frame(self._sock, msg.SerializeToString())
-                payload = recv_frame(self._sock)
-                if payload is None:
-                    raise ConnectionResetError("the host agent closed the connection")
-                return pb.AgentReply.FromString(payload)
-            except (OSError, ValueError) as exc:
-                self._close()
-                raise OSError(f"host agent at {self.path}: {exc}") from exc
-
-    def _close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def close(self) -> None:
-        with self._lock:
-            self._close()
 
 
 def agent_host_id() -> str:

@@ -1,14 +1,19 @@
 """Membership: leases, standbys and the formation of generations.
 
 A pure state machine (no gRPC, no threads): the server calls it from one event
-loop and passes no time in; the clock is injected so tests can drive it.
+loop and passes no time in; the clock is injected so tests can drive it. Each
+worker is in one state (coordinator/control/roster.py [Note: worker states]); how
+a proposal arranges them is the job's arrangement, chosen by its first worker
+(coordinator/control/arrangement.py [Note: arrangements]); a proposal, its stage and
+mesh, and the generation built from it are coordinator/control/formation.py.
 
 [Note: generations]
 A generation is a fixed membership. Its members keep their relative order
 from one generation to the next (so a surviving rank 0 stays rank 0 and keeps
-hosting the rendezvous); joiners are appended, grouped by host. A member that
-leaves, loses its lease, or comes back as a new process (a new incarnation)
-is *lost*: it is not in the next generation, whose reshard schedule lists
+hosting the rendezvous); joiners are appended, grouped by host (a fixed group
+keeps its script's ranks, a mesh job forms whole groups: [Note: arrangements]).
+A member that leaves, loses its lease, or comes back as a new process (a new
+incarnation) is *lost*: it is not in the next generation, whose reshard schedule lists
 its old rank in ``left_ranks`` if it asked to leave (a zeroplane worker hands
 its shards over first) or else in ``lost_ranks`` (its state is gone).
 Heartbeats are fenced by generation id so that no worker keeps a lease
@@ -29,7 +34,6 @@ membership changes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -37,34 +41,30 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.core.layout import ParamSpec, layout_steps
-from coordinator.core.meshplan import (
-    GroupArrangement,
-    MeshCoords,
-    MeshShape,
-    arrange_groups,
-    choose_mesh,
-    tp_sharded_numel,
+from coordinator.control.arrangement import Arrangement, ElasticArrangement, arrangement_for
+from coordinator.control.formation import (
+    Proposal,
+    build_generation,
+    build_steps,
+    plan_generation,
+    rendezvous_endpoint,
 )
+from coordinator.control.roster import Roster, WorkerEntry, WorkerState
+from coordinator.core.conversions import inventory_digest
+from coordinator.core.layout import ParamSpec
 from coordinator.core.messages import (
     FINISHED,
     STOPPED,
     Event,
     Generation,
-    Member,
     RankBeat,
     StatusReport,
     WorkerInfo,
     WorkerReport,
     WorkerStatus,
-    inventory_digest,
-    metrics_target,
 )
-from coordinator.core.planner import PlanConfig, StageChoice, choose_stage
-from coordinator.core.ports import free_port
-from coordinator.core.reshard import LazyMoves, ReshardSchedule, check_reshardable
+from coordinator.core.planner import PlanConfig
 from coordinator.core.settings import MembershipConfig
-from coordinator.core.steps import Steps, finish
 
 __all__ = [
     "InvalidRequest",
@@ -75,6 +75,7 @@ __all__ = [
     "Snapshot",
     "StaleGeneration",
     "UnknownWorker",
+    "WorkerState",
     "build_generation",
     "build_steps",
     "first_difference",
@@ -116,125 +117,6 @@ class StaleGeneration(MembershipError):
         super().__init__(f"generation {given} is stale: the current generation is {current}")
         self.given = given
         self.current = current
-
-
-@dataclass
-class _Worker:
-    info: WorkerInfo
-    registered_at: float
-    deadline: float
-    free_ports: tuple[int, ...]
-    report: WorkerReport | None = None
-    # open generation streams, and since when none is (see [Note: disconnects])
-    streams: int = 0
-    unwatched_since: float | None = None
-    # the IP address its last register or heartbeat came from; "" if unknown
-    peer: str = ""
-    # it said it was asked to leave (HeartbeatRequest.leaving)
-    leaving: bool = False
-
-    @property
-    def metrics_url(self) -> str:
-        """The worker's metrics at the address it connects from (see WorkerStatus)."""
-        if not self.peer or not self.info.metrics_endpoint:
-            return ""
-        _, port, path = metrics_target(self.info.metrics_endpoint)
-        host = f"[{self.peer}]" if ":" in self.peer else self.peer
-        return f"http://{host}:{port}{path}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Proposal:
-    """Who is in the next generation, decided on the server's loop (see [Note: atomic
-    formation]); everything ``build_generation`` needs, so it can run anywhere."""
-
-    id: int
-    previous: Generation | None
-    # In rank order, with the info each registered with.
-    workers: tuple[_Worker, ...]
-    infos: tuple[WorkerInfo, ...]
-    admitted: tuple[str, ...]
-    lost: frozenset[str]
-    left: frozenset[str]
-    choice: StageChoice
-    rendezvous_endpoint: str
-    inventory: tuple[ParamSpec, ...]
-    digest: str
-    bucket_numel: int
-    align: int
-    created_unix_s: float
-    epoch: str
-    mesh: MeshShape | None = None
-    mesh_reason: str = ""
-    # survivors of the previous generation left out (an elastic mesh job's broken group)
-    standby: tuple[str, ...] = ()
-
-
-def build_generation(p: Proposal) -> Generation:
-    """The generation ``p`` proposes: its layout, and the reshard schedule from the previous
-    one. Pure and linear in the inventory (see [Note: atomic formation])."""
-    return finish(build_steps(p))
-
-
-def build_steps(p: Proposal) -> Steps[Generation]:
-    """``build_generation`` in steps (coordinator/core/steps.py [Note: steps])."""
-    layout = yield from layout_steps(
-        p.inventory,
-        len(p.infos),
-        bucket_numel=p.bucket_numel,
-        align=p.align,
-        by_unit=p.choice.stage == 3,
-    )
-    previous = p.previous
-    reshard = None
-    if previous is not None:
-        # the moves are built when asked for, whole or per worker
-        # (coordinator/core/reshard.py [Note: incremental schedule])
-        check_reshardable(previous.layout, layout)
-        yield
-        reshard = ReshardSchedule(
-            from_generation_id=previous.id,
-            from_world_size=previous.world_size,
-            from_stage=previous.stage,
-            moves=LazyMoves(previous.layout, layout),
-            lost_ranks=tuple(
-                sorted(
-                    m.rank
-                    for m in previous.members
-                    if m.worker_id in p.lost and m.worker_id not in p.left
-                )
-            ),
-            left_ranks=tuple(sorted(m.rank for m in previous.members if m.worker_id in p.left)),
-        )
-    # a lost member that registered again is a joiner: its state is gone
-    survivors = () if previous is None else previous.members
-    previous_rank = {m.worker_id: m.rank for m in survivors if m.worker_id not in p.lost}
-    members = tuple(
-        Member(
-            worker_id=info.worker_id,
-            rank=rank,
-            host=info.host,
-            previous_rank=previous_rank.get(info.worker_id),
-            device_memory_bytes=info.device_memory_bytes,
-        )
-        for rank, info in enumerate(p.infos)
-    )
-    return Generation(
-        id=p.id,
-        members=members,
-        rendezvous_endpoint=p.rendezvous_endpoint,
-        stage=p.choice.stage,
-        stage_reason=p.choice.reason,
-        layout=layout,
-        bucket_numel=p.bucket_numel,
-        align=p.align,
-        reshard=reshard,
-        inventory_digest=p.digest,
-        created_unix_s=p.created_unix_s,
-        epoch=p.epoch,
-        mesh=p.mesh,
-        mesh_reason=p.mesh_reason,
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,22 +207,17 @@ class Membership:
         self.inventory_wire = b""
         self.trainable_numel = 0
         self.generation: Generation | None = None
-        self._workers: dict[str, _Worker] = {}
+        # every worker, in its state (coordinator/control/roster.py [Note: worker states])
+        self.roster = Roster()
+        # how proposals arrange the workers, chosen by the first to register
+        # (coordinator/control/arrangement.py [Note: arrangements])
+        self._arrangement: Arrangement = ElasticArrangement()
         # the ranks each host agent listed in its last heartbeat ([Note: host heartbeats])
         self._hosts: dict[str, set[str]] = {}
-        # Registered workers not in the current generation, in registration order.
-        self._joiners: dict[str, None] = {}
-        # an elastic mesh job's standbys and the position each held: its engine is
-        # built for that pipeline stage and tp slice, so it can fill only that
-        # position ([Note: arranging whole groups])
-        self._standby_at: dict[str, MeshCoords] = {}
         # the rendezvous endpoints of the last generations, not given out again soon
         self._recent_endpoints: deque[str] = deque(maxlen=8)
         # every worker's last report, kept after it leaves or is lost (the job's summary)
         self._last_reports: dict[str, WorkerReport] = {}
-        # Members of the current generation that are gone (left, expired, replaced).
-        self._lost: dict[str, _Worker] = {}
-        self._left: set[str] = set()  # the lost that asked to leave
         self._finished_by: str | None = None  # the first member whose training ended
         # why the job is stopping unfinished (a launcher stopping it, or members told
         # to leave with nobody to hand over to)
@@ -368,42 +245,46 @@ class Membership:
 
         ``inventory`` may be the job's own tuple (``self.inventory``), which is then not
         compared again; ``digest`` and ``wire``: its digest and canonical encoding
-        (``messages.inventory_wire``), if the caller has them. ``peer``: the IP address
+        (``conversions.inventory_wire``), if the caller has them. ``peer``: the IP address
         the registration came from.
         """
         self._check_inventory(inventory, digest, wire)
         self._check_mesh(info)
         now = self._clock()
         lease = now + self.config.lease_timeout_s
-        old = self._workers.get(info.worker_id)
+        old = self.roster.get(info.worker_id)
         if old is not None and old.info.incarnation == info.incarnation:
             old.info, old.deadline = info, lease
             old.free_ports = info.free_ports or old.free_ports
             old.peer = peer or old.peer
-            self._bind_held(info)
+            if old.state.waiting:
+                self._wait(old)
             self._event("reattached", info.worker_id)
             return True
         if old is not None:
             self._drop(info.worker_id, "replaced", "registered again as a new process")
-        self._workers[info.worker_id] = _Worker(info, now, lease, info.free_ports, peer=peer)
-        self._joiners[info.worker_id] = None
-        self._bind_held(info)
+        if not self.roster.live:
+            self._arrangement = arrangement_for(info)
+        self._wait(WorkerEntry(info, now, lease, info.free_ports, peer=peer))
         self._event("registered", info.worker_id, f"host {info.host}")
         return False
 
-    def _bind_held(self, info: WorkerInfo) -> None:
-        """A joiner whose engine holds a mesh position (``WorkerInfo.held``: it trained
-        before, and registers again after a coordinator restart or a lost lease) is
-        arranged only there, as a standby is ([Note: arranging whole groups]). The
-        worker says so itself, so the binding survives a restart without a state file
-        entry."""
-        if info.held is not None and info.worker_id in self._joiners:
-            self._standby_at[info.worker_id] = info.held
+    def _wait(self, worker: WorkerEntry) -> None:
+        """``worker`` waits for a generation: JOINING, or STANDBY where its engine holds a
+        mesh position (``WorkerInfo.held``: it trained before, and registers again after
+        a coordinator restart or a lost lease), arranged only there ([Note: arranging
+        whole groups]). The worker says so itself, so the binding survives a restart
+        without a state file entry."""
+        held = worker.info.held
+        if held is not None:
+            self.roster.move(worker, WorkerState.STANDBY, held)
+        elif worker.state is None:
+            self.roster.move(worker, WorkerState.JOINING)
 
     def _check_mesh(self, info: WorkerInfo) -> None:
         """Every worker of a job asks for the same mesh (or none): one rank on another
         mesh would build a different DeviceMesh and hang the first collective."""
-        for other in self._workers.values():
+        for other in self.roster.live.values():
             if other.info.worker_id != info.worker_id and other.info.mesh != info.mesh:
                 raise InventoryMismatch(
                     f"worker {info.worker_id!r} asks for {_mesh_words(info.mesh)}, the job's "
@@ -424,7 +305,7 @@ class Membership:
         """Renew the lease; returns the seconds it now has left. ``peer``: the IP address
         the heartbeat came from; ``leaving``: the worker was asked to leave and hands
         over at its next step boundary (kept even from a stale heartbeat)."""
-        worker = self._workers.get(worker_id)
+        worker = self.roster.get(worker_id)
         if worker is None:
             raise UnknownWorker(f"no lease for worker {worker_id!r}: register again")
         if leaving and not worker.leaving:
@@ -469,7 +350,7 @@ class Membership:
         dropped = []
         if before:
             for wid in sorted(before - seen):
-                if wid in self._workers:
+                if wid in self.roster.live:
                     self._drop(wid, "expired", f"its host agent {host_id} no longer reports it")
                     dropped.append(wid)
         self._hosts[host_id] = seen
@@ -491,9 +372,10 @@ class Membership:
         A member leaving because its training loop ended (``reason`` FINISHED)
         finishes the job: no generation forms after it, and workers still waiting
         for a rank are told to go ([Note: a finishing job])."""
-        if worker_id not in self._workers:
+        worker = self.roster.get(worker_id)
+        if worker is None:
             return False
-        member = worker_id not in self._joiners
+        member = worker.state is WorkerState.MEMBER
         self._drop(worker_id, "left", reason)
         if reason == FINISHED and member and self._finished_by is None:
             self._finished_by = worker_id
@@ -540,14 +422,14 @@ class Membership:
     def watch_opened(self, worker_id: str) -> object | None:
         """A generation stream of ``worker_id`` opened; returns a token for
         :meth:`watch_closed` (None for a worker without a lease)."""
-        worker = self._workers.get(worker_id)
+        worker = self.roster.get(worker_id)
         if worker is not None:
             worker.streams += 1
             worker.unwatched_since = None
         return worker
 
     def watch_closed(self, worker_id: str, token: object | None) -> None:
-        worker = self._workers.get(worker_id)
+        worker = self.roster.get(worker_id)
         if worker is None or worker is not token:
             return  # dropped meanwhile, or the stream of an older incarnation
         worker.streams -= 1
@@ -558,7 +440,7 @@ class Membership:
         """The launcher that runs ``worker_id`` saw its process exit (``how``: the
         exit code or signal, in words): drop it at once, without waiting for its
         connection's grace or its lease. False if it was not here (it had left)."""
-        if worker_id not in self._workers:
+        if worker_id not in self.roster.live:
             return False
         self._drop(worker_id, "expired", f"its process {how}")
         return True
@@ -571,7 +453,7 @@ class Membership:
         if grace is None:
             grace = self.config.heartbeat_interval_s
         gone: list[tuple[str, str]] = []
-        for wid, w in self._workers.items():
+        for wid, w in self.roster.live.items():
             if w.deadline < now:
                 gone.append((wid, f"no heartbeat for {self.config.lease_timeout_s:g}s"))
             elif w.unwatched_since is not None and now - w.unwatched_since > grace:
@@ -598,76 +480,24 @@ class Membership:
             return None
         assert self.inventory is not None
         previous = self.generation
-        survivors = (
-            []
-            if previous is None
-            else [m.worker_id for m in previous.members if m.worker_id not in self._lost]
-        )
-        fixed = self._fixed_group()
-        arranged = self._arrange_groups()
-        standby: tuple[str, ...] = ()
-        if fixed is not None:
-            # a group the workers' script formed itself: its ranks are theirs
-            admitted = sorted(fixed, key=lambda wid: self._workers[wid].info.fixed_rank or 0)
-        elif arranged is not None:
-            # an elastic mesh job: whole groups, each survivor keeping its position
-            survivors, admitted = list(arranged.order), list(arranged.admitted)
-            standby = arranged.standby
-        else:
-            _, admitted_count = self._target_size()
-            admitted = [w for w in self._joiners if self._workers[w].info.fixed_rank is None]
-            admitted = admitted[:admitted_count]
-            # Joiners grouped by host, so that ranks on one machine are neighbours.
-            admitted.sort(key=lambda wid: (self._workers[wid].info.host, wid))
-        order = survivors if arranged is not None else survivors + admitted
-        workers = tuple(self._workers[wid] for wid in order)
+        arranged = self._arrangement.arrange(self)
+        workers = tuple(self.roster.live[wid] for wid in arranged.order)
         infos = tuple(w.info for w in workers)
-        memories = [i.device_memory_bytes for i in infos if i.device_memory_bytes > 0]
-        plan, asked = self.plan, self._asked_stage(workers)
-        if asked is not None:
-            plan = dataclasses.replace(plan, stage=asked)
-        # The generation's stage must be one the workers can run as they are
-        # configured; offload is their ZeroConfig's, so it is planned without and,
-        # where only offload fits, proposed in the reason (planner.py [Note:
-        # planning offload]).
-        choice = choose_stage(
-            self.trainable_numel,
-            world_size=len(workers),
-            device_memory_bytes=min(memories, default=0),
-            config=dataclasses.replace(plan, offload=False),
+        choice, mesh, mesh_reason = plan_generation(
+            self.plan, self.trainable_numel, self.inventory, infos
         )
-        if not choice.fits and memories and plan.offload and plan.stage is None:
-            advice = choose_stage(
-                self.trainable_numel,
-                world_size=len(workers),
-                device_memory_bytes=min(memories),
-                config=plan,
-            )
-            if advice.offload != "none":
-                proposal = advice.reason.split("; ", 1)[-1]
-                choice = dataclasses.replace(choice, reason=f"{choice.reason}; {proposal}")
-        if asked is not None:
-            choice = dataclasses.replace(
-                choice,
-                reason=choice.reason.replace("set by configuration", "asked for by the workers"),
-            )
-        mesh, mesh_reason = None, ""
-        if infos[0].mesh is not None:
-            mesh, mesh_reason, choice = self._plan_mesh(
-                infos[0].mesh, len(infos), memories, choice, asked
-            )
-        if not choice.fits and memories:
+        if not choice.fits and any(i.device_memory_bytes > 0 for i in infos):
             logger.warning("generation %d: %s", self.generation_id + 1, choice.reason)
         return Proposal(
             id=self.generation_id + 1,
             previous=previous,
             workers=workers,
             infos=infos,
-            admitted=tuple(admitted),
-            lost=frozenset(self._lost),
-            left=frozenset(self._left),
+            admitted=arranged.admitted,
+            lost=frozenset(self.roster.gone),
+            left=frozenset(self.roster.left()),
             choice=choice,
-            rendezvous_endpoint=self._rendezvous(workers[0], previous),
+            rendezvous_endpoint=rendezvous_endpoint(workers[0], previous, self._recent_endpoints),
             inventory=self.inventory,
             digest=self.digest,
             bucket_numel=self.plan.bucket_numel,
@@ -676,86 +506,39 @@ class Membership:
             epoch=self.epoch,
             mesh=mesh,
             mesh_reason=mesh_reason,
-            standby=standby,
+            standby=arranged.standby,
         )
 
-    def _plan_mesh(
-        self,
-        asked: tuple[int, int],
-        world: int,
-        memories: list[int],
-        choice: StageChoice,
-        stage_asked: int | None,
-    ) -> tuple[MeshShape, str, StageChoice]:
-        """The mesh of a generation of ``world`` ranks, why, and the stage it runs.
-
-        The degrees the workers ask for stand; one they leave to the coordinator (0:
-        ``--mesh auto``) is :func:`~coordinator.core.meshplan.choose_mesh`'s choice
-        from the inventory and the smallest device memory, and so is the stage unless
-        one was configured or asked for. With the device memory unknown nothing is
-        chosen: a degree left open is 1, and a pipeline's stage at most 2 (what
-        worker/mesh.py runs with pp > 1)."""
-        tp, pp = asked
-        stage_free = self.plan.stage is None and stage_asked is None
-        if not memories:
-            shape = MeshShape.for_world(world, tp=tp or 1, pp=pp or 1)
-            reason = (
-                f"tp={shape.tp}, pp={shape.pp} as asked"
-                if tp and pp
-                else f"device memory unknown: tp={shape.tp}, pp={shape.pp}, no model "
-                "parallelism that was not asked for"
-            )
-            if stage_free and shape.pp > 1 and choice.stage > 2:
-                choice = dataclasses.replace(
-                    choice, stage=2, reason="stage 2, the highest a pipeline runs"
-                )
-            return shape, reason, choice
-        assert self.inventory is not None
-        picked = choose_mesh(
-            self.trainable_numel,
-            sharded_numel=tp_sharded_numel((p.name, p.numel) for p in self.inventory),
-            world_size=world,
-            device_memory_bytes=min(memories),
-            config=dataclasses.replace(self.plan, offload=False, stage=None),
-            tp=tp or None,
-            pp=pp or None,
-            # tp must divide the heads, pp at most the layers, where the plan knows them
-            heads=None if self.plan.activations is None else self.plan.activations.heads,
-            layers=None if self.plan.activations is None else self.plan.activations.layers,
-        )
-        best = picked.chosen
-        if stage_free:
-            choice = dataclasses.replace(
-                choice, stage=best.stage, reason=f"stage {best.stage} on the mesh", fits=picked.fits
-            )
-        who = "as asked" if tp and pp else "chosen by the coordinator"
-        return best.shape, f"{who}: {picked.reason}", choice
+    def survivors(self) -> list[str]:
+        """The current generation's members that are still here, in rank order."""
+        gen = self.generation
+        gone = self.roster.gone
+        return [] if gen is None else [m.worker_id for m in gen.members if m.worker_id not in gone]
 
     def commit(self, proposal: Proposal, generation: Generation) -> bool:
         """Publish ``generation``, built from ``proposal``; False (nothing changes) when
         the proposal no longer holds: propose again."""
         if (
             self.generation is not proposal.previous
-            or set(self._lost) != proposal.lost
-            or any(self._workers.get(w.info.worker_id) is not w for w in proposal.workers)
+            or set(self.roster.gone) != proposal.lost
+            or any(self.roster.get(w.info.worker_id) is not w for w in proposal.workers)
         ):
             return False
         self.generation = generation
         self._recent_endpoints.append(generation.rendezvous_endpoint)
         for wid in proposal.admitted:
-            del self._joiners[wid]
-            self._standby_at.pop(wid, None)
+            self.roster.move(self.roster.live[wid], WorkerState.MEMBER)
+        previous = proposal.previous
         for wid in proposal.standby:
             # a survivor whose model-parallel group could not be completed
-            self._joiners[wid] = None
-            previous = proposal.previous
-            if previous is not None and previous.mesh is not None:
-                rank = previous.rank_of(wid)
-                if rank is not None:
-                    self._standby_at[wid] = previous.mesh.coords(rank)
+            rank = None if previous is None else previous.rank_of(wid)
+            if previous is not None and previous.mesh is not None and rank is not None:
+                position = previous.mesh.coords(rank)
+                self.roster.move(self.roster.live[wid], WorkerState.STANDBY, position)
+            else:
+                self.roster.move(self.roster.live[wid], WorkerState.JOINING)
             self._event("standby", wid, "its model-parallel group is not whole")
-        self._lost.clear()
-        self._left.clear()
+        self.roster.forget_gone()
         self._refused = None
         self._event(
             "generation",
@@ -772,93 +555,14 @@ class Membership:
         self._event("refused", detail=detail, level=logging.ERROR)
 
     def _formation_state(self) -> tuple:
-        return (self.generation_id, tuple(self._joiners), tuple(self._lost))
+        return (self.generation_id, tuple(self.roster.waiting()), tuple(self.roster.gone))
 
     def _refusal(self) -> str | None:
         if self._refused is None or self._refused[0] != self._formation_state():
             return None
         return self._refused[1]
 
-    def _fixed_group(self) -> list[str] | None:
-        """The joiners of a process group their script formed itself, once all of
-        its ranks have registered (None: no such group is complete)."""
-        fixed = [w for w in self._joiners if self._workers[w].info.fixed_rank is not None]
-        if not fixed:
-            return None
-        size = self._workers[fixed[0]].info.fixed_world_size
-        ranks = {self._workers[w].info.fixed_rank for w in fixed}
-        return fixed if len(fixed) == size and ranks == set(range(size or 0)) else None
-
-    def _asked_stage(self, workers: Sequence[_Worker]) -> int | None:
-        """The stage the workers' ZeroConfig asks for, when the coordinator has none."""
-        if self.plan.stage is not None or not self.plan.stage_from_workers:
-            return None
-        asked = sorted({w.info.stage for w in workers if w.info.stage is not None})
-        if len(asked) > 1:
-            logger.warning(
-                "the workers ask for different stages (%s): stage %d, the highest, applies",
-                ", ".join(map(str, asked)),
-                asked[-1],
-            )
-        return asked[-1] if asked else None
-
-    def _elastic_mesh(self) -> tuple[int, int] | None:
-        """The (tp, pp) of an elastic mesh job: workers that ask for fixed degrees
-        (not ``--mesh auto``) without a group of their own; None otherwise."""
-        for w in self._workers.values():
-            mesh = w.info.mesh
-            if mesh is None or w.info.fixed_rank is not None or 0 in mesh:
-                return None
-            return mesh
-        return None
-
-    def _arrange_groups(self) -> GroupArrangement | None:
-        """An elastic mesh job's next generation as whole groups
-        (coordinator/core/meshplan.py [Note: arranging whole groups]); None for any
-        other job."""
-        degrees = self._elastic_mesh()
-        if degrees is None:
-            return None
-        previous = self.generation
-        survivors: dict[str, MeshCoords] = {}
-        if previous is not None and previous.mesh is not None:
-            survivors = {
-                m.worker_id: previous.mesh.coords(m.rank)
-                for m in previous.members
-                if m.worker_id not in self._lost
-            }
-        # a standby keeps the position its engine was built for: queued with the
-        # survivors there, admitted when a group takes it
-        bound = {w: c for w, c in self._standby_at.items() if w in self._joiners}
-        joiners = [
-            w for w in self._joiners if self._workers[w].info.fixed_rank is None and w not in bound
-        ]
-        joiners.sort(key=lambda wid: (self._workers[wid].info.host, wid))  # a group on one host
-        arranged = arrange_groups(
-            tp=degrees[0],
-            pp=degrees[1],
-            survivors={**survivors, **bound},
-            joiners=joiners,
-            max_world=self.config.max_workers,
-        )
-        placed = set(arranged.order)
-        return dataclasses.replace(
-            arranged,
-            admitted=arranged.admitted + tuple(w for w in bound if w in placed),
-            standby=tuple(w for w in arranged.standby if w not in bound),
-        )
-
-    def _target_size(self) -> tuple[int, int]:
-        arranged = self._arrange_groups()
-        if arranged is not None:
-            return arranged.world_size - len(arranged.admitted), len(arranged.admitted)
-        survivors = 0 if self.generation is None else self.generation.world_size - len(self._lost)
-        admitted = min(len(self._joiners), self.config.max_workers - survivors)
-        if survivors >= self.config.min_workers and self._recovering():
-            admitted = 0
-        return survivors, admitted
-
-    def _recovering(self) -> bool:
+    def recovering(self) -> bool:
         """The current generation replaced lost ranks and not every member has
         applied it yet. Newcomers wait for it: its members restore together, and a
         generation that superseded it before it formed must replace lost ranks too,
@@ -868,9 +572,9 @@ class Membership:
         if gen is None or gen.reshard is None or not gen.reshard.lost_ranks:
             return False
         for m in gen.members:
-            if m.worker_id in self._lost:
+            if m.worker_id in self.roster.gone:
                 continue
-            w = self._workers.get(m.worker_id)
+            w = self.roster.get(m.worker_id)
             if w is None or w.report is None or w.report.applied_generation_id < gen.id:
                 return True
         return False
@@ -878,24 +582,23 @@ class Membership:
     def _due(self) -> bool:
         if self.finished:
             return False
-        if self.generation is None and any(
-            self._workers[w].info.fixed_rank is not None for w in self._joiners
-        ):
-            return self._fixed_group() is not None
-        survivors, admitted = self._target_size()
-        if not self._lost and admitted == 0:
+        ready = self._arrangement.ready(self)
+        if ready is not None:
+            return ready
+        survivors, admitted = self._arrangement.sizes(self)
+        lost = self.roster.gone
+        if not lost and admitted == 0:
             return False
         if self._refused is not None and self._refusal() is not None:
             return False
         if survivors + admitted < self.config.min_workers:
             return False
-        if self._lost or survivors + admitted >= self.config.max_workers:
+        if lost or survivors + admitted >= self.config.max_workers:
             return True
         return self._clock() - self._window_start() >= self.config.join_window_s
 
     def _window_start(self) -> float:
-        first = next(iter(self._joiners))
-        return self._workers[first].registered_at
+        return self.roster.first_waiting().registered_at
 
     def waiting_reason(self) -> str:
         if self._finished_by is not None:
@@ -905,11 +608,12 @@ class Membership:
         refused = None if self._refused is None else self._refusal()
         if refused is not None:
             return f"generation {self.generation_id + 1} cannot form: {refused}"
-        survivors, admitted = self._target_size()
+        survivors, admitted = self._arrangement.sizes(self)
         have, need = survivors + admitted, self.config.min_workers
-        if self._lost and have < need:
+        lost = self.roster.gone
+        if lost and have < need:
             return (
-                f"generation {self.generation_id} lost {len(self._lost)} member(s); "
+                f"generation {self.generation_id} lost {len(lost)} member(s); "
                 f"{have} worker(s) left, the job needs at least {need}"
             )
         if admitted == 0:
@@ -918,28 +622,6 @@ class Membership:
             return f"{have} of at least {need} workers registered"
         left = self.config.join_window_s - (self._clock() - self._window_start())
         return f"join window: generation {self.generation_id + 1} forms in {max(left, 0):.1f}s"
-
-    def _rendezvous(self, rank0: _Worker, previous: Generation | None) -> str:
-        # A fresh port per generation: an old store may still be up while ranks move
-        # over, and a broken generation's for as long as its group is held after an
-        # abort (worker/compat.py abort_default_group): not one of the last few.
-        used = set(self._recent_endpoints)
-        if previous is not None:
-            used.add(previous.rendezvous_endpoint)
-        for port in rank0.free_ports:
-            endpoint = _endpoint(rank0.info.host, port)
-            if endpoint not in used:
-                return endpoint
-        # Correct only when rank 0 runs beside the coordinator (local runs).
-        while True:
-            endpoint = _endpoint(rank0.info.host, free_port())
-            if endpoint not in used:
-                logger.warning(
-                    "rank 0 (%s) reported no free port; using %s, free on the coordinator's host",
-                    rank0.info.worker_id,
-                    endpoint,
-                )
-                return endpoint
 
     # ---- status and persistence -------------------------------------------------------
 
@@ -952,8 +634,8 @@ class Membership:
         rows: list[WorkerStatus] = []
         gen = self.generation
         for m in () if gen is None else gen.members:
-            lost = self._lost.get(m.worker_id)
-            w = lost or self._workers[m.worker_id]
+            lost = self.roster.gone.get(m.worker_id)
+            w = lost or self.roster.live[m.worker_id]
             rows.append(
                 WorkerStatus(
                     info=w.info,
@@ -965,8 +647,8 @@ class Membership:
                     leaving=w.leaving and not lost,
                 )
             )
-        for wid in self._joiners:
-            w = self._workers[wid]
+        for wid in self.roster.waiting():
+            w = self.roster.live[wid]
             rows.append(
                 WorkerStatus(
                     info=w.info,
@@ -980,7 +662,7 @@ class Membership:
             )
         reason = self.waiting_reason()
         return StatusReport(
-            phase="running" if gen is not None and not self._lost else "waiting",
+            phase="running" if gen is not None and not self.roster.gone else "waiting",
             waiting_reason=reason,
             generation_id=self.generation_id,
             world_size=0 if gen is None else gen.world_size,
@@ -1003,7 +685,7 @@ class Membership:
         members = ()
         if gen is not None:
             members = tuple(
-                (self._lost.get(m.worker_id) or self._workers[m.worker_id]).info
+                (self.roster.gone.get(m.worker_id) or self.roster.live[m.worker_id]).info
                 for m in gen.members
             )
         return Snapshot(
@@ -1013,14 +695,16 @@ class Membership:
             epoch=self.epoch,
             inventory_digest=self.digest,
             inventory_wire=self.inventory_wire,
-            left=tuple(w for w in self._left if gen is not None and gen.rank_of(w) is not None),
+            left=tuple(
+                w for w in self.roster.left() if gen is not None and gen.rank_of(w) is not None
+            ),
             finished_by=self._finished_by or "",
             stopping=self._stopping or "",
         )
 
     def restore(self, snapshot: Snapshot) -> None:
         """Take over a snapshot after a restart; every member gets a fresh lease to re-attach."""
-        if self._workers or self.generation is not None:
+        if self.roster.live or self.generation is not None:
             raise RuntimeError("restore() needs a fresh Membership")
         problem = snapshot.inconsistency()
         if problem is not None:
@@ -1035,12 +719,13 @@ class Membership:
         now = self._clock()
         grace = self.config.lease_timeout_s + self.config.reattach_grace_s
         for info in snapshot.members:
-            worker = _Worker(info, now, now + grace, info.free_ports)
+            worker = WorkerEntry(info, now, now + grace, info.free_ports)
             if info.worker_id in snapshot.left:  # gone for good: re-form without them
-                self._lost[info.worker_id] = worker
-                self._left.add(info.worker_id)
+                self.roster.move(worker, WorkerState.LEFT)
             else:
-                self._workers[info.worker_id] = worker
+                if not self.roster.live:
+                    self._arrangement = arrangement_for(info)
+                self.roster.move(worker, WorkerState.MEMBER)
         self._finished_by = snapshot.finished_by or None
         self._stopping = snapshot.stopping or None
         waiting = len(snapshot.members) - len(snapshot.left)
@@ -1082,14 +767,11 @@ class Membership:
         self.trainable_numel = sum(p.numel for p in inventory if p.requires_grad)
 
     def _drop(self, worker_id: str, kind: str, detail: str) -> None:
-        worker = self._workers.pop(worker_id)
-        self._standby_at.pop(worker_id, None)
-        if worker_id in self._joiners:
-            del self._joiners[worker_id]
-        else:  # not a standby, so a member of the current generation
-            self._lost[worker_id] = worker
-            if kind == "left":
-                self._left.add(worker_id)
+        worker = self.roster.live[worker_id]
+        if worker.state is WorkerState.MEMBER:  # gone from the current generation
+            self.roster.move(worker, WorkerState.LEFT if kind == "left" else WorkerState.LOST)
+        else:  # waiting: forgotten
+            self.roster.move(worker, None)
         self._event(kind, worker_id, detail)
 
     def _event(
@@ -1111,7 +793,3 @@ class Membership:
             event.generation_id,
             f": {detail}" if detail else "",
         )
-
-
-def _endpoint(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -79,12 +79,7 @@ from google.protobuf.message import DecodeError
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.control.membership import Snapshot
-from coordinator.core.layout import Layout, ParamSpec, compute_layout
-from coordinator.core.messages import (
-    Generation,
-    WorkerInfo,
-    generation_from_proto,
-    generation_to_proto,
+from coordinator.core.conversions import (
     inventory_digest,
     inventory_wire,
     param_from_proto,
@@ -92,6 +87,9 @@ from coordinator.core.messages import (
     worker_from_proto,
     worker_to_proto,
 )
+from coordinator.core.generation_codec import generation_from_proto, generation_to_proto
+from coordinator.core.layout import Layout, ParamSpec, compute_layout
+from coordinator.core.messages import Generation, WorkerInfo
 from coordinator.core.reshard import LazyMoves
 
 __all__ = [

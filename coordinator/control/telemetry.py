@@ -285,7 +285,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return handler._replace(unary_stream=self._stream(method, handler.unary_stream))
         # Client-streaming handlers stand in for calls refused before their request is read
-        # (coordinator/control/server.py [Note: authentication first]): counted, not timed.
+        # (coordinator/control/rpc.py [Note: authentication first]): counted, not timed.
         if handler.stream_unary is not None:
             behaviour = self._unary(method, handler.stream_unary, timed=False)
             return handler._replace(stream_unary=behaviour)
