@@ -33,7 +33,7 @@ from worker.live.restore_plan import (
     Holding,
     RestoreSource,
     current_rings,
-    plan_mesh_restore,
+    plan_rings,
     ring_lost,
 )
 from worker.pipeline import lm_loss
@@ -206,7 +206,7 @@ def _held(live=None, step=-1, replicas=()) -> Holding:
 def test_every_ring_restores_the_same_step() -> None:
     # a scale-up: every ring whole and live at one step
     rings = [[_held((3, d, 2), 9) for d in range(2)] for _ in range(2)]
-    assert plan_mesh_restore(rings).source is RestoreSource.LIVE
+    assert plan_rings(rings).source is RestoreSource.LIVE
     # tp=1's dp=1 rank was lost: both rings roll back to the newest replica step
     # they all hold (ring 0 could go on live, it must not)
     both = [(3, 8, 0, 2)], [(3, 7, 0, 2), (3, 8, 0, 2)]
@@ -214,7 +214,7 @@ def test_every_ring_restores_the_same_step() -> None:
         [_held((3, 0, 2), 9, both[1]), _held((3, 1, 2), 9, [(3, 8, 1, 2)])],
         [_held((3, 0, 2), 9, both[0])],
     ]
-    plan = plan_mesh_restore(rings)
+    plan = plan_rings(rings)
     assert (plan.source, plan.generation, plan.step) == (RestoreSource.REPLICA, 3, 8)
     assert ring_lost(rings[1], 3, 8) == {1} and ring_lost(rings[0], 3, 8) == frozenset()
 
@@ -224,13 +224,13 @@ def test_a_rank_that_stood_by_brings_nothing() -> None:
     rings = [[_held((2, 0, 1), 7, [(2, 6, 0, 1)]), stale], [_held((2, 0, 1), 7, [(2, 6, 0, 1)])]]
     current = current_rings(rings)
     assert not current[0][1].holds_state
-    assert plan_mesh_restore(current).source is RestoreSource.LIVE
+    assert plan_rings(current).source is RestoreSource.LIVE
 
 
 def test_a_ring_nobody_holds_is_not_covered() -> None:
     rings = [[_held((2, 0, 1), 7)], [Holding(None, (), False, None)]]
     with pytest.raises(RuntimeError, match="neither in-memory replicas nor a checkpoint"):
-        plan_mesh_restore(rings)
+        plan_rings(rings)
 
 
 # ---------------------------------------------------------------- zeroplane run

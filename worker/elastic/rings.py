@@ -23,7 +23,7 @@ in its new process group:
    engine empty (``initial_state="peers"``);
 2. shares what it holds for its ring (one small all-reduce over the world:
    its live state's id and step, its replicas'), and every rank picks the
-   same source (worker/live/restore_plan.py ``plan_mesh_restore``): the
+   same source (worker/live/restore_plan.py ``plan_rings``): the
    live state when every ring's ranks are all here and whole at one step (a
    scale-up), else the newest replica step that covers every ring (a lost
    rank: its shards come from its right dp neighbour's copy; a leave: every
@@ -73,7 +73,7 @@ from worker.factory import build_engine
 from worker.live.restore_plan import (
     RestoreSource,
     current_rings,
-    plan_mesh_restore,
+    plan_rings,
     ring_lost,
 )
 from worker.mesh_engine import MeshEngine
@@ -395,7 +395,7 @@ def _restore(
     )
     logger.info("generation %d: the ranks hold %s", gen.id, held_words)
     rings = current_rings(rings)
-    plan = plan_mesh_restore(rings)
+    plan = plan_rings(rings)
     lost: frozenset[int] = frozenset()
     if plan.source is RestoreSource.REPLICA:
         assert plan.generation is not None and plan.step is not None

@@ -19,8 +19,8 @@ __all__ = [
     "RestoreSource",
     "StateId",
     "current_rings",
-    "plan_mesh_restore",
     "plan_restore",
+    "plan_rings",
     "ring_lost",
 ]
 
@@ -142,25 +142,9 @@ class RestorePlan:
 
 
 def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
-    """Pick the recovery source every rank will use ([Note: recovery sources]).
-
-    Everything is read from the holdings themselves, not from the generation's
-    reshard schedule: the group that restores may not be the one the coordinator
-    formed right after the loss (a rendezvous superseded by a newer generation
-    skips it), and the state ids say what each rank really holds.
-    Raises when nothing the group holds covers the whole job.
-    """
-    live = _complete_live(holdings)
-    if live is not None:
-        return RestorePlan(RestoreSource.LIVE, generation=live)
-
-    forward = _roll_forward_plan(holdings)
-    if forward is not None:
-        return forward
-
-    for gen, step, lost in _replica_candidates(holdings):
-        return RestorePlan(RestoreSource.REPLICA, generation=gen, step=step, lost=lost)
-    return _last_resort(holdings)
+    """Pick the recovery source every rank of a data-parallel job will use: its
+    state is one ring (:func:`plan_rings`)."""
+    return plan_rings([holdings])
 
 
 def _complete_live(holdings: Sequence[Holding]) -> int | None:
@@ -199,14 +183,24 @@ def _replica_candidates(
             yield gen, step, lost
 
 
-def plan_mesh_restore(rings: Sequence[Sequence[Holding]]) -> RestorePlan:
-    """:func:`plan_restore` for a tensor-parallel job, whose state is one ring of
-    dp ranks per tp (and pp) index: ``rings`` holds, for each, the holdings of the
-    new group's ranks that keep that index. Every ring must restore the same step,
-    so one source serves them all: the live state where every ring has all of its
-    ranks whole at one step, else the newest replica step that covers every ring
-    (each ring's own lost ranks are its business: :func:`ring_lost`), else a
-    checkpoint, else (nobody holds anything) the module."""
+def plan_rings(rings: Sequence[Sequence[Holding]]) -> RestorePlan:
+    """Pick the recovery source every rank will use ([Note: recovery sources]), for
+    a job whose state is one ring of dp ranks per (pp, tp) position (a data-parallel
+    job is one ring): ``rings`` holds, for each, the holdings of the new group's
+    ranks that keep that position. Every ring must restore the same step, so one
+    source serves them all: the live state where every ring has all of its ranks
+    whole at one step; else, for one ring, its survivors' live state with each lost
+    rank brought forward by its right neighbour's gradient log; else the newest
+    replica step that covers every ring (each ring's own lost ranks are its
+    business: :func:`ring_lost`); else a checkpoint, else (nobody holds anything)
+    the module.
+
+    Everything is read from the holdings themselves, not from the generation's
+    reshard schedule: the group that restores may not be the one the coordinator
+    formed right after the loss (a rendezvous superseded by a newer generation
+    skips it), and the state ids say what each rank really holds.
+    Raises when nothing the group holds covers the whole job.
+    """
     lives = {_complete_live(ring) for ring in rings}
     if len(lives) == 1 and None not in lives:
         gen = lives.pop()
@@ -214,6 +208,10 @@ def plan_mesh_restore(rings: Sequence[Sequence[Holding]]) -> RestorePlan:
         steps = {h.live_step for ring in rings for h in ring if h.live and h.live[0] == gen}
         if len(steps) == 1:
             return RestorePlan(RestoreSource.LIVE, generation=gen)
+    if len(rings) == 1:  # a mesh keeps no gradient log (its rings roll back instead)
+        forward = _roll_forward_plan(rings[0])
+        if forward is not None:
+            return forward
     if all(any(h.holds_state for h in ring) for ring in rings):
         common: set[tuple[int, int]] | None = None
         for ring in rings:
@@ -221,7 +219,8 @@ def plan_mesh_restore(rings: Sequence[Sequence[Holding]]) -> RestorePlan:
             common = found if common is None else common & found
         if common:
             gen, step = max(common)
-            return RestorePlan(RestoreSource.REPLICA, generation=gen, step=step)
+            lost = ring_lost(rings[0], gen, step) if len(rings) == 1 else frozenset()
+            return RestorePlan(RestoreSource.REPLICA, generation=gen, step=step, lost=lost)
     everyone = [h for ring in rings for h in ring]
     return _last_resort(everyone)
 
