@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from typing import NoReturn
 
 from coordinator.core.messages import Generation
 from worker import live
@@ -20,28 +21,49 @@ from worker.engine import (
 )
 from worker.factory import build_engine
 from worker.flat import Reserve
-from worker.metrics import SnapshotBoard, start_metrics
+from worker.inventory import Inventory
+from worker.metrics import MetricsServer, SnapshotBoard, start_metrics
 from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission
 from worker.reporting import report
 from worker.spec import EngineSpec
 
-__all__ = ["join"]
+__all__ = ["join", "left_before_admission", "prepare"]
 
 logger = logging.getLogger(__name__)
+
+
+def prepare(session: Session, spec: EngineSpec) -> tuple[Inventory, MetricsServer | None]:
+    """Before registering, in every layout: the optimizer built and the inventory
+    to register, the metrics endpoint, and SIGTERM taken as a leave (a pod deleted
+    as it starts is then a graceful leave at the first step boundary)."""
+    inventory = spec.resolve()
+    metrics = start_metrics(spec.config, SnapshotBoard())
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, session._on_sigterm)
+    return inventory, metrics
+
+
+def left_before_admission(
+    session: Session, metrics: MetricsServer | None, exc: LeftBeforeAdmission
+) -> NoReturn:
+    """The job finished, or SIGTERM came, before this worker was given a rank."""
+    if isinstance(exc, JobFinished):
+        logger.info("the job finished before this worker joined it: nothing to do")
+    else:
+        logger.info("SIGTERM before this worker was given a rank: left the job")
+    if metrics is not None:
+        metrics.close()
+    session._to(Phase.LEFT)
+    raise SystemExit(0) from None
 
 
 def join(session: Session, spec: EngineSpec) -> ZeroEngine:
     """Register ``session`` at ``spec``'s coordinator, wait for a rank, form the
     generation's group and build the engine for it: from the module's values in a
     new job, from the members' shards when joining a running one."""
-    inventory = spec.resolve()
+    inventory, metrics = prepare(session, spec)
     config, device = spec.config, spec.device
     assert device is not None and spec.coordinator is not None
-    metrics = start_metrics(config, SnapshotBoard())
-    if threading.current_thread() is threading.main_thread():
-        # before registering: a SIGTERM while joining (a pod deleted as it
-        # starts) is then a graceful leave at the first step boundary
-        signal.signal(signal.SIGTERM, session._on_sigterm)
 
     def build(gen: Generation, rank: int, comm: Collectives | None) -> ZeroEngine:
         return build_engine(
@@ -101,14 +123,7 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
             if warming is not None:
                 warming.join()  # before anything else touches the state
     except LeftBeforeAdmission as exc:
-        if isinstance(exc, JobFinished):
-            logger.info("the job finished before this worker joined it: nothing to do")
-        else:
-            logger.info("SIGTERM before this worker was given a rank: left the job")
-        if metrics is not None:
-            metrics.close()
-        session._to(Phase.LEFT)
-        raise SystemExit(0) from None
+        left_before_admission(session, metrics, exc)
     gen = control.generation
     newcomer = gen.reshard is not None
     if engine is None:

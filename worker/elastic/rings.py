@@ -52,8 +52,6 @@ shards come from the last checkpoint, and without one the job ends.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from typing import NoReturn
@@ -65,6 +63,7 @@ from coordinator.core.messages import Generation
 from worker import live
 from worker.collectives import CollectiveError, Collectives, StepAborted
 from worker.compat import abort_default_group
+from worker.elastic.joining import left_before_admission, prepare
 from worker.elastic.phases import Phase, Session
 from worker.elastic.recovery import Restoring, restore_from
 from worker.engine import ZeroEngine
@@ -77,9 +76,8 @@ from worker.live.restore_plan import (
     ring_lost,
 )
 from worker.mesh_engine import MeshEngine
-from worker.metrics import SnapshotBoard, start_metrics
 from worker.parallel import build_mesh
-from worker.rendezvous import ControlPlane, JobFinished, LeftBeforeAdmission, env_seconds
+from worker.rendezvous import ControlPlane, LeftBeforeAdmission, env_seconds
 from worker.reporting import report
 from worker.spec import EngineSpec
 from worker.state import Counters
@@ -115,36 +113,25 @@ def join(session: Session, spec: EngineSpec) -> MeshEngine:
     :class:`MeshEngine`, or a pipeline's stage): from the module in the job's first
     generation, from the members' shards after."""
     # the whole model's inventory: the coordinator plans for the model as it is
-    inventory = spec.resolve()
-    config, device = spec.config, spec.device
+    inventory, metrics = prepare(session, spec)
+    device = spec.device
     assert device is not None and spec.coordinator is not None
     asked = spec.asked_degrees()
-    metrics = start_metrics(config, SnapshotBoard())
-    requested = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: requested.set())
     try:
         control = ControlPlane.join(
             spec.coordinator,
             inventory,
             device=device,
             metrics_port=None if metrics is None else metrics.port,
-            stop=requested.is_set,
-            stage=config.stage,
+            stop=lambda: session.leave_requested,
+            stage=spec.config.stage,
             mesh=asked,
         )
     except LeftBeforeAdmission as exc:
-        if metrics is not None:
-            metrics.close()
-        finished = isinstance(exc, JobFinished)
-        logger.info("%s: nothing to do", "the job finished" if finished else "SIGTERM")
-        session._to(Phase.LEFT)
-        raise SystemExit(0) from None
+        left_before_admission(session, metrics, exc)
     session.control = control
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, session._on_sigterm)
-        if requested.is_set():
-            session._on_sigterm(signal.SIGTERM, None)
+    if session.leave_requested:  # asked while it registered: a launcher stops counting it
+        control.client.announce_leaving()
     control.init_process_group()
     gen = control.generation
     shape = gen.mesh
