@@ -689,6 +689,17 @@ class ZeroEngine:
             raise ValueError(f"engine state {name!r} is already registered")
         self._extras[name] = obj
 
+    @property
+    def saved_at(self) -> int:
+        """The step of the last checkpoint saved or loaded (-1: none): what
+        :meth:`checkpoint_due` compares with. A re-formed group sets it to the value
+        its ranks agree on (worker/elastic/rings.py), so the answer stays one."""
+        return self._saved_at
+
+    @saved_at.setter
+    def saved_at(self, step: int) -> None:
+        self._saved_at = step
+
     def mark_restored(self) -> None:
         """The state was just restored (a rollback): its step is not saved again and
         no ballot from the abandoned step is pending."""

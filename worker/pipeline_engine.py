@@ -146,6 +146,9 @@ class PipelineEngine(MeshEngine):
             raise ValueError(f"pipeline stage {self.coords.pp} cannot move to stage {coords.pp}")
         super().rebind_mesh(mesh, shape, coords)
         self.pp_comm = Collectives(mesh["pp"].get_group())
+        # the stages exchange their inventories again over the new pp group, as a
+        # newcomer does: a view kept from before would leave it alone in the exchange
+        self._whole = None
         self._build_schedule()
 
     @property

@@ -214,7 +214,6 @@ def recover(session: Session, engine: ZeroEngine, exc: CollectiveError) -> NoRet
         _exit(session, "the job ended while this rank waited to re-form")
     reached = engine.global_steps
     _switch(session, engine, gen, broken=True)
-    engine.mark_restored()
     engine.stats.record_pause("crash", time.perf_counter() - start)
     session._to(Phase.MEMBER)
     assert isinstance(engine, MeshEngine)
@@ -368,13 +367,18 @@ def _restore(
         checkpoint=None if engine.last_checkpoint is None else str(engine.last_checkpoint),
         live_step=held.step if held is not None and live is not None else -1,
     )
-    table = torch.zeros(gen.world_size, 1 + mine.WIDTH, dtype=torch.int64, device=engine.device)
+    # per rank: its ring, the step it had reached (-1: it holds nothing), the last
+    # step it saved, its holding
+    table = torch.zeros(gen.world_size, 3 + mine.WIDTH, dtype=torch.int64, device=engine.device)
     table[control.rank, 0] = ring
-    table[control.rank, 1:] = mine.encode()
+    table[control.rank, 1] = held.step if held is not None else -1
+    table[control.rank, 2] = engine.saved_at
+    table[control.rank, 3:] = mine.encode()
     Collectives(None).all_reduce(table, op="sum", control=True)
     rings: list[list[live.Holding]] = [[] for _ in range(shape.group_size)]
     for row in table.cpu():
-        rings[int(row[0])].append(live.Holding.decode(row[1:]))
+        rings[int(row[0])].append(live.Holding.decode(row[3:]))
+    reached, saved = int(table[:, 1].max()), int(table[:, 2].max())
     held_words = "; ".join(
         f"ring {r} (pp {r // shape.tp}, tp {r % shape.tp}): "
         + ", ".join(f"live {h.live} at {h.live_step}, replicas {h.replicas}" for h in held_by)
@@ -406,6 +410,14 @@ def _restore(
     )
     if carried is not None:
         session.keeper.retire(carried.replicas)
+    # checkpoint_due must give one answer on every rank of the generation, standbys
+    # and newcomers included: each decides from the same table. After a rollback the
+    # step it went back to is not saved again; else (a scale-up, a leave, a restore
+    # of the very step the job had reached) the last save any rank made stands
+    if engine.global_steps < reached:
+        engine.mark_restored()
+    else:
+        engine.saved_at = saved
     logger.info(
         "generation %d: restored from %s (%s; step %d)",
         gen.id, plan.source, source, engine.global_steps,
