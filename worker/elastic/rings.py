@@ -359,13 +359,15 @@ def _restore(
     ring = coords.pp * shape.tp + coords.tp
     keep = carried is not None and (carried.pp, carried.tp) == (coords.pp, coords.tp)
     held = carried if keep else None
-    live = None if held is None or held.live is None else (held.generation, held.dp, held.dp_size)
+    live_id = (
+        None if held is None or held.live is None else (held.generation, held.dp, held.dp_size)
+    )
     mine = live.Holding(
-        live=live,
+        live=live_id,
         replicas=tuple(r.ident for r in held.replicas) if held is not None else (),
         holds_state=keep,
         checkpoint=None if engine.last_checkpoint is None else str(engine.last_checkpoint),
-        live_step=held.step if held is not None and live is not None else -1,
+        live_step=held.step if held is not None and live_id is not None else -1,
     )
     # per rank: its ring, the step it had reached (-1: it holds nothing), the last
     # step it saved, its holding
@@ -397,7 +399,7 @@ def _restore(
             session=session,
             engine=engine,
             plan=plan,
-            live=live,
+            live=live_id,
             replicas=[] if held is None else held.replicas,
             log=live.GradientLog(),
             members=list(range(shape.dp)),
