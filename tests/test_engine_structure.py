@@ -350,3 +350,18 @@ def test_the_coordinator_import_graph_has_no_cycle() -> None:
     cycle = _cycle(graph)
     assert cycle is None, "import cycle in coordinator/: " + " -> ".join(cycle or ())
     assert "coordinator.control.host_agent" not in graph["coordinator.control.client"]
+
+
+def test_import_worker_leaves_the_mesh_unloaded() -> None:
+    # every worker process imports worker; tensor parallelism (torch's DTensor, which
+    # brings dynamo) and pipelining load with the first mesh, not at start: they
+    # cost a data-parallel process 1.5 s each time it starts on this machine
+    import subprocess
+    import sys
+
+    heavy = ("torch.distributed.tensor", "torch.distributed.pipelining", "torch._dynamo")
+    code = f"import sys, worker; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,20 +22,25 @@ from worker.birth import Init, SlicedInit, meta_names, skip_init
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
-from worker.mesh_engine import MeshEngine
 from worker.metrics import MetricsServer
 from worker.parallel import ParallelConfig, build_mesh, check_combination, check_heads
-from worker.pipeline_engine import PipelineEngine
 from worker.reporting import planned_config
 from worker.spec import EngineSpec, default_plan
 from worker.splits import lm_loss, split_for
-from worker.tp import TensorParallel, apply_tp, stage_plan
 
 __all__ = ["build_engine", "rebuild_optimizer"]
 
 logger = logging.getLogger(__name__)
 
-E = TypeVar("E", bound=MeshEngine)
+# the mesh engines (and tensor parallelism, torch's DTensor and pipelining under
+# them) load when a mesh is built, not with `import worker`: every worker process
+# of a data-parallel job would pay for them at start
+if TYPE_CHECKING:
+    from worker.mesh_engine import MeshEngine
+    from worker.pipeline_engine import PipelineEngine
+    from worker.tp import TensorParallel
+
+E = TypeVar("E", bound="MeshEngine")
 
 
 def build_engine(
@@ -89,6 +94,8 @@ def build_engine(
         mesh = build_mesh(shape, device_type)
     if coords is None:
         coords = shape.coords(dist.get_rank() if shape.world_size > 1 else 0)
+    from worker.mesh_engine import MeshEngine
+
     if shape.pp > 1:
         if spec.init is not None:
             raise ValueError("init= with pipeline parallelism is not supported yet")
@@ -135,6 +142,8 @@ def _stage_engine(
 ) -> PipelineEngine:
     """This rank's stage of ``spec.model`` (split by ``spec.split`` or the built-in
     split for the model) on ``mesh`` at ``coords``."""
+    from worker.pipeline_engine import PipelineEngine
+
     model, optimizer = spec.model, spec.optimizer
     stage_module = split_for(model, spec.split)(model, coords.pp, shape.pp)
     kept = set(stage_module.parameters())
@@ -181,6 +190,8 @@ def _tp_engine(
     worker/spec.py ``default_plan``); ``extra``: ``cls``'s own keyword arguments."""
     tp: TensorParallel | None = None
     if shape.tp > 1:
+        from worker.tp import apply_tp, stage_plan
+
         before = dict(module.named_parameters(remove_duplicate=False))
         chosen = default_plan(model, plan)
         chosen = chosen(model) if callable(chosen) else chosen

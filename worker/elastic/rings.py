@@ -54,7 +54,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import torch
 
@@ -75,12 +75,14 @@ from worker.live.restore_plan import (
     plan_rings,
     ring_lost,
 )
-from worker.mesh_engine import MeshEngine
 from worker.parallel import build_mesh
 from worker.rendezvous import ControlPlane, LeftBeforeAdmission, env_seconds
 from worker.reporting import report
 from worker.spec import EngineSpec
 from worker.state import Counters
+
+if TYPE_CHECKING:  # (loaded with the mesh: worker/factory.py)
+    from worker.mesh_engine import MeshEngine
 
 __all__ = ["PEER_LOSS_WAIT_ENV", "Carried", "boundary", "join", "peer_lost", "recover"]
 
@@ -153,7 +155,7 @@ def join(session: Session, spec: EngineSpec) -> MeshEngine:
         metrics=metrics,
         initial_state=born,
     )
-    assert isinstance(engine, MeshEngine)
+    engine = cast("MeshEngine", engine)  # the engine of a mesh job (worker/factory.py)
     engine.membership = session
     session.rings = True
     control.client.hold_position(engine.coords)
@@ -216,7 +218,7 @@ def recover(session: Session, engine: ZeroEngine, exc: CollectiveError) -> NoRet
     _switch(session, engine, gen, broken=True)
     engine.stats.record_pause("crash", time.perf_counter() - start)
     session._to(Phase.MEMBER)
-    assert isinstance(engine, MeshEngine)
+    engine = cast("MeshEngine", engine)  # the engine of a mesh job (worker/factory.py)
     logger.warning(
         "recovered as %s of %s at step %d (this rank had reached step %d)",
         _words(engine.coords), _words(engine.shape), engine.global_steps, reached,
@@ -296,7 +298,7 @@ def _exit(session: Session, why: str) -> NoReturn:
 
 def _switch(session: Session, engine: ZeroEngine, gen: Generation, *, broken: bool) -> None:
     """Move to ``gen``: re-form there, or stand by until a generation places this rank."""
-    assert isinstance(engine, MeshEngine)
+    engine = cast("MeshEngine", engine)  # the engine of a mesh job (worker/factory.py)
     control = session.control
     assert control is not None
     me = control.client.worker_id
