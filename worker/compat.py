@@ -10,6 +10,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,6 +23,8 @@ __all__ = [
     "abort_default_group",
     "all_gather_flat",
     "backend_for",
+    "compile_disabled",
+    "eager",
     "parallelize_local",
     "rebind_hook_mesh",
     "reduce_scatter_flat",
@@ -32,6 +35,25 @@ __all__ = [
 # old names; older releases only have the old ones.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# a function torch.compile runs as it is, outside any graph (a graph break around
+# it): torch.compiler.disable, in every torch zeroplane supports (2.1 and newer)
+eager = torch.compiler.disable
+
+
+@contextlib.contextmanager
+def compile_disabled() -> Iterator[None]:
+    """Everything called inside runs eager, compiled modules and functions included
+    (``torch.compiler.set_stance("force_eager")`` from torch 2.6; before it, dynamo's
+    ``disable`` switch)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is not None:
+        with set_stance("force_eager"):
+            yield
+        return
+    with torch._dynamo.config.patch(disable=True):
+        yield
 
 
 _LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")

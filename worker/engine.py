@@ -48,6 +48,7 @@ from worker.ballot import Ballot, BoundaryVote
 from worker.birth import Init, default_device, place_module
 from worker.clipping import NormScope, clip_or_skip
 from worker.collectives import CollectiveError, Collectives, Handle
+from worker.compat import compile_disabled
 from worker.config import ZeroConfig
 from worker.flat import FlatBucket, GatherUnit
 from worker.grad_hooks import GradHooks
@@ -345,7 +346,12 @@ class ZeroEngine:
         self.stats.begin()
         if self.precision.enabled:
             args, kwargs = tree_map(self.precision.cast_input, (args, kwargs))
-        with self.saved_activations.measuring(), self.state.params.forward_context():
+        with self.saved_activations.measuring(), self.state.params.forward_context() as mode:
+            if mode is not None:
+                # the first forward at stage 3 looks at every op's tensors, which
+                # torch.compile cannot trace: it runs eager ([Note: compiling at stage 3])
+                with compile_disabled():
+                    return self.module(*args, **kwargs)
             return self.module(*args, **kwargs)
 
     def _parameter_storages(self) -> set[int]:

@@ -66,6 +66,52 @@ def build_engine(
     coordinator's job started before the engine. ``initial_state``, ``build_for``:
     :class:`~worker.engine.ZeroEngine`'s (a newcomer builds empty, for peers to
     fill)."""
+    engine = _construct(
+        spec, generation, rank, shape, mesh, coords, metrics, initial_state, build_for
+    )
+    if spec.compiled:
+        compile_model(engine)
+    return engine
+
+
+def compile_model(engine: ZeroEngine) -> None:
+    """[Note: compiling at stage 3]
+    A script compiles its model (``torch.compile(model)``) before ``initialize``, or
+    its blocks (``block.compile()``) after. At stages 0-2 the parameters are whole
+    and the engine's hooks run in backward only, so the whole module compiles as
+    it is (``module.compile()``, which keeps the parameter names). At stage 3 a
+    unit's parameters exist only between its gather and its release, which run in
+    its forward hooks: the hooks are kept out of every graph (worker/compat.py
+    ``eager``, a graph break on each side), so each unit's own computation is a
+    graph and its gathers and releases are its edges, what compiling each unit's
+    forward gives; the model is compiled unit by unit (the root, which holds the
+    others' calls, stays eager). A block compiled after ``initialize`` gets the
+    same edges from the same hooks. The first forward at stage 3 runs eager
+    (worker/compat.py ``compile_disabled``): it watches every op's tensors for
+    parameters read outside their unit (worker/stages.py [Note: modules whose
+    forward never runs]), which dynamo cannot trace; compilation starts with the
+    second. Parameter names stay the model's own (no ``_orig_mod.``)."""
+    if engine.state.params.sharded:
+        for unit in engine.units:
+            if unit.module is not engine.module:
+                unit.module.compile()
+    else:
+        engine.module.compile()
+    how = "unit by unit" if engine.state.params.sharded else "whole"
+    logger.info("compiling the model %s (torch.compile)", how)
+
+
+def _construct(
+    spec: EngineSpec,
+    generation: Generation | None,
+    rank: int,
+    shape: MeshShape | None,
+    mesh: DeviceMesh | None,
+    coords: MeshCoords | None,
+    metrics: MetricsServer | None,
+    initial_state: Literal["module", "peers"],
+    build_for: Collectives | None,
+) -> ZeroEngine:
     config = spec.config if generation is None else planned_config(spec.config, generation, rank)
     if shape is None and spec.model_parallel:
         assert spec.parallel is not None

@@ -75,6 +75,15 @@ class EngineSpec:
     mesh_auto: bool = False
     # what resolve() made: the inventory a route registers
     inventory: Inventory | None = None
+    # the script compiled the model (torch.compile) before handing it over: the
+    # engine takes the module inside and compiles it as the stage allows
+    # (worker/factory.py [Note: compiling at stage 3])
+    compiled: bool = False
+
+    def __post_init__(self) -> None:
+        inner = getattr(self.model, "_orig_mod", None)
+        if isinstance(inner, nn.Module) and type(self.model).__name__ == "OptimizedModule":
+            self.model, self.compiled = inner, True
 
     @classmethod
     def of(

@@ -42,6 +42,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
 from worker.collectives import Collectives, Handle
+from worker.compat import eager
 from worker.compression import (
     Codec,
     PendingAllGather,
@@ -361,8 +362,9 @@ class ShardedParams(ParamStorage):
                 )
             self.units.append(unit)
             self._hooks += [
-                module.register_forward_pre_hook(self._pre_forward_hook(unit)),
-                module.register_forward_hook(self._post_forward_hook(unit)),
+                # [Note: compiling at stage 3]: the gathers stay out of every graph
+                module.register_forward_pre_hook(eager(self._pre_forward_hook(unit))),
+                module.register_forward_hook(eager(self._post_forward_hook(unit))),
             ]
         self._unit_by_index = {u.index: u for u in self.units}
         self._unit_of_param = {p: u for u in self.units for b in u.buckets for p in b.params}
