@@ -239,12 +239,15 @@ def test_a_ring_nobody_holds_is_not_covered() -> None:
 class MeshRun:
     """`zeroplane run --tp 2` of the script in the background, its output in a file."""
 
-    def __init__(self, tmp: Path, *flags: str, stage: int, mesh: tuple[str, ...]) -> None:
+    def __init__(
+        self, tmp: Path, *flags: str, stage: int, mesh: tuple[str, ...], step_sleep: float = 0.4
+    ) -> None:
         self.tmp, self.port = tmp, find_free_port()
         cmd = [
             sys.executable, "-m", "coordinator.cli", "run", *mesh, *flags,
             "--no-fork-server", "--progress", "off", "--http-port", str(self.port),
             str(SCRIPT), str(tmp), "--steps", str(STEPS), "--stage", str(stage),
+            "--step-sleep", str(step_sleep),
         ]  # fmt: skip
         self.log_path = tmp / "run.log"
         self.log = self.log_path.open("w+")
@@ -325,8 +328,10 @@ def assert_matches_reference(tmp: Path) -> None:
 def run(tmp_path: Path):
     runs: list[MeshRun] = []
 
-    def start(*flags: str, stage: int, mesh: tuple[str, ...] = ("--tp", "2")) -> MeshRun:
-        runs.append(MeshRun(tmp_path, *flags, stage=stage, mesh=mesh))
+    def start(
+        *flags: str, stage: int, mesh: tuple[str, ...] = ("--tp", "2"), step_sleep: float = 0.4
+    ) -> MeshRun:
+        runs.append(MeshRun(tmp_path, *flags, stage=stage, mesh=mesh, step_sleep=step_sleep))
         return runs[-1]
 
     yield start
@@ -410,8 +415,10 @@ def test_a_sigkilled_stage_of_a_pipeline_recovers_from_replicas(run) -> None:
 @pytest.mark.timeout(300)
 def test_a_tp_x_pp_job_grows_by_a_group_and_shrinks_back(run) -> None:
     """pp=2 x tp=2: groups of four; each stage's schedule and each tp group re-form."""
+    # four workers start at once to grow it: on 2 cores that takes the job 20 steps
+    # of 0.4 s, so its steps are slower here, for room to resize before it ends
     job = run("--nproc", "4", "--min-nproc", "4", "--max-nproc", "8", stage=1,
-              mesh=("--pp", "2", "--tp", "2"))  # fmt: skip
+              mesh=("--pp", "2", "--tp", "2"), step_sleep=0.8)  # fmt: skip
     job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
     job.proc.send_signal(signal.SIGUSR1)
     job.wait_until("eight ranks", lambda: job.world() == 8)
