@@ -81,6 +81,8 @@ class EngineSpec:
     compiled: bool = False
 
     def __post_init__(self) -> None:
+        # torch.compile's wrapper, known by name: importing torch._dynamo to test its
+        # class would load dynamo in every worker process (test_engine_structure.py)
         inner = getattr(self.model, "_orig_mod", None)
         if isinstance(inner, nn.Module) and type(self.model).__name__ == "OptimizedModule":
             self.model, self.compiled = inner, True
