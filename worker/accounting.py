@@ -5,7 +5,7 @@ methods and the step's statistics (worker/stats.py)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,12 +26,18 @@ __all__ = [
 ]
 
 
-def memory_report(state: ShardState, *, replica: int, activations: int) -> dict[str, int]:
-    """``state``'s model-state bytes by kind, ``replica`` bytes of in-memory replicas
-    and their ``total``; beside them, not in the total, the ``activations`` the last
+def memory_report(
+    state: ShardState, *, replica: int, activations: int, also: Sequence[ShardState] = ()
+) -> dict[str, int]:
+    """``state``'s model-state bytes by kind (with those of the states ``also``: an
+    expert-parallel model's experts), ``replica`` bytes of in-memory replicas and
+    their ``total``; beside them, not in the total, the ``activations`` the last
     measured forward kept for backward (worker/activations.py [Note: saved-activation
     bytes])."""
     report = state.memory_report()
+    for other in also:
+        for kind, nbytes in other.memory_report().items():
+            report[kind] = report.get(kind, 0) + nbytes
     report["replica"] = replica
     report["total"] = sum(report.values())
     report["activations"] = activations

@@ -6,12 +6,16 @@ through a :class:`NormScope` (worker/mesh.py sets the engine's)."""
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from worker.config import ZeroConfig
 from worker.state import ShardState
+
+if TYPE_CHECKING:
+    from worker.moe.shards import ExpertShards
 
 __all__ = ["NormScope", "clip_or_skip"]
 
@@ -27,12 +31,19 @@ class NormScope(Protocol):
 
 
 def clip_or_skip(
-    grads: list[torch.Tensor], state: ShardState, config: ZeroConfig, scope: NormScope | None
+    grads: list[torch.Tensor],
+    state: ShardState,
+    config: ZeroConfig,
+    scope: NormScope | None,
+    experts: ExpertShards | None = None,
+    expert_grads: Sequence[torch.Tensor] = (),
 ) -> tuple[bool, float | None]:
     """Clip ``grads`` (this rank's fp32 partition gradients, unscaled, in bucket order)
     in place by their global norm over the group (and ``scope``), and update the fp16
     loss scale. Returns whether the optimizer steps (False: an fp16 overflow) and the
-    norm, None where neither clipping nor fp16 needs one."""
+    norm, None where neither clipping nor fp16 needs one. ``experts``: an
+    expert-parallel model's experts, whose gradients ``expert_grads`` are part of the
+    norm and clipped with the rest (worker/moe/shards.py [Note: two shard states])."""
     clip = config.gradient_clipping
     fp16 = config.dtype == "fp16"
     if not clip and not fp16:
@@ -45,7 +56,10 @@ def clip_or_skip(
         for piece in state.optimizer.pieces:
             g = grads[piece.bucket][piece.grad_offset : piece.grad_offset + piece.view.numel()]
             sumsq += scope.weight(piece.name) * g.pow(2).sum()
-    if state.stage.optimizer_sharded:
+    sharded = state.stage.optimizer_sharded
+    if experts is not None:
+        sumsq += experts.sumsq(expert_grads, world_reduces=sharded)
+    if sharded:
         state.comm.all_reduce(sumsq, control=True)
     if scope is not None:
         scope.reduce(sumsq)
@@ -57,6 +71,6 @@ def clip_or_skip(
     if clip:
         coef = clip / (norm + 1e-6)
         if coef < 1.0:
-            for g in grads:
+            for g in (*grads, *expert_grads):
                 g.mul_(coef)
     return True, norm

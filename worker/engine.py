@@ -54,6 +54,7 @@ from worker.flat import FlatBucket, GatherUnit
 from worker.grad_hooks import GradHooks
 from worker.inventory import Inventory, build_inventory
 from worker.metrics import MetricsServer, Snapshot, SnapshotBoard, start_metrics
+from worker.moe.shards import ExpertShards, dense_only
 from worker.optim import ShardOptimizer
 from worker.precision import LossScaler, MixedPrecision
 from worker.schedule import LrSchedule, SchedulerArg, resolve_scheduler
@@ -142,14 +143,22 @@ def _check_hpz(config: ZeroConfig, world: Collectives) -> None:
 
 
 def build_inventory_for(
-    module: nn.Module, user_optimizer: torch.optim.Optimizer, config: ZeroConfig
+    module: nn.Module,
+    user_optimizer: torch.optim.Optimizer,
+    config: ZeroConfig,
+    keep: Callable[[nn.Parameter], bool] | None = None,
 ) -> Inventory:
-    """The parameter inventory an engine with ``config`` builds for ``module``."""
+    """The parameter inventory an engine with ``config`` builds for ``module``
+    (of the parameters ``keep`` takes: every one but an expert-parallel model's
+    experts, worker/moe/shards.py)."""
+    if keep is None:
+        keep = dense_only(module)
     return build_inventory(
         module,
         user_optimizer.param_groups,
         compute_dtype=MixedPrecision.from_config(config).param_dtype,
         min_unit_numel=config.stage3_min_unit_numel,
+        keep=keep,
     )
 
 
@@ -240,6 +249,11 @@ class ZeroEngine:
             _check_hpz(config, world)
         self.state.build(world, from_module=initial_state == "module")
         self._hooks = GradHooks(self.state, self.ballot, self.inventory.params.values())
+        # an expert-parallel model's experts: their own state over their group
+        # (worker/moe/shards.py [Note: two shard states])
+        self.experts: ExpertShards | None = None
+        if dense_only(module) is not None:
+            self.experts = ExpertShards.of(self, initial_state, build_for)
         # None unless config.metrics_port or $ZEROPLANE_METRICS_PORT asks for it
         self.board = SnapshotBoard() if metrics is None else metrics.board
         self.metrics = metrics if metrics is not None else start_metrics(config, self.board)
@@ -346,8 +360,12 @@ class ZeroEngine:
         self.stats.begin()
         if self.precision.enabled:
             args, kwargs = tree_map(self.precision.cast_input, (args, kwargs))
-        with self.saved_activations.measuring(), self.state.params.forward_context() as mode:
-            if mode is not None:
+        with (
+            self.saved_activations.measuring(),
+            self.state.params.forward_context() as mode,
+            ExpertShards.forward_context_of(self.experts) as watching,
+        ):
+            if mode is not None or watching:
                 # the first forward at stage 3 looks at every op's tensors, which
                 # torch.compile cannot trace: it runs eager ([Note: compiling at stage 3])
                 with compile_disabled():
@@ -434,12 +452,16 @@ class ZeroEngine:
         reduce_now = st.reducer.every_micro_step or boundary
         hooks.arm(in_graph, reduce_now=reduce_now)
 
+        if self.experts is not None:
+            self.experts.before_backward(loss.grad_fn, boundary=boundary, reduce_now=reduce_now)
         scale = st.scaler.scale * weight
         st.params.begin_backward()
         try:
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         except BaseException:
             st.params.end_backward()
+            if self.experts is not None:
+                self.experts.state.params.end_backward()
             raise
 
         if boundary and not hooks.exact:
@@ -448,6 +470,8 @@ class ZeroEngine:
         if reduce_now:
             hooks.drain()
         st.params.end_backward()
+        if self.experts is not None:
+            self.experts.after_backward(reduce_now=reduce_now)
 
     def _cast_ballot(self) -> None:
         vote = self.membership.vote(self) if self.membership is not None else BoundaryVote()
@@ -512,7 +536,9 @@ class ZeroEngine:
         factor = 1.0 / (st.world_size * st.scaler.scale)
         for g in grads:
             g.mul_(factor)
-        stepped, norm = clip_or_skip(grads, st, self.config, self.norm_scope)
+        experts = self.experts
+        expert_grads = [] if experts is None else experts.partition_grads(factor)
+        stepped, norm = clip_or_skip(grads, st, self.config, self.norm_scope, experts, expert_grads)
         if norm is not None:
             self.last_grad_norm = norm
         if not stepped:
@@ -536,6 +562,8 @@ class ZeroEngine:
             # from here until the step is whole, a lost peer leaves this state torn
             st.whole = False
             failed = st.step_and_publish(piece_grads)
+            if experts is not None:
+                experts.step(expert_grads)
             st.global_steps += 1
             st.whole = True
             if self._schedule is not None:
@@ -549,6 +577,8 @@ class ZeroEngine:
         self.stats.global_loss = loss_pair
         st.zero_grads()
         self.ballot.clear()
+        if experts is not None:
+            experts.finish_step()
         self.stats.end_step()
         if self.membership is not None:
             self.membership.after_step(self, agreed, stepped)
@@ -570,12 +600,18 @@ class ZeroEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter by name (tied ones under each name), fp32 master values
         where they exist; identical on every rank. A collective: call on all ranks."""
-        return self.state.full_state_dict()
+        full = self.state.full_state_dict()
+        if self.experts is not None:
+            full.update(self.experts.full_state_dict())
+        return full
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds, by kind (padding included)."""
         return accounting.memory_report(
-            self.state, replica=self._replica_bytes(), activations=self.saved_activations.last
+            self.state,
+            replica=self._replica_bytes(),
+            activations=self.saved_activations.last,
+            also=[] if self.experts is None else [self.experts.state],
         )
 
     def memory_by_location(self) -> dict[str, dict[str, int]]:
@@ -776,6 +812,8 @@ class ZeroEngine:
         self._hooks.remove()
         unwrap(self.checkpointed)
         self.state.params.detach()
+        if self.experts is not None:
+            self.experts.close()
         if self.membership is not None:
             self.membership.close()
             self.membership = None

@@ -118,9 +118,14 @@ def _construct(
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         shape = spec.parallel.shape(world)
     if shape is None:
+        optimizer = spec.optimizer
+        if spec.expert_parallel > 1:
+            assert spec.parallel is not None
+            check_combination(config, spec.parallel)
+            optimizer = _expert_parallel(spec, spec.parallel)
         return ZeroEngine(
             spec.model,
-            spec.optimizer,
+            optimizer,
             config=config,
             group=spec.group,
             initial_state=initial_state,
@@ -159,6 +164,23 @@ def _construct(
         shape.pp, shape.dp, shape.tp, coords.pp, coords.dp, coords.tp,
     )  # fmt: skip
     return engine
+
+
+def _expert_parallel(spec: EngineSpec, parallel: ParallelConfig) -> OptimizerArg:
+    """Split ``spec.model``'s experts over ep groups of the process group, this rank
+    keeping its share (worker/moe/dispatch.py [Note: expert parallelism]); returns
+    the optimizer over the parameters the model now holds."""
+    from worker.moe.dispatch import ExpertGroups, apply_expert_parallel
+
+    before = dict(spec.model.named_parameters(remove_duplicate=False))
+    groups = ExpertGroups.form(Collectives(spec.group), parallel.expert_parallel)
+    apply_expert_parallel(spec.model, groups, capacity_factor=parallel.capacity_factor)
+    logger.info(
+        "expert parallel: ep=%d, this rank holds place %d of its ep group; the experts' "
+        "state is sharded over %d ranks, the rest over %d",
+        groups.size, groups.place, groups.edp.world_size, groups.world,
+    )  # fmt: skip
+    return rebuild_optimizer(spec.optimizer, before, spec.model, dropped_ok=True)
 
 
 def _layout_of(asked: ParallelConfig | None, shape: MeshShape) -> ParallelConfig:
@@ -265,11 +287,17 @@ def _tp_engine(
 
 
 def rebuild_optimizer(
-    optimizer: OptimizerArg, before: dict[str, nn.Parameter], model: nn.Module
+    optimizer: OptimizerArg,
+    before: dict[str, nn.Parameter],
+    model: nn.Module,
+    *,
+    dropped_ok: bool = False,
 ) -> torch.optim.Optimizer:
     """The user's optimizer over ``model``'s current parameters: a factory is
     called; an optimizer built over the parameters as they were (``before``, by
-    name) gets the new ones in its param groups (it has no state yet)."""
+    name) gets the new ones in its param groups (it has no state yet).
+    ``dropped_ok``: a parameter the model no longer holds (another rank's expert)
+    leaves its group."""
     now = dict(model.named_parameters(remove_duplicate=False))
     if not isinstance(optimizer, torch.optim.Optimizer):
         params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
@@ -286,5 +314,7 @@ def rebuild_optimizer(
             )
     # no state yet: the groups' parameter lists are all that refers to the old ones
     for group in optimizer.param_groups:
-        group["params"] = [now[name_of[p]] for p in group["params"]]
+        group["params"] = [
+            now[name_of[p]] for p in group["params"] if not dropped_ok or name_of[p] in now
+        ]
     return optimizer

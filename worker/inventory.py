@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +42,22 @@ def build_inventory(
     *,
     compute_dtype: torch.dtype,
     min_unit_numel: int | None,
+    keep: Callable[[nn.Parameter], bool] | None = None,
 ) -> Inventory:
     """Describe ``module``'s parameters for the layout.
 
     ``param_groups`` are the optimizer's groups: each trainable parameter must
     be in exactly one. With ``min_unit_numel`` set (stage 3), parameters are
     also assigned to gather units (see :func:`_assign_units`); otherwise every
-    parameter is in unit 0.
+    parameter is in unit 0. ``keep``: the parameters this inventory holds (all by
+    default); the others belong to another state (worker/moe/shards.py: the experts
+    of an expert-parallel model) and are left out, optimizer groups included.
     """
-    named = list(module.named_parameters(remove_duplicate=False))
+    named = [
+        (name, p)
+        for name, p in module.named_parameters(remove_duplicate=False)
+        if keep is None or keep(p)
+    ]
     first_name: dict[nn.Parameter, str] = {}
     aliases: dict[str, str] = {}
     for name, p in named:
@@ -58,6 +66,8 @@ def build_inventory(
     group_of: dict[nn.Parameter, int] = {}
     for gi, group in enumerate(param_groups):
         for p in group["params"]:
+            if keep is not None and not keep(p):
+                continue
             if p not in first_name:
                 raise ValueError(
                     f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} "

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from coordinator.core.meshplan import PP_ENV, TP_ENV, MeshShape
+from coordinator.core.meshplan import EP_ENV, PP_ENV, TP_ENV, MeshShape
 from worker.config import ZeroConfig
 
 __all__ = ["ParallelConfig", "Schedule", "build_mesh", "check_combination", "check_heads"]
@@ -32,18 +32,32 @@ class ParallelConfig:
         pipeline_schedule: ``"gpipe"`` (all forwards, then all backwards) or
             ``"1f1b"`` (one forward, one backward: fewer micro-batches in flight).
         microbatches: micro-batches per pipeline step (>= pipeline_parallel).
+        expert_parallel: ranks that split each mixture-of-experts layer's experts
+            (ep): each holds E/ep whole experts, tokens reach them by all-to-all,
+            their ZeRO state is sharded over the ranks holding the same experts
+            (worker/moe/dispatch.py [Note: expert parallelism]); 1 = off.
+        capacity_factor: with expert parallelism, at most ``ceil(factor * T * K / E)``
+            tokens per expert per call, the rest dropped; None: dropless.
     """
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     pipeline_schedule: Schedule = "gpipe"
     microbatches: int = 4
+    expert_parallel: int = 1
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "microbatches"):
+        for name in ("tensor_parallel", "pipeline_parallel", "microbatches", "expert_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
+        cap = self.capacity_factor
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float)
+                                or not cap > 0):  # fmt: skip
+            raise ValueError(
+                f"ParallelConfig.capacity_factor must be a number > 0 or None, got {cap!r}"
+            )
         if self.pipeline_schedule not in ("gpipe", "1f1b"):
             raise ValueError(
                 f"ParallelConfig.pipeline_schedule must be 'gpipe' or '1f1b', "
@@ -57,10 +71,14 @@ class ParallelConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ParallelConfig:
-        """tp and pp as the launcher set them (``zeroplane run --tp/--pp``, the job
-        spec: ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``); 1 where unset."""
+        """tp, pp and ep as the launcher set them (``zeroplane run --tp/--pp/--ep``, the
+        job spec: ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``/``$ZEROPLANE_EP``); 1 where unset."""
         values: dict[str, Any] = {}
-        for field_name, env in (("tensor_parallel", TP_ENV), ("pipeline_parallel", PP_ENV)):
+        for field_name, env in (
+            ("tensor_parallel", TP_ENV),
+            ("pipeline_parallel", PP_ENV),
+            ("expert_parallel", EP_ENV),
+        ):
             raw = os.environ.get(env)
             if raw is not None:
                 if not raw.isdigit():
@@ -75,6 +93,12 @@ class ParallelConfig:
 def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
     """Refuse, with the reason, what this composition does not do (README, "The mesh")."""
     pp = parallel.pipeline_parallel
+    if parallel.expert_parallel > 1 and (pp > 1 or parallel.tensor_parallel > 1):
+        raise ValueError(
+            f"expert_parallel={parallel.expert_parallel} runs over data parallelism only for "
+            f"now, not with tensor_parallel={parallel.tensor_parallel} or "
+            f"pipeline_parallel={pp} (docs/guides/moe.md)"
+        )
     if pp > 1 and config.stage > 2:
         raise ValueError(
             f"pipeline_parallel > 1 runs with ZeRO stages 0-2, got stage {config.stage}: "

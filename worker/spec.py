@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from coordinator.core.meshplan import MESH_ENV, PP_ENV, TP_ENV
+from coordinator.core.meshplan import EP_ENV, MESH_ENV, PP_ENV, TP_ENV
 from worker import ds_sections
 from worker.birth import Init, place_module
 from worker.config import ZeroConfig
@@ -135,6 +135,12 @@ class EngineSpec:
                         "parallelism: pass parallel=ParallelConfig(tensor_parallel=..., "
                         "pipeline_parallel=...)"
                     )
+        if spec.expert_parallel > 1 and (spec.coordinator or auto):
+            raise ValueError(
+                "expert_parallel > 1 runs in a fixed world for now (torchrun, zeroplane run "
+                "without a coordinator, or a group given): an elastic job cannot hold "
+                "experts apart yet (docs/guides/moe.md)"
+            )
         if spec.pipeline and init is not None:
             raise ValueError("init= with pipeline parallelism is not supported yet")
         return spec
@@ -150,6 +156,10 @@ class EngineSpec:
         """Whether the script asked for tensor or pipeline parallelism."""
         p = self.parallel
         return p is not None and p.tensor_parallel * p.pipeline_parallel > 1
+
+    @property
+    def expert_parallel(self) -> int:
+        return 1 if self.parallel is None else self.parallel.expert_parallel
 
     @property
     def pipeline(self) -> bool:
@@ -205,9 +215,10 @@ def default_plan(model: nn.Module, plan: Any) -> Any:
 
 
 def _parallel_from_env() -> ParallelConfig | None:
-    """The mesh the launcher asked for (``zeroplane run --tp/--pp``, the job spec:
-    ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``), or None where it asked for none."""
-    if TP_ENV not in os.environ and PP_ENV not in os.environ:
+    """The layout the launcher asked for (``zeroplane run --tp/--pp/--ep``, the job
+    spec: ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``/``$ZEROPLANE_EP``), or None where it
+    asked for none."""
+    if not any(env in os.environ for env in (TP_ENV, PP_ENV, EP_ENV)):
         return None
     return ParallelConfig.from_env()
 

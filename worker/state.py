@@ -118,6 +118,8 @@ class ShardState:
         self.bucket_of: dict[nn.Parameter, tuple[FlatBucket, int]] = {}
         self.optimizer = ShardOptimizer(user_optimizer, [[] for _ in user_optimizer.param_groups])
         self.whole = False
+        # a state whose group is one rank by the layout chosen (the experts of ep = world)
+        self.alone_by_design = False
         self.builds = 0  # how many times the buffers were (re)built
         # a fresh process built for its peers' state keeps the module's own values
         # until it is a member: if no peer holds anything, the job starts from them
@@ -260,7 +262,7 @@ class ShardState:
         self.release(keep_buffers=True)
         comm.inherit_scratch(self.comm)
         self.comm = comm
-        if comm.world_size == 1 and self.stage.number > 0:
+        if comm.world_size == 1 and self.stage.number > 0 and not self.alone_by_design:
             logger.warning(
                 "ZeRO stage %d on a single rank saves no memory and costs time; "
                 "stage 0 with mixed precision or activation checkpointing is the lever here",
@@ -399,9 +401,10 @@ class ShardState:
         )
 
     def _broadcast_module_states(self) -> None:
-        """Rank 0's values of the module's parameters and buffers on every rank (those
-        with values: a meta tensor gets rank 0's when it comes to life)."""
-        tensors = [*self.module.parameters(), *self.module.buffers()]
+        """Rank 0's values of the inventory's parameters and the module's buffers on
+        every rank (those with values: a meta tensor gets rank 0's when it comes to
+        life; an expert-parallel model's experts are another state's)."""
+        tensors = [*self.inventory.params.values(), *self.module.buffers()]
         broadcast_tensors(self.comm, self.device, [t for t in tensors if not t.is_meta], src=0)
 
     def _bucket_params(self, spec: Bucket) -> list[nn.Parameter]:

@@ -28,6 +28,7 @@ from coordinator.core.planner import PlanConfig, format_bytes
 
 __all__ = [
     "MESH_ENV",
+    "EP_ENV",
     "PP_ENV",
     "TP_ENV",
     "TP_PATTERNS",
@@ -50,6 +51,9 @@ __all__ = [
 # coordinates from its RANK by [Note: mesh rank order].
 TP_ENV = "ZEROPLANE_TP"
 PP_ENV = "ZEROPLANE_PP"
+# the experts' degree a launcher hands its workers (zeroplane run --ep): not a mesh
+# dimension the coordinator forms; ranks split it within data parallelism
+EP_ENV = "ZEROPLANE_EP"
 # "auto" (`zeroplane run --mesh auto`): the coordinator chooses tp and pp
 # (coordinator/control/membership.py ``_plan_mesh``) and the workers build its mesh.
 MESH_ENV = "ZEROPLANE_MESH"

@@ -1,0 +1,204 @@
+"""The experts' ZeRO state under expert parallelism: a second shard state, over the
+expert-data-parallel group, beside the engine's own over the world.
+
+[Note: two shard states]
+Under expert parallelism (worker/moe/dispatch.py [Note: expert parallelism]) the
+ranks of an expert-data-parallel group hold the same experts and the other
+ranks hold others, so the experts cannot be partitioned over the world as the
+dense parameters are. The engine therefore keeps two
+:class:`~worker.state.ShardState`: its own, of every parameter but the experts,
+over the world, and :class:`ExpertShards`, of this rank's experts, over the
+expert-data-parallel group, at the same stage with the same config. Both are
+driven by the engine's one forward, backward and step: their gradient hooks fill
+their own buckets in the same backward; each reduces over its group; the
+experts' gradients are scaled by 1/world as the dense ones are (an expert's
+gradient summed over its group already holds every rank's tokens that reached
+it, through the all-to-all's backward), so the step is the mean over the global
+batch, as in one process. The gradient norm is one: the experts' squares join
+the dense ones before the world's all-reduce (each expert element is owned by
+one rank of the world at stages 1-3; at stage 0, where every rank of a group
+holds its experts' whole gradients, they are summed over the ep group first).
+The experts' parameters count as used at every step where their layer ran: the
+layer calls every expert on every rank, as one process calls a fused experts
+module (a zero gradient steps, as in torch). At stage 3 the experts of a layer
+are one gather unit (the module is a leaf), gathered over their group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from worker.ballot import Ballot, BoundaryVote
+from worker.config import ZeroConfig
+from worker.grad_hooks import GradHooks
+from worker.inventory import build_inventory
+from worker.moe.dispatch import ExpertGroups, ExpertLoad, ExpertParallel
+from worker.state import ShardState
+
+if TYPE_CHECKING:
+    from worker.engine import ZeroEngine
+
+__all__ = ["ExpertShards", "dense_only", "expert_parallel_modules"]
+
+
+def expert_parallel_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, ExpertParallel)]
+
+
+def dense_only(model: nn.Module) -> Callable[[nn.Parameter], bool] | None:
+    """Which parameters the engine's own state holds: all but the experts of an
+    expert-parallel model ([Note: two shard states]); None when it holds all."""
+    experts = {p for m in expert_parallel_modules(model) for p in m.parameters()}
+    return None if not experts else (lambda p: p not in experts)
+
+
+class ExpertShards:
+    """This rank's experts' ZeRO state over their expert-data-parallel group, their
+    gradient hooks and used-parameter ballot ([Note: two shard states])."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        user_optimizer: torch.optim.Optimizer,
+        config: ZeroConfig,
+        *,
+        dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.modules = expert_parallel_modules(model)
+        self.groups: ExpertGroups = self.modules[0]._zp_expert.groups
+        params = {p for m in self.modules for p in m.parameters()}
+        self.inventory = build_inventory(
+            model,
+            user_optimizer.param_groups,
+            compute_dtype=dtype,
+            min_unit_numel=config.stage3_min_unit_numel,
+            keep=params.__contains__,
+        )
+        self.state = ShardState(
+            model, user_optimizer, self.inventory, config,
+            dtype=dtype, reduce_dtype=reduce_dtype, device=device,
+        )  # fmt: skip
+        self.ballot = Ballot(len(self.state.index), device)
+        self.state.alone_by_design = True
+        self.state.build(self.groups.edp, from_module=True)
+        self.hooks = GradHooks(self.state, self.ballot, self.inventory.params.values())
+
+    @classmethod
+    def of(cls, engine: ZeroEngine, initial_state: str, build_for: object) -> ExpertShards:
+        """The experts' state of ``engine``'s model (built from the module's values)."""
+        if initial_state != "module" or build_for is not None or engine.membership is not None:
+            raise ValueError(
+                "expert parallelism runs in a fixed world for now: an elastic job "
+                "(a coordinator's, or a newcomer's state from peers) cannot hold experts "
+                "apart yet"
+            )
+        return cls(
+            engine.module, engine.user_optimizer, engine.config,
+            dtype=engine.precision.param_dtype, reduce_dtype=engine.precision.reduce_dtype,
+            device=engine.device,
+        )  # fmt: skip
+
+    # ---------------------------------------------------------------- forward, backward
+
+    @staticmethod
+    @contextlib.contextmanager
+    def forward_context_of(experts: ExpertShards | None) -> Iterator[bool]:
+        """``experts``' :meth:`forward_context`, or nothing without experts."""
+        if experts is None:
+            yield False
+            return
+        with experts.forward_context() as watching:
+            yield watching
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[bool]:
+        """The experts' storage's context for a forward; yields whether it watches
+        this forward's ops (the first at stage 3)."""
+        with self.state.params.forward_context() as mode:
+            yield mode is not None
+
+    def before_backward(self, root: object, *, boundary: bool, reduce_now: bool) -> None:
+        in_graph = self.hooks.walk(root)
+        for i in range(len(self.state.index)):  # every expert runs every call
+            self.ballot.mark_used(i)
+        if boundary:
+            self.ballot.start(self.groups.edp, BoundaryVote())
+        self.hooks.arm(in_graph, reduce_now=reduce_now)
+        self.state.params.begin_backward()
+
+    def after_backward(self, *, reduce_now: bool) -> None:
+        if reduce_now:
+            self.hooks.drain()
+        self.state.params.end_backward()
+
+    def abort_backward(self) -> None:
+        self.state.params.end_backward()
+
+    # ---------------------------------------------------------------- step
+
+    def partition_grads(self, factor: float) -> list[torch.Tensor]:
+        """This rank's fp32 partition gradients of the experts, scaled by ``factor``."""
+        self.ballot.wait()
+        grads = [self.state.reducer.partition_grad(b).float() for b in self.state.buckets]
+        for g in grads:
+            g.mul_(factor)
+        return grads
+
+    def sumsq(self, grads: list[torch.Tensor], *, world_reduces: bool) -> torch.Tensor:
+        """The squares of ``grads`` to add to the dense ones of this rank, which the
+        world's all-reduce sums when ``world_reduces`` (stages 1-3); otherwise summed
+        over the ep group here ([Note: two shard states])."""
+        total = torch.zeros((), dtype=torch.float32, device=self.state.device)
+        for g in grads:
+            total += g.pow(2).sum()
+        if not world_reduces:
+            self.groups.ep.all_reduce(total, control=True)
+        return total
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        st = self.state
+        piece_grads = st.optimizer.piece_grads(grads, self.ballot.used())
+        st.whole = False
+        failed = st.step_and_publish(piece_grads)
+        st.global_steps += 1
+        st.whole = True
+        if failed is not None:
+            raise failed
+
+    def finish_step(self) -> None:
+        self.state.zero_grads()
+        self.ballot.clear()
+
+    # ---------------------------------------------------------------- reports
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The experts' full parameters by name, every layer's whole set of experts
+        on every rank (gathered over the group, then over the ep group)."""
+        mine = {n: t.cpu() for n, t in self.state.full_state_dict().items()}
+        if not self.groups.ep.distributed:
+            return mine
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(self.groups.size)]
+        dist.all_gather_object(parts, mine, group=self.groups.ep.group)
+        fused = {n for n, t in mine.items() if all(n in p for p in parts)}
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            out.update({n: t for n, t in part.items() if n not in fused})
+        for name in fused:  # a fused module's rows: every rank holds its range
+            out[name] = torch.cat([p[name] for p in parts])
+        return out
+
+    def load(self) -> list[ExpertLoad]:
+        """Each layer's exchanges since the last read (and the counters reset)."""
+        return [m._zp_expert.load.take() for m in self.modules]
+
+    def close(self) -> None:
+        self.hooks.remove()
+        self.state.release()
