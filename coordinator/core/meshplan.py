@@ -27,8 +27,8 @@ from coordinator.core.memory import (
 from coordinator.core.planner import PlanConfig, format_bytes
 
 __all__ = [
-    "MESH_ENV",
     "EP_ENV",
+    "MESH_ENV",
     "PP_ENV",
     "TP_ENV",
     "TP_PATTERNS",
