@@ -121,9 +121,7 @@ def train_ep_against_torch(ep: int, stage: int, accum: int, clip: float) -> None
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    ("stage", "accum", "clip"), [(1, 1, 0.05), (2, 2, 0.0), (3, 2, 0.05)]
-)
+@pytest.mark.parametrize(("stage", "accum", "clip"), [(1, 1, 0.05), (2, 2, 0.0), (3, 2, 0.05)])
 def test_experts_split_over_two_ranks_train_like_torch(pools, stage: int, accum: int, clip: float):
     pools(2).run(train_ep_against_torch, 2, stage, accum, clip)
 

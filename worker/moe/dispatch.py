@@ -211,4 +211,3 @@ def apply_expert_parallel(
         module._zp_expert = _Placed(base, groups, count, first, cap)
         setattr(module, LEAF_ATTR, True)
     return [m for _, m in found]
-
