@@ -133,3 +133,147 @@ def test_experts_split_over_two_ranks_train_like_torch(pools, stage: int, accum:
 def test_experts_over_four_ranks_train_like_torch(pools, ep: int, stage: int, accum: int, clip):
     # ep=2: two ep groups, each expert's state sharded over the two ranks holding it
     pools(4).run(train_ep_against_torch, ep, stage, accum, clip)
+
+
+def tiny_mixtral(experts: int = 4):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, num_local_experts=experts,
+        num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return MixtralForCausalLM(config)
+
+
+def train_fused_against_torch(ep: int, stage: int) -> None:
+    """transformers 5.x's fused experts (one 3-D parameter per projection), split by rows."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, ref = tiny_mixtral(), tiny_mixtral()
+
+    def opt(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    config = worker.ZeroConfig(stage=stage, gradient_clipping=0.5, stage3_min_unit_numel=1)
+    engine = worker.initialize(
+        model, opt(model), config=config, parallel=ParallelConfig(expert_parallel=ep)
+    )
+    held = dict(model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
+    assert held.shape[0] == 4 // ep
+    ref_opt = opt(ref)
+
+    def batch(step: int, r: int) -> torch.Tensor:
+        return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step * 9 + r))
+
+    for step in range(3):
+        ids = batch(step, rank)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        for r in range(world):
+            ids = batch(step, r)
+            (ref(input_ids=ids, labels=ids).loss / world).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    diff, name = max_diff(engine.full_state_dict(), dict(ref.named_parameters()))
+    assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
+    engine.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fused_hf_experts_split_over_ranks_train_like_torch(pools, stage: int):
+    pools(2).run(train_fused_against_torch, 2, stage)
+
+
+def _build(ep: int, stage: int):
+    torch.manual_seed(0)
+    model = MoENet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    config = worker.ZeroConfig(stage=stage, bucket_numel=97, stage3_min_unit_numel=1)
+    parallel = ParallelConfig(expert_parallel=ep) if ep > 1 else None
+    return worker.initialize(model, opt, config=config, parallel=parallel)
+
+
+def train_and_save(tmp: str, ep: int, stage: int) -> None:
+    engine = _build(ep, stage)
+    for step in range(2):
+        engine.backward(engine(*skewed_batch(step, dist.get_rank())))
+        engine.step()
+    engine.save_checkpoint(tmp)
+    engine.close()
+
+
+def load_and_finish(tmp: str, ep: int, stage: int, saved_world: int) -> None:
+    """Load at (ep, stage) on this world and train 2 more steps: the result is
+    one-process torch's 4 steps, the first 2 over the saving world's batches."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    engine = _build(ep, stage)
+    engine.load_checkpoint(tmp)
+    assert engine.global_steps == 2
+    for step in range(2, 4):
+        engine.backward(engine(*skewed_batch(step, rank)))
+        engine.step()
+    torch.manual_seed(0)
+    ref = MoENet()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(4):
+        ranks = saved_world if step < 2 else world
+        for r in range(ranks):
+            (ref(*skewed_batch(step, r)) / ranks).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    diff, name = max_diff(engine.full_state_dict(), dict(ref.named_parameters()))
+    assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
+    engine.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        ((4, 4, 3), (4, 2, 1)),
+        ((4, 2, 2), (2, 1, 3)),
+        ((2, 1, 3), (4, 4, 2)),
+        ((2, 2, 1), (4, 2, 3)),
+    ],
+    ids=["ep4-to-ep2", "ep2-to-plain-on-2", "plain-on-2-to-ep4", "2-ranks-to-4-at-ep2"],
+)
+def test_a_checkpoint_resumes_at_another_ep_and_world(pools, tmp_path, saved, loaded):
+    """(world, ep, stage) saved and loaded: the checkpoint is the whole model's."""
+    pools(saved[0]).run(train_and_save, str(tmp_path), *saved[1:])
+    pools(loaded[0]).run(load_and_finish, str(tmp_path), *loaded[1:], saved[0])
+
+
+def fused_roundtrip(tmp: str, phase: str) -> dict[str, torch.Tensor] | None:
+    """A fused model's checkpoint at ep=2, stage 3, read back without ep at stage 1."""
+    model = tiny_mixtral()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if phase == "save":
+        config = worker.ZeroConfig(stage=3, stage3_min_unit_numel=1)
+        engine = worker.initialize(
+            model, opt, config=config, parallel=ParallelConfig(expert_parallel=2)
+        )
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        engine.save_checkpoint(tmp)
+    else:
+        engine = worker.initialize(model, opt, config=worker.ZeroConfig(stage=1))
+        engine.load_checkpoint(tmp)
+    full = engine.full_state_dict()
+    engine.close()
+    return full
+
+
+@pytest.mark.timeout(240)
+def test_a_fused_checkpoint_loads_without_expert_parallelism(pools, tmp_path):
+    saved = pools(2).run(fused_roundtrip, str(tmp_path), "save")[0]
+    loaded = pools(2).run(fused_roundtrip, str(tmp_path), "load")[0]
+    diff, name = max_diff(loaded, saved)
+    assert diff == 0, f"{name} differs by {diff:.3g}"
+    assert not torch.equal(
+        saved["model.layers.0.mlp.experts.down_proj"],
+        tiny_mixtral().state_dict()["model.layers.0.mlp.experts.down_proj"],
+    )

@@ -29,9 +29,7 @@ all-reduced once per optimizer step in the step-boundary ballot
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol
@@ -42,7 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from coordinator.core.layout import Layout
-from worker import accounting, checkpoint, live, pretrained
+from worker import accounting, checkpoint, live
 from worker.activations import SavedBytes, checkpoint_modules, choose_modules, unwrap
 from worker.ballot import Ballot, BoundaryVote
 from worker.birth import Init, default_device, place_module
@@ -50,6 +48,7 @@ from worker.clipping import NormScope, clip_or_skip
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compat import compile_disabled
 from worker.config import ZeroConfig
+from worker.engine_checkpoints import Checkpointing, guarded
 from worker.flat import FlatBucket, GatherUnit
 from worker.grad_hooks import GradHooks
 from worker.inventory import Inventory, build_inventory
@@ -114,21 +113,6 @@ class Membership(Protocol):
     def close(self) -> None: ...
 
 
-def _guarded(method):
-    """In a session, a failed collective becomes recovery (which raises StepAborted)."""
-
-    @functools.wraps(method)
-    def wrapper(self: ZeroEngine, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except CollectiveError as exc:
-            if self.membership is None:
-                raise
-            self.membership.recover(self, exc)
-
-    return wrapper
-
-
 def _check_hpz(config: ZeroConfig, world: Collectives) -> None:
     """An engine's first world must be one hpZ and qgZ run in (a session's later
     worlds run without them where they cannot; worker/stages.py [Note: hierarchical
@@ -162,7 +146,7 @@ def build_inventory_for(
     )
 
 
-class ZeroEngine:
+class ZeroEngine(Checkpointing):
     """``module`` and ``optimizer`` under ZeRO ``config.stage`` over ``group``.
 
     ``initial_state``: ``"module"`` takes the module's values (rank 0's,
@@ -253,7 +237,10 @@ class ZeroEngine:
         # (worker/moe/shards.py [Note: two shard states])
         self.experts: ExpertShards | None = None
         if dense_only(module) is not None:
-            self.experts = ExpertShards.of(self, initial_state, build_for)
+            self.experts = ExpertShards.of(
+                module, self.user_optimizer, config, precision=self.precision,
+                device=self.device, from_module=initial_state == "module" and build_for is None,
+            )  # fmt: skip
         # None unless config.metrics_port or $ZEROPLANE_METRICS_PORT asks for it
         self.board = SnapshotBoard() if metrics is None else metrics.board
         self.metrics = metrics if metrics is not None else start_metrics(config, self.board)
@@ -355,7 +342,7 @@ class ZeroEngine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
-    @_guarded
+    @guarded
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.stats.begin()
         if self.precision.enabled:
@@ -436,7 +423,7 @@ class ZeroEngine:
 
     # ---------------------------------------------------- backward: hooks → buckets → reduce
 
-    @_guarded
+    @guarded
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
         """Backward of one micro-batch loss, with gradient reduction overlapped."""
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
@@ -513,7 +500,7 @@ class ZeroEngine:
 
     # ---------------------------------------------------- step: clip → optimizer → publish
 
-    @_guarded
+    @guarded
     def step(self, *, samples: int = 0, tokens: int = 0) -> bool:
         """Count a micro-step; at the accumulation boundary, step the optimizer.
 
@@ -652,101 +639,6 @@ class ZeroEngine:
         """Hand the metrics endpoint (if any) this rank's state as of now."""
         if self.board.watched:
             self.board.publish(self.snapshot())
-
-    # ------------------------------------------------------------ checkpoints
-
-    def checkpoint_due(self, every: int) -> bool:
-        """Whether a loop that saves every ``every`` steps should save now.
-
-        The same answer on every rank, newcomers included: a rank that joined a
-        running job at step N saves N with the members (they have not saved it
-        yet), and after a rollback nobody re-saves the step it rolled back to.
-        """
-        steps = self.global_steps
-        return steps > 0 and steps % every == 0 and steps != self._saved_at
-
-    @_guarded
-    def save_checkpoint(self, path: str | os.PathLike, *, client_state: dict | None = None) -> Path:
-        """Save a checkpoint loadable at any world size and stage (all ranks call this).
-
-        ``client_state`` (tensors and plain Python values, e.g. a sampler's
-        ``state_dict()``) is stored with it and returned by ``load_checkpoint``.
-        See worker/checkpoint.py [Note: checkpoint format].
-        """
-        extras = {name: obj.state_dict() for name, obj in self._extras.items()}
-        saved = checkpoint.save_checkpoint(self._checkpoint_view(), path, client_state, extras)
-        self.last_checkpoint = Path(path)
-        self._saved_at = self.global_steps
-        return saved
-
-    def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Load a checkpoint saved at any world size and stage; returns its client_state."""
-        state = checkpoint.load_checkpoint(self._checkpoint_view(), path, self._extras)
-        self._saved_at = self.global_steps
-        self.last_checkpoint = Path(path)
-        if self.membership is not None:
-            self.membership.after_load(self)
-        self.after_restore()
-        return state
-
-    def load_weights(self, path: str | os.PathLike) -> None:
-        """Pretrained weights (safetensors or torch files, what ``save_pretrained``
-        wrote) into this engine before it trains, each rank reading only its ranges
-        (worker/pretrained.py [Note: weights by range]). Every rank calls it."""
-        pretrained.load_weights(self._checkpoint_view(), self.module, path)
-        if self.membership is not None:
-            self.membership.after_load(self)
-        self.after_restore()
-
-    def save_pretrained(self, out: str | os.PathLike, **options: Any) -> list[Path]:
-        """The weights in the directory ``out`` as ``save_pretrained`` writes them, a
-        bucket at a time (worker/pretrained.py :func:`save_weights`, its ``dtype`` and
-        ``max_shard_bytes``). Every rank calls it; rank 0 writes."""
-        return pretrained.save_weights(
-            self.state, self.module, out, full=self._full_export(), **options
-        )
-
-    def _checkpoint_view(self) -> Any:
-        """What checkpoints and pretrained weights read and write: the shard state
-        (a mesh engine presents it by full parameter, worker/tp_checkpoint.py)."""
-        return self.state
-
-    def _full_export(self) -> Any:
-        """How ``save_pretrained`` makes full tensors of local ones: None, they are
-        (a mesh engine gathers them over tp, worker/tp_checkpoint.py FullExport)."""
-        return None
-
-    def after_restore(self) -> None:
-        """The state was just replaced (a hand-over, a checkpoint in any format): put
-        the LR scheduler at its step (by replay, when the checkpoint did not hold it)
-        and publish the snapshot the metrics read."""
-        if self._schedule is not None:
-            self._schedule.seek(self.global_steps)
-        self.publish_snapshot()
-
-    def register_state(self, name: str, obj: checkpoint.Stateful) -> None:
-        """Save ``obj.state_dict()`` in every checkpoint under ``name`` and hand it back to
-        ``obj.load_state_dict`` when one is loaded (e.g. a data loader's position)."""
-        if name in self._extras and self._extras[name] is not obj:
-            raise ValueError(f"engine state {name!r} is already registered")
-        self._extras[name] = obj
-
-    @property
-    def saved_at(self) -> int:
-        """The step of the last checkpoint saved or loaded (-1: none): what
-        :meth:`checkpoint_due` compares with. A re-formed group sets it to the value
-        its ranks agree on (worker/elastic/rings.py), so the answer stays one."""
-        return self._saved_at
-
-    @saved_at.setter
-    def saved_at(self, step: int) -> None:
-        self._saved_at = step
-
-    def mark_restored(self) -> None:
-        """The state was just restored (a rollback): its step is not saved again and
-        no ballot from the abandoned step is pending."""
-        self.ballot.clear()
-        self._saved_at = self.global_steps
 
     # ------------------------------------------------------------ membership without a coordinator
 

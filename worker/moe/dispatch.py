@@ -102,6 +102,9 @@ class _Placed:
     num_experts: int  # the layer's, over all ranks
     first: int  # the first expert this rank holds
     capacity_factor: float | None
+    # every parameter of the layer's experts as the model had it, by its name in the
+    # module, and its full shape (checkpoints are of the whole model, worker/moe/checkpoint.py)
+    full_shapes: dict[str, tuple[int, ...]]
     load: ExpertLoad = field(init=False)
 
     def __post_init__(self) -> None:
@@ -206,8 +209,9 @@ def apply_expert_parallel(
         if cap is None:
             cap = getattr(module, "capacity_factor", None)
         first = groups.place * (count // k)
+        full_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
         keep_experts(module, first, first + count // k)
         module.__class__ = _parallel_class(base)
-        module._zp_expert = _Placed(base, groups, count, first, cap)
+        module._zp_expert = _Placed(base, groups, count, first, cap, full_shapes)
         setattr(module, LEAF_ATTR, True)
     return [m for _, m in found]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,10 +38,8 @@ from worker.config import ZeroConfig
 from worker.grad_hooks import GradHooks
 from worker.inventory import build_inventory
 from worker.moe.dispatch import ExpertGroups, ExpertLoad, ExpertParallel
+from worker.precision import MixedPrecision
 from worker.state import ShardState
-
-if TYPE_CHECKING:
-    from worker.engine import ZeroEngine
 
 __all__ = ["ExpertShards", "dense_only", "expert_parallel_modules"]
 
@@ -92,18 +89,26 @@ class ExpertShards:
         self.hooks = GradHooks(self.state, self.ballot, self.inventory.params.values())
 
     @classmethod
-    def of(cls, engine: ZeroEngine, initial_state: str, build_for: object) -> ExpertShards:
-        """The experts' state of ``engine``'s model (built from the module's values)."""
-        if initial_state != "module" or build_for is not None or engine.membership is not None:
+    def of(
+        cls,
+        model: nn.Module,
+        user_optimizer: torch.optim.Optimizer,
+        config: ZeroConfig,
+        *,
+        precision: MixedPrecision,
+        device: torch.device,
+        from_module: bool,
+    ) -> ExpertShards:
+        """The experts' state of ``model``, built from the module's values (an engine
+        whose state comes from peers, a newcomer to an elastic job, is refused)."""
+        if not from_module:
             raise ValueError(
                 "expert parallelism runs in a fixed world for now: an elastic job "
-                "(a coordinator's, or a newcomer's state from peers) cannot hold experts "
-                "apart yet"
+                "(a newcomer's state from peers) cannot hold experts apart yet"
             )
         return cls(
-            engine.module, engine.user_optimizer, engine.config,
-            dtype=engine.precision.param_dtype, reduce_dtype=engine.precision.reduce_dtype,
-            device=engine.device,
+            model, user_optimizer, config,
+            dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype, device=device,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- forward, backward
