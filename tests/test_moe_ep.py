@@ -6,6 +6,8 @@ for some experts and one expert gets no token at all."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +16,7 @@ from torch import nn
 
 import worker
 from tests.reference import max_diff
+from tests.test_metrics import value
 from worker.moe import Experts
 from worker.parallel import ParallelConfig
 
@@ -36,10 +39,10 @@ class Block(nn.Module):
     """Top-2 routing chosen by the token (so a test decides who uses which expert),
     weighted by the router's probabilities (so the router learns)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity_factor: float | None = None) -> None:
         super().__init__()
         self.gate = nn.Linear(D, EXPERTS, bias=False)
-        self.experts = Experts(Expert() for _ in range(EXPERTS))
+        self.experts = Experts((Expert() for _ in range(EXPERTS)), capacity_factor=capacity_factor)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, D)
@@ -51,10 +54,10 @@ class Block(nn.Module):
 
 
 class MoENet(nn.Module):
-    def __init__(self, layers: int = 2) -> None:
+    def __init__(self, layers: int = 2, capacity_factor: float | None = None) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(capacity_factor) for _ in range(layers))
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -74,7 +77,11 @@ def skewed_batch(step: int, rank: int, rows: int = 2) -> tuple[torch.Tensor, tor
     return idx, torch.roll(idx, 1, dims=1)
 
 
-def train_ep_against_torch(ep: int, stage: int, accum: int, clip: float) -> None:
+def train_ep_against_torch(
+    ep: int, stage: int, accum: int, clip: float, tol: float = 1e-5, **options: object
+) -> None:
+    """``options``: more of ZeroConfig (bf16, offload, activation checkpointing);
+    bf16 steps by SGD, whose step follows the gradient's rounding linearly."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = MoENet()
@@ -82,6 +89,8 @@ def train_ep_against_torch(ep: int, stage: int, accum: int, clip: float) -> None
     ref = MoENet()
 
     def opt(m: nn.Module) -> torch.optim.Optimizer:
+        if options.get("dtype") == "bf16":
+            return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
         return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
 
     config = worker.ZeroConfig(
@@ -90,6 +99,7 @@ def train_ep_against_torch(ep: int, stage: int, accum: int, clip: float) -> None
         gradient_clipping=clip,
         bucket_numel=97,
         stage3_min_unit_numel=1,
+        **options,
     )
     engine = worker.initialize(
         model, opt(model), config=config, parallel=ParallelConfig(expert_parallel=ep)
@@ -116,7 +126,7 @@ def train_ep_against_torch(ep: int, stage: int, accum: int, clip: float) -> None
     got = engine.full_state_dict()
     assert set(got) == set(want)
     diff, name = max_diff(got, want)
-    assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
+    assert diff < tol, f"{name} differs from torch by {diff:.3g}"
     engine.close()
 
 
@@ -133,6 +143,84 @@ def test_experts_split_over_two_ranks_train_like_torch(pools, stage: int, accum:
 def test_experts_over_four_ranks_train_like_torch(pools, ep: int, stage: int, accum: int, clip):
     # ep=2: two ep groups, each expert's state sharded over the two ranks holding it
     pools(4).run(train_ep_against_torch, ep, stage, accum, clip)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("stage", "options", "tol"),
+    [
+        (3, {"activation_checkpointing": "units"}, 1e-5),
+        (2, {"offload_optimizer": "cpu"}, 1e-5),
+        (3, {"dtype": "bf16"}, 2e-2),
+    ],
+    ids=["checkpointed", "offloaded", "bf16"],
+)
+def test_expert_parallelism_composes_with_the_engine(pools, stage: int, options: dict, tol: float):
+    pools(2).run(train_ep_against_torch, 2, stage, 1, 0.0, tol, **options)
+
+
+def load_and_memory(capacity: float) -> None:
+    """Capacity drops what the rule says on each rank's own tokens, as one process
+    running each rank's batch does; the metrics count the rows each expert received
+    and the drops; each rank's optimizer state is its share of the dense parameters
+    over the world plus its experts' share over their group."""
+    from worker import metrics as worker_metrics
+
+    world, rank, ep = dist.get_world_size(), dist.get_rank(), 2
+    torch.manual_seed(0)
+    model = MoENet(capacity_factor=capacity)
+    torch.manual_seed(0)
+    ref = MoENet(capacity_factor=capacity)
+    config = worker.ZeroConfig(stage=2, bucket_numel=97)
+    engine = worker.initialize(
+        model, torch.optim.Adam(model.parameters(), lr=1e-2), config=config,
+        parallel=ParallelConfig(expert_parallel=ep),
+    )  # fmt: skip
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    received, dropped = torch.zeros(EXPERTS, dtype=torch.long), 0
+    for step in range(2):
+        engine.backward(engine(*skewed_batch(step, rank)))
+        engine.step()
+        for r in range(world):
+            idx, tgt = skewed_batch(step, r)
+            (ref(idx, tgt) / world).backward()
+            counts = torch.bincount(PAIRS[idx.flatten() % len(PAIRS)].flatten(), minlength=8)
+            kept = counts.clamp(max=math.ceil(capacity * idx.numel() * 2 / EXPERTS))
+            dropped += int((counts - kept).sum()) if r == rank else 0
+            if r // ep == rank // ep:  # the ranks that send this rank their tokens
+                received += kept * 2  # both layers route alike
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    diff, name = max_diff(engine.full_state_dict(), dict(ref.named_parameters()))
+    assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
+
+    text = worker_metrics.metrics_text(engine)
+    first = (rank % ep) * EXPERTS // ep
+    for e in range(first, first + EXPERTS // ep):
+        got = sum(
+            value(text, "zeroplane_expert_tokens_total", layer=f"blocks.{i}.experts", expert=str(e))
+            for i in range(2)
+        )
+        assert got == received[e], (e, got, received[e])
+    drops = sum(
+        value(text, "zeroplane_expert_dropped_tokens_total", layer=f"blocks.{i}.experts")
+        for i in range(2)
+    )
+    assert drops == dropped * 2 and (capacity >= 8 or dropped > 0)
+    assert value(text, "zeroplane_expert_all_to_all_bytes_total", layer="blocks.0.experts") > 0
+
+    experts = sum(p.numel() for n, p in ref.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for p in ref.parameters()) - experts
+    want = 8 * (dense / world + experts / ep / (world // ep))  # Adam: two fp32 states
+    got = engine.memory_report()["optimizer"]
+    assert want <= got <= want * 1.05, (got, want)
+    engine.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("capacity", [1.0, 8.0], ids=["capacity-1", "dropless"])
+def test_capacity_metrics_and_memory(pools, capacity: float):
+    pools(4).run(load_and_memory, capacity)
 
 
 def tiny_mixtral(experts: int = 4):

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.metrics import Snapshot
 from worker.state import ShardState
 from worker.stats import StepStats
+
+if TYPE_CHECKING:
+    from worker.moe.shards import ExpertShards
 
 __all__ = [
     "MemoryReadings",
@@ -57,10 +61,19 @@ def memory_by_location(state: ShardState, *, replica: int) -> dict[str, dict[str
     return split
 
 
-def comm_report(state: ShardState, *, by_group: bool = False) -> dict[str, dict[str, Any]]:
+def comm_report(
+    state: ShardState, *, by_group: bool = False, experts: ExpertShards | None = None
+) -> dict[str, dict[str, Any]]:
     """Collective calls and logical bytes by op over every group of ``state``
-    (``ShardState.comm_groups``), summed; ``by_group``: by scope instead."""
-    reports = {scope: c.report() for scope, c in state.comm_groups().items()}
+    (``ShardState.comm_groups``) and of an expert-parallel engine's ``experts``
+    (scopes ``experts``, their expert-data-parallel group, and ``ep``, the token
+    exchange's, where it is not the world), summed; ``by_group``: by scope instead."""
+    groups = dict(state.comm_groups())
+    if experts is not None:
+        groups["experts"] = experts.groups.edp
+        if experts.groups.ep is not state.comm:
+            groups["ep"] = experts.groups.ep
+    reports = {scope: c.report() for scope, c in groups.items()}
     if by_group:
         return reports
     merged: dict[str, dict[str, Any]] = {}
@@ -112,11 +125,17 @@ def snapshot(
     device: torch.device,
     config: ZeroConfig,
     mesh: dict[str, str],
+    experts: ExpertShards | None = None,
 ) -> Snapshot:
     """What a rank's metrics show now: ``state`` and ``stats``, its ``memory``
     report and the report's ``memory_host`` part, its ``generation`` and ``mesh``
-    labels."""
+    labels; an expert-parallel engine's ``experts``: their state (which the
+    ``memory`` report counts), groups and load."""
     assert state.layout is not None
+    states = [state] if experts is None else [state, experts.state]
+    groups = [c for st in states for c in st.comm_groups().values()]
+    if experts is not None and experts.groups.ep is not state.comm:
+        groups.append(experts.groups.ep)
     return Snapshot(
         rank=state.rank,
         stage=state.stage.number,
@@ -126,12 +145,12 @@ def snapshot(
         device=device,
         dtype=config.dtype,
         compression=config.compression,
-        trainable_numel=state.layout.numel,
-        master_numel=sum(b.master.numel() for b in state.buckets),
+        trainable_numel=state.layout.numel + (0 if experts is None else experts.full_numel),
+        master_numel=sum(b.master.numel() for st in states for b in st.buckets),
         frozen_bytes=state.frozen_bytes(),
         memory=memory,
         memory_host=memory_host,
-        collectives=op_totals(state.comm_groups().values()),
+        collectives=op_totals(groups),
         step_histogram=stats.histogram(),
         global_steps=state.global_steps,
         skipped_steps=state.skipped_steps,
@@ -141,4 +160,9 @@ def snapshot(
         tokens=stats.tokens,
         loss=stats.loss,
         mesh=dict(mesh),
+        experts=() if experts is None else experts.loads(names_of(state.module)),
     )
+
+
+def names_of(module: nn.Module) -> dict[nn.Module, str]:
+    return {m: n for n, m in module.named_modules()}

@@ -616,8 +616,9 @@ class ZeroEngine(Checkpointing):
         over every group the engine uses. ``by_group``: ``{scope: {op: ...}}`` instead,
         the scopes of ``ShardState.comm_groups`` (``world``; ``node`` for hpZ's and
         qgZ's node groups, whose bytes never cross nodes; ``cross`` for qgZ's
-        cross-node groups, whose payloads do)."""
-        return accounting.comm_report(self.state, by_group=by_group)
+        cross-node groups, whose payloads do; ``experts`` and ``ep``, an expert-parallel
+        engine's groups, worker/moe/shards.py)."""
+        return accounting.comm_report(self.state, by_group=by_group, experts=self.experts)
 
     def snapshot(self) -> Snapshot:
         """What this rank's metrics show now (worker/metrics.py)."""
@@ -633,6 +634,7 @@ class ZeroEngine(Checkpointing):
             device=self.device,
             config=self.config,
             mesh=self.mesh_labels,
+            experts=self.experts,
         )
 
     def publish_snapshot(self) -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "COLLECTIVE_OPS",
     "METRIC_NAMES",
     "EngineCollector",
+    "ExpertLayerLoad",
     "MetricsServer",
     "Snapshot",
     "SnapshotBoard",
@@ -108,6 +109,9 @@ METRIC_NAMES = (
     "zeroplane_loss",
     "zeroplane_membership_changes_total",
     "zeroplane_membership_pause_seconds_total",
+    "zeroplane_expert_tokens_total",
+    "zeroplane_expert_dropped_tokens_total",
+    "zeroplane_expert_all_to_all_bytes_total",
 )
 
 MEMBERSHIP_CHANGES = ("scale_up", "scale_down", "crash")
@@ -118,6 +122,20 @@ except metadata.PackageNotFoundError:
     VERSION = "0+unknown"
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+@dataclass(frozen=True)
+class ExpertLayerLoad:
+    """One mixture-of-experts layer's exchanges on this rank under expert parallelism
+    (worker/moe/dispatch.py ``ExpertLoad``): rows its experts ``first``,
+    ``first + 1``, ... received (``tokens``), assignments dropped over capacity,
+    all-to-all bytes; counters since the engine started."""
+
+    layer: str
+    first: int
+    tokens: tuple[int, ...]
+    dropped: int
+    a2a_bytes: int
 
 
 @dataclass(frozen=True)
@@ -154,6 +172,8 @@ class Snapshot:
     # the rank's device-mesh coordinates as labels (pp, dp, tp; worker/mesh.py),
     # empty outside a mesh: there ``rank`` alone tells the ranks apart
     mesh: dict[str, str] = field(default_factory=dict)
+    # each mixture-of-experts layer's load under expert parallelism (none without)
+    experts: tuple[ExpertLayerLoad, ...] = ()
 
 
 class SnapshotBoard:
@@ -192,6 +212,35 @@ def baseline_bytes(snap: Snapshot) -> dict[str, int]:
         "optimizer": int(formula.optimizer),
         "buffers": snap.memory["buffers"],
     }
+
+
+def _expert_families(e: Snapshot, labels: tuple, values: tuple) -> Iterator[Metric]:
+    """The load of each mixture-of-experts layer under expert parallelism (no series
+    without it, the families still there): rows received per expert of this rank,
+    assignments dropped over capacity, all-to-all bytes."""
+    tokens = CounterMetricFamily(
+        "zeroplane_expert_tokens",
+        "Token rows this rank's experts received under expert parallelism, by layer and "
+        "expert (the load balance: rate() by expert).",
+        labels=(*labels, "layer", "expert"),
+    )
+    dropped = CounterMetricFamily(
+        "zeroplane_expert_dropped_tokens",
+        "Routed token assignments dropped over an expert's capacity (capacity_factor), by layer.",
+        labels=(*labels, "layer"),
+    )
+    moved = CounterMetricFamily(
+        "zeroplane_expert_all_to_all_bytes",
+        "Bytes this rank's token all-to-alls sent and received (dispatch and combine, "
+        "forward and backward), by layer.",
+        labels=(*labels, "layer"),
+    )
+    for layer in e.experts:
+        for j, count in enumerate(layer.tokens):
+            tokens.add_metric((*values, layer.layer, str(layer.first + j)), count)
+        dropped.add_metric((*values, layer.layer), layer.dropped)
+        moved.add_metric((*values, layer.layer), layer.a2a_bytes)
+    yield from (tokens, dropped, moved)
 
 
 def _host_memory() -> tuple[int | None, int | None, int | None]:
@@ -316,6 +365,7 @@ class EngineCollector(Collector):
         )
         loss = None if e.loss is None else float(e.loss.float().mean())
         yield gauge("zeroplane_loss", "The last micro-batch loss.", loss)
+        yield from _expert_families(e, labels, values)
 
     def _memory(
         self, e: Snapshot, device: torch.device, labels, values, gauge

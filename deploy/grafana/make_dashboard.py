@@ -393,6 +393,46 @@ def panels() -> list[dict[str, Any]]:
             "short",
             min_=0,
         ),
+        row("Mixture of experts"),
+        timeseries(
+            "Tokens per expert (load balance)",
+            "Token rows each expert received per second under expert parallelism, by layer "
+            "and expert: an even load is flat lines; a hot expert stands out.",
+            [
+                (
+                    f"sum by (layer, expert) ({rate('zeroplane_expert_tokens_total')})",
+                    "{{layer}} expert {{expert}}",
+                )
+            ],
+            "short",
+            min_=0,
+        ),
+        timeseries(
+            "Dropped tokens",
+            "Routed assignments dropped over an expert's capacity (capacity_factor) per "
+            "second, by layer; zero when routing is dropless.",
+            [
+                (
+                    f"sum by (layer) ({rate('zeroplane_expert_dropped_tokens_total')})",
+                    "{{layer}}",
+                )
+            ],
+            "short",
+            min_=0,
+        ),
+        timeseries(
+            "Token all-to-all traffic",
+            "Bytes per second each rank's token all-to-alls sent and received (dispatch "
+            "and combine, forward and backward), summed over layers.",
+            [
+                (
+                    f"sum by (rank) ({rate('zeroplane_expert_all_to_all_bytes_total')})",
+                    "rank {{rank}}",
+                )
+            ],
+            "Bps",
+            min_=0,
+        ),
         row("Control plane"),
         timeseries(
             "Workers by state",

@@ -78,19 +78,14 @@ class ExpertGroups:
 
 @dataclass
 class ExpertLoad:
-    """What one layer's exchanges carried since the counters were last read: rows
-    received per local expert (the load balance), bytes sent and received by the
-    all-to-alls (both directions of forward and backward), assignments dropped."""
+    """What one layer's exchanges carried on this rank since the engine started:
+    rows received per local expert (the load balance), bytes sent and received by
+    the all-to-alls (both directions, forward and backward), assignments dropped
+    over capacity. Counters: the metrics take their rates."""
 
     tokens: torch.Tensor
     a2a_bytes: int = 0
     dropped: int = 0
-
-    def take(self) -> ExpertLoad:
-        out = ExpertLoad(self.tokens.clone(), self.a2a_bytes, self.dropped)
-        self.tokens.zero_()
-        self.a2a_bytes = self.dropped = 0
-        return out
 
 
 @dataclass

@@ -27,6 +27,7 @@ are one gather unit (the module is a leaf), gathered over their group.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -37,7 +38,8 @@ from worker.ballot import Ballot, BoundaryVote
 from worker.config import ZeroConfig
 from worker.grad_hooks import GradHooks
 from worker.inventory import build_inventory
-from worker.moe.dispatch import ExpertGroups, ExpertLoad, ExpertParallel
+from worker.metrics import ExpertLayerLoad
+from worker.moe.dispatch import ExpertGroups, ExpertParallel
 from worker.precision import MixedPrecision
 from worker.state import ShardState
 
@@ -87,6 +89,10 @@ class ExpertShards:
         self.state.alone_by_design = True
         self.state.build(self.groups.edp, from_module=True)
         self.hooks = GradHooks(self.state, self.ballot, self.inventory.params.values())
+        # the elements of every expert of every layer, held here or not
+        self.full_numel = sum(
+            math.prod(shape) for m in self.modules for shape in m._zp_expert.full_shapes.values()
+        )
 
     @classmethod
     def of(
@@ -200,9 +206,22 @@ class ExpertShards:
             out[name] = torch.cat([p[name] for p in parts])
         return out
 
-    def load(self) -> list[ExpertLoad]:
-        """Each layer's exchanges since the last read (and the counters reset)."""
-        return [m._zp_expert.load.take() for m in self.modules]
+    def loads(self, names: dict[nn.Module, str]) -> tuple[ExpertLayerLoad, ...]:
+        """Each layer's exchanges so far on this rank, the layer by its module's name
+        in ``names``."""
+        out = []
+        for m in self.modules:
+            placed, load = m._zp_expert, m._zp_expert.load
+            out.append(
+                ExpertLayerLoad(
+                    layer=names[m],
+                    first=placed.first,
+                    tokens=tuple(int(t) for t in load.tokens.tolist()),
+                    dropped=load.dropped,
+                    a2a_bytes=load.a2a_bytes,
+                )
+            )
+        return tuple(out)
 
     def close(self) -> None:
         self.hooks.remove()
