@@ -654,6 +654,9 @@ ENV_DOCS: dict[str, str] = {
     "(`ParallelConfig.from_env()`).",
     "ZEROPLANE_PP": "Pipeline-parallel degree from `zeroplane run --pp` or the job spec's "
     "`pipeline_parallel`, read as `$ZEROPLANE_TP` is.",
+    "ZEROPLANE_EP": "Expert-parallel degree from `zeroplane run --ep`, read by "
+    "`ParallelConfig.from_env` into `expert_parallel`: each mixture-of-experts layer's "
+    "experts split over that many ranks (docs/guides/moe.md).",
     "ZEROPLANE_MESH": "`auto` from `zeroplane run --mesh auto`: the coordinator chooses "
     "tp and pp (and the stage, when none is configured) from the model and the workers' "
     "device memory, and every worker builds the generation's mesh.",

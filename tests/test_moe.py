@@ -147,3 +147,87 @@ def test_set_z3_leaf_modules_takes_classes_and_names() -> None:
     assert set_z3_leaf_modules(model, ["Expert"]) == [e for moe in model.moes for e in moe.experts]
     with pytest.raises(ValueError, match="no module of the model is of the classes given"):
         set_z3_leaf_modules(model, ["MixtralSparseMoeBlock"])
+
+
+class Gated(nn.Module):
+    """A block with a module behind a data-dependent branch, not a list of experts:
+    no automatic leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(D, D)
+        self.extra = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        y = self.main(x)
+        if bool((idx % 4 == 0).any()):  # only where the batch holds such a token
+            y = y + self.extra(x)
+        return y
+
+
+class GatedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(Gated() for _ in range(2))
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = x + block(x, idx)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def gated_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0's tokens include multiples of 4, rank 1's never do."""
+    g = torch.Generator().manual_seed(10 * step + rank)
+    idx = torch.randint(0, VOCAB // 4, (2, 6), generator=g) * 4 + (0 if rank == 0 else 1)
+    return idx, torch.roll(idx, 1, dims=1)
+
+
+def gated_run(leaf: bool) -> str | None:
+    """Without a leaf every rank raises at the first gather out of step, naming the
+    module; with the block a leaf the job trains like one-process torch."""
+    import time
+
+    from worker.gather_check import GatherMismatch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = GatedNet()
+    torch.manual_seed(0)
+    ref = GatedNet()
+    if leaf:
+        set_z3_leaf_modules(model, [Gated])
+    config = worker.ZeroConfig(stage=3, stage3_min_unit_numel=1, bucket_numel=97)
+    engine = worker.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    start = time.monotonic()
+    try:
+        for step in range(3):
+            engine.backward(engine(*gated_batch(step, rank)))
+            engine.step()
+            for r in range(world):
+                (ref(*gated_batch(step, r)) / world).backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        diff, name = max_diff(engine.full_state_dict(), dict(ref.named_parameters()))
+        assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
+    except GatherMismatch as exc:
+        assert time.monotonic() - start < 20, "the mismatch took too long to find"
+        return str(exc)
+    finally:
+        engine.close()
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_module_run_on_some_ranks_only_raises_on_every_rank_naming_it(pools):
+    messages = pools(2).run(gated_run, False)
+    for message in messages:
+        assert message is not None and "'blocks.0.extra'" in message, message
+        assert "rank 0 is gathering" in message and "rank 1 is" in message, message
+        assert "set_z3_leaf_modules" in message
+    # the remedy the message names: the block gathered whole trains like torch
+    assert pools(2).run(gated_run, True) == [None, None]

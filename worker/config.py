@@ -71,6 +71,13 @@ class ZeroConfig:
             elements gathered (and gathering) stay within this many; the unit
             needed now is always gathered. DeepSpeed's key and default (1e9);
             0 prefetches nothing.
+        stage3_check_gathers: before each stage-3 gather (and at the end of each
+            forward and backward) the ranks agree on which unit they gather, in
+            one tiny all-reduce on a CPU group: ranks whose gathers fell out of step
+            (a module run on some ranks and not others) all raise at once, naming
+            the modules, instead of waiting until the collective timeout
+            (worker/stages.py [Note: gathers the ranks agree on]). False saves the
+            all-reduces.
         stage3_min_unit_numel: a module whose not-yet-assigned parameters
             reach this many elements becomes its own gather unit. Modules held
             in an ``nn.ModuleList`` or ``nn.Sequential`` are units regardless.
@@ -165,6 +172,7 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = 0
     stage3_max_live_parameters: int = 10**9
     stage3_min_unit_numel: int = 2**20
+    stage3_check_gathers: bool = True
     loss_scale: float = 0.0
     initial_scale_power: int = 16
     loss_scale_window: int = 1000

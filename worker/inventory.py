@@ -83,7 +83,7 @@ def build_inventory(
     units: dict[nn.Parameter, int] = {}
     unit_modules: dict[int, nn.Module] = {0: module}
     if min_unit_numel is not None:
-        units, unit_modules = _assign_units(module, min_unit_numel)
+        units, unit_modules = _assign_units(module, min_unit_numel, keep)
 
     specs, params = [], {}
     for p, name in first_name.items():
@@ -109,7 +109,9 @@ def build_inventory(
     return Inventory(tuple(specs), params, aliases, unit_modules)
 
 
-def _assign_units(root: nn.Module, min_numel: int) -> tuple[dict[nn.Parameter, int], dict]:
+def _assign_units(
+    root: nn.Module, min_numel: int, keep: Callable[[nn.Parameter], bool] | None = None
+) -> tuple[dict[nn.Parameter, int], dict]:
     """Split the module tree into stage-3 gather units, FSDP-style.
 
     Walk the tree bottom-up. A module becomes a unit when it is an element of
@@ -120,7 +122,8 @@ def _assign_units(root: nn.Module, min_numel: int) -> tuple[dict[nn.Parameter, i
     both run. A leaf module (worker/leaves.py [Note: data-dependent modules at
     stage 3]: a mixture of experts' block) is one unit with its whole subtree:
     nothing inside it becomes a unit of its own. The root (unit 0) takes
-    everything left.
+    everything left. Parameters ``keep`` leaves out (another state's) are not
+    assigned and make no unit.
     """
     owners: dict[nn.Parameter, set[str]] = {}
     for mod_name, mod in root.named_modules(remove_duplicate=False):
@@ -144,7 +147,9 @@ def _assign_units(root: nn.Module, min_numel: int) -> tuple[dict[nn.Parameter, i
         free = [
             p
             for p in _unique(mod.parameters())
-            if p not in unit_of and all(inside(prefix, o) for o in owners[p])
+            if p not in unit_of
+            and all(inside(prefix, o) for o in owners[p])
+            and (keep is None or keep(p))
         ]
         if free and (is_block or leaf or sum(p.numel() for p in free) >= min_numel):
             unit = len(unit_modules)

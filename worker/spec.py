@@ -135,11 +135,10 @@ class EngineSpec:
                         "parallelism: pass parallel=ParallelConfig(tensor_parallel=..., "
                         "pipeline_parallel=...)"
                     )
-        if spec.expert_parallel > 1 and (spec.coordinator or auto):
+        if spec.expert_parallel > 1 and auto:
             raise ValueError(
-                "expert_parallel > 1 runs in a fixed world for now (torchrun, zeroplane run "
-                "without a coordinator, or a group given): an elastic job cannot hold "
-                "experts apart yet (docs/guides/moe.md)"
+                "expert_parallel > 1 with --mesh auto: the coordinator does not choose ep "
+                "yet; give --ep without --mesh auto (docs/guides/moe.md)"
             )
         if spec.pipeline and init is not None:
             raise ValueError("init= with pipeline parallelism is not supported yet")
@@ -168,11 +167,19 @@ class EngineSpec:
     def resolve(self) -> Inventory:
         """The optimizer built from its factory, the scheduler from its, and the
         whole model's inventory (what a worker registers: the coordinator plans
-        for the model as it is, before tp slices it or a pipeline splits it)."""
+        for the model as it is, before tp slices it or a pipeline splits it; under
+        expert parallelism, for every parameter but the experts, which each rank
+        shards over its own group, worker/moe/shards.py)."""
         if self.inventory is None:
             self.optimizer = resolve_optimizer(self.model, self.optimizer)
             self.lr_scheduler = resolve_scheduler(self.lr_scheduler, self.optimizer)
-            self.inventory = build_inventory_for(self.model, self.optimizer, self.config)
+            keep = None
+            if self.expert_parallel > 1:  # the experts are their own state's
+                from worker.moe.dispatch import expert_modules
+
+                experts = {p for _, m in expert_modules(self.model) for p in m.parameters()}
+                keep = lambda p: p not in experts  # noqa: E731
+            self.inventory = build_inventory_for(self.model, self.optimizer, self.config, keep=keep)
         return self.inventory
 
     def asked_degrees(self) -> tuple[int, int]:

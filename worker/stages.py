@@ -59,6 +59,7 @@ from worker.flat import (
     UnitState,
     Zeros,
 )
+from worker.gather_check import GatherAgreement
 from worker.reducers import (
     AllReduce,
     Compressed,
@@ -287,9 +288,13 @@ class ShardedParams(ParamStorage):
         max_reuse_distance: int = 0,
         max_live: int = 10**9,
         hpz: int = 1,
+        check_gathers: bool = True,
     ) -> None:
         super().__init__(dtype, master_apart, gather_codec=gather_codec)
         self.prefetch = prefetch
+        # worker/gather_check.py [Note: gathers the ranks agree on]
+        self.check_gathers = check_gathers
+        self.agreement = GatherAgreement(Collectives(None), {}, enabled=False)
         # [Note: hierarchical partitioning]: the ranks per node asked for, and this
         # world's node group (None: hpZ off in this world)
         self.hpz = hpz
@@ -326,6 +331,7 @@ class ShardedParams(ParamStorage):
     def attach(self, buckets: list[FlatBucket], comm: Collectives, units: dict) -> None:
         self.detach()
         self.comm = comm
+        self.agreement = GatherAgreement(comm, units, enabled=self.check_gathers)
         self.live = LiveElements()
         self.node = self._node_group(comm)
         for b in buckets:
@@ -420,7 +426,7 @@ class ShardedParams(ParamStorage):
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         for unit in self.units:
-            unit.gather(self.comm)
+            self._gather(unit)
         for unit in self.units:
             unit.wait()
         try:
@@ -460,7 +466,7 @@ class ShardedParams(ParamStorage):
                 "holds it; at stage 3 parameters exist only inside the model's forward "
                 "(engine(...)) and backward: read it there"
             )
-        unit.gather(self.comm)
+        self._gather(unit)
         unit.wait()
         host.buckets.extend(unit.buckets)
         for b in unit.buckets:
@@ -497,6 +503,7 @@ class ShardedParams(ParamStorage):
 
     def end_backward(self) -> None:
         self._in_backward = False
+        self.agreement.ended(backward=True)
         for unit in self.units:
             unit.reshard()
         if not self._order_recorded:
@@ -508,7 +515,7 @@ class ShardedParams(ParamStorage):
     def _pre_forward_hook(self, unit: GatherUnit):
         def hook(module: nn.Module, args: Any) -> None:
             with record_function("zeroplane.gather"):
-                unit.gather(self.comm)
+                self._gather(unit)
                 unit.wait()
             if not self._discovered:
                 self._running.append(unit)
@@ -552,6 +559,8 @@ class ShardedParams(ParamStorage):
 
     def _post_forward_hook(self, unit: GatherUnit):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if unit.index == 0 and not self._in_backward:
+                self.agreement.ended(backward=False)
             if not self._discovered and unit in self._running:
                 del self._running[len(self._running) - 1 - self._running[::-1].index(unit)]
             if self._in_backward:
@@ -576,7 +585,7 @@ class ShardedParams(ParamStorage):
 
     def _pre_backward(self, unit: GatherUnit) -> None:
         with record_function("zeroplane.gather"):
-            unit.gather(self.comm)
+            self._gather(unit)
             unit.wait()
         self._prefetch(unit, -1)
 
@@ -597,7 +606,14 @@ class ShardedParams(ParamStorage):
                 # gathered elements past it (the unit needed now always is gathered)
                 if self.live.numel + ahead.numel > self.max_live:
                     return
-                ahead.gather(self.comm)
+                self._gather(ahead)
+
+    def _gather(self, unit: GatherUnit) -> None:
+        """Start gathering ``unit``, once the ranks agree on it ([Note: gathers the
+        ranks agree on]) where that issues a collective."""
+        if unit.state is UnitState.SHARDED and unit.buckets:
+            self.agreement.gathering(unit.index, backward=self._in_backward)
+        unit.gather(self.comm)
 
 
 class _DiscoverReads(TorchFunctionMode):

@@ -164,6 +164,7 @@ class ShardState:
                 gather_codec=codec,
                 home=self.placement,
                 hpz=self.config.hpz_partition_size,
+                check_gathers=self.config.stage3_check_gathers,
             )
         return self.stage.params(self.dtype, apart, gather_codec=codec)
 

@@ -21,6 +21,7 @@ from coordinator.commands.args import (
     seconds,
 )
 from coordinator.core.meshplan import (
+    EP_ENV,
     MESH_ENV,
     PP_ENV,
     TP_ENV,
@@ -95,6 +96,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=1,
         metavar="P",
         help="pipeline stages: $ZEROPLANE_PP (default 1)",
+    )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        metavar="E",
+        help="expert-parallel degree: $ZEROPLANE_EP for ParallelConfig.from_env (default 1): "
+        "each mixture-of-experts layer's experts split over E ranks, tokens exchanged by "
+        "all-to-all (docs/guides/moe.md); --nproc must be a multiple of E, and the job "
+        "runs at a fixed size (no --min-workers/--max-workers) for now",
     )
     parser.add_argument(
         "--mesh",
@@ -439,7 +450,28 @@ def _live_status(
 
 def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
     """``$ZEROPLANE_TP``/``$ZEROPLANE_PP`` for a mesh job, checked against the worker
-    counts: every count the job may run at must be whole model-parallel groups."""
+    counts: every count the job may run at must be whole model-parallel groups; and
+    ``$ZEROPLANE_EP`` for an expert-parallel one."""
+    ep = getattr(args, "ep", 1)
+    if ep == 1:
+        return _tp_pp_env(args)
+    if ep < 1:
+        raise ValueError(f"--ep must be >= 1, got {ep}")
+    if args.tp != 1 or args.pp != 1 or getattr(args, "mesh", None) == "auto":
+        raise ValueError("--ep runs over data parallelism only for now: not with --tp/--pp/--mesh")
+    if args.nproc % ep:
+        raise ValueError(f"--nproc {args.nproc} is not a multiple of --ep {ep}")
+    for flag in ("min_workers", "max_workers"):
+        n = getattr(args, flag)
+        if n is not None and n != args.nproc:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {n}: an expert-parallel job runs at a fixed "
+                "size for now (--nproc)"
+            )
+    return {EP_ENV: str(ep)}
+
+
+def _tp_pp_env(args: argparse.Namespace) -> dict[str, str]:
     if getattr(args, "mesh", None) == "auto":
         if args.tp != 1 or args.pp != 1:
             raise ValueError("--mesh auto chooses tp and pp: give it without --tp/--pp")

@@ -1,0 +1,58 @@
+"""examples/train_moe.py under ``zeroplane run --ep``: a transformers Mixtral as it comes,
+its experts split over the ranks of each ep group, against one-process torch."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.reference import max_diff
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_moe.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_moe", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(300)
+def test_an_expert_parallel_job_under_zeroplane_run_trains_like_torch(tmp_path) -> None:
+    out, steps, world = tmp_path / "final.pt", 3, 4
+    cmd = [
+        sys.executable, "-m", "coordinator.cli", "run", "--nproc", str(world), "--ep", "2",
+        "--no-http", str(EXAMPLE), "--steps", str(steps), "--stage", "3", "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "expert parallel: ep=2" in done.stdout + done.stderr
+
+    example = _example()
+    ref = example.build_model()
+    opt = example.optimizer(ref)
+    for step in range(steps):
+        for rank in range(world):
+            ids = example.batch(step, rank)
+            (ref(input_ids=ids, labels=ids).loss / world).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    got = torch.load(out, weights_only=True)
+    diff, name = max_diff(got, dict(ref.named_parameters()))
+    assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
+
+
+def test_run_refuses_an_ep_that_does_not_divide_the_job() -> None:
+    from coordinator.cli import main
+
+    assert main(["run", "--nproc", "3", "--ep", "2", str(EXAMPLE)]) == 2
+    assert main(["run", "--nproc", "4", "--ep", "2", "--max-nproc", "6", str(EXAMPLE)]) == 2
+    assert main(["run", "--nproc", "4", "--ep", "2", "--tp", "2", str(EXAMPLE)]) == 2
