@@ -235,10 +235,38 @@ def tiny_mixtral(experts: int = 4):
     return MixtralForCausalLM(config)
 
 
-def train_fused_against_torch(ep: int, stage: int) -> None:
+def tiny_hf(family: str):
+    """A two-layer transformers 5.x MoE of ``family``, 4 experts, seeded."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, intermediate_size=24,
+        moe_intermediate_size=12, num_experts_per_tok=2,
+    )  # fmt: skip
+    if family == "mixtral":
+        return tiny_mixtral()
+    if family == "qwen2_moe":  # a shared expert beside the routed ones
+        config = tf.Qwen2MoeConfig(**common, num_experts=4, shared_expert_intermediate_size=24)
+        cls = tf.Qwen2MoeForCausalLM
+    elif family == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(**common, num_experts=4, head_dim=8)
+        cls = tf.Qwen3MoeForCausalLM
+    else:  # DeepSeek-V3: a dense first layer, shared experts, grouped routing
+        config = tf.DeepseekV3Config(
+            **common, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+            kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+            v_head_dim=8, n_group=1, topk_group=1,
+        )  # fmt: skip
+        cls = tf.DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    return cls(config)
+
+
+def train_fused_against_torch(ep: int, stage: int, family: str = "mixtral") -> None:
     """transformers 5.x's fused experts (one 3-D parameter per projection), split by rows."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    model, ref = tiny_mixtral(), tiny_mixtral()
+    model, ref = tiny_hf(family), tiny_hf(family)
 
     def opt(m: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -247,7 +275,7 @@ def train_fused_against_torch(ep: int, stage: int) -> None:
     engine = worker.initialize(
         model, opt(model), config=config, parallel=ParallelConfig(expert_parallel=ep)
     )
-    held = dict(model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
+    held = dict(model.named_parameters())["model.layers.1.mlp.experts.gate_up_proj"]
     assert held.shape[0] == 4 // ep
     ref_opt = opt(ref)
 
@@ -270,9 +298,16 @@ def train_fused_against_torch(ep: int, stage: int) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stage", [1, 3])
-def test_fused_hf_experts_split_over_ranks_train_like_torch(pools, stage: int):
-    pools(2).run(train_fused_against_torch, 2, stage)
+@pytest.mark.parametrize(
+    ("family", "stage"), [("mixtral", 1), ("mixtral", 3), ("qwen2_moe", 2), ("deepseek_v3", 3)]
+)
+def test_fused_hf_experts_split_over_ranks_train_like_torch(pools, family: str, stage: int):
+    pools(2).run(train_fused_against_torch, 2, stage, family)
+
+
+@pytest.mark.timeout(240)
+def test_fused_hf_experts_one_per_rank(pools):
+    pools(4).run(train_fused_against_torch, 4, 2, "qwen3_moe")
 
 
 def _build(ep: int, stage: int):
@@ -365,3 +400,39 @@ def test_a_fused_checkpoint_loads_without_expert_parallelism(pools, tmp_path):
         saved["model.layers.0.mlp.experts.down_proj"],
         tiny_mixtral().state_dict()["model.layers.0.mlp.experts.down_proj"],
     )
+
+
+def pretrained_by_range(path: str, ep: int, family: str) -> None:
+    """from_pretrained at ep (1: plain ZeRO-3) of a checkpoint that stores each expert
+    apart, as transformers writes it: born on meta, each rank reading its ranges; the
+    engine holds the saved model exactly, and save_pretrained writes it back."""
+    model = tiny_hf(family)
+    engine = worker.from_pretrained(
+        path,
+        lambda groups: torch.optim.AdamW(groups, lr=1e-3),
+        config=worker.ZeroConfig(stage=3, stage3_min_unit_numel=1),
+        parallel=ParallelConfig(expert_parallel=ep),
+    )
+    assert (engine.experts is not None) == (ep > 1)
+    diff, name = max_diff(engine.full_state_dict(), dict(model.named_parameters()))
+    assert diff == 0, f"{name} differs from the saved model by {diff:.3g}"
+    engine.save_pretrained(f"{path}-again")
+    engine.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("family", "ep"), [("qwen2_moe", 2), ("mixtral", 2), ("mixtral", 1)])
+def test_from_pretrained_and_save_pretrained_at_ep(pools, tmp_path, family: str, ep: int):
+    from transformers import AutoModelForCausalLM
+
+    from worker.pretrained import WeightFiles
+
+    path = tmp_path / family
+    tiny_hf(family).save_pretrained(path)
+    with WeightFiles(path) as files:  # transformers writes each expert apart
+        assert not any(k.endswith("experts.gate_up_proj") for k in files._where)
+    pools(2).run(pretrained_by_range, str(path), ep, family)
+    again = AutoModelForCausalLM.from_pretrained(f"{path}-again")
+    want = dict(tiny_hf(family).named_parameters())
+    diff, name = max_diff(dict(again.named_parameters()), want)
+    assert diff == 0, f"{name} differs by {diff:.3g} after the round trip"

@@ -100,14 +100,10 @@ class Checkpointing:
         """The weights in the directory ``out`` as ``save_pretrained`` writes them, a
         bucket at a time (worker/pretrained.py :func:`save_weights`, its ``dtype`` and
         ``max_shard_bytes``). Every rank calls it; rank 0 writes."""
-        if self.experts is not None:
-            raise ValueError(
-                "save_pretrained of an expert-parallel engine is not written yet: save "
-                "engine.full_state_dict() on one rank (docs/guides/moe.md)"
-            )
         return pretrained.save_weights(
-            self.state, self.module, out, full=self._full_export(), **options
-        )
+            self.state, self.module, out, full=self._full_export(), experts=self.experts,
+            **options,
+        )  # fmt: skip
 
     def _checkpoint_view(self) -> Any:
         """What checkpoints and pretrained weights read and write: the shard state

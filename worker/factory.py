@@ -173,6 +173,13 @@ def _expert_parallel(spec: EngineSpec, parallel: ParallelConfig) -> OptimizerArg
     from worker.moe.dispatch import ExpertGroups, apply_expert_parallel
 
     before = dict(spec.model.named_parameters(remove_duplicate=False))
+    if meta_names(spec.model) and spec.init is not skip_init:
+        raise ValueError(
+            "expert parallelism of a model on the meta device takes its weights from "
+            "files (worker.from_pretrained): initializing a rank's share of the experts "
+            "would not draw what the whole model's construction draws; build the model "
+            "on the CPU, or load it"
+        )
     groups = ExpertGroups.form(Collectives(spec.group), parallel.expert_parallel)
     apply_expert_parallel(spec.model, groups, capacity_factor=parallel.capacity_factor)
     logger.info(

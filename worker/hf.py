@@ -81,7 +81,9 @@ def from_pretrained(
     loaded by range, in an engine: :func:`worker.initialize`'s engine, with its
     keyword arguments (``config=``, ``lr_scheduler=``, ``device=``, ...).
 
-    ``parallel``: a :class:`worker.mesh.ParallelConfig` with tensor parallelism
+    ``parallel``: a :class:`worker.mesh.ParallelConfig` with expert parallelism:
+    :func:`worker.initialize`'s engine for it, each rank reading only the rows of
+    its experts (docs/guides/moe.md); or with tensor parallelism
     (``pipeline_parallel`` 1): the engine is :func:`worker.mesh.parallelize`'s
     (``config`` a ZeroConfig; ``lr_scheduler``, ``device``, ``mesh`` as it takes
     them) with ``plan`` (default :func:`worker.tp.hf_plan`: GPT-2 and Llama-style
@@ -93,10 +95,11 @@ def from_pretrained(
     the coordinator's job forms first, as with ``initialize``."""
     model = build_on_meta(path, model_class)
     engine: ZeroEngine | MeshEngine
-    if parallel is None:
+    if parallel is None or parallel.tensor_parallel * parallel.pipeline_parallel == 1:
         if plan is not None:
             raise ValueError("plan= is a tensor-parallel plan: pass parallel= with it")
-        engine = initialize(model, optimizer, init=skip_init, **kwargs)
+        # expert parallelism (or none): each rank reads its experts' rows only
+        engine = initialize(model, optimizer, init=skip_init, parallel=parallel, **kwargs)
     else:
         from worker.mesh import parallelize
         from worker.tp import hf_plan

@@ -42,8 +42,10 @@ from torch import nn
 from coordinator.core.ranges import Range
 from worker.checkpoint import DEFAULT_SHARD_BYTES, Planned, write_safetensors_shards
 from worker.inventory import persistent_buffers
+from worker.moe.hf_layout import renamed_keys, stacked_keys
 
 if TYPE_CHECKING:
+    from worker.moe.shards import ExpertShards
     from worker.tp_checkpoint import FullExport
 
 __all__ = ["WeightFiles", "WeightsError", "load_weights", "save_weights"]
@@ -134,6 +136,22 @@ class WeightFiles:
         except Exception:
             self._stack.close()
             raise
+        # fused experts tensors made of per-expert ones (worker/moe/hf_layout.py
+        # [Note: stacked expert weights]), each name by its parts; a key the files
+        # hold is read as it is
+        self._stacked: dict[str, list[str]] = {}
+        self._renamed: dict[str, str] = {}
+        self._stacked = {
+            name: parts
+            for name, parts in stacked_keys(set(self._where)).items()
+            if name not in self._where and _stackable([self.shape(p) for p in parts])
+        }
+        # and a tensor under the model's name where the files use an older one
+        self._renamed = {
+            name: key
+            for name, key in renamed_keys(set(self._where)).items()
+            if name not in self._where
+        }
 
     def _files(self) -> list[Path]:
         path = self.path
@@ -177,18 +195,45 @@ class WeightFiles:
         self.close()
 
     def names(self) -> list[str]:
-        return list(self._where)
+        """The tensors the files hold, and the fused experts tensors they make, and
+        the model's names of those the files name otherwise."""
+        return [*self._where, *self._stacked, *self._renamed]
+
+    def derived(self, used: set[str]) -> set[str]:
+        """The names that are not tensors of the files on their own: every fused or
+        renamed one :meth:`names` lists, and the keys read for those in ``used``."""
+        read = {self._renamed.get(name, name) for name in used}
+        parts = {p for name in read & set(self._stacked) for p in self._stacked[name]}
+        return set(self._stacked) | set(self._renamed) | parts | (read - used)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        name = self._renamed.get(name, name)
+        parts = self._stacked.get(name)
+        if parts is not None:
+            return _stacked_shape([self.shape(p) for p in parts], parts)
         return self._where[name].shape(name)
 
     def whole(self, name: str) -> torch.Tensor:
+        name = self._renamed.get(name, name)
+        if name in self._stacked:
+            return self.flat_range(name, 0, math.prod(self.shape(name))).view(self.shape(name))
         return self._where[name].whole(name)
 
     def flat_range(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flattened tensor ``name``, reading only
         the rows that hold them; a range within one row, only that row's part (and
-        so on down the dimensions)."""
+        so on down the dimensions). A fused experts tensor reads the ranges of the
+        per-expert tensors the range crosses."""
+        name = self._renamed.get(name, name)
+        if name in self._stacked:
+            pieces, offset = [], 0
+            for part in self._stacked[name]:
+                n = math.prod(self.shape(part))
+                lo, hi = max(start, offset), min(stop, offset + n)
+                if lo < hi:
+                    pieces.append(self.flat_range(part, lo - offset, hi - offset))
+                offset += n
+            return torch.cat(pieces) if pieces else torch.empty(0)
         shape = self.shape(name)
         if not shape:
             return self.whole(name).reshape(-1)[start:stop]
@@ -202,6 +247,18 @@ class WeightFiles:
                 return self._where[name].read(name, tuple(index)).reshape(-1)[start:stop]
         index.append(slice(start, stop))  # within one row of the last dimension
         return self._where[name].read(name, tuple(index)).reshape(-1)
+
+
+def _stackable(shapes: list[tuple[int, ...]]) -> bool:
+    """Whether per-expert matrices fuse: every expert's parts alike, 2-D."""
+    return bool(shapes) and all(len(s) == 2 and s[1:] == shapes[0][1:] for s in shapes)
+
+
+def _stacked_shape(shapes: list[tuple[int, ...]], parts: list[str]) -> tuple[int, ...]:
+    """The fused tensor's shape: experts x (the rows of one expert's parts) x columns."""
+    experts = len({p.rsplit(".", 3)[-3] for p in parts})
+    per_expert = len(parts) // experts
+    return (experts, sum(s[0] for s in shapes[:per_expert]), *shapes[0][1:])
 
 
 def _match(wanted: list[list[str]], available: set[str]) -> tuple[str, str]:
@@ -260,7 +317,8 @@ def load_weights(state: Any, module: nn.Module, path: str | os.PathLike) -> None
                 keys[first] = key
         # a tied parameter saved under several of its names is expected under each
         expected = {k for names in names_of.values() for n in names if (k := key_for([n]))}
-        unexpected = sorted(available - set(keys.values()) - expected)
+        used = set(keys.values())
+        unexpected = sorted(available - used - expected - files.derived(used))
         if missing or unexpected:
             raise WeightsError(
                 f"the weights at {path} do not fit the model: "
@@ -306,6 +364,7 @@ def save_weights(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     full: FullExport | None = None,
+    experts: ExpertShards | None = None,
 ) -> list[Path]:
     """Write the model's weights into the directory ``out`` as ``save_pretrained``
     does (``model.safetensors``, or shards and their index; a Hugging Face model's
@@ -319,7 +378,9 @@ def save_weights(
 
     ``full``: a tensor-parallel rank's (worker/tp_checkpoint.py): each local tensor
     is gathered over tp into its full one as it is written, and ``full.writer``
-    says which rank of the mesh writes."""
+    says which rank of the mesh writes. ``experts``: an expert-parallel engine's
+    (worker/moe/shards.py), whose experts are written whole under the model's
+    names, a layer at a time."""
     directory = Path(out)
     writer = state.comm.rank == 0 if full is None else full.writer
     if writer:
@@ -363,6 +424,8 @@ def save_weights(
             nbytes = numel(first, p.numel()) * (size or p.element_size())
             make = functools.partial(frozen, first, p)
             plan += [Planned(name, nbytes, make) for name in names_of[first]]
+    if experts is not None:
+        plan += experts.export_plan(cast, size or 4)
     for name, b in persistent_buffers(module).items():
         nbytes = b.numel() * (size if size and b.is_floating_point() else b.element_size())
         plan.append(Planned(name, nbytes, functools.partial(cast, b)))

@@ -197,8 +197,6 @@ def apply_expert_parallel(
         count = expert_count(module)
         if count % k:
             raise ValueError(f"{name} has {count} experts, which expert_parallel={k} cannot split")
-        if any(p.is_meta for p in module.parameters()):
-            raise ValueError(f"{name}: expert parallelism of a model on the meta device")
         base = type(module)
         cap = capacity_factor
         if cap is None:

@@ -27,6 +27,7 @@ are one gather unit (the module is a leaf), gathered over their group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 
@@ -193,18 +194,59 @@ class ExpertShards:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The experts' full parameters by name, every layer's whole set of experts
         on every rank (gathered over the group, then over the ep group)."""
-        mine = {n: t.cpu() for n, t in self.state.full_state_dict().items()}
+        return self._across_ep({n: t.cpu() for n, t in self.state.full_state_dict().items()})
+
+    def _across_ep(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every place's ``mine`` made whole: a fused module's rows concatenated in
+        place order, an Experts child's tensors as its place has them (a collective
+        over the ep group)."""
         if not self.groups.ep.distributed:
             return mine
         parts: list[dict[str, torch.Tensor]] = [{} for _ in range(self.groups.size)]
         dist.all_gather_object(parts, mine, group=self.groups.ep.group)
-        fused = {n for n, t in mine.items() if all(n in p for p in parts)}
+        fused = {n for n in mine if all(n in p for p in parts)}
         out: dict[str, torch.Tensor] = {}
         for part in parts:
             out.update({n: t for n, t in part.items() if n not in fused})
         for name in fused:  # a fused module's rows: every rank holds its range
             out[name] = torch.cat([p[name] for p in parts])
         return out
+
+    def export_plan(self, cast: Callable[[torch.Tensor], torch.Tensor], size: int) -> list:
+        """The experts' tensors of an export (worker/pretrained.py ``save_weights``),
+        whole, under the model's names; each layer's are made together when the
+        first is written (a collective over the group and the ep group, every rank
+        making them in the same order), so one layer's experts are held at a time."""
+        from worker.checkpoint import Planned
+
+        names = {m: n for n, m in self.state.module.named_modules()}
+        made: dict[nn.Module, dict[str, torch.Tensor]] = {}
+
+        def make(module: nn.Module, name: str) -> torch.Tensor:
+            if module not in made:
+                made.clear()
+                made[module] = self._layer(names[module] + ".")
+            return cast(made[module][name])
+
+        plan = []
+        for m in self.modules:
+            for rel, shape in m._zp_expert.full_shapes.items():
+                name = f"{names[m]}.{rel}"
+                plan.append(
+                    Planned(name, math.prod(shape) * size, functools.partial(make, m, name))
+                )
+        return plan
+
+    def _layer(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The whole experts of the layer whose names start with ``prefix``."""
+        mine: dict[str, torch.Tensor] = {}
+        for b in self.state.buckets:
+            slots = [s for s in b.spec.slots if s.name.startswith(prefix)]
+            if slots:
+                full = self.state.gather_master(b)
+                for s in slots:
+                    mine[s.name] = full[s.offset : s.offset + s.numel].view(s.shape).cpu()
+        return self._across_ep(mine)
 
     def loads(self, names: dict[nn.Module, str]) -> tuple[ExpertLayerLoad, ...]:
         """Each layer's exchanges so far on this rank, the layer by its module's name
