@@ -146,18 +146,24 @@ class ExpertParallel(nn.Module):
         ep, local = placed.groups.ep, placed.num_experts // placed.groups.size
         routed = route(top_k_index, placed.num_experts, placed.capacity_factor)
         # 2. how many rows each rank sends each of its experts, per expert (ep x local)
-        counts = routed.counts.view(ep.world_size, local)
+        counts = routed.counts.view(ep.world_size, local).contiguous()
         incoming = torch.empty_like(counts)
-        ep.all_to_all(incoming, counts.contiguous(), as_op="control")
+        exchanged = ep.all_to_all(incoming, counts, as_op="control", async_op=True)
+        outgoing = hidden[routed.rows]  # while the counts travel
+        exchanged.wait()
         send, recv = counts.sum(1).tolist(), incoming.sum(1).tolist()
         # 3. dispatch
-        rows = _AllToAll.apply(hidden[routed.rows], ep, send, recv, placed.load)
+        rows = _AllToAll.apply(outgoing, ep, send, recv, placed.load)
         # 4. grouped by local expert, run, back to source order
-        expert_of_row = torch.arange(local, device=rows.device).repeat(ep.world_size)
-        order = torch.sort(torch.repeat_interleave(expert_of_row, incoming.flatten()), stable=True)
         by_expert = incoming.sum(0)
-        out = run_rows(self, placed.base, rows[order.indices], by_expert)
-        out = out[torch.argsort(order.indices)]
+        if local == 1:  # one expert here: the rows are its, in source order already
+            out = run_rows(self, placed.base, rows, by_expert)
+        else:
+            expert_of_row = torch.arange(local, device=rows.device).repeat(ep.world_size)
+            of_row = torch.repeat_interleave(expert_of_row, incoming.flatten())
+            order = torch.sort(of_row, stable=True).indices
+            grouped = run_rows(self, placed.base, rows[order], by_expert)
+            out = grouped.new_empty(grouped.shape).index_copy(0, order, grouped)
         # 5. combine
         back = _AllToAll.apply(out, ep, recv, send, placed.load)
         placed.load.tokens += by_expert.to(placed.load.tokens.device)
