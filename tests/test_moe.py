@@ -179,14 +179,15 @@ class GatedNet(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
-def gated_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank 0's tokens include multiples of 4, rank 1's never do."""
+def gated_batch(step: int, rank: int, apart: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """From step ``apart`` on, rank 0's tokens include multiples of 4 and rank 1's never
+    do; before it, every rank's do."""
     g = torch.Generator().manual_seed(10 * step + rank)
-    idx = torch.randint(0, VOCAB // 4, (2, 6), generator=g) * 4 + (0 if rank == 0 else 1)
-    return idx, torch.roll(idx, 1, dims=1)
+    idx = torch.randint(0, VOCAB // 4, (2, 6), generator=g) * 4
+    return idx + (1 if rank and step >= apart else 0), torch.roll(idx, 1, dims=1)
 
 
-def gated_run(leaf: bool) -> str | None:
+def gated_run(leaf: bool, apart: int = 0, check: bool | str = "first") -> str | None:
     """Without a leaf every rank raises at the first gather out of step, naming the
     module; with the block a leaf the job trains like one-process torch."""
     import time
@@ -200,16 +201,18 @@ def gated_run(leaf: bool) -> str | None:
     ref = GatedNet()
     if leaf:
         set_z3_leaf_modules(model, [Gated])
-    config = worker.ZeroConfig(stage=3, stage3_min_unit_numel=1, bucket_numel=97)
+    config = worker.ZeroConfig(
+        stage=3, stage3_min_unit_numel=1, bucket_numel=97, stage3_check_gathers=check
+    )
     engine = worker.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    start = time.monotonic()
     try:
         for step in range(3):
-            engine.backward(engine(*gated_batch(step, rank)))
+            start = time.monotonic()
+            engine.backward(engine(*gated_batch(step, rank, apart)))
             engine.step()
             for r in range(world):
-                (ref(*gated_batch(step, r)) / world).backward()
+                (ref(*gated_batch(step, r, apart)) / world).backward()
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
         diff, name = max_diff(engine.full_state_dict(), dict(ref.named_parameters()))
@@ -231,3 +234,11 @@ def test_a_module_run_on_some_ranks_only_raises_on_every_rank_naming_it(pools):
         assert "set_z3_leaf_modules" in message
     # the remedy the message names: the block gathered whole trains like torch
     assert pools(2).run(gated_run, True) == [None, None]
+
+
+@pytest.mark.timeout(120)
+def test_gathers_checked_at_every_step_find_a_branch_that_parts_later(pools):
+    # the ranks agree through step 1 and part at step 2, after the default's first step
+    messages = pools(2).run(gated_run, False, 2, True)
+    assert len(messages) == 2 and messages[0] == messages[1], messages
+    assert messages[0] is not None and ".extra'" in messages[0], messages

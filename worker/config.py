@@ -76,8 +76,12 @@ class ZeroConfig:
             one tiny all-reduce on a CPU group: ranks whose gathers fell out of step
             (a module run on some ranks and not others) all raise at once, naming
             the modules, instead of waiting until the collective timeout
-            (worker/stages.py [Note: gathers the ranks agree on]). False saves the
-            all-reduces.
+            (worker/gather_check.py [Note: gathers the ranks agree on]).
+            ``"first"`` (the default): through the first forward and backward
+            only, where a branch that differs by rank from the start shows; True:
+            at every step, for a job that hangs later (each check makes the ranks
+            wait for each other: ~10% of a small stage-3 step on 2 loaded cores,
+            bench/README.md); False: never.
         stage3_min_unit_numel: a module whose not-yet-assigned parameters
             reach this many elements becomes its own gather unit. Modules held
             in an ``nn.ModuleList`` or ``nn.Sequential`` are units regardless.
@@ -172,7 +176,7 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = 0
     stage3_max_live_parameters: int = 10**9
     stage3_min_unit_numel: int = 2**20
-    stage3_check_gathers: bool = True
+    stage3_check_gathers: bool | Literal["first"] = "first"
     loss_scale: float = 0.0
     initial_scale_power: int = 16
     loss_scale_window: int = 1000

@@ -12,22 +12,29 @@ as a list are gathered whole and never fall out of step (worker/leaves.py [Note:
 data-dependent modules at stage 3]); this is the guard for everything else.
 
 Before a unit's all-gather is issued (for a forward, a backward, a prefetch or a
-recomputation), and at the end of every forward and backward, each rank puts one
-code in an all-gather of one integer per rank on a gloo group of its own (a CPU
-collective: no device synchronisation; on a group of its own, so it is never
-paired with a gradient reduction; an engine on a gloo subgroup checks on that
-subgroup): the unit and whether it is for the forward or the
-backward, or the end of either. Ranks that agree carry on. Ranks that do not
-all see every rank's code at once and raise the same error, naming each rank's
-module (or its end of the pass) and the remedy: mark the enclosing block a leaf
-(``worker.set_z3_leaf_modules``), so that it is gathered whole, or run the module
-on every rank. A rank that skipped a unit reaches its next check first, the
-next unit or the end of its pass, where the others wait at theirs: the mismatch
-is found at the first gather it concerns, within the time of one forward.
+recomputation), and at the end of every forward and backward, each rank puts a
+code and its negation in a MAX all-reduce of two integers on a gloo group of its
+own (a CPU collective: no device synchronisation; on a group of its own, so it is
+never paired with a gradient reduction; an engine on a gloo subgroup checks on that
+subgroup). The code says the unit and whether it is for the forward or the
+backward, or the end of either. Ranks that agree get their own pair back and carry
+on. Ranks that do not all see it at once, all-gather every rank's code and raise
+the same error, naming each rank's module (or its end of the pass) and the
+remedy: mark the enclosing block a leaf (``worker.set_z3_leaf_modules``), so that
+it is gathered whole, or run the module on every rank. A rank that skipped a unit
+reaches its next check first, the next unit or the end of its pass, where the
+others wait at theirs: the mismatch is found at the first gather it concerns,
+within the time of one forward.
 
 The cost is one round trip of a tiny gloo collective per unit gather and two per
-step (measured in bench/README.md, "Stage 3 at DDP's pace"); ``ZeroConfig(
-stage3_check_gathers=False)`` saves it. An engine on a subgroup of an NCCL job
+step, and more than its bytes: each check makes the ranks wait for each other,
+where the gathers alone let a rank run ahead (bench/zero_peers.py's ``zp3u``
+beside ``zp3``: ~10% of a small model's stage-3 step on 2 loaded cores). So by
+default (``ZeroConfig(stage3_check_gathers="first")``) the ranks check through
+their first forward and backward only, where a branch that differs by rank from
+the start shows (and the units' order is settled); ``True`` checks every step,
+for a job whose gathers fall out of step later (an MoE whose routing skews after
+some steps, outside a leaf); ``False`` never. An engine on a subgroup of an NCCL job
 (tensor or pipeline parallelism) has no gloo group of its own to check on, and
 runs unchecked.
 """
@@ -52,14 +59,17 @@ class GatherMismatch(RuntimeError):
 class GatherAgreement:
     """The checks of one stage-3 storage over ``comm``; ``units``: each unit's module."""
 
-    def __init__(self, comm: Collectives, units: dict[int, nn.Module], *, enabled: bool) -> None:
+    def __init__(self, comm: Collectives, units: dict[int, nn.Module], *, when: bool | str) -> None:
         self.comm = comm
-        self.enabled = enabled and comm.distributed and _checkable(comm)
+        self.enabled = bool(when) and comm.distributed and _checkable(comm)
+        # "first": through the first backward only (ZeroConfig.stage3_check_gathers)
+        self.first_only = when == "first"
         root = units.get(0)
         names = {} if root is None else {m: n for n, m in root.named_modules()}
         self.names = {i: names.get(m, type(m).__name__) or "the model" for i, m in units.items()}
         self.classes = {i: type(m).__name__ for i, m in units.items()}
         self.group: Collectives | None = None
+        self._pair = torch.zeros(2, dtype=torch.int64)
 
     def gathering(self, unit: int, *, backward: bool) -> None:
         """Before unit ``unit``'s all-gather is issued."""
@@ -68,6 +78,8 @@ class GatherAgreement:
     def ended(self, *, backward: bool) -> None:
         """At the end of a forward (``backward=False``) or a backward."""
         self._agree(_END_BACKWARD if backward else _END_FORWARD)
+        if backward and self.first_only:
+            self.enabled = False
 
     def _agree(self, code: int) -> None:
         if not self.enabled:
@@ -77,9 +89,12 @@ class GatherAgreement:
                 self.group = Collectives(dist.new_group(backend="gloo"))
             else:  # a gloo subgroup: checked on the gathers' own group
                 self.group = self.comm
-        codes = torch.empty(self.group.world_size, dtype=torch.int64)
-        self.group.all_gather(codes, torch.tensor([code], dtype=torch.int64))
-        if bool((codes != code).any()):
+        # one MAX of (code, -code): the ranks agree when it gives (code, -code) back
+        self._pair[0], self._pair[1] = code, -code
+        self.group.all_reduce(self._pair, op="max", control=True)
+        if self._pair[0] != code or self._pair[1] != -code:
+            codes = torch.empty(self.group.world_size, dtype=torch.int64)
+            self.group.all_gather(codes, torch.tensor([code], dtype=torch.int64))
             raise GatherMismatch(self._message(codes.tolist()))
 
     def _describe(self, code: int) -> str:

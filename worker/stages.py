@@ -288,13 +288,13 @@ class ShardedParams(ParamStorage):
         max_reuse_distance: int = 0,
         max_live: int = 10**9,
         hpz: int = 1,
-        check_gathers: bool = True,
+        check_gathers: bool | str = "first",
     ) -> None:
         super().__init__(dtype, master_apart, gather_codec=gather_codec)
         self.prefetch = prefetch
         # worker/gather_check.py [Note: gathers the ranks agree on]
         self.check_gathers = check_gathers
-        self.agreement = GatherAgreement(Collectives(None), {}, enabled=False)
+        self.agreement = GatherAgreement(Collectives(None), {}, when=False)
         # [Note: hierarchical partitioning]: the ranks per node asked for, and this
         # world's node group (None: hpZ off in this world)
         self.hpz = hpz
@@ -331,7 +331,7 @@ class ShardedParams(ParamStorage):
     def attach(self, buckets: list[FlatBucket], comm: Collectives, units: dict) -> None:
         self.detach()
         self.comm = comm
-        self.agreement = GatherAgreement(comm, units, enabled=self.check_gathers)
+        self.agreement = GatherAgreement(comm, units, when=self.check_gathers)
         self.live = LiveElements()
         self.node = self._node_group(comm)
         for b in buckets:
