@@ -123,6 +123,34 @@ def reference_run(
     return final, losses
 
 
+def train_beside_torch(
+    engine: Any,
+    ref: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    batch: Callable[[int, int], tuple],
+    *,
+    steps: int,
+    accum: int = 1,
+    clip: float = 0.0,
+) -> None:
+    """``steps`` optimizer steps of ``engine`` on this rank's micro-batches
+    ``batch(micro, rank)`` and of the one-process ``ref`` on every rank's, each
+    weighted 1/(world * accum), clipped to ``clip`` as the engine's config says."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for step in range(steps):
+        for micro in range(step * accum, (step + 1) * accum):
+            engine.backward(engine(*batch(micro, rank)))
+            engine.step()
+            for r in range(world):
+                (ref(*batch(micro, r)) / (world * accum)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
     assert a.keys() == b.keys(), f"parameter names differ: {sorted(a.keys() ^ b.keys())}"
     worst = max(a, key=lambda k: (a[k].float() - b[k].float()).abs().max().item())

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import worker
-from tests.reference import max_diff
+from tests.reference import max_diff, train_beside_torch
 from worker.inventory import build_inventory
 from worker.leaves import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules
 
@@ -75,7 +75,6 @@ def skewed_batch(step: int, rank: int, rows: int = 2) -> tuple[torch.Tensor, tor
 
 
 def train_moe_against_torch(stage: int, accum: int, clip: float) -> None:
-    world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = MoENet()
     torch.manual_seed(0)
@@ -92,20 +91,7 @@ def train_moe_against_torch(stage: int, accum: int, clip: float) -> None:
         stage3_min_unit_numel=1,
     )
     engine = worker.initialize(model, opt(model), config=config)
-    ref_opt = opt(ref)
-    for step in range(STEPS):
-        for micro in range(accum):
-            idx, tgt = skewed_batch(step * accum + micro, rank)
-            engine.backward(engine(idx, tgt))
-            engine.step()
-        for micro in range(accum):
-            for r in range(world):
-                idx, tgt = skewed_batch(step * accum + micro, r)
-                (ref(idx, tgt) / (world * accum)).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+    train_beside_torch(engine, ref, opt(ref), skewed_batch, steps=STEPS, accum=accum, clip=clip)
     want = {n: p.detach() for n, p in ref.named_parameters()}
     diff, name = max_diff(engine.full_state_dict(), want)
     assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"

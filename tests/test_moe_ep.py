@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import worker
-from tests.reference import max_diff
+from tests.reference import max_diff, train_beside_torch
 from tests.test_metrics import value
 from worker.moe import Experts
 from worker.parallel import ParallelConfig
@@ -82,7 +82,7 @@ def train_ep_against_torch(
 ) -> None:
     """``options``: more of ZeroConfig (bf16, offload, activation checkpointing);
     bf16 steps by SGD, whose step follows the gradient's rounding linearly."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = MoENet()
     torch.manual_seed(0)
@@ -108,20 +108,7 @@ def train_ep_against_torch(
     held = {n.split(".")[3] for n, _ in model.named_parameters() if ".experts." in n}
     place = rank % ep
     assert held == {str(e) for e in range(place * EXPERTS // ep, (place + 1) * EXPERTS // ep)}
-    ref_opt = opt(ref)
-    for step in range(STEPS):
-        for micro in range(accum):
-            idx, tgt = skewed_batch(step * accum + micro, rank)
-            engine.backward(engine(idx, tgt))
-            engine.step()
-        for micro in range(accum):
-            for r in range(world):
-                idx, tgt = skewed_batch(step * accum + micro, r)
-                (ref(idx, tgt) / (world * accum)).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+    train_beside_torch(engine, ref, opt(ref), skewed_batch, steps=STEPS, accum=accum, clip=clip)
     want = {n: p.detach() for n, p in ref.named_parameters()}
     got = engine.full_state_dict()
     assert set(got) == set(want)
