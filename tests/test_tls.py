@@ -56,8 +56,9 @@ def _cert(
     ca: bool = False,
     server: bool = True,
     hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+    age: datetime.timedelta = datetime.timedelta(0),
 ):
-    now = datetime.datetime.now(datetime.UTC)
+    now = datetime.datetime.now(datetime.UTC) - age
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     builder = (
         x509.CertificateBuilder()
@@ -125,6 +126,12 @@ def pki(tmp_path_factory) -> dict[str, Path]:
     )
     out["client_cert"], out["client_key"] = _write(
         d / "client", _cert("worker", client_key, ca, ca_key, server=False), client_key
+    )
+    # signed by the right authority, refused for another reason the client can tell
+    old = _cert("worker", client_key, ca, ca_key, server=False, age=datetime.timedelta(days=1))
+    out["expired_cert"], _ = _write(d / "expired", old, client_key)
+    out["server_only_cert"], _ = _write(
+        d / "server_only", _cert("worker", client_key, ca, ca_key), client_key
     )
     return out
 
@@ -258,3 +265,56 @@ def test_zeroplane_run_tls_makes_and_trusts_its_own_certificate(tmp_path: Path) 
     assert "serving on 127.0.0.1" in proc.stderr and "(TLS)" in proc.stderr, proc.stderr[-3000:]
     got, want = torch.load(out, weights_only=True), reference(3, 12)
     assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+
+
+def test_secrets_are_private_from_their_first_byte(tmp_path: Path, monkeypatch) -> None:
+    """A token or key is never readable by others, not even between its write and a
+    chmod: every byte is written to a file that is already 0600, a new one (under a
+    permissive umask) or one that was there with a wider mode."""
+    import stat
+
+    from coordinator.control.tls import self_signed
+    from coordinator.core.settings import write_private
+
+    modes: list[int] = []
+    real_write = os.write
+
+    def watched(fd: int, data) -> int:
+        modes.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        return real_write(fd, data)
+
+    old = os.umask(0)
+    try:
+        monkeypatch.setattr(os, "write", watched)
+        fresh, shared = tmp_path / "token", tmp_path / "shared"
+        shared.write_text("old secret, world-readable\n")
+        shared.chmod(0o644)
+        for path in (fresh, shared):
+            write_private(path, b"s3cret\n")
+            assert path.read_bytes() == b"s3cret\n"
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        monkeypatch.setattr(os, "write", real_write)
+        (tmp_path / "tls").mkdir()
+        (tmp_path / "tls" / "coordinator.key").write_text("")  # left by an older run
+        (tmp_path / "tls" / "coordinator.key").chmod(0o644)
+        _, key = self_signed(tmp_path / "tls", ["127.0.0.1"])
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
+    assert modes and all(m == 0o600 for m in modes), modes
+
+
+@pytest.mark.parametrize(
+    ("cert", "said"),
+    [("expired_cert", "it expired at"), ("server_only_cert", "does not include client auth")],
+)
+def test_a_refused_client_certificate_is_told_why(pki, cert: str, said: str) -> None:
+    server, address = _server(pki, mutual=True)
+    try:
+        with pytest.raises(CoordinatorTlsError, match=said):
+            _status(
+                address, tls=True, tls_root_cert_file=pki["ca"],
+                tls_client_cert_file=pki[cert], tls_client_key_file=pki["client_key"],
+            )  # fmt: skip
+    finally:
+        server.stop(0)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import secrets
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from coordinator.core.settings import write_private
 from coordinator.launchers.jobspec import FORMATS, JobSpec, JobSpecError, load_job_spec
 from coordinator.launchers.k8s import (
     COORDINATOR_PORT,
@@ -135,8 +135,7 @@ def submit(args: argparse.Namespace) -> int:
         return 0
 
     assert token is not None
-    token_path.write_text(token + "\n")
-    os.chmod(token_path, 0o600)
+    write_private(token_path, (token + "\n").encode())
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         print(

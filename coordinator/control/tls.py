@@ -22,6 +22,8 @@ import socket
 import ssl
 from pathlib import Path
 
+from coordinator.core.settings import write_private
+
 __all__ = ["TlsMismatch", "probe", "self_signed"]
 
 _PROBE_TIMEOUT_S = 2.0
@@ -107,7 +109,7 @@ def probe(
             if "BAD_CERTIFICATE" in reason or "UNKNOWN_CA" in reason:
                 raise TlsMismatch(
                     f"the coordinator at {address} refused this client's certificate "
-                    f"({reason}): it must be signed by the coordinator's --tls-client-ca"
+                    f"({reason}): {_refused_because(client_cert_file)}"
                 ) from None
             raise TlsMismatch(
                 f"the coordinator at {address} does not speak TLS ({reason}) and this "
@@ -126,9 +128,45 @@ def probe(
         )
     raise TlsMismatch(
         f"the coordinator at {address} refused this client's certificate "
-        f"{client_cert_file} (it closed the connection after the handshake): it must be "
-        "signed by the authority of the coordinator's --tls-client-ca"
+        f"{client_cert_file} (it closed the connection after the handshake): "
+        f"{_refused_because(client_cert_file)}"
     )
+
+
+def _refused_because(cert_file: str | Path | None) -> str:
+    """Why a coordinator would refuse the client certificate in ``cert_file``, as far
+    as the client can tell from the certificate itself (the server logs its own
+    reason): outside its validity period, or not for client authentication; else
+    the one reason left, an authority other than the coordinator's."""
+    signed = "it must be signed by the authority of the coordinator's --tls-client-ca"
+    if cert_file is None:
+        return signed
+    try:
+        from cryptography import x509
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+
+        cert = x509.load_pem_x509_certificate(Path(cert_file).read_bytes())
+    except Exception:  # unreadable here: the server's reason is in its log
+        return signed
+    now = datetime.datetime.now(datetime.UTC)
+    if now > cert.not_valid_after_utc:
+        return f"it expired at {cert.not_valid_after_utc:%Y-%m-%d %H:%M:%S} UTC; renew it"
+    if now < cert.not_valid_before_utc:
+        return (
+            f"it is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M:%S} UTC "
+            "(is this host's clock behind?)"
+        )
+    try:
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return signed
+    if ExtendedKeyUsageOID.CLIENT_AUTH not in usages:
+        names = ", ".join(getattr(u, "_name", u.dotted_string) for u in usages)
+        return (
+            f"its extended key usage ({names}) does not include client authentication; "
+            "issue one for clientAuth"
+        )
+    return signed
 
 
 def self_signed(directory: Path, hosts: list[str]) -> tuple[Path, Path]:
@@ -163,12 +201,12 @@ def self_signed(directory: Path, hosts: list[str]) -> tuple[Path, Path]:
     )
     cert_file, key_file = directory / "coordinator.crt", directory / "coordinator.key"
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.touch(mode=0o600)
-    key_file.write_bytes(
+    write_private(
+        key_file,
         key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
-        )
+        ),
     )
     return cert_file, key_file

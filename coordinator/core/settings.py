@@ -33,6 +33,7 @@ __all__ = [
     "PlanConfig",
     "ServerConfig",
     "load_token",
+    "write_private",
 ]
 
 logger = logging.getLogger(__name__)
@@ -260,6 +261,22 @@ def load_token(
         return token
     token = os.environ.get(env, "").strip()
     return token or None
+
+
+def write_private(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` readable and writable by its owner only, from the
+    first byte: the file is created 0600 (an existing one is made 0600 before it is
+    truncated), never world-readable for a moment as a write then a chmod would
+    leave it. For tokens and private keys."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a file that was there keeps its mode through O_CREAT
+        os.ftruncate(fd, 0)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def _warn_if_shared(path: Path) -> None:
