@@ -1,6 +1,6 @@
 """DeepSpeed's expert parallelism (AutoEP) beside ZeRO-3 on bench/moe.py's model and batch.
 
-    python bench/moe_deepspeed.py                         # ~4-8 min on 2 loaded cores
+    python bench/moe_deepspeed.py --ep1-autoep            # ~6-8 min on 2 loaded cores
     python bench/moe_deepspeed.py --experts 8 --ep 2 --steps 3 --json out/moe_ds.json
 
 The same run as bench/moe.py, on DeepSpeed 0.19 instead of zeroplane: 4 ranks on gloo
@@ -59,7 +59,12 @@ Columns, for rank 0 (the ranks are symmetric):
   first snapshot are held until the second so no address is reused in between. Not
   counted: activations, communication buckets, prefetch buffers. ``--json`` also
   writes the split and bench/moe.py's formula (16 bytes an element over the ranks
-  that share it);
+  that share it). Measured: 20 bytes an element (state/formula = 1.25 in every row),
+  as ZeRO-3 keeps an fp32 master partition beside the fp32 parameter partition even
+  in fp32: stage3.py ``_create_fp32_partitions`` reuses the parameter partition only
+  if ``tensor.device == self.device``, and ``self.device`` is the string ``"cpu"``,
+  which a ``torch.device`` never equals; the experts' share is E/ep experts over 4/ep
+  ranks = E/4 whatever ep, so the state is the same for every ep;
 * step: the median of ``--steps`` timed steps (forward, ``engine.backward``,
   ``engine.step``) after ``--warmup``.
 """

@@ -772,3 +772,26 @@ def test_closing_a_client_ends_a_registration_that_waits_for_the_coordinator() -
     c.close()
     thread.join(timeout=10)
     assert not thread.is_alive() and errors and time.monotonic() - started < 5
+
+
+def test_a_coordinator_without_a_token_is_closed_by_default(capsys) -> None:
+    from coordinator.cli import main
+    from coordinator.commands.coordinator import serving_host
+
+    assert serving_host(None, token=None, insecure=False) == "127.0.0.1"
+    assert serving_host(None, token="t", insecure=False) == "0.0.0.0"
+    assert serving_host("0.0.0.0", token="t", insecure=False) == "0.0.0.0"
+    assert serving_host("0.0.0.0", token=None, insecure=True) == "0.0.0.0"
+    assert serving_host("::1", token=None, insecure=False) == "::1"
+    # open to the network without a token: refused before anything binds
+    assert main(["coordinator", "--port", "0", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "--host 0.0.0.0 without a token" in err and "--insecure" in err
+    # HTTP, which has no authentication, stays on loopback unless asked
+    import argparse
+
+    from coordinator.commands.coordinator import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert parser.parse_args(["coordinator"]).http_host == "127.0.0.1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from coordinator.core.settings import (
     load_token,
 )
 
-__all__ = ["DEFAULT_PORT", "add_parser", "coordinator"]
+__all__ = ["DEFAULT_PORT", "add_parser", "coordinator", "serving_host"]
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 DEFAULT_PORT = 50051
 
@@ -43,7 +46,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         ),
     )
     net = parser.add_argument_group("serving")
-    net.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    net.add_argument(
+        "--host",
+        default=None,
+        help="address to bind (default: 0.0.0.0 with a token, else 127.0.0.1: a coordinator "
+        "without a token serves this host only unless --insecure)",
+    )
+    net.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve beyond loopback without a token: anyone who reaches the port can join, "
+        "leave or stop the job (docs/guides/security.md)",
+    )
     net.add_argument(
         "--port",
         type=int,
@@ -87,7 +101,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "this port (0: a free one; default: no HTTP)",
     )
     net.add_argument(
-        "--http-host", default=None, metavar="HOST", help="address for HTTP (default: --host)"
+        "--http-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address for HTTP, which has no authentication (default 127.0.0.1; 0.0.0.0 for a "
+        "Prometheus on another host, as the Kubernetes manifests pass)",
     )
     net.add_argument(
         "--job-name",
@@ -185,6 +203,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def serving_host(host: str | None, *, token: str | None, insecure: bool) -> str:
+    """Where the coordinator listens: ``host``, or by default every interface when a
+    token guards the RPCs and loopback when none does. A host beyond loopback
+    without a token is refused unless ``insecure``: closed by default."""
+    if host is None:
+        return "0.0.0.0" if token is not None or insecure else "127.0.0.1"
+    if token is None and not insecure and host not in _LOOPBACK:
+        raise ValueError(
+            f"--host {host} without a token would let anyone who reaches the port join, "
+            "leave or stop the job: give --token-file (or $ZEROPLANE_TOKEN_FILE, "
+            "$ZEROPLANE_TOKEN), or --insecure to serve it open"
+        )
+    return host
+
+
 def coordinator(args: argparse.Namespace) -> int:
     from coordinator.control.server import serve
 
@@ -196,12 +229,13 @@ def coordinator(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        token = load_token(args.token_file)
         interval = args.heartbeat_interval or args.lease_timeout / 5
         config = CoordinatorConfig(
             server=ServerConfig(
-                host=args.host,
+                host=args.host or "127.0.0.1",
                 port=args.port,
-                token=load_token(args.token_file),
+                token=token,
                 tls_cert_file=args.tls_cert,
                 tls_key_file=args.tls_key,
                 tls_client_ca_file=args.tls_client_ca,
@@ -226,12 +260,15 @@ def coordinator(args: argparse.Namespace) -> int:
             ),
             http=HttpConfig(port=args.http_port, host=args.http_host, job_name=args.job_name),
         )
+        # after every other flag is checked: closed by default
+        host = serving_host(args.host, token=token, insecure=args.insecure)
+        config = dataclasses.replace(config, server=dataclasses.replace(config.server, host=host))
     except ValueError as exc:
         print(f"zeroplane coordinator: {exc}", file=sys.stderr)
         return 2
 
     def ready(port: int) -> None:
-        print(f"zeroplane coordinator listening on {args.host}:{port}", flush=True)
+        print(f"zeroplane coordinator listening on {host}:{port}", flush=True)
 
     try:
         serve(config, on_ready=ready)

@@ -145,7 +145,13 @@ class CoordinatorServer:
         self._started = True
         if self.http is not None:
             self.http.start()
-            logger.info("coordinator status page and metrics on http://%s/", self.http_address)
+            bound = self.config.http.host or self.config.server.host
+            logger.info(
+                "coordinator status page and metrics on http://%s/ (bound to %s%s)",
+                self.http_address,
+                bound,
+                ": every interface, no authentication" if bound in ("0.0.0.0", "::") else "",
+            )
         if self.config.server.token is None:
             logger.warning("no bearer token configured: the coordinator accepts any client")
         logger.info(

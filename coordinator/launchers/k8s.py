@@ -196,6 +196,9 @@ def coordinator_args(spec: JobSpec) -> list[str]:
         spec.stage,
         "--http-port",
         str(METRICS_PORT),
+        # the PodMonitor's Prometheus scrapes the pod's address, not its loopback
+        "--http-host",
+        "0.0.0.0",
         # The job label of its metrics, as the PodMonitor gives the workers'.
         "--job-name",
         spec.name,
