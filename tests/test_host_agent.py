@@ -224,3 +224,77 @@ def test_a_malformed_frame_ends_that_connection_only(frame: bytes) -> None:
         finally:
             c.close()
             agent.stop()
+
+
+def test_a_garbage_message_in_a_whole_frame_ends_that_connection_only() -> None:
+    # a frame of the right length whose bytes are no AgentBeat: protobuf's DecodeError
+    import socket
+
+    with running(config(lease_timeout_s=1.5, min_workers=1)) as server:
+        agent = agent_for(server)
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(agent.path)
+                s.sendall(b"\x00\x00\x00\x03\xff\xff\xff")
+                s.settimeout(5)
+                assert s.recv(10) == b""
+            c = agent_client(server, agent)  # the agent still serves the next one
+            c.register(worker("after"), inventory())
+            c.start()
+            time.sleep(1.0)
+            assert "after" in members(server)
+            c.close()
+        finally:
+            agent.stop()
+
+
+STRANGER = """
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.sendall(b"\\x00\\x00\\x00\\x00")  # an empty AgentBeat
+s.settimeout(5)
+try:
+    got = s.recv(10)
+except OSError:
+    got = b""
+open(sys.argv[2], "w").write("closed" if got == b"" else "answered")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_PEERCRED is Linux's")
+def test_only_the_launchers_own_processes_and_no_more_than_it_starts_are_served(
+    tmp_path,
+) -> None:
+    import socket
+
+    with running(config(lease_timeout_s=1.5, min_workers=1)) as server:
+        agent = HostAgent.for_coordinator(
+            lambda: ClientConfig(address=f"127.0.0.1:{server.port}", token=TOKEN),
+            host_id="host-a",
+            max_ranks=1,
+        )
+        agent.start()
+        try:
+            # a process of this user the launcher did not start (orphaned to init)
+            out = tmp_path / "stranger"
+            subprocess.run(
+                ["sh", "-c", f'"{sys.executable}" -c \'{STRANGER}\' {agent.path} {out} &'],
+                check=True,
+            )
+            wait_until(out.exists, timeout=20)
+            assert out.read_text() == "closed" and agent.refused == 1
+            # the launcher's own rank is served; a second one is one more than it starts
+            c = agent_client(server, agent)
+            c.register(worker("mine"), inventory())
+            c.start()
+            wait_until(lambda: "mine" in members(server), timeout=10)
+            wait_until(lambda: agent.beats_sent >= 1, timeout=10)  # its beat went through
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(agent.path)
+                s.settimeout(5)
+                assert s.recv(10) == b""
+            assert agent.refused == 2
+            c.close()
+        finally:
+            agent.stop()

@@ -356,11 +356,12 @@ def run(args: argparse.Namespace) -> int:
                 HostAgent.for_coordinator(
                     lambda: ClientConfig.from_env(
                         address=args.coordinator, token=load_token(token_file)
-                    )
+                    ),
+                    max_ranks=high,
                 ),
             )
         else:
-            agents = (HostAgent.for_coordinator(embedded.client_config),)
+            agents = (HostAgent.for_coordinator(embedded.client_config, max_ranks=high),)
     job = LocalJob(
         spec,
         services=(*services, *agents),

@@ -35,6 +35,16 @@ coordinator did.
 The wire, and the worker's end of it (``AgentLink``), are
 coordinator/control/agent_link.py: each message (``AgentBeat`` one way, ``AgentReply``
 the other) framed by its length in 4 big-endian bytes.
+
+[Note: who may beat through the agent]
+The socket's directory is 0700, so only the user's processes reach it; that is not
+enough, since any of them could forge ranks (a flood over the coordinator's limit
+of ranks per host beat would have every real lease lapse; a forged leave would
+drop a live worker). So a connection is served only when the peer (its
+``SO_PEERCRED``, on Linux) is a process of this user descended from the agent's
+process (the launcher, whose workers it starts), and only while the agent serves
+fewer connections than the ranks its launcher may start (``max_ranks``). A
+malformed frame or message ends that connection only, never the agent.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.control.agent_link import recv_frame, send_frame
@@ -103,9 +114,14 @@ class HostAgent:
         self,
         forward: Callable[[pb.HostHeartbeatRequest], pb.HostHeartbeatResponse],
         host_id: str,
+        *,
+        max_ranks: int | None = None,
     ) -> None:
         self._forward = forward
         self.host_id = host_id
+        # [Note: who may beat through the agent]: the ranks the launcher may start
+        self.max_ranks = max_ranks
+        self.refused = 0  # connections refused (a stranger, or one rank too many)
         self._lock = threading.Condition()
         self._ranks: dict[socket.socket, _Rank] = {}
         self._wake = threading.Event()
@@ -122,13 +138,17 @@ class HostAgent:
 
     @classmethod
     def for_coordinator(
-        cls, config: Callable[[], ClientConfig], host_id: str | None = None
+        cls,
+        config: Callable[[], ClientConfig],
+        host_id: str | None = None,
+        *,
+        max_ranks: int | None = None,
     ) -> HostAgent:
         """An agent that reaches the coordinator on a HostHeartbeats stream of its own,
         its client made from ``config()`` at the first heartbeat (after the services
         before it started: an embedded coordinator has its address then)."""
         stream = _HostStream(config)
-        agent = cls(stream, host_id or agent_host_id())
+        agent = cls(stream, host_id or agent_host_id(), max_ranks=max_ranks)
         agent._on_stop = stream.close
         return agent
 
@@ -179,10 +199,33 @@ class HostAgent:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
+            refusal = self._refusal(conn)
+            if refusal is not None:
+                self.refused += 1
+                logger.warning("host agent: refused a connection: %s", refusal)
+                conn.close()
+                continue
             thread = threading.Thread(
                 target=self._serve, args=(conn,), name="zeroplane-agent-rank", daemon=True
             )
             thread.start()
+
+    def _refusal(self, conn: socket.socket) -> str | None:
+        """Why ``conn`` may not beat through this agent, or None ([Note: who may beat
+        through the agent])."""
+        with self._lock:
+            served = len(self._ranks)
+        if self.max_ranks is not None and served >= self.max_ranks:
+            return f"it already serves the {self.max_ranks} rank(s) its launcher may start"
+        peer = _peer(conn)
+        if peer is None:
+            return None  # no SO_PEERCRED here: the directory's 0700 is the check
+        pid, uid = peer
+        if uid != os.getuid():
+            return f"process {pid} is another user's (uid {uid})"
+        if not _descends_from(pid, os.getpid()):
+            return f"process {pid} was not started by this launcher"
+        return None
 
     def _serve(self, conn: socket.socket) -> None:
         rank = _Rank()
@@ -212,7 +255,7 @@ class HostAgent:
                             timeout=min(max(rank.lease_s / 2, _DEFAULT_INTERVAL_S), 10.0),
                         )
                 send_frame(conn, self._reply(rank).SerializeToString())
-        except (OSError, ValueError) as exc:  # ValueError: a malformed frame or message
+        except (OSError, ValueError, DecodeError) as exc:  # a malformed frame or message
             logger.debug("host agent: a worker connection ended: %s", exc)
         finally:
             with self._lock:
@@ -331,6 +374,40 @@ class _HostStream:
         self._reset()
         if self._client is not None:
             self._client.close()
+
+
+def _peer(conn: socket.socket) -> tuple[int, int] | None:
+    """The connecting process's (pid, uid), where the platform says (Linux)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    import struct
+
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+    except OSError:
+        return None
+    pid, uid, _ = struct.unpack("3i", raw)
+    return pid, uid
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is ``ancestor`` or one of its descendants (by the
+    parents /proc names; False where it cannot tell)."""
+    seen = set()
+    while pid > 1 and pid not in seen:
+        if pid == ancestor:
+            return True
+        seen.add(pid)
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return False
+        parent = next(
+            (line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "0"
+        )
+        pid = int(parent)
+    return pid == ancestor
 
 
 def agent_host_id() -> str:
