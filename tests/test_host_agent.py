@@ -279,7 +279,7 @@ def test_only_the_launchers_own_processes_and_no_more_than_it_starts_are_served(
             # a process of this user the launcher did not start (orphaned to init)
             out = tmp_path / "stranger"
             subprocess.run(
-                ["sh", "-c", f'"{sys.executable}" -c \'{STRANGER}\' {agent.path} {out} &'],
+                ["sh", "-c", f"\"{sys.executable}\" -c '{STRANGER}' {agent.path} {out} &"],
                 check=True,
             )
             wait_until(out.exists, timeout=20)
