@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import subprocess
@@ -577,6 +578,16 @@ def test_the_status_page_scrapes_only_the_registering_peer_and_follows_no_redire
     finally:
         for http in (secret, redirect, named):
             http.close()
+
+
+def test_the_status_page_does_not_publish_the_rendezvous_store() -> None:
+    # the store has no authentication: its address stays off the unauthenticated page
+    cfg = dataclasses.replace(config(), http=HttpConfig(port=0))
+    with running(cfg) as server, client(server) as a:
+        a.register(worker("a"), inventory())
+        gen = a.wait_for_generation(timeout=10)
+        text = json.dumps(_get_json(f"http://{server.http_address}/api/status"))
+        assert gen.rendezvous_endpoint and gen.rendezvous_endpoint not in text
 
 
 # ---- 13. files and flags -----------------------------------------------------------------

@@ -540,10 +540,10 @@ class Membership:
             self._event("standby", wid, "its model-parallel group is not whole")
         self.roster.forget_gone()
         self._refused = None
+        # the rendezvous store's address stays off the events the unauthenticated
+        # status page shows (the store has no authentication of its own)
         self._event(
-            "generation",
-            detail=f"world size {generation.world_size}, stage {generation.stage}, "
-            f"rendezvous {generation.rendezvous_endpoint}",
+            "generation", detail=f"world size {generation.world_size}, stage {generation.stage}"
         )
         return True
 
