@@ -191,6 +191,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def beside(rows: list[dict], peers: list[dict]) -> str:
+    """zeroplane's rows beside DeepSpeed's for the same (experts, ep), as ratios."""
+    lines = [
+        "| experts | ep | zeroplane state MB | DeepSpeed state MB | state zp/DS "
+        "| zeroplane step ms | DeepSpeed step ms | step zp/DS |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    by_case = {(r["experts"], r["ep"]): r for r in peers}
+    for r in rows:
+        d = by_case.get((r["experts"], r["ep"]))
+        if d is None or "error" in d:
+            why = "not run" if d is None else f"refused: {d['error'][:60]}"
+            lines.append(f"| {r['experts']} | {r['ep']} | {r['state'] / 1e6:.2f} | {why} |")
+            continue
+        lines.append(
+            f"| {r['experts']} | {r['ep']} | {r['state'] / 1e6:.2f} | {d['state'] / 1e6:.2f} "
+            f"| {r['state'] / d['state']:.2f}x | {r['step_s'] * 1e3:.0f} "
+            f"| {d['step_s'] * 1e3:.0f} | {r['step_s'] / d['step_s']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, nargs="+", default=[8, 16])
@@ -198,6 +220,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="then the same cases under DeepSpeed (bench/moe_deepspeed.py: ZeRO-3, AutoEP "
+        "for ep > 1), each in fresh processes, and the ratios",
+    )
     args = p.parse_args()
     cases = [(e, ep) for e in args.experts for ep in args.ep]
     out = mp.Manager().dict()
@@ -206,6 +234,12 @@ def main() -> None:
     )
     rows = out["rows"]
     print(table(rows))
+    if args.peers:
+        from bench.moe_deepspeed import run_cases
+
+        peers = run_cases([(e, ep, ep > 1, 3) for e, ep in cases], args.warmup, args.steps)
+        print(beside(rows, peers))
+        rows = [*rows, *({"peer": "deepspeed", **r} for r in peers)]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

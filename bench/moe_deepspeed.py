@@ -302,12 +302,22 @@ def main() -> None:
             cases.append((e, ep, ep > 1, args.stage))
             if ep == 1 and args.ep1_autoep:
                 cases.append((e, 1, True, args.stage))
+    rows = run_cases(cases, args.warmup, args.steps)
+    print(table(rows))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+def run_cases(cases: list[tuple], warmup: int, steps: int) -> list[dict]:
+    """Each case ``(experts, ep, autoep, stage)`` in fresh processes; a refused one is
+    a row with DeepSpeed's message (bench/moe.py --peers runs these beside its own)."""
     rows = []
     manager = mp.Manager()
     for case in cases:
         out = manager.dict()
         try:
-            mp.spawn(run_rank, args=(free_port(), case, args.warmup, args.steps, out), nprocs=WORLD)
+            mp.spawn(run_rank, args=(free_port(), case, warmup, steps, out), nprocs=WORLD)
             rows.append(out["row"])
         except Exception as e:  # a refused case: keep DeepSpeed's message, go on
             experts, ep, autoep, stage = case
@@ -317,10 +327,7 @@ def main() -> None:
                  "stage": stage, "error": message}
             )  # fmt: skip
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    print(table(rows))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 if __name__ == "__main__":

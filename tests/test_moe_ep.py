@@ -80,8 +80,8 @@ def skewed_batch(step: int, rank: int, rows: int = 2) -> tuple[torch.Tensor, tor
 def train_ep_against_torch(
     ep: int, stage: int, accum: int, clip: float, tol: float = 1e-5, **options: object
 ) -> None:
-    """``options``: more of ZeroConfig (bf16, offload, activation checkpointing);
-    bf16 steps by SGD, whose step follows the gradient's rounding linearly."""
+    """``options``: more of ZeroConfig (bf16, fp16, offload, activation checkpointing);
+    half precision steps by SGD, whose step follows the gradient's rounding linearly."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = MoENet()
@@ -89,7 +89,7 @@ def train_ep_against_torch(
     ref = MoENet()
 
     def opt(m: nn.Module) -> torch.optim.Optimizer:
-        if options.get("dtype") == "bf16":
+        if options.get("dtype") in ("bf16", "fp16"):
             return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
         return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -139,8 +139,9 @@ def test_experts_over_four_ranks_train_like_torch(pools, ep: int, stage: int, ac
         (3, {"activation_checkpointing": "units"}, 1e-5),
         (2, {"offload_optimizer": "cpu"}, 1e-5),
         (3, {"dtype": "bf16"}, 2e-2),
+        (2, {"dtype": "fp16", "initial_scale_power": 4}, 2e-2),  # overflow checks span experts
     ],
-    ids=["checkpointed", "offloaded", "bf16"],
+    ids=["checkpointed", "offloaded", "bf16", "fp16"],
 )
 def test_expert_parallelism_composes_with_the_engine(pools, stage: int, options: dict, tol: float):
     pools(2).run(train_ep_against_torch, 2, stage, 1, 0.0, tol, **options)

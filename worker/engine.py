@@ -664,6 +664,12 @@ class ZeroEngine(Checkpointing):
         """
         if self.state.micro_in_step:
             raise RuntimeError("reconfigure() must be called at an accumulation boundary")
+        if self.experts is not None:
+            raise RuntimeError(
+                "reconfigure() of an expert-parallel engine: its experts' groups cannot be "
+                "re-formed live yet; save a checkpoint and load it at the new size "
+                "(it loads at any ep and world size, docs/guides/moe.md)"
+            )
         for name, what in (("hpz_partition_size", "hpZ"), ("hierarchical_reduce", "qgZ")):
             k = getattr(self.config, name)
             if k > 1 and new_group not in (None, dist.group.WORLD):
