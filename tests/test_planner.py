@@ -203,3 +203,34 @@ def test_birth_bytes_floor_the_ordinary_path_and_fall_with_n_on_the_meta_path() 
         assert b.ordinary == 8 * psi / n + 4 * psi  # the whole fp32 model, at every N
     mixed = birth_bytes(psi, stage=2, world_size=4, dtype="bf16")
     assert mixed.meta == 2 * psi + 2 * psi / 4 + 4 * psi / 4
+
+
+def test_experts_left_out_of_the_inventory_are_planned_per_rank() -> None:
+    """[Note: experts in the plan]: Ψ_e/ep experts over world/ep ranks, by hand."""
+    dense, experts, world, ep = 1_000_000_000, 6_000_000_000, 8, 4
+    config = PlanConfig(precision="bf16", optimizer_states=2, experts=(ep, experts))
+    plain = PlanConfig(precision="bf16", optimizer_states=2)
+    # bf16 + fp32 Adam: 2 (params) + 2 (grads) + 12 (master, two states) bytes an element
+    share = experts / ep  # this rank's experts, over world / ep = 2 ranks
+    per_rank = {0: 16 * share, 1: (4 + 12 / 2) * share, 2: (2 + 14 / 2) * share, 3: 16 * share / 2}
+    for stage, extra in per_rank.items():
+        with_experts = estimate_memory(dense, stage=stage, world_size=world, config=config)
+        without = estimate_memory(dense, stage=stage, world_size=world, config=plain)
+        assert with_experts.total - without.total == pytest.approx(extra), stage
+    # on 16 GB (14.4 usable) the dense part alone fits at stage 1 (5.5 GB); with the
+    # experts stage 1 needs 20.5 GB, stage 2 17.25, stage 3 14
+    assert choose_stage(dense, world_size=world, device_memory_bytes=16 * 10**9).stage == 1
+    choice = choose_stage(dense, world_size=world, device_memory_bytes=16 * 10**9, config=config)
+    assert choice.stage == 3 and choice.fits, choice.reason
+    with pytest.raises(ValueError, match=r"PlanConfig\.experts"):
+        PlanConfig(experts=(0, 10))
+
+
+def test_a_workers_experts_cross_the_wire() -> None:
+    from coordinator.core.conversions import worker_from_proto, worker_to_proto
+    from coordinator.core.messages import WorkerInfo
+
+    info = WorkerInfo(worker_id="w", host="127.0.0.1", experts=(4, 6_000_000_000))
+    assert worker_from_proto(worker_to_proto(info)).experts == (4, 6_000_000_000)
+    plain = WorkerInfo(worker_id="v", host="127.0.0.1")
+    assert worker_from_proto(worker_to_proto(plain)).experts is None

@@ -143,6 +143,7 @@ class ControlPlane:
         stage: int | None = None,
         fixed: tuple[int, int] | None = None,
         mesh: tuple[int, int] | None = None,
+        experts: tuple[int, int] | None = None,
     ) -> ControlPlane:
         """Register with the coordinator at ``address`` and wait to be given a rank.
 
@@ -154,6 +155,8 @@ class ControlPlane:
         size) of a process group the script formed itself, which the coordinator keeps.
         ``mesh``: the (tensor, pipeline) parallel degrees asked for, 0 for one the
         coordinator chooses (the generation's ``mesh`` says what it chose).
+        ``experts``: (expert_parallel, the experts' elements) of a worker that splits its
+        experts over ranks, which ``inventory`` leaves out (the planner counts them).
         """
         # read before registering: a bad value fails here, not in the middle of a job
         timeout = timedelta(seconds=env_seconds(TIMEOUT_ENV, 60.0))
@@ -177,6 +180,7 @@ class ControlPlane:
             fixed_rank=None if fixed is None else fixed[0],
             fixed_world_size=None if fixed is None else fixed[1],
             mesh=mesh,
+            experts=experts,
         )
         client.register(info, inventory.specs)
         client.start()

@@ -160,6 +160,16 @@ class EngineSpec:
     def expert_parallel(self) -> int:
         return 1 if self.parallel is None else self.parallel.expert_parallel
 
+    def experts_request(self) -> tuple[int, int] | None:
+        """(expert_parallel, the experts' elements) a worker registers when it splits
+        its experts over ranks (the inventory leaves them out); None otherwise."""
+        if self.expert_parallel == 1:
+            return None
+        from worker.moe.dispatch import expert_modules
+
+        numel = sum(p.numel() for _, m in expert_modules(self.model) for p in m.parameters())
+        return self.expert_parallel, numel
+
     @property
     def pipeline(self) -> bool:
         return self.parallel is not None and self.parallel.pipeline_parallel > 1

@@ -134,6 +134,8 @@ def plan_generation(
     """The stage a generation of ``infos`` runs, and its mesh and why (None, "": data
     parallel only)."""
     memories = [i.device_memory_bytes for i in infos if i.device_memory_bytes > 0]
+    if infos[0].experts is not None:  # planner.py [Note: experts in the plan]
+        plan = dataclasses.replace(plan, experts=infos[0].experts)
     job_plan, asked = plan, _asked_stage(plan, infos)
     if asked is not None:
         plan = dataclasses.replace(plan, stage=asked)

@@ -171,6 +171,9 @@ def worker_to_proto(info: WorkerInfo) -> pb.WorkerInfo:
         if info.mesh is None
         else pb.MeshRequest(tensor_parallel=info.mesh[0], pipeline_parallel=info.mesh[1]),
         held=coords_to_proto(info.held),
+        experts=None
+        if info.experts is None
+        else pb.ExpertRequest(expert_parallel=info.experts[0], numel=info.experts[1]),
     )
 
 
@@ -190,6 +193,9 @@ def worker_from_proto(msg: pb.WorkerInfo) -> WorkerInfo:
         if msg.HasField("mesh")
         else None,
         held=coords_from_proto(msg, "held"),
+        experts=(msg.experts.expert_parallel, msg.experts.numel)
+        if msg.HasField("experts")
+        else None,
     )
 
 

@@ -91,9 +91,16 @@ class WorkerInfo:
     # last generation it trained in, the only (pp, tp) it can fill when it registers
     # again (coordinator/core/meshplan.py [Note: arranging whole groups]).
     held: MeshCoords | None = None
+    # A worker that splits its model's experts over ranks: (expert_parallel, the
+    # experts' elements), which the inventory leaves out and the planner counts
+    experts: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         _check_id("WorkerInfo.worker_id", self.worker_id)
+        if self.experts is not None:
+            ep, numel = self.experts
+            _check_range("WorkerInfo.experts expert_parallel", ep, 1, 1 << 20)
+            _check_range("WorkerInfo.experts numel", numel, 0, MAX_BYTES)
         _check_id("WorkerInfo.host", self.host)
         if len(self.device_kind) > 64:
             raise ValueError("WorkerInfo.device_kind is longer than 64 characters")

@@ -179,6 +179,10 @@ class PlanConfig:
     # Host memory per rank (0: unknown, not checked) and the device-host link's speed.
     host_memory_bytes: int = 0
     pcie_bytes_per_s: float = PCIE_BYTES_PER_S
+    # A job that splits its model's experts over ranks: (expert_parallel, the experts'
+    # elements), which the inventory (the trainable numel planned) leaves out: each
+    # rank holds E/ep experts' state over world/ep ranks ([Note: experts in the plan])
+    experts: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.stage is not None and self.stage not in STAGES:
@@ -211,9 +215,19 @@ class PlanConfig:
             raise ValueError(
                 f"PlanConfig.pcie_bytes_per_s must be > 0, got {self.pcie_bytes_per_s}"
             )
+        if self.experts is not None and (self.experts[0] < 1 or self.experts[1] < 0):
+            raise ValueError(
+                f"PlanConfig.experts must be (ep >= 1, numel >= 0), got {self.experts}"
+            )
 
 
 _NOTHING = ModelStateBytes(0, 0, 0, 0)
+
+
+def _plus(a: ModelStateBytes, b: ModelStateBytes) -> ModelStateBytes:
+    return ModelStateBytes(
+        a.params + b.params, a.grads + b.grads, a.master + b.master, a.optimizer + b.optimizer
+    )
 
 
 @dataclass(frozen=True)
@@ -270,7 +284,15 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Model states by the ZeRO formulas plus the activations (stated, or estimated
     from ``config.activations`` with or without ``checkpointing``), split between
-    device and host by ``offload``."""
+    device and host by ``offload``.
+
+    [Note: experts in the plan]
+    Under expert parallelism the inventory holds every parameter but the experts
+    (worker/moe/shards.py: each rank shards its E/ep experts over the world/ep
+    ranks holding the same ones), so ``config.experts`` adds them: the ZeRO formulas
+    of Ψ_experts/ep elements over world/ep ranks, at the same stage and offload.
+    At stages 1-3 that is the dense share per element (Ψ_experts/world); at stage 0
+    each rank holds its experts whole."""
     device, host = offloaded_state_bytes(
         numel,
         stage=stage,
@@ -279,6 +301,17 @@ def estimate_memory(
         optimizer_states=config.optimizer_states,
         offload=offload,
     )
+    if config.experts is not None:
+        ep, experts = config.experts
+        more = offloaded_state_bytes(
+            experts // ep,
+            stage=stage,
+            world_size=max(1, world_size // ep),
+            dtype=config.precision,
+            optimizer_states=config.optimizer_states,
+            offload=offload,
+        )
+        device, host = _plus(device, more[0]), _plus(host, more[1])
     activations = float(config.activation_bytes)
     if config.activations is not None:
         activations = config.activations.bytes(config.precision, checkpointing=checkpointing)

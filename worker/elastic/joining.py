@@ -87,6 +87,7 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
             metrics_port=None if metrics is None else metrics.port,
             stop=lambda: session.leave_requested,
             stage=config.stage,
+            experts=spec.experts_request(),
         )
         session.control = control
         planned = control.generation
