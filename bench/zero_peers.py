@@ -24,8 +24,10 @@ same model and the same batches:
   parameters are wrong by design, so is the loss. Beside ``zp3``/``zp3r`` in one
   run, the difference is what moving the parameters costs, the rest is stage 3's
   own bookkeeping.
-* ``zp3u``  a diagnostic too: ``zp3`` with ``stage3_check_gathers=False``, so that
-  beside ``zp3`` the gathers' agreement (worker/gather_check.py) shows its cost.
+* ``zp3u`` / ``zp3c``  diagnostics too: ``zp3`` with ``stage3_check_gathers=False``
+  (no agreement even in the first step) and ``True`` (every gather of every step
+  agreed), so that beside ``zp3`` (the default, ``"first"``) the cost of the
+  gathers' agreement (worker/gather_check.py) shows.
 
 Every system uses fp32 torch AdamW with the same hyperparameters. By default
 (``--schedule interleaved``) all systems are built at once and stepped in turn,
@@ -86,10 +88,10 @@ SEQ_LEN = 64
 KINDS = ("params", "grads", "master", "optimizer")
 ALL_SYSTEMS = ("ddp", "fsdp2", "zp0", "zp1", "zp2", "zp3", "zp3r", "ds0", "ds1", "ds2", "ds3")
 OFFLOAD_SYSTEMS = tuple(f"{p}{s}o" for p in ("zp", "ds") for s in (1, 2, 3))
-DIAGNOSTIC_SYSTEMS = ("zp3l", "zp3rl", "zp3u")
+DIAGNOSTIC_SYSTEMS = ("zp3l", "zp3rl", "zp3u", "zp3c")
 NAMED_ONLY = OFFLOAD_SYSTEMS + DIAGNOSTIC_SYSTEMS
 STAGE_OF = (
-    {"ddp": 0, "fsdp2": 3, "zp3r": 3, "zp3l": 3, "zp3rl": 3, "zp3u": 3}
+    {"ddp": 0, "fsdp2": 3, "zp3r": 3, "zp3l": 3, "zp3rl": 3, "zp3u": 3, "zp3c": 3}
     | {f"{p}{s}": s for p in ("zp", "ds") for s in range(4)}
     | {name: int(name[2]) for name in OFFLOAD_SYSTEMS}
 )
@@ -385,7 +387,7 @@ def build_zeroplane(
     offload: bool = False,
     keep: bool = False,
     local: bool = False,
-    checked: bool = True,
+    checked: bool | str = "first",
 ) -> Harness:
     import worker
 
@@ -429,7 +431,7 @@ def make_harness(system: str, model: nn.Module, spec: ModelSpec, ctx: RankContex
             offload,
             keep=system in ("zp3r", "zp3rl"),
             local=system in ("zp3l", "zp3rl"),
-            checked=system != "zp3u",
+            checked={"zp3u": False, "zp3c": True}.get(system, "first"),
         )
     known = ", ".join(ALL_SYSTEMS + NAMED_ONLY)
     raise ValueError(f"unknown system {system!r}; choose from {known}")

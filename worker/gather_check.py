@@ -28,8 +28,9 @@ within the time of one forward.
 
 The cost is one round trip of a tiny gloo collective per unit gather and two per
 step, and more than its bytes: each check makes the ranks wait for each other,
-where the gathers alone let a rank run ahead (bench/zero_peers.py's ``zp3u``
-beside ``zp3``: ~10% of a small model's stage-3 step on 2 loaded cores). So by
+where the gathers alone let a rank run ahead (bench/zero_peers.py, a 10M GPT on 2
+ranks: ``zp3c``, checked at every step, 1.20x DDP's step; ``zp3u``, never, and
+``zp3``, the default, 1.07-1.08x). So by
 default (``ZeroConfig(stage3_check_gathers="first")``) the ranks check through
 their first forward and backward only, where a branch that differs by rank from
 the start shows (and the units' order is settled); ``True`` checks every step,
