@@ -252,11 +252,11 @@ STRANGER = """
 import socket, sys, time
 s = socket.socket(socket.AF_UNIX)
 s.connect(sys.argv[1])
-s.sendall(b"\\x00\\x00\\x00\\x00")  # an empty AgentBeat
 s.settimeout(5)
 try:
+    s.sendall(b"\\x00\\x00\\x00\\x00")  # an empty AgentBeat
     got = s.recv(10)
-except OSError:
+except OSError:  # the agent hung up first (a broken pipe, a reset)
     got = b""
 open(sys.argv[2], "w").write("closed" if got == b"" else "answered")
 """
@@ -278,11 +278,16 @@ def test_only_the_launchers_own_processes_and_no_more_than_it_starts_are_served(
         try:
             # a process of this user the launcher did not start (orphaned to init)
             out = tmp_path / "stranger"
+            log = tmp_path / "stranger.log"
             subprocess.run(
-                ["sh", "-c", f"\"{sys.executable}\" -c '{STRANGER}' {agent.path} {out} &"],
+                [
+                    "sh",
+                    "-c",
+                    f"\"{sys.executable}\" -c '{STRANGER}' {agent.path} {out} >{log} 2>&1 &",
+                ],
                 check=True,
             )
-            wait_until(out.exists, timeout=20)
+            wait_until(out.exists, timeout=60, what=f"the stranger's verdict ({log})")
             assert out.read_text() == "closed" and agent.refused == 1
             # the launcher's own rank is served; a second one is one more than it starts
             c = agent_client(server, agent)

@@ -212,8 +212,17 @@ def gated_run(leaf: bool, apart: int = 0, check: bool | str = "first") -> str | 
 
 
 @pytest.mark.timeout(120)
+def _spent(pool) -> None:
+    """After the ranks' gathers fell out of step their process group may hold
+    collectives issued before the check (a backward's reductions): the job ends
+    there, and so does this pool."""
+    pool.close(kill=True)
+
+
 def test_a_module_run_on_some_ranks_only_raises_on_every_rank_naming_it(pools):
-    messages = pools(2).run(gated_run, False)
+    pool = pools(2)
+    messages = pool.run(gated_run, False)
+    _spent(pool)
     for message in messages:
         assert message is not None and "'blocks.0.extra'" in message, message
         assert "rank 0 is gathering" in message and "rank 1 is" in message, message
@@ -225,6 +234,8 @@ def test_a_module_run_on_some_ranks_only_raises_on_every_rank_naming_it(pools):
 @pytest.mark.timeout(120)
 def test_gathers_checked_at_every_step_find_a_branch_that_parts_later(pools):
     # the ranks agree through step 1 and part at step 2, after the default's first step
-    messages = pools(2).run(gated_run, False, 2, True)
+    pool = pools(2)
+    messages = pool.run(gated_run, False, 2, True)
+    _spent(pool)
     assert len(messages) == 2 and messages[0] == messages[1], messages
     assert messages[0] is not None and ".extra'" in messages[0], messages
