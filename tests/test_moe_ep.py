@@ -17,22 +17,13 @@ from torch import nn
 import worker
 from tests.reference import max_diff, train_beside_torch
 from tests.test_metrics import value
+from tests.test_moe import Expert
 from worker.moe import Experts
 from worker.parallel import ParallelConfig
 
 VOCAB, D, EXPERTS, STEPS = 32, 8, 8, 4
 # each token's two experts, by token % 8: expert 7 is never chosen
 PAIRS = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 4], [0, 4]])
-
-
-class Expert(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(D, 2 * D)
-        self.down = nn.Linear(2 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
 
 
 class Block(nn.Module):
