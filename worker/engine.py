@@ -361,8 +361,9 @@ class ZeroEngine(Checkpointing):
 
     def _parameter_storages(self) -> set[int]:
         """What autograd may save that is not an activation: parameters and buffers."""
-        tensors = [b.full for b in self.state.buckets]
-        tensors += [*self.inventory.params.values(), *self.module.buffers()]
+        states = [self.state] if self.experts is None else [self.state, self.experts.state]
+        tensors = [b.full for st in states for b in st.buckets]
+        tensors += [*self.module.parameters(), *self.module.buffers()]
         return {t.untyped_storage()._cdata for t in tensors}
 
     @property
