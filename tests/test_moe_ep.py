@@ -193,6 +193,8 @@ def load_and_memory(capacity: float) -> None:
     want = 8 * (dense / world + experts / ep / (world // ep))  # Adam: two fp32 states
     got = engine.memory_report()["optimizer"]
     assert want <= got <= want * 1.05, (got, want)
+    by_location = engine.memory_by_location()  # the experts' too, wherever they live
+    assert by_location["device"]["optimizer"] + by_location["host"]["optimizer"] == got
     engine.close()
 
 

@@ -48,10 +48,19 @@ def memory_report(
     return report
 
 
-def memory_by_location(state: ShardState, *, replica: int) -> dict[str, dict[str, int]]:
+def memory_by_location(
+    state: ShardState, *, replica: int, also: Sequence[ShardState] = ()
+) -> dict[str, dict[str, int]]:
     """:func:`memory_report`'s model-state bytes split by where they live, each side
-    with its ``total``."""
-    split: dict[str, dict[str, int]] = dict(state.memory_by_location())
+    with its ``total`` (the states ``also`` included, as :func:`memory_report`'s)."""
+    split: dict[str, dict[str, int]] = {
+        where: dict(kinds) for where, kinds in state.memory_by_location().items()
+    }
+    for other in also:
+        for where, kinds in other.memory_by_location().items():
+            into = split.setdefault(where, {})
+            for kind, nbytes in kinds.items():
+                into[kind] = into.get(kind, 0) + nbytes
     # replicas are copies of the master partition and optimizer state: they
     # live where those do
     where = state.placement.master_location

@@ -607,7 +607,11 @@ class ZeroEngine(Checkpointing):
         ``{"device": {kind: bytes}, "host": {kind: bytes}}`` (host: what
         ``offload_optimizer`` / ``offload_params`` put in host memory, see
         worker/offload.py); each side has a ``total``."""
-        return accounting.memory_by_location(self.state, replica=self._replica_bytes())
+        return accounting.memory_by_location(
+            self.state,
+            replica=self._replica_bytes(),
+            also=[] if self.experts is None else [self.experts.state],
+        )
 
     def _replica_bytes(self) -> int:
         return 0 if self.membership is None else self.membership.replica_bytes()
