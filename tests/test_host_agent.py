@@ -248,24 +248,8 @@ def test_a_garbage_message_in_a_whole_frame_ends_that_connection_only() -> None:
             agent.stop()
 
 
-STRANGER = """
-import socket, sys, time
-s = socket.socket(socket.AF_UNIX)
-s.connect(sys.argv[1])
-s.settimeout(5)
-try:
-    s.sendall(b"\\x00\\x00\\x00\\x00")  # an empty AgentBeat
-    got = s.recv(10)
-except OSError:  # the agent hung up first (a broken pipe, a reset)
-    got = b""
-open(sys.argv[2], "w").write("closed" if got == b"" else "answered")
-"""
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_PEERCRED is Linux's")
-def test_only_the_launchers_own_processes_and_no_more_than_it_starts_are_served(
-    tmp_path,
-) -> None:
+def test_only_the_launchers_own_processes_and_no_more_than_it_starts_are_served() -> None:
     import socket
 
     with running(config(lease_timeout_s=1.5, min_workers=1)) as server:
@@ -275,20 +259,17 @@ def test_only_the_launchers_own_processes_and_no_more_than_it_starts_are_served(
             max_ranks=1,
         )
         agent.start()
+        sibling = subprocess.Popen(["sleep", "60"])
         try:
-            # a process of this user the launcher did not start (orphaned to init)
-            out = tmp_path / "stranger"
-            log = tmp_path / "stranger.log"
-            subprocess.run(
-                [
-                    "sh",
-                    "-c",
-                    f"\"{sys.executable}\" -c '{STRANGER}' {agent.path} {out} >{log} 2>&1 &",
-                ],
-                check=True,
-            )
-            wait_until(out.exists, timeout=60, what=f"the stranger's verdict ({log})")
-            assert out.read_text() == "closed" and agent.refused == 1
+            # this process, as an agent whose launcher is another process (the sibling,
+            # its child) sees it: of this user, but not started by that launcher
+            agent.launcher_pid = sibling.pid
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(agent.path)
+                s.settimeout(5)
+                assert s.recv(10) == b""  # hung up on
+            assert agent.refused == 1
+            agent.launcher_pid = os.getpid()
             # the launcher's own rank is served; a second one is one more than it starts
             c = agent_client(server, agent)
             c.register(worker("mine"), inventory())
@@ -302,4 +283,6 @@ def test_only_the_launchers_own_processes_and_no_more_than_it_starts_are_served(
             assert agent.refused == 2
             c.close()
         finally:
+            sibling.kill()
+            sibling.wait()
             agent.stop()

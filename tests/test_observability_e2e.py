@@ -300,12 +300,18 @@ def test_prometheus_follows_the_job_and_memory_follows_the_formulas(observed: Ob
     assert rate["2"] > 0
 
 
+# panels of a feature the observed job does not run (a dense GPT, no experts): their
+# series exist only under expert parallelism; tests/test_moe_ep.py checks the values
+# behind them against the routing, and tests/test_deploy.py that they are exported
+NOT_IN_THIS_JOB = {"Tokens per expert (load balance)", "Dropped tokens", "Token all-to-all traffic"}
+
+
 def dashboard_exprs() -> list[tuple[str, list[str]]]:
     d = json.loads((ROOT / "deploy" / "grafana" / "zeroplane.json").read_text())
     return [
         (p["title"], [t["expr"] for t in p.get("targets", [])])
         for p in d["panels"]
-        if p["type"] != "row"
+        if p["type"] != "row" and p["title"] not in NOT_IN_THIS_JOB
     ]
 
 
@@ -480,6 +486,7 @@ def test_dashboard_preview_draws_every_panel(observed: Observed) -> None:
     preview = runpy.run_path(str(ROOT / "deploy" / "grafana" / "preview.py"))
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "zeroplane.json").read_text())
     page, empty = preview["render"](preview["Prometheus"](prom.url), JOB, 2.0, dashboard)
+    empty = [title for title in empty if title not in NOT_IN_THIS_JOB]
     assert not empty, f"panels with no data: {empty}"
     out = observed.tmp / "dashboard-preview.html"
     out.write_text(page)

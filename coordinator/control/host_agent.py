@@ -119,8 +119,10 @@ class HostAgent:
     ) -> None:
         self._forward = forward
         self.host_id = host_id
-        # [Note: who may beat through the agent]: the ranks the launcher may start
+        # [Note: who may beat through the agent]: the ranks the launcher may start, and
+        # the process whose descendants may beat (the launcher's: this one)
         self.max_ranks = max_ranks
+        self.launcher_pid = os.getpid()
         self.refused = 0  # connections refused (a stranger, or one rank too many)
         self._lock = threading.Condition()
         self._ranks: dict[socket.socket, _Rank] = {}
@@ -223,7 +225,7 @@ class HostAgent:
         pid, uid = peer
         if uid != os.getuid():
             return f"process {pid} is another user's (uid {uid})"
-        if not _descends_from(pid, os.getpid()):
+        if not _descends_from(pid, self.launcher_pid):
             return f"process {pid} was not started by this launcher"
         return None
 
