@@ -39,12 +39,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import free_port, quiet_gloo_warnings
+from bench.common import free_port, gloo_group, quiet_gloo_warnings
 
 WORLD, ROWS, SEQ, VOCAB = 4, 2, 64, 4096
 
@@ -159,19 +158,10 @@ def run_rank(rank: int, port: int, cases: list, warmup: int, steps: int, out: di
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     quiet_gloo_warnings()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=600),
-    )
-    try:
+    with gloo_group("127.0.0.1", port, rank, WORLD, timedelta(seconds=600)):
         rows = [measure(e, ep, rank, warmup, steps) for e, ep in cases]
         if rank == 0:
             out["rows"] = rows
-    finally:
-        dist.destroy_process_group()
 
 
 def table(rows: list[dict]) -> str:

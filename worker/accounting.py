@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from worker.collectives import Collectives
 from worker.config import ZeroConfig
@@ -169,9 +168,5 @@ def snapshot(
         tokens=stats.tokens,
         loss=stats.loss,
         mesh=dict(mesh),
-        experts=() if experts is None else experts.loads(names_of(state.module)),
+        experts=() if experts is None else experts.loads(),
     )
-
-
-def names_of(module: nn.Module) -> dict[nn.Module, str]:
-    return {m: n for n, m in module.named_modules()}

@@ -61,13 +61,12 @@ class ExpertParallelView:
     def __init__(self, dense: ShardState, experts: ExpertShards) -> None:
         self.dense, self.expert_state = dense, experts.state
         self.comm: Collectives = dense.comm
-        names = {m: n for n, m in dense.module.named_modules()}
         local = {s.name: s for s in experts.inventory.specs}
         specs, params = list(dense.inventory.specs), dict(dense.inventory.params)
         aliases = dict(dense.inventory.aliases)
         slices: dict[str, TPSlice] = {}
         for module in experts.modules:
-            placed, prefix = module._zp_expert, names[module] + "."
+            placed, prefix = module._zp_expert, experts.names[module] + "."
             fused = not isinstance(module, Experts)
             for rel, shape in placed.full_shapes.items():
                 name = prefix + rel

@@ -73,6 +73,8 @@ class ExpertShards:
         device: torch.device,
     ) -> None:
         self.modules = expert_parallel_modules(model)
+        # each experts module's name in the model, once (metrics, exports, checkpoints)
+        self.names = {m: n for n, m in model.named_modules() if m in set(self.modules)}
         self.groups: ExpertGroups = self.modules[0]._zp_expert.groups
         params = {p for m in self.modules for p in m.parameters()}
         self.inventory = build_inventory(
@@ -219,7 +221,7 @@ class ExpertShards:
         making them in the same order), so one layer's experts are held at a time."""
         from worker.checkpoint import Planned
 
-        names = {m: n for n, m in self.state.module.named_modules()}
+        names = self.names
         made: dict[nn.Module, dict[str, torch.Tensor]] = {}
 
         def make(module: nn.Module, name: str) -> torch.Tensor:
@@ -248,15 +250,14 @@ class ExpertShards:
                     mine[s.name] = full[s.offset : s.offset + s.numel].view(s.shape).cpu()
         return self._across_ep(mine)
 
-    def loads(self, names: dict[nn.Module, str]) -> tuple[ExpertLayerLoad, ...]:
-        """Each layer's exchanges so far on this rank, the layer by its module's name
-        in ``names``."""
+    def loads(self) -> tuple[ExpertLayerLoad, ...]:
+        """Each layer's exchanges so far on this rank, by the layer's name."""
         out = []
         for m in self.modules:
             placed, load = m._zp_expert, m._zp_expert.load
             out.append(
                 ExpertLayerLoad(
-                    layer=names[m],
+                    layer=self.names[m],
                     first=placed.first,
                     tokens=tuple(int(t) for t in load.tokens.tolist()),
                     dropped=load.dropped,
