@@ -54,5 +54,7 @@ def test_run_refuses_an_ep_that_does_not_divide_the_job() -> None:
     from coordinator.cli import main
 
     assert main(["run", "--nproc", "3", "--ep", "2", str(EXAMPLE)]) == 2
-    assert main(["run", "--nproc", "4", "--ep", "2", "--max-nproc", "6", str(EXAMPLE)]) == 2
+    # an elastic one grows and shrinks by whole ep groups (tests/test_moe_elastic.py)
+    assert main(["run", "--nproc", "4", "--ep", "2", "--max-nproc", "5", str(EXAMPLE)]) == 2
+    assert main(["run", "--nproc", "4", "--ep", "2", "--min-nproc", "3", str(EXAMPLE)]) == 2
     assert main(["run", "--nproc", "4", "--ep", "2", "--tp", "2", str(EXAMPLE)]) == 2

@@ -104,8 +104,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="E",
         help="expert-parallel degree: $ZEROPLANE_EP for ParallelConfig.from_env (default 1): "
         "each mixture-of-experts layer's experts split over E ranks, tokens exchanged by "
-        "all-to-all (docs/guides/moe.md); --nproc must be a multiple of E, and the job "
-        "runs at a fixed size (no --min-workers/--max-workers) for now",
+        "all-to-all (docs/guides/moe.md); --nproc, --min-workers and --max-workers must be "
+        "multiples of E: an elastic job grows and shrinks by whole ep groups of E workers",
     )
     parser.add_argument(
         "--mesh",
@@ -460,14 +460,13 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
         raise ValueError(f"--ep must be >= 1, got {ep}")
     if args.tp != 1 or args.pp != 1 or getattr(args, "mesh", None) == "auto":
         raise ValueError("--ep runs over data parallelism only for now: not with --tp/--pp/--mesh")
-    if args.nproc % ep:
-        raise ValueError(f"--nproc {args.nproc} is not a multiple of --ep {ep}")
-    for flag in ("min_workers", "max_workers"):
+    for flag in ("nproc", "min_workers", "max_workers"):
         n = getattr(args, flag)
-        if n is not None and n != args.nproc:
+        if n is not None and (n < ep or n % ep):
+            # an elastic one grows and shrinks by whole ep groups
             raise ValueError(
-                f"--{flag.replace('_', '-')} {n}: an expert-parallel job runs at a fixed "
-                "size for now (--nproc)"
+                f"--{flag.replace('_', '-')} {n} is not a multiple of --ep {ep}: an "
+                "expert-parallel job runs whole ep groups"
             )
     return {EP_ENV: str(ep)}
 
@@ -498,8 +497,10 @@ def _tp_pp_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _group_size(args: argparse.Namespace) -> int:
-    """Workers per model-parallel group: what a mesh job scales by (1 for ZeRO alone)."""
-    return max(1, getattr(args, "tp", 1)) * max(1, getattr(args, "pp", 1))
+    """Workers per model-parallel or ep group: what a mesh or expert-parallel job
+    scales by (1 for ZeRO alone)."""
+    group = max(1, getattr(args, "tp", 1)) * max(1, getattr(args, "pp", 1))
+    return group * max(1, getattr(args, "ep", 1))
 
 
 def _final_status(

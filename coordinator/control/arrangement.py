@@ -15,7 +15,10 @@ are the same for all (coordinator/control/membership.py [Note: atomic formation]
 * ``MeshArrangement``, an elastic job on a mesh of fixed tp and pp degrees: whole
   model-parallel groups, each survivor at its position, newcomers filling the gaps,
   a survivor without a whole group standing by (coordinator/core/meshplan.py [Note:
-  arranging whole groups]).
+  arranging whole groups]);
+* ``ExpertArrangement``, an elastic expert-parallel job: the same, its groups the ep
+  groups of ``ep`` consecutive ranks, each survivor at its place in its group
+  (worker/elastic/experts.py [Note: elastic expert parallelism]).
 
 A mesh job whose degrees are left to the coordinator (``--mesh auto``) is arranged as a
 data-parallel one; its mesh is chosen when the generation is planned.
@@ -33,6 +36,7 @@ from coordinator.core.settings import MembershipConfig
 __all__ = [
     "Arrangement",
     "ElasticArrangement",
+    "ExpertArrangement",
     "FixedArrangement",
     "MembershipView",
     "MeshArrangement",
@@ -130,11 +134,12 @@ class MeshArrangement(Arrangement):
     def arrange(self, ms: MembershipView) -> GroupArrangement:
         previous = ms.generation
         survivors: dict[str, MeshCoords] = {}
-        if previous is not None and previous.mesh is not None:
+        if previous is not None:
             survivors = {
-                m.worker_id: previous.mesh.coords(m.rank)
+                m.worker_id: coords
                 for m in previous.members
                 if m.worker_id not in ms.roster.gone
+                and (coords := self.coords(previous, m.rank)) is not None
             }
         # a standby keeps the position its engine was built for: queued with the
         # survivors there, admitted when a group takes it
@@ -155,11 +160,29 @@ class MeshArrangement(Arrangement):
             standby=tuple(w for w in arranged.standby if w not in bound),
         )
 
+    def coords(self, generation: Generation, rank: int) -> MeshCoords | None:
+        """Where ``rank`` of ``generation`` sits (None: nowhere, a job without a mesh)."""
+        return None if generation.mesh is None else generation.mesh.coords(rank)
+
+
+class ExpertArrangement(MeshArrangement):
+    """Whole ep groups of ``ep`` consecutive ranks, each survivor at its place
+    ([Note: arrangements]): a mesh arrangement whose group is an ep group, the
+    place standing for the tp index."""
+
+    def __init__(self, ep: int) -> None:
+        super().__init__(tp=ep, pp=1)
+
+    def coords(self, generation: Generation, rank: int) -> MeshCoords | None:
+        return MeshCoords(pp=0, dp=rank // self.tp, tp=rank % self.tp)
+
 
 def arrangement_for(info: WorkerInfo) -> Arrangement:
     """The arrangement of a job whose first worker registered with ``info``."""
     if info.fixed_rank is not None:
         return FixedArrangement()
+    if info.experts is not None and info.experts[0] > 1:
+        return ExpertArrangement(info.experts[0])
     if info.mesh is not None and 0 not in info.mesh:
         return MeshArrangement(*info.mesh)
     return ElasticArrangement()

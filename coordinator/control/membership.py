@@ -537,7 +537,7 @@ class Membership:
                 self.roster.move(self.roster.live[wid], WorkerState.STANDBY, position)
             else:
                 self.roster.move(self.roster.live[wid], WorkerState.JOINING)
-            self._event("standby", wid, "its model-parallel group is not whole")
+            self._event("standby", wid, "its model-parallel or ep group is not whole")
         self.roster.forget_gone()
         self._refused = None
         # the rendezvous store's address stays off the events the unauthenticated

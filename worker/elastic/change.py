@@ -33,6 +33,7 @@ from coordinator.core.messages import STOPPED, Generation
 from worker import live
 from worker.collectives import Collectives
 from worker.compat import abort_default_group
+from worker.elastic import experts
 from worker.elastic.phases import Handed, PeerLost, Phase, Session, admitted
 from worker.elastic.prepared import PreparedLeave, PreparedScaleUp
 from worker.engine import ZeroEngine
@@ -112,8 +113,9 @@ def prepare_leave(session: Session, engine: ZeroEngine, leaving: int) -> None:
     if isinstance(ahead, PreparedLeave) and ahead.prepares_leave(current, leaving):
         return
     join_ahead(session, drop=True)  # a scale-up's preparation gives way
-    survivors = [r for r in range(engine.world_size) if r != leaving]
-    rank = None if engine.rank == leaving else survivors.index(engine.rank)
+    going = experts.leaving_group(engine, leaving)
+    survivors = [r for r in range(engine.world_size) if r not in going]
+    rank = None if engine.rank in going else survivors.index(engine.rank)
     session.ahead = PreparedLeave(current, time.monotonic(), rank, len(survivors), leaver=leaving)
     session.ahead.start(engine.state)
 
@@ -146,19 +148,27 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
     current = control.generation.id
     prepared = isinstance(ahead, PreparedLeave) and ahead.prepares_leave(current, leaving)
     wire = ahead.wire if prepared else None
-    survivors = [r for r in range(engine.world_size) if r != leaving]
-    if engine.rank == leaving:
+    # under expert parallelism its ep group leaves with it (worker/elastic/experts.py)
+    going = experts.leaving_group(engine, leaving)
+    survivors = [r for r in range(engine.world_size) if r not in going]
+    if engine.rank in going:
         session._to(Phase.LEAVING)
     handover = live.exchange(
         engine.state, holds_state=True, via=None, new_members=survivors, buffers=wire
     )
-    if engine.rank == leaving:
+    handed = (
+        None
+        if engine.experts is None
+        else experts.exchange(engine.experts, holds_state=True, new_members=survivors)
+    )
+    if engine.rank in going:
         engine.state.release()
         dist.destroy_process_group()
         session._forget_exit()
         control.close(leave=True)
         session._to(Phase.LEFT)
-        logger.info("handed over at step %d; leaving", handover.counters.global_steps)
+        with_it = "" if engine.rank == leaving else f" with rank {leaving} of its ep group"
+        logger.info("handed over at step %d; leaving%s", handover.counters.global_steps, with_it)
         raise SystemExit(0)
     old = control.generation
     gen = control.wait_to_re_form(stop=lambda: session.leave_requested)
@@ -169,34 +179,47 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
         gen = control.wait_to_re_form(stop=lambda: session.leave_requested)
     if gen is None:
         leave_holding_state(session, engine, NO_GENERATION)
-    survivor_ids = [m.worker_id for m in old.members if m.rank != leaving]
-    others_lost = gen.reshard is not None and set(gen.reshard.lost_ranks) - {leaving}
+    survivor_ids = [m.worker_id for m in old.members if m.rank not in going]
+    others_lost = gen.reshard is not None and set(gen.reshard.lost_ranks) - set(going)
     if others_lost or [m.worker_id for m in gen.members[: len(survivor_ids)]] != survivor_ids:
         # another member vanished meanwhile: recover like a crash
         raise PeerLost(f"generation {gen.id} lost more of generation {old.id} than rank {leaving}")
     control.move_to(gen)
     if control.generation.id != gen.id:
         session._recover_in_formed(engine, gen)
+    if engine.experts is not None:
+        experts.regroup(engine.experts)
     if gen.world_size > len(survivor_ids):
         # workers admitted in the same generation: pass them their shards of what
         # the survivors were just handed (they run the join exchange). Should a
         # newcomer die meanwhile, that hand-over is whole: recovery starts from it.
         me = survivors.index(engine.rank)
         session.held.handed = Handed((gen.id, me, len(survivors)), handover)
+        everyone = list(range(gen.world_size))
         handover = live.exchange(
             engine.state,
             holds_state=True,
             via=None,
-            new_members=list(range(gen.world_size)),
+            new_members=everyone,
             entries=handover.entries,
             counters=handover.counters,
         )
+        if engine.experts is not None and handed is not None:
+            handed = experts.exchange(
+                engine.experts,
+                holds_state=True,
+                new_members=everyone,
+                entries=handed.entries,
+                counters=handed.counters,
+            )
     session._adopt(engine, handover, Collectives(None))
+    if engine.experts is not None:
+        experts.adopt(engine.experts, handed)
     session.held.generation, session.held.handed = gen.id, None
     session._refresh_replica(engine)  # newcomers, at the end of their join, too
     logger.info(
-        "rank %d left; now rank %d of %d%s",
-        leaving,
+        "rank %s left; now rank %d of %d%s",
+        leaving if len(going) == 1 else f"{leaving} (with its ep group, ranks {going})",
         engine.rank,
         engine.world_size,
         "" if wire is None else " (prepared ahead)",
@@ -243,15 +266,21 @@ def grow_to(session: Session, engine: ZeroEngine, gen: Generation) -> None:
     gen = control.generation
     ahead, session.ahead = session.ahead, None
     wire = ahead.wire if ahead is not None and ahead.generation == gen.id else None
+    everyone = list(range(gen.world_size))
+    if engine.experts is not None:  # (before the exchange, as a newcomer forms them)
+        experts.regroup(engine.experts)
     # the exchange exports from the old layout and rank, which the state still holds
     handover = live.exchange(
-        engine.state,
-        holds_state=True,
-        via=None,
-        new_members=list(range(gen.world_size)),
-        buffers=wire,
+        engine.state, holds_state=True, via=None, new_members=everyone, buffers=wire
+    )
+    handed = (
+        None
+        if engine.experts is None
+        else experts.exchange(engine.experts, holds_state=True, new_members=everyone)
     )
     session._adopt(engine, handover, Collectives(None))
+    if engine.experts is not None:
+        experts.adopt(engine.experts, handed)
     session.held.generation = gen.id
     session._refresh_replica(engine)  # the newcomers, at the end of their join, too
     logger.info("grew to %d ranks at step %d", engine.world_size, engine.global_steps)

@@ -13,6 +13,7 @@ from typing import NoReturn
 from coordinator.core.messages import Generation
 from worker import live
 from worker.collectives import Collectives
+from worker.elastic import experts
 from worker.elastic.change import after_loss
 from worker.elastic.phases import Phase, Session
 from worker.elastic.recovery import restore
@@ -91,7 +92,9 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
         )
         session.control = control
         planned = control.generation
-        if planned.reshard is not None:
+        # an expert-parallel engine forms its groups as it builds, once the group has
+        # formed ([Note: elastic expert parallelism] in worker/elastic/experts.py)
+        if planned.reshard is not None and spec.expert_parallel <= 1:
             # [Note: a newcomer builds ahead]
             # A newcomer to a running job builds its (empty) buffers for its rank
             # before the group forms: the members reach the step boundary a step
@@ -154,18 +157,31 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
             new_members=list(range(gen.world_size)),
             buffers=wire[0] if wire else None,
         )
+        held = (
+            None
+            if engine.experts is None
+            else experts.exchange(
+                engine.experts, holds_state=False, new_members=range(gen.world_size)
+            )
+        )
         if handover.nobody_held:
             # the generation this worker was admitted to superseded the job's first
             # before it formed: nobody trained yet, every rank starts from the module
             engine.state.build_from_kept_module(Collectives(None))
+            if engine.experts is not None:
+                engine.experts.state.build_from_kept_module(engine.experts.groups.edp)
             engine.publish_snapshot()
             logger.info("the job starts in generation %d as rank %d", gen.id, engine.rank)
         else:
             session._adopt(engine, handover, None)
+            if engine.experts is not None:
+                experts.adopt(engine.experts, held)
             logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
         session._refresh_replica(engine)  # as the members do after the exchange
     session.held.generation = gen.id
     engine.state.drop_module_values()
+    if engine.experts is not None:
+        engine.experts.state.drop_module_values()
     session._to(Phase.MEMBER)
     session.clock.start()  # its first step is timed from here
     report(control, engine)

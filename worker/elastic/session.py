@@ -54,10 +54,11 @@ _ANNOUNCE_MAX_STEP_S = 2.0
 _LEAVE_PATIENCE_S = 4.0
 
 
-_EP_FIXED = (
-    "the job's membership changed at step {step}; an expert-parallel job cannot re-form "
-    "its experts' groups yet: restart it at the new size from its last checkpoint "
-    "(which loads at any ep and world size, docs/guides/moe.md)"
+# [Note: elastic expert parallelism] in worker/elastic/experts.py
+_EP_LOST = (
+    "a rank of this expert-parallel job was lost at step {step}: its experts' shards "
+    "are held nowhere else, so the job cannot re-form in memory; restart it from its last "
+    "checkpoint, which loads at any ep and world size (docs/guides/moe.md)"
 )
 
 
@@ -204,8 +205,6 @@ class ElasticSession(FinalReport):
             leaving = None
         switching = agreed.switches_to_newer(control.generation.id)
         changing = agreed.everyone_leaving or leaving is not None or switching
-        if changing and engine.experts is not None:
-            raise RuntimeError(_EP_FIXED.format(step=engine.global_steps))
         if stepped:
             interval = engine.config.replica_interval
             if interval and engine.global_steps % interval == 0 and not changing:
@@ -235,7 +234,7 @@ class ElasticSession(FinalReport):
         """A peer is gone: form the coordinator's next generation and restore
         (worker/elastic/recovery.py; on a mesh, ring by ring: worker/elastic/rings.py)."""
         if engine.experts is not None:
-            raise RuntimeError(_EP_FIXED.format(step=engine.global_steps)) from exc
+            raise RuntimeError(_EP_LOST.format(step=engine.global_steps)) from exc
         if self.rings:
             rings.recover(self, engine, exc)
         recovery.recover(self, engine, exc)

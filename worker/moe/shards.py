@@ -71,6 +71,7 @@ class ExpertShards:
         dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         device: torch.device,
+        from_module: bool = True,
     ) -> None:
         self.modules = expert_parallel_modules(model)
         # each experts module's name in the model, once (metrics, exports, checkpoints)
@@ -90,7 +91,9 @@ class ExpertShards:
         )  # fmt: skip
         self.ballot = Ballot(len(self.state.index), device)
         self.state.alone_by_design = True
-        self.state.build(self.groups.edp, from_module=True)
+        if not from_module:  # (a newcomer whose job turns out not to have started)
+            self.state.keep_module_values()
+        self.state.build(self.groups.edp, from_module=from_module)
         self.hooks = GradHooks(self.state, self.ballot, self.inventory.params.values())
         # the elements of every expert of every layer, held here or not
         self.full_numel = sum(
@@ -108,17 +111,28 @@ class ExpertShards:
         device: torch.device,
         from_module: bool,
     ) -> ExpertShards:
-        """The experts' state of ``model``, built from the module's values (an engine
-        whose state comes from peers, a newcomer to an elastic job, is refused)."""
-        if not from_module:
-            raise ValueError(
-                "expert parallelism runs in a fixed world for now: an elastic job "
-                "(a newcomer's state from peers) cannot hold experts apart yet"
-            )
+        """The experts' state of ``model``: built from the module's values, or empty
+        (``from_module=False``: a newcomer to an elastic job, filled by its peers,
+        worker/elastic/experts.py)."""
         return cls(
-            model, user_optimizer, config,
-            dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype, device=device,
+            model, user_optimizer, config, dtype=precision.param_dtype,
+            reduce_dtype=precision.reduce_dtype, device=device, from_module=from_module,
         )  # fmt: skip
+
+    def regroup(self, groups: ExpertGroups) -> None:
+        """Move this rank's experts onto ``groups``, formed over a new world where this
+        rank keeps its place (worker/elastic/experts.py [Note: elastic expert
+        parallelism]): the modules exchange tokens over the new ep group; the state
+        is rebuilt over the new expert-data-parallel group when it is refilled."""
+        if (groups.size, groups.place) != (self.groups.size, self.groups.place):
+            raise RuntimeError(
+                f"a re-formed world put this rank at place {groups.place} of ep="
+                f"{groups.size}, but it holds the experts of place {self.groups.place} of "
+                f"ep={self.groups.size}"
+            )
+        self.groups = groups
+        for m in self.modules:
+            m._zp_expert.groups = groups
 
     # ---------------------------------------------------------------- forward, backward
 

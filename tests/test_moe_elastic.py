@@ -1,0 +1,93 @@
+"""An expert-parallel job under ``zeroplane run`` grows and shrinks by whole ep groups
+(worker/elastic/experts.py [Note: elastic expert parallelism]): every survivor keeps
+its place and its experts, the experts' shards re-shard over each place's ring and the
+rest over the world, and the job ends equal to one process training the same batches
+with torch alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.control.arrangement import ExpertArrangement, arrangement_for
+from tests.coordinator_util import worker
+from tests.scripts.moe_elastic_train import batches, build
+from tests.test_mesh_elastic import STEPS, MeshRun
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "moe_elastic_train.py"
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    """One process, torch alone: the same model, SGD and batches."""
+    model, opt = build()
+    for x in batches(steps):
+        model(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_an_expert_parallel_job_is_arranged_in_whole_ep_groups() -> None:
+    assert not isinstance(arrangement_for(worker("w0")), ExpertArrangement)
+    ep = arrangement_for(worker("w0", experts=(2, 1000)))
+    assert isinstance(ep, ExpertArrangement) and (ep.tp, ep.pp) == (2, 1)
+
+
+def assert_matches_reference(tmp: Path) -> None:
+    got = torch.load(tmp / "final.pt", weights_only=True)
+    want = reference(STEPS)
+    assert set(got) == set(want)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst < 1e-5, f"the elastic ep job differs from one process by {worst:.3g}"
+
+
+@pytest.fixture
+def run(tmp_path: Path):
+    runs: list[MeshRun] = []
+
+    def start(*flags: str, stage: int) -> MeshRun:
+        runs.append(MeshRun(tmp_path, *flags, stage=stage, mesh=("--ep", "2"), script=SCRIPT))
+        return runs[-1]
+
+    yield start
+    for r in runs:
+        r.close()
+
+
+@pytest.mark.timeout(300)
+def test_an_ep_job_grows_by_an_ep_group_and_shrinks_back(run) -> None:
+    job = run("--nproc", "4", "--min-nproc", "4", "--max-nproc", "6", stage=3)
+    job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
+    job.proc.send_signal(signal.SIGUSR1)  # a whole ep group: two workers
+    job.wait_until("six ranks", lambda: job.world() == 6)
+    grown = job.step()
+    job.wait_until("six ranks training", lambda: job.step() >= grown + 3)
+    assert job.step() < STEPS - 4, "the job is too fast for this test to resize it"
+    job.proc.send_signal(signal.SIGUSR2)  # the newest ep group leaves
+    job.wait_until("back to four", lambda: job.world() == 4)
+    text = job.finish()
+    # the first four were never restarted: four registrations, then the group's two
+    assert text.count("INFO coordinator.control.membership: registered") == 6, text[-4000:]
+    assert "grew to 6 ranks" in text and "joined at step" in text
+    assert "with its ep group" in text
+    assert "recovered" not in text  # no step was abandoned
+    assert_matches_reference(job.tmp)
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_asked_to_leave_takes_its_ep_group_out(run) -> None:
+    """A SIGTERM from outside to one worker of the first ep group: it and its ep peer
+    hand their shards over and leave; the survivors, renumbered, keep their places."""
+    job = run("--nproc", "6", "--min-nproc", "4", "--max-nproc", "6", stage=1)
+    job.wait_until("six ranks training", lambda: job.world() == 6 and job.step() >= 3)
+    os.kill(job.workers()[0], signal.SIGTERM)
+    job.wait_until("two ep groups", lambda: job.world() == 4)
+    text = job.finish()
+    assert "leaving with rank" in text and "with its ep group, ranks [0, 1]" in text, text[-4000:]
+    assert "recovered" not in text
+    assert_matches_reference(job.tmp)

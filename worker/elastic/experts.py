@@ -1,0 +1,104 @@
+"""An expert-parallel job's membership changes, by whole ep groups: the experts'
+side of a scale-up, a leave and a newcomer's join (worker/elastic/change.py and
+joining.py call these beside the exchange of the engine's own state).
+
+[Note: elastic expert parallelism]
+Under expert parallelism (worker/moe/dispatch.py [Note: expert parallelism]) an
+ep group is ``ep`` consecutive ranks, and the rank at place ``j`` of every group
+holds the same experts, sharded over those ranks (the expert-data-parallel ring
+of place ``j``; worker/moe/shards.py [Note: two shard states]). A membership
+change keeps ``ep`` and moves the world by whole ep groups, each survivor at its
+place (coordinator/control/arrangement.py ``ExpertArrangement``: the mesh
+arrangement, with ep groups for model-parallel ones), so a survivor's experts
+stay its own and only their sharding changes:
+
+* the engine's own state (every parameter but the experts) re-shards over the
+  world with the data-parallel exchange (worker/live/exchange.py), as in a
+  data-parallel job;
+* the experts re-shard ring by ring: one exchange per place over the same group,
+  whose new members are the new ranks at that place; a rank sends only in its
+  own place's (its ring's layout is the one it computes), and every rank takes
+  part in every place's, since it is one collective of the whole group;
+* the ep and expert-data-parallel groups are formed again over the new world
+  (every rank creates every group, in the same order: members right after the
+  new group forms, a newcomer as it builds its engine), and each experts module
+  exchanges its tokens over its new ep group.
+
+A rank asked to leave takes its whole ep group with it: its peers' experts are
+one group's share of every layer, which nobody else holds. The group's ranks
+hand their shards over to the survivors over the old group, as a leaver does in
+a data-parallel job, and exit 0. A lost rank (a crash) leaves its ring's shards
+nowhere: the job stops with a message to restart from its last checkpoint, which
+loads at any ep and world size (in-memory replicas hold the engine's own state
+only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from worker import live
+from worker.collectives import Collectives
+from worker.engine import ZeroEngine
+from worker.entries import Entries
+from worker.moe.dispatch import ExpertGroups
+from worker.moe.shards import ExpertShards
+from worker.state import Counters
+
+__all__ = ["adopt", "exchange", "leaving_group", "regroup"]
+
+
+def leaving_group(engine: ZeroEngine, leaving: int) -> list[int]:
+    """The ranks that leave with rank ``leaving``: its ep group under expert
+    parallelism, itself otherwise."""
+    if engine.experts is None:
+        return [leaving]
+    ep = engine.experts.groups.size
+    first = leaving - leaving % ep
+    return list(range(first, first + ep))
+
+
+def regroup(experts: ExpertShards) -> None:
+    """Form the ep and expert-data-parallel groups over the new default group (a
+    collective of every rank of it) and move the experts modules onto them."""
+    experts.regroup(ExpertGroups.form(Collectives(None), experts.groups.size))
+
+
+def exchange(
+    experts: ExpertShards,
+    *,
+    holds_state: bool,
+    new_members: Sequence[int],
+    entries: Entries | None = None,
+    counters: Counters | None = None,
+) -> live.Handover:
+    """Send this rank's experts' shards to their new owners and receive its own,
+    one ring (place) after another over the default group ([Note: elastic expert
+    parallelism]). ``new_members``: the ranks of the default group that form the
+    new world, in new-rank order (the new rank ``i`` is at place ``i % ep``; a
+    member keeps its place); ``entries``/``counters``: send these (what it was
+    handed) instead of its live state."""
+    ep, place = experts.groups.size, experts.groups.place
+    mine: live.Handover | None = None
+    for p in range(ep):
+        ring = [rank for i, rank in enumerate(new_members) if i % ep == p]
+        handover = live.exchange(
+            experts.state,
+            holds_state=holds_state and p == place,
+            via=None,
+            new_members=ring,
+            entries=entries if p == place else {},
+            counters=counters,
+        )
+        if p == place:
+            mine = handover
+    assert mine is not None
+    return mine
+
+
+def adopt(experts: ExpertShards, handover: live.Handover | None) -> None:
+    """Fill the experts' state from ``handover`` (None: nothing arrived, a rank
+    that leaves), rebuilt over its new expert-data-parallel group."""
+    if handover is not None:
+        live.adopt(experts.state, handover, experts.groups.edp)
+        experts.ballot.clear()
