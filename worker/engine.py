@@ -32,7 +32,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,9 @@ from worker.precision import LossScaler, MixedPrecision
 from worker.schedule import LrSchedule, SchedulerArg, resolve_scheduler
 from worker.state import ShardState
 from worker.stats import StepStats
+
+if TYPE_CHECKING:  # (loaded with context parallelism: worker/factory.py)
+    from worker.context import ContextParallel
 
 __all__ = [
     "Membership",
@@ -236,6 +239,9 @@ class ZeroEngine(Checkpointing):
         # an expert-parallel model's experts: their own state over their group
         # (worker/moe/shards.py [Note: two shard states])
         self.experts: ExpertShards | None = None
+        # context parallelism: the cp groups and the batch split by sequence (set by
+        # worker/factory.py; worker/context/parallel.py [Note: context parallelism])
+        self.context: ContextParallel | None = None
         if dense_only(module) is not None:
             self.experts = ExpertShards.of(
                 module, self.user_optimizer, config, precision=self.precision,
@@ -268,6 +274,13 @@ class ZeroEngine(Checkpointing):
     @property
     def world_size(self) -> int:
         return self.state.world_size
+
+    @property
+    def data_rank(self) -> tuple[int, int]:
+        """(this rank's index, the number of batches) of data parallelism: the batch of a
+        step splits by these; the ranks of a context-parallel group share one."""
+        cp = 1 if self.context is None else self.context.size
+        return self.rank // cp, self.world_size // cp
 
     @property
     def layout(self) -> Layout:
@@ -345,6 +358,8 @@ class ZeroEngine(Checkpointing):
     @guarded
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.stats.begin()
+        if self.context is not None and "input_ids" in kwargs:  # a transformers call
+            kwargs = self.context.prepare(kwargs)
         if self.precision.enabled:
             args, kwargs = tree_map(self.precision.cast_input, (args, kwargs))
         with (
@@ -719,6 +734,8 @@ class ZeroEngine(Checkpointing):
         self.state.params.detach()
         if self.experts is not None:
             self.experts.close()
+        if self.context is not None:
+            self.context.close()
         if self.membership is not None:
             self.membership.close()
             self.membership = None

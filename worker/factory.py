@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 # them) load when a mesh is built, not with `import worker`: every worker process
 # of a data-parallel job would pay for them at start
 if TYPE_CHECKING:
+    from worker.context import ContextParallel
     from worker.mesh_engine import MeshEngine
     from worker.pipeline_engine import PipelineEngine
     from worker.tp import TensorParallel
@@ -119,11 +120,13 @@ def _construct(
         shape = spec.parallel.shape(world)
     if shape is None:
         optimizer = spec.optimizer
+        if spec.parallel is not None:
+            check_combination(config, spec.parallel)
         if spec.expert_parallel > 1:
             assert spec.parallel is not None
-            check_combination(config, spec.parallel)
             optimizer = _expert_parallel(spec, spec.parallel)
-        return ZeroEngine(
+        context = _context_parallel(spec, spec.parallel)
+        engine = ZeroEngine(
             spec.model,
             optimizer,
             config=config,
@@ -138,6 +141,8 @@ def _construct(
             init=spec.init,
             loss_fn=spec.loss_fn,
         )
+        engine.context = context
+        return engine
     parallel = _layout_of(spec.parallel, shape)
     check_combination(config, parallel)
     if mesh is None:
@@ -188,6 +193,25 @@ def _expert_parallel(spec: EngineSpec, parallel: ParallelConfig) -> OptimizerArg
         groups.size, groups.place, groups.edp.world_size, groups.world,
     )  # fmt: skip
     return rebuild_optimizer(spec.optimizer, before, spec.model, dropped_ok=True)
+
+
+def _context_parallel(spec: EngineSpec, parallel: ParallelConfig | None) -> ContextParallel | None:
+    """The cp groups of the process group and the model switched to their attention
+    (worker/context/parallel.py [Note: context parallelism]); None without cp."""
+    if parallel is None or parallel.context_parallel == 1:
+        return None
+    from worker.context import ContextParallel
+
+    context = ContextParallel(
+        Collectives(spec.group), parallel.context_parallel, parallel.context_parallel_kind
+    )
+    context.install(spec.model)
+    logger.info(
+        "context parallel: cp=%d (%s), this rank holds shard %d of each sequence; the "
+        "state is sharded over all %d ranks",
+        context.size, context.kind, context.rank, context.world.world_size,
+    )  # fmt: skip
+    return context
 
 
 def _layout_of(asked: ParallelConfig | None, shape: MeshShape) -> ParallelConfig:

@@ -14,12 +14,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from coordinator.core.meshplan import EP_ENV, PP_ENV, TP_ENV, MeshShape
+from coordinator.core.meshplan import CP_ENV, CP_KIND_ENV, EP_ENV, PP_ENV, TP_ENV, MeshShape
 from worker.config import ZeroConfig
 
 __all__ = ["ParallelConfig", "Schedule", "build_mesh", "check_combination", "check_heads"]
 
 Schedule = Literal["gpipe", "1f1b"]
+ContextKind = Literal["ulysses", "ring"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +39,13 @@ class ParallelConfig:
             (worker/moe/dispatch.py [Note: expert parallelism]); 1 = off.
         capacity_factor: with expert parallelism, at most ``ceil(factor * T * K / E)``
             tokens per expert per call, the rest dropped; None: dropless.
+        context_parallel: ranks that split each sequence (cp): each computes a
+            shard of every sequence of its group's batch, attention exchanging
+            what it needs (worker/context/parallel.py [Note: context parallelism]);
+            1 = off.
+        context_parallel_kind: ``"ulysses"`` (all-to-all: heads for sequence, the
+            heads divisible by cp) or ``"ring"`` (key/value blocks round the
+            ring, zig-zag shards for causal balance; any heads).
     """
 
     tensor_parallel: int = 1
@@ -46,9 +54,17 @@ class ParallelConfig:
     microbatches: int = 4
     expert_parallel: int = 1
     capacity_factor: float | None = None
+    context_parallel: int = 1
+    context_parallel_kind: ContextKind = "ulysses"
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "microbatches", "expert_parallel"):
+        for name in (
+            "tensor_parallel",
+            "pipeline_parallel",
+            "microbatches",
+            "expert_parallel",
+            "context_parallel",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
@@ -57,6 +73,11 @@ class ParallelConfig:
                                 or not cap > 0):  # fmt: skip
             raise ValueError(
                 f"ParallelConfig.capacity_factor must be a number > 0 or None, got {cap!r}"
+            )
+        if self.context_parallel_kind not in ("ulysses", "ring"):
+            raise ValueError(
+                "ParallelConfig.context_parallel_kind must be 'ulysses' or 'ring', "
+                f"got {self.context_parallel_kind!r}"
             )
         if self.pipeline_schedule not in ("gpipe", "1f1b"):
             raise ValueError(
@@ -71,13 +92,18 @@ class ParallelConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ParallelConfig:
-        """tp, pp and ep as the launcher set them (``zeroplane run --tp/--pp/--ep``, the
-        job spec: ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``/``$ZEROPLANE_EP``); 1 where unset."""
+        """tp, pp, ep and cp as the launcher set them (``zeroplane run --tp/--pp/--ep/--cp``,
+        the job spec: ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``/``$ZEROPLANE_EP``/
+        ``$ZEROPLANE_CP``, ``$ZEROPLANE_CP_KIND``); 1 where unset."""
         values: dict[str, Any] = {}
+        kind = os.environ.get(CP_KIND_ENV)
+        if kind:
+            values["context_parallel_kind"] = kind
         for field_name, env in (
             ("tensor_parallel", TP_ENV),
             ("pipeline_parallel", PP_ENV),
             ("expert_parallel", EP_ENV),
+            ("context_parallel", CP_ENV),
         ):
             raw = os.environ.get(env)
             if raw is not None:
@@ -93,6 +119,13 @@ class ParallelConfig:
 def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
     """Refuse, with the reason, what this composition does not do (README, "The mesh")."""
     pp = parallel.pipeline_parallel
+    cp = parallel.context_parallel
+    if cp > 1 and (pp > 1 or parallel.tensor_parallel > 1 or parallel.expert_parallel > 1):
+        raise ValueError(
+            f"context_parallel={cp} runs over data parallelism only for now, not with "
+            f"tensor_parallel={parallel.tensor_parallel}, pipeline_parallel={pp} or "
+            f"expert_parallel={parallel.expert_parallel} (docs/guides/long-sequences.md)"
+        )
     if parallel.expert_parallel > 1 and (pp > 1 or parallel.tensor_parallel > 1):
         raise ValueError(
             f"expert_parallel={parallel.expert_parallel} runs over data parallelism only for "

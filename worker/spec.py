@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from coordinator.core.meshplan import EP_ENV, MESH_ENV, PP_ENV, TP_ENV
+from coordinator.core.meshplan import CP_ENV, EP_ENV, MESH_ENV, PP_ENV, TP_ENV
 from worker import ds_sections
 from worker.birth import Init, place_module
 from worker.config import ZeroConfig
@@ -160,6 +160,10 @@ class EngineSpec:
     def expert_parallel(self) -> int:
         return 1 if self.parallel is None else self.parallel.expert_parallel
 
+    @property
+    def context_parallel(self) -> int:
+        return 1 if self.parallel is None else self.parallel.context_parallel
+
     def experts_request(self) -> tuple[int, int] | None:
         """(expert_parallel, the experts' elements) a worker registers when it splits
         its experts over ranks (the inventory leaves them out); None otherwise."""
@@ -235,7 +239,7 @@ def _parallel_from_env() -> ParallelConfig | None:
     """The layout the launcher asked for (``zeroplane run --tp/--pp/--ep``, the job
     spec: ``$ZEROPLANE_TP``/``$ZEROPLANE_PP``/``$ZEROPLANE_EP``), or None where it
     asked for none."""
-    if not any(env in os.environ for env in (TP_ENV, PP_ENV, EP_ENV)):
+    if not any(env in os.environ for env in (TP_ENV, PP_ENV, EP_ENV, CP_ENV)):
         return None
     return ParallelConfig.from_env()
 

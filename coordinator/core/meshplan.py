@@ -27,6 +27,8 @@ from coordinator.core.memory import (
 from coordinator.core.planner import PlanConfig, format_bytes
 
 __all__ = [
+    "CP_ENV",
+    "CP_KIND_ENV",
     "EP_ENV",
     "MESH_ENV",
     "PP_ENV",
@@ -54,6 +56,10 @@ PP_ENV = "ZEROPLANE_PP"
 # the experts' degree a launcher hands its workers (zeroplane run --ep): not a mesh
 # dimension the coordinator forms; ranks split it within data parallelism
 EP_ENV = "ZEROPLANE_EP"
+# the context-parallel degree and kind (zeroplane run --cp/--cp-kind): blocks of
+# ranks within data parallelism that split each sequence (worker/context/)
+CP_ENV = "ZEROPLANE_CP"
+CP_KIND_ENV = "ZEROPLANE_CP_KIND"
 # "auto" (`zeroplane run --mesh auto`): the coordinator chooses tp and pp
 # (coordinator/control/membership.py ``_plan_mesh``) and the workers build its mesh.
 MESH_ENV = "ZEROPLANE_MESH"

@@ -1,0 +1,163 @@
+"""Ring attention: key and value blocks passed round the cp group, the softmax
+accumulated online.
+
+[Note: ring attention]
+Each rank holds its zig-zag shard of every sequence ([Note: sequence shards] in
+worker/context/layout.py). The forward runs k steps: at step t a rank attends
+with its queries to the key/value block of rank r - t (its own first, so every
+query has a key from the start), masked by the blocks' positions in the whole
+sequence (causal, within documents), and merges the block's result into its
+running output by log-sum-exp, while the block travels on to rank r + 1. Only
+the output and the log-sum-exp are kept. The backward runs the ring again: each
+block travels with its key and value gradients, to which every rank adds its
+queries' share (the softmax rebuilt from the saved log-sum-exp, as flash
+attention's backward does); after k steps one more pass brings each block's
+gradients home. Key/value heads travel as they are (grouped-query attention
+repeats them per block, and folds their gradients back), so the heads need not
+divide by k. Accumulation is in float32. A block a query cannot see at all
+(causal, other documents) costs its matmuls but adds nothing; the zig-zag
+shards give every rank the same number of visible pairs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.collectives import Collectives, Handle
+from worker.context.layout import SequenceBatch, shard_index
+
+__all__ = ["ring_attention"]
+
+
+def _pass_on(comm: Collectives, x: torch.Tensor) -> tuple[torch.Tensor, Handle]:
+    """Send ``x`` to the next rank of the ring; receive the previous rank's (same size)."""
+    n, r = comm.world_size, comm.rank
+    flat = x.contiguous().reshape(-1)
+    out = torch.empty_like(flat)
+    sends = [flat.numel() if d == (r + 1) % n else 0 for d in range(n)]
+    recvs = [flat.numel() if d == (r - 1) % n else 0 for d in range(n)]
+    handle = comm.all_to_all(
+        out, flat, async_op=True, input_split_sizes=sends, output_split_sizes=recvs
+    )
+    return out, handle
+
+
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float, rep: int
+) -> torch.Tensor:
+    k = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    return s.masked_fill(~mask, float("-inf"))
+
+
+def _fold(grad: torch.Tensor, rep: int) -> torch.Tensor:
+    """Gradients of repeated key/value heads summed back onto their heads."""
+    if rep == 1:
+        return grad
+    b, h, s, d = grad.shape
+    return grad.view(b, h // rep, rep, s, d).sum(2)
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        comm: Collectives,
+        batch: SequenceBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        n, r = comm.world_size, comm.rank
+        rep = q.shape[1] // k.shape[1]
+        index = [shard_index(batch.length, i, n, "ring").to(q.device) for i in range(n)]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        block = torch.cat([k.reshape(-1), v.reshape(-1)])
+        for t in range(n):
+            src = (r - t) % n
+            ahead = _pass_on(comm, block) if t < n - 1 else None
+            kb, vb = block[: k.numel()].view_as(k), block[k.numel() :].view_as(v)
+            s = _scores(q, kb, batch.mask(index[r], index[src]).to(q.device), scale, rep)
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            p = torch.exp(s - m)
+            total = p.sum(-1, keepdim=True)
+            vr = vb.repeat_interleave(rep, dim=1) if rep > 1 else vb
+            part = torch.matmul(p, vr.float()) / total.clamp_min(1e-30)
+            part_lse = (m + torch.log(total)).squeeze(-1)
+            merged = torch.logaddexp(lse, part_lse)
+            keep = torch.where(torch.isfinite(merged), torch.exp(lse - merged), 0.0)
+            take = torch.where(torch.isfinite(merged), torch.exp(part_lse - merged), 0.0)
+            out = out * keep[..., None] + part * take[..., None]
+            lse = merged
+            if ahead is not None:
+                block, handle = ahead
+                handle.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.batch, ctx.scale, ctx.index = comm, batch, scale, index
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, batch, scale, index = ctx.comm, ctx.batch, ctx.scale, ctx.index
+        n, r = comm.world_size, comm.rank
+        rep = q.shape[1] // k.shape[1]
+        dout = dout.float()
+        delta = (dout * out).sum(-1, keepdim=True)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        sizes = [k.numel(), v.numel(), k.numel(), v.numel()]
+        block = torch.cat(
+            [
+                k.float().reshape(-1),
+                v.float().reshape(-1),
+                torch.zeros(k.numel() + v.numel(), device=q.device),
+            ]
+        )
+        for t in range(n):
+            src = (r - t) % n
+            kb, vb, dk, dv = (
+                part.view_as(like)
+                for part, like in zip(block.split(sizes), (k, v, k, v), strict=True)
+            )
+            s = _scores(q, kb, batch.mask(index[r], index[src]).to(q.device), scale, rep)
+            p = torch.exp(s - lse[..., None])  # (masked: exp(-inf) = 0)
+            vr = vb.repeat_interleave(rep, dim=1) if rep > 1 else vb
+            kr = kb.repeat_interleave(rep, dim=1) if rep > 1 else kb
+            dv += _fold(torch.matmul(p.transpose(-1, -2), dout), rep)
+            ds = p * (torch.matmul(dout, vr.transpose(-1, -2)) - delta)
+            dq += torch.matmul(ds, kr) * scale
+            dk += _fold(torch.matmul(ds.transpose(-1, -2), q.float()), rep) * scale
+            # the block and its gradients on to the next rank; after the last step the
+            # gradients alone, home to the block's rank
+            block, handle = _pass_on(comm, block if t < n - 1 else block[k.numel() + v.numel() :])
+            handle.wait()
+        home = block.split([k.numel(), v.numel()])
+        return (
+            dq.to(q.dtype),
+            home[0].view_as(k).to(k.dtype),
+            home[1].view_as(v).to(v.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm: Collectives,
+    batch: SequenceBatch,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of this rank's zig-zag shard (B x H x S/k x D queries, B x H_kv x
+    S/k x D keys and values) over the whole sequence ([Note: ring attention])."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _Ring.apply(q, k, v, comm, batch, scale)
