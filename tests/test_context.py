@@ -15,7 +15,7 @@ from torch import nn
 
 import worker
 from tests.reference import max_diff
-from worker.context.layout import documents, shard_index
+from worker.context.shards import documents, shard_index
 from worker.parallel import ParallelConfig
 
 VOCAB, SEQ, ROWS, STEPS = 64, 16, 2, 3

@@ -1,7 +1,7 @@
 """Context parallelism: long sequences split over the ranks of a cp group
 (worker/context/parallel.py [Note: context parallelism]).
 
-* layout.py: how a sequence splits (contiguous for all-to-all, zig-zag for the
+* shards.py: how a sequence splits (contiguous for all-to-all, zig-zag for the
   ring) and what attention needs of the whole batch ([Note: sequence shards]);
 * ulysses.py: all-to-all attention ([Note: all-to-all attention]);
 * ring.py: ring attention ([Note: ring attention]);

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.collectives import Collectives
-from worker.context.layout import Kind, SequenceBatch, documents, shard_index
 from worker.context.ring import ring_attention
+from worker.context.shards import Kind, SequenceBatch, documents, shard_index
 from worker.context.ulysses import ulysses_attention
 
 __all__ = ["ATTENTION_NAME", "ContextParallel", "active", "attention"]

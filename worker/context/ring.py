@@ -3,7 +3,7 @@ accumulated online.
 
 [Note: ring attention]
 Each rank holds its zig-zag shard of every sequence ([Note: sequence shards] in
-worker/context/layout.py). The forward runs k steps: at step t a rank attends
+worker/context/shards.py). The forward runs k steps: at step t a rank attends
 with its queries to the key/value block of rank r - t (its own first, so every
 query has a key from the start), masked by the blocks' positions in the whole
 sequence (causal, within documents), and merges the block's result into its
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from worker.collectives import Collectives, Handle
-from worker.context.layout import SequenceBatch, shard_index
+from worker.context.shards import SequenceBatch, shard_index
 
 __all__ = ["ring_attention"]
 

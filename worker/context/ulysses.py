@@ -2,7 +2,7 @@
 
 [Note: all-to-all attention]
 Each rank of a cp group of k holds S/k tokens of every head ([Note: sequence
-shards] in worker/context/layout.py). Before attention one all-to-all gives each
+shards] in worker/context/shards.py). Before attention one all-to-all gives each
 rank the whole sequence of H/k heads (rank j gets head group j of every rank's
 tokens, in rank order, which is sequence order); attention then runs as in one
 process, causal and within documents; a second all-to-all gives each rank its
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.collectives import Collectives
-from worker.context.layout import SequenceBatch
+from worker.context.shards import SequenceBatch
 
 __all__ = ["ulysses_attention"]
 
