@@ -657,6 +657,11 @@ ENV_DOCS: dict[str, str] = {
     "ZEROPLANE_EP": "Expert-parallel degree from `zeroplane run --ep`, read by "
     "`ParallelConfig.from_env` into `expert_parallel`: each mixture-of-experts layer's "
     "experts split over that many ranks (docs/guides/moe.md).",
+    "ZEROPLANE_CP": "Context-parallel degree from `zeroplane run --cp`, read by "
+    "`ParallelConfig.from_env` into `context_parallel`: each sequence split over that "
+    "many ranks, which share one batch (docs/guides/long-sequences.md).",
+    "ZEROPLANE_CP_KIND": "`ulysses` or `ring`, from `zeroplane run --cp-kind`, read by "
+    "`ParallelConfig.from_env` into `context_parallel_kind`.",
     "ZEROPLANE_MESH": "`auto` from `zeroplane run --mesh auto`: the coordinator chooses "
     "tp and pp (and the stage, when none is configured) from the model and the workers' "
     "device memory, and every worker builds the generation's mesh.",

@@ -344,6 +344,7 @@ class _EngineOn:
     def __init__(self, device: str) -> None:
         self.device = torch.device(device)
         self.global_steps, self.rank, self.world_size = 0, 0, 1
+        self.data_rank = (0, 1)
         self.registered: dict[str, object] = {}
 
     def register_state(self, name: str, obj: object) -> None:

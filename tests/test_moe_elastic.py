@@ -1,5 +1,5 @@
 """An expert-parallel job under ``zeroplane run`` grows and shrinks by whole ep groups
-(worker/elastic/experts.py [Note: elastic expert parallelism]): every survivor keeps
+(worker/elastic/blocks.py [Note: elastic expert parallelism]): every survivor keeps
 its place and its experts, the experts' shards re-shard over each place's ring and the
 rest over the world, and the job ends equal to one process training the same batches
 with torch alone."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.control.arrangement import ExpertArrangement, arrangement_for
+from coordinator.control.arrangement import BlockArrangement, arrangement_for
 from tests.coordinator_util import worker
 from tests.scripts.moe_elastic_train import batches, build
 from tests.test_mesh_elastic import STEPS, MeshRun
@@ -33,9 +33,11 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
 
 
 def test_an_expert_parallel_job_is_arranged_in_whole_ep_groups() -> None:
-    assert not isinstance(arrangement_for(worker("w0")), ExpertArrangement)
+    assert not isinstance(arrangement_for(worker("w0")), BlockArrangement)
     ep = arrangement_for(worker("w0", experts=(2, 1000)))
-    assert isinstance(ep, ExpertArrangement) and (ep.tp, ep.pp) == (2, 1)
+    assert isinstance(ep, BlockArrangement) and (ep.tp, ep.pp) == (2, 1)
+    cp = arrangement_for(worker("w0", context_parallel=4))
+    assert isinstance(cp, BlockArrangement) and (cp.tp, cp.pp) == (4, 1)
 
 
 def assert_matches_reference(tmp: Path) -> None:
@@ -74,7 +76,7 @@ def test_an_ep_job_grows_by_an_ep_group_and_shrinks_back(run) -> None:
     # the first four were never restarted: four registrations, then the group's two
     assert text.count("INFO coordinator.control.membership: registered") == 6, text[-4000:]
     assert "grew to 6 ranks" in text and "joined at step" in text
-    assert "with its ep group" in text
+    assert "with its group, ranks [4, 5]" in text
     assert "recovered" not in text  # no step was abandoned
     assert_matches_reference(job.tmp)
 
@@ -88,6 +90,6 @@ def test_a_worker_asked_to_leave_takes_its_ep_group_out(run) -> None:
     os.kill(job.workers()[0], signal.SIGTERM)
     job.wait_until("two ep groups", lambda: job.world() == 4)
     text = job.finish()
-    assert "leaving with rank" in text and "with its ep group, ranks [0, 1]" in text, text[-4000:]
+    assert "leaving with rank" in text and "with its group, ranks [0, 1]" in text, text[-4000:]
     assert "recovered" not in text
     assert_matches_reference(job.tmp)

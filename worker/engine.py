@@ -277,8 +277,9 @@ class ZeroEngine(Checkpointing):
 
     @property
     def data_rank(self) -> tuple[int, int]:
-        """(this rank's index, the number of batches) of data parallelism: the batch of a
-        step splits by these; the ranks of a context-parallel group share one."""
+        """(this rank's index, the number of shares) of data parallelism: a step's global
+        batch splits by these (the loaders and ``share_of`` do); the ranks of a
+        context-parallel group share one."""
         cp = 1 if self.context is None else self.context.size
         return self.rank // cp, self.world_size // cp
 
@@ -427,7 +428,7 @@ class ZeroEngine(Checkpointing):
                 f"micro-batches (and >= 1), got {global_batch!r}"
             )
         self.set_gradient_accumulation_steps(len(counts))
-        n = self.state.world_size
+        n = self.data_rank[1]
         self._micro_counts = list(counts)
         self._micro_weights = [n * c / global_batch for c in counts]
 
@@ -684,11 +685,11 @@ class ZeroEngine(Checkpointing):
         """
         if self.state.micro_in_step:
             raise RuntimeError("reconfigure() must be called at an accumulation boundary")
-        if self.experts is not None:
+        if self.experts is not None or self.context is not None:
             raise RuntimeError(
-                "reconfigure() of an expert-parallel engine: its experts' groups cannot be "
-                "re-formed live yet; save a checkpoint and load it at the new size "
-                "(it loads at any ep and world size, docs/guides/moe.md)"
+                "reconfigure() of an expert- or context-parallel engine: its groups are "
+                "re-formed by the elastic session (zeroplane run); a script's own groups "
+                "save a checkpoint and load it at the new size (it loads at any size)"
             )
         for name, what in (("hpz_partition_size", "hpZ"), ("hierarchical_reduce", "qgZ")):
             k = getattr(self.config, name)

@@ -144,6 +144,7 @@ class ControlPlane:
         fixed: tuple[int, int] | None = None,
         mesh: tuple[int, int] | None = None,
         experts: tuple[int, int] | None = None,
+        context_parallel: int | None = None,
     ) -> ControlPlane:
         """Register with the coordinator at ``address`` and wait to be given a rank.
 
@@ -157,6 +158,8 @@ class ControlPlane:
         coordinator chooses (the generation's ``mesh`` says what it chose).
         ``experts``: (expert_parallel, the experts' elements) of a worker that splits its
         experts over ranks, which ``inventory`` leaves out (the planner counts them).
+        ``context_parallel``: the degree of a worker that splits each sequence over
+        ranks (the coordinator forms whole cp groups).
         """
         # read before registering: a bad value fails here, not in the middle of a job
         timeout = timedelta(seconds=env_seconds(TIMEOUT_ENV, 60.0))
@@ -181,6 +184,7 @@ class ControlPlane:
             fixed_world_size=None if fixed is None else fixed[1],
             mesh=mesh,
             experts=experts,
+            context_parallel=context_parallel,
         )
         client.register(info, inventory.specs)
         client.start()

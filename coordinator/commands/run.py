@@ -21,6 +21,8 @@ from coordinator.commands.args import (
     seconds,
 )
 from coordinator.core.meshplan import (
+    CP_ENV,
+    CP_KIND_ENV,
     EP_ENV,
     MESH_ENV,
     PP_ENV,
@@ -106,6 +108,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "each mixture-of-experts layer's experts split over E ranks, tokens exchanged by "
         "all-to-all (docs/guides/moe.md); --nproc, --min-workers and --max-workers must be "
         "multiples of E: an elastic job grows and shrinks by whole ep groups of E workers",
+    )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        metavar="C",
+        help="context-parallel degree: $ZEROPLANE_CP for ParallelConfig.from_env (default 1): "
+        "each sequence split over C ranks, which share one batch (docs/guides/"
+        "long-sequences.md); --nproc, --min-workers and --max-workers must be multiples "
+        "of C: an elastic job grows and shrinks by whole cp groups of C workers",
+    )
+    parser.add_argument(
+        "--cp-kind",
+        choices=("ulysses", "ring"),
+        default="ulysses",
+        help="with --cp: 'ulysses' (all-to-all, heads divisible by C) or 'ring' (key/value "
+        "blocks round the ring, any heads): $ZEROPLANE_CP_KIND (default ulysses)",
     )
     parser.add_argument(
         "--mesh",
@@ -452,23 +471,32 @@ def _live_status(
 def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
     """``$ZEROPLANE_TP``/``$ZEROPLANE_PP`` for a mesh job, checked against the worker
     counts: every count the job may run at must be whole model-parallel groups; and
-    ``$ZEROPLANE_EP`` for an expert-parallel one."""
-    ep = getattr(args, "ep", 1)
-    if ep == 1:
+    ``$ZEROPLANE_EP`` for an expert-parallel one, ``$ZEROPLANE_CP`` (and its kind) for a
+    context-parallel one, whose groups are blocks within data parallelism."""
+    ep, cp = getattr(args, "ep", 1), getattr(args, "cp", 1)
+    if ep == 1 and cp == 1:
         return _tp_pp_env(args)
-    if ep < 1:
-        raise ValueError(f"--ep must be >= 1, got {ep}")
+    for flag, n in (("--ep", ep), ("--cp", cp)):
+        if n < 1:
+            raise ValueError(f"{flag} must be >= 1, got {n}")
+    if ep > 1 and cp > 1:
+        raise ValueError("--ep with --cp is not supported yet")
+    flag, size, what = ("--ep", ep, "ep") if ep > 1 else ("--cp", cp, "cp")
     if args.tp != 1 or args.pp != 1 or getattr(args, "mesh", None) == "auto":
-        raise ValueError("--ep runs over data parallelism only for now: not with --tp/--pp/--mesh")
-    for flag in ("nproc", "min_workers", "max_workers"):
-        n = getattr(args, flag)
-        if n is not None and (n < ep or n % ep):
-            # an elastic one grows and shrinks by whole ep groups
+        raise ValueError(
+            f"{flag} runs over data parallelism only for now: not with --tp/--pp/--mesh"
+        )
+    for count in ("nproc", "min_workers", "max_workers"):
+        n = getattr(args, count)
+        if n is not None and (n < size or n % size):
+            # an elastic one grows and shrinks by whole groups
             raise ValueError(
-                f"--{flag.replace('_', '-')} {n} is not a multiple of --ep {ep}: an "
-                "expert-parallel job runs whole ep groups"
+                f"--{count.replace('_', '-')} {n} is not a multiple of {flag} {size}: the "
+                f"job runs whole {what} groups"
             )
-    return {EP_ENV: str(ep)}
+    if ep > 1:
+        return {EP_ENV: str(ep)}
+    return {CP_ENV: str(cp), CP_KIND_ENV: getattr(args, "cp_kind", "ulysses")}
 
 
 def _tp_pp_env(args: argparse.Namespace) -> dict[str, str]:
@@ -497,10 +525,10 @@ def _tp_pp_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _group_size(args: argparse.Namespace) -> int:
-    """Workers per model-parallel or ep group: what a mesh or expert-parallel job
-    scales by (1 for ZeRO alone)."""
+    """Workers per model-parallel, ep or cp group: what a mesh, expert- or
+    context-parallel job scales by (1 for ZeRO alone)."""
     group = max(1, getattr(args, "tp", 1)) * max(1, getattr(args, "pp", 1))
-    return group * max(1, getattr(args, "ep", 1))
+    return group * max(1, getattr(args, "ep", 1)) * max(1, getattr(args, "cp", 1))
 
 
 def _final_status(

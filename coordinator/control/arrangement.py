@@ -16,9 +16,9 @@ are the same for all (coordinator/control/membership.py [Note: atomic formation]
   model-parallel groups, each survivor at its position, newcomers filling the gaps,
   a survivor without a whole group standing by (coordinator/core/meshplan.py [Note:
   arranging whole groups]);
-* ``ExpertArrangement``, an elastic expert-parallel job: the same, its groups the ep
-  groups of ``ep`` consecutive ranks, each survivor at its place in its group
-  (worker/elastic/experts.py [Note: elastic expert parallelism]).
+* ``BlockArrangement``, an elastic expert- or context-parallel job: the same, its
+  groups the ep (or cp) groups of consecutive ranks, each survivor at its place in
+  its group (worker/elastic/blocks.py [Note: elastic expert parallelism]).
 
 A mesh job whose degrees are left to the coordinator (``--mesh auto``) is arranged as a
 data-parallel one; its mesh is chosen when the generation is planned.
@@ -35,8 +35,8 @@ from coordinator.core.settings import MembershipConfig
 
 __all__ = [
     "Arrangement",
+    "BlockArrangement",
     "ElasticArrangement",
-    "ExpertArrangement",
     "FixedArrangement",
     "MembershipView",
     "MeshArrangement",
@@ -165,13 +165,13 @@ class MeshArrangement(Arrangement):
         return None if generation.mesh is None else generation.mesh.coords(rank)
 
 
-class ExpertArrangement(MeshArrangement):
-    """Whole ep groups of ``ep`` consecutive ranks, each survivor at its place
-    ([Note: arrangements]): a mesh arrangement whose group is an ep group, the
+class BlockArrangement(MeshArrangement):
+    """Whole blocks of ``size`` consecutive ranks (ep or cp groups), each survivor at
+    its place ([Note: arrangements]): a mesh arrangement whose group is a block, the
     place standing for the tp index."""
 
-    def __init__(self, ep: int) -> None:
-        super().__init__(tp=ep, pp=1)
+    def __init__(self, size: int) -> None:
+        super().__init__(tp=size, pp=1)
 
     def coords(self, generation: Generation, rank: int) -> MeshCoords | None:
         return MeshCoords(pp=0, dp=rank // self.tp, tp=rank % self.tp)
@@ -182,7 +182,9 @@ def arrangement_for(info: WorkerInfo) -> Arrangement:
     if info.fixed_rank is not None:
         return FixedArrangement()
     if info.experts is not None and info.experts[0] > 1:
-        return ExpertArrangement(info.experts[0])
+        return BlockArrangement(info.experts[0])
+    if info.context_parallel is not None and info.context_parallel > 1:
+        return BlockArrangement(info.context_parallel)
     if info.mesh is not None and 0 not in info.mesh:
         return MeshArrangement(*info.mesh)
     return ElasticArrangement()

@@ -174,6 +174,7 @@ def worker_to_proto(info: WorkerInfo) -> pb.WorkerInfo:
         experts=None
         if info.experts is None
         else pb.ExpertRequest(expert_parallel=info.experts[0], numel=info.experts[1]),
+        context_parallel=info.context_parallel,
     )
 
 
@@ -196,6 +197,7 @@ def worker_from_proto(msg: pb.WorkerInfo) -> WorkerInfo:
         experts=(msg.experts.expert_parallel, msg.experts.numel)
         if msg.HasField("experts")
         else None,
+        context_parallel=msg.context_parallel if msg.HasField("context_parallel") else None,
     )
 
 

@@ -94,9 +94,14 @@ class WorkerInfo:
     # A worker that splits its model's experts over ranks: (expert_parallel, the
     # experts' elements), which the inventory leaves out and the planner counts
     experts: tuple[int, int] | None = None
+    # A worker that splits each sequence over ranks: the context-parallel degree (its
+    # groups are blocks of consecutive ranks, which the coordinator forms whole)
+    context_parallel: int | None = None
 
     def __post_init__(self) -> None:
         _check_id("WorkerInfo.worker_id", self.worker_id)
+        if self.context_parallel is not None:
+            _check_range("WorkerInfo.context_parallel", self.context_parallel, 1, 1 << 20)
         if self.experts is not None:
             ep, numel = self.experts
             _check_range("WorkerInfo.experts expert_parallel", ep, 1, 1 << 20)

@@ -76,10 +76,17 @@ class ContextParallel:
             raise ValueError(
                 f"context_parallel={size} must divide the world's {world.world_size} ranks"
             )
-        self.world, self.kind = world, kind
-        self.comm = world if size == world.world_size else world.split(size)
+        self.kind = kind
+        self.regroup(world, size)
         self.batch: SequenceBatch | None = None
         _ACTIVE.append(self)
+
+    def regroup(self, world: Collectives, size: int | None = None) -> None:
+        """Form the cp groups over ``world`` (a collective of every rank of it: a new
+        generation's, worker/elastic/blocks.py [Note: elastic blocks])."""
+        size = self.size if size is None else size
+        self.world = world
+        self.comm = world if size == world.world_size else world.split(size)
 
     @property
     def size(self) -> int:

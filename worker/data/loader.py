@@ -231,11 +231,10 @@ class FollowsEngine:
         if self._engine is None:
             raise RuntimeError(f"{type(self).__name__}.current() needs attach(engine) first")
         e = self._engine
-        out = self.batches(e.global_steps, e.rank, e.world_size)
+        rank, world = e.data_rank  # (a context-parallel group shares one batch)
+        out = self.batches(e.global_steps, rank, world)
         gb = self.config.global_batch
-        e.set_micro_batches(
-            micro_batch_counts(gb, e.rank, e.world_size, self.config.micro_batch), gb
-        )
+        e.set_micro_batches(micro_batch_counts(gb, rank, world, self.config.micro_batch), gb)
         return out
 
 

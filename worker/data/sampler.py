@@ -95,10 +95,11 @@ def split_global_batch(
 
 def share_of(batch: list[int], engine: Any, micro: int | None = None) -> list[list[int]]:
     """``engine``'s rank's micro-batches of ``batch`` (``split_global_batch`` at its
-    rank and world size), after telling the engine how many samples each holds
-    (``engine.set_micro_batches``): what a loop that slices its global batches itself
-    calls at every step, so that any world size computes the whole batch's step."""
-    rank, world = engine.rank, engine.world_size
+    data-parallel rank and width, ``engine.data_rank``), after telling the engine how
+    many samples each holds (``engine.set_micro_batches``): what a loop that slices its
+    global batches itself calls at every step, so that any world size computes the
+    whole batch's step."""
+    rank, world = engine.data_rank  # (a context-parallel group shares one batch)
     engine.set_micro_batches(micro_batch_counts(len(batch), rank, world, micro), len(batch))
     return split_global_batch(batch, rank, world, micro)
 

@@ -10,7 +10,7 @@ The modules, bottom up (each imports only those above it in this list):
 * phases.py: the session's phases and their transitions ([Note: session phases]),
   the sub-states a member keeps, :class:`PeerLost`, and the :class:`Session` the
   modules below take;
-* experts.py: an expert-parallel engine's side of a change, by whole ep groups
+* blocks.py: a job of ep or cp groups changing by whole groups, the experts' side
   ([Note: elastic expert parallelism]);
 * change.py: the prepared change made: scale-up, hand-over, a leave with nobody
   to hand over to;

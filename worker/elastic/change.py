@@ -33,7 +33,7 @@ from coordinator.core.messages import STOPPED, Generation
 from worker import live
 from worker.collectives import Collectives
 from worker.compat import abort_default_group
-from worker.elastic import experts
+from worker.elastic import blocks
 from worker.elastic.phases import Handed, PeerLost, Phase, Session, admitted
 from worker.elastic.prepared import PreparedLeave, PreparedScaleUp
 from worker.engine import ZeroEngine
@@ -113,7 +113,7 @@ def prepare_leave(session: Session, engine: ZeroEngine, leaving: int) -> None:
     if isinstance(ahead, PreparedLeave) and ahead.prepares_leave(current, leaving):
         return
     join_ahead(session, drop=True)  # a scale-up's preparation gives way
-    going = experts.leaving_group(engine, leaving)
+    going = blocks.leaving_group(engine, leaving)
     survivors = [r for r in range(engine.world_size) if r not in going]
     rank = None if engine.rank in going else survivors.index(engine.rank)
     session.ahead = PreparedLeave(current, time.monotonic(), rank, len(survivors), leaver=leaving)
@@ -148,8 +148,8 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
     current = control.generation.id
     prepared = isinstance(ahead, PreparedLeave) and ahead.prepares_leave(current, leaving)
     wire = ahead.wire if prepared else None
-    # under expert parallelism its ep group leaves with it (worker/elastic/experts.py)
-    going = experts.leaving_group(engine, leaving)
+    # under expert or context parallelism its group leaves with it (worker/elastic/blocks.py)
+    going = blocks.leaving_group(engine, leaving)
     survivors = [r for r in range(engine.world_size) if r not in going]
     if engine.rank in going:
         session._to(Phase.LEAVING)
@@ -159,7 +159,7 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
     handed = (
         None
         if engine.experts is None
-        else experts.exchange(engine.experts, holds_state=True, new_members=survivors)
+        else blocks.exchange(engine.experts, holds_state=True, new_members=survivors)
     )
     if engine.rank in going:
         engine.state.release()
@@ -167,7 +167,7 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
         session._forget_exit()
         control.close(leave=True)
         session._to(Phase.LEFT)
-        with_it = "" if engine.rank == leaving else f" with rank {leaving} of its ep group"
+        with_it = "" if engine.rank == leaving else f" with rank {leaving} of its group"
         logger.info("handed over at step %d; leaving%s", handover.counters.global_steps, with_it)
         raise SystemExit(0)
     old = control.generation
@@ -187,8 +187,7 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
     control.move_to(gen)
     if control.generation.id != gen.id:
         session._recover_in_formed(engine, gen)
-    if engine.experts is not None:
-        experts.regroup(engine.experts)
+    blocks.regroup(engine)
     if gen.world_size > len(survivor_ids):
         # workers admitted in the same generation: pass them their shards of what
         # the survivors were just handed (they run the join exchange). Should a
@@ -205,7 +204,7 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
             counters=handover.counters,
         )
         if engine.experts is not None and handed is not None:
-            handed = experts.exchange(
+            handed = blocks.exchange(
                 engine.experts,
                 holds_state=True,
                 new_members=everyone,
@@ -214,12 +213,12 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
             )
     session._adopt(engine, handover, Collectives(None))
     if engine.experts is not None:
-        experts.adopt(engine.experts, handed)
+        blocks.adopt(engine.experts, handed)
     session.held.generation, session.held.handed = gen.id, None
     session._refresh_replica(engine)  # newcomers, at the end of their join, too
     logger.info(
         "rank %s left; now rank %d of %d%s",
-        leaving if len(going) == 1 else f"{leaving} (with its ep group, ranks {going})",
+        leaving if len(going) == 1 else f"{leaving} (with its group, ranks {going})",
         engine.rank,
         engine.world_size,
         "" if wire is None else " (prepared ahead)",
@@ -267,8 +266,7 @@ def grow_to(session: Session, engine: ZeroEngine, gen: Generation) -> None:
     ahead, session.ahead = session.ahead, None
     wire = ahead.wire if ahead is not None and ahead.generation == gen.id else None
     everyone = list(range(gen.world_size))
-    if engine.experts is not None:  # (before the exchange, as a newcomer forms them)
-        experts.regroup(engine.experts)
+    blocks.regroup(engine)  # (before the exchange, as a newcomer forms them)
     # the exchange exports from the old layout and rank, which the state still holds
     handover = live.exchange(
         engine.state, holds_state=True, via=None, new_members=everyone, buffers=wire
@@ -276,11 +274,11 @@ def grow_to(session: Session, engine: ZeroEngine, gen: Generation) -> None:
     handed = (
         None
         if engine.experts is None
-        else experts.exchange(engine.experts, holds_state=True, new_members=everyone)
+        else blocks.exchange(engine.experts, holds_state=True, new_members=everyone)
     )
     session._adopt(engine, handover, Collectives(None))
     if engine.experts is not None:
-        experts.adopt(engine.experts, handed)
+        blocks.adopt(engine.experts, handed)
     session.held.generation = gen.id
     session._refresh_replica(engine)  # the newcomers, at the end of their join, too
     logger.info("grew to %d ranks at step %d", engine.world_size, engine.global_steps)

@@ -13,7 +13,7 @@ from typing import NoReturn
 from coordinator.core.messages import Generation
 from worker import live
 from worker.collectives import Collectives
-from worker.elastic import experts
+from worker.elastic import blocks
 from worker.elastic.change import after_loss
 from worker.elastic.phases import Phase, Session
 from worker.elastic.recovery import restore
@@ -89,12 +89,13 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
             stop=lambda: session.leave_requested,
             stage=config.stage,
             experts=spec.experts_request(),
+            context_parallel=spec.context_parallel if spec.context_parallel > 1 else None,
         )
         session.control = control
         planned = control.generation
-        # an expert-parallel engine forms its groups as it builds, once the group has
-        # formed ([Note: elastic expert parallelism] in worker/elastic/experts.py)
-        if planned.reshard is not None and spec.expert_parallel <= 1:
+        # an expert- or context-parallel engine forms its groups as it builds, once the
+        # group has formed ([Note: elastic blocks] in worker/elastic/blocks.py)
+        if planned.reshard is not None and spec.expert_parallel * spec.context_parallel == 1:
             # [Note: a newcomer builds ahead]
             # A newcomer to a running job builds its (empty) buffers for its rank
             # before the group forms: the members reach the step boundary a step
@@ -160,7 +161,7 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
         held = (
             None
             if engine.experts is None
-            else experts.exchange(
+            else blocks.exchange(
                 engine.experts, holds_state=False, new_members=range(gen.world_size)
             )
         )
@@ -175,7 +176,7 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
         else:
             session._adopt(engine, handover, None)
             if engine.experts is not None:
-                experts.adopt(engine.experts, held)
+                blocks.adopt(engine.experts, held)
             logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
         session._refresh_replica(engine)  # as the members do after the exchange
     session.held.generation = gen.id

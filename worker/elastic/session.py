@@ -54,11 +54,11 @@ _ANNOUNCE_MAX_STEP_S = 2.0
 _LEAVE_PATIENCE_S = 4.0
 
 
-# [Note: elastic expert parallelism] in worker/elastic/experts.py
-_EP_LOST = (
-    "a rank of this expert-parallel job was lost at step {step}: its experts' shards "
-    "are held nowhere else, so the job cannot re-form in memory; restart it from its last "
-    "checkpoint, which loads at any ep and world size (docs/guides/moe.md)"
+# [Note: elastic blocks] in worker/elastic/blocks.py
+_BLOCK_LOST = (
+    "a rank of this {what}-parallel job was lost at step {step}: its group's peers leave "
+    "with it, and what they hold is in no replica, so the job cannot re-form in memory; "
+    "restart it from its last checkpoint, which loads at any {what} and world size"
 )
 
 
@@ -233,8 +233,9 @@ class ElasticSession(FinalReport):
     def recover(self, engine: ZeroEngine, exc: CollectiveError) -> NoReturn:
         """A peer is gone: form the coordinator's next generation and restore
         (worker/elastic/recovery.py; on a mesh, ring by ring: worker/elastic/rings.py)."""
-        if engine.experts is not None:
-            raise RuntimeError(_EP_LOST.format(step=engine.global_steps)) from exc
+        if engine.experts is not None or engine.context is not None:
+            what = "expert" if engine.experts is not None else "context"
+            raise RuntimeError(_BLOCK_LOST.format(what=what, step=engine.global_steps)) from exc
         if self.rings:
             rings.recover(self, engine, exc)
         recovery.recover(self, engine, exc)

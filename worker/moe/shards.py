@@ -113,7 +113,7 @@ class ExpertShards:
     ) -> ExpertShards:
         """The experts' state of ``model``: built from the module's values, or empty
         (``from_module=False``: a newcomer to an elastic job, filled by its peers,
-        worker/elastic/experts.py)."""
+        worker/elastic/blocks.py)."""
         return cls(
             model, user_optimizer, config, dtype=precision.param_dtype,
             reduce_dtype=precision.reduce_dtype, device=device, from_module=from_module,
@@ -121,7 +121,7 @@ class ExpertShards:
 
     def regroup(self, groups: ExpertGroups) -> None:
         """Move this rank's experts onto ``groups``, formed over a new world where this
-        rank keeps its place (worker/elastic/experts.py [Note: elastic expert
+        rank keeps its place (worker/elastic/blocks.py [Note: elastic expert
         parallelism]): the modules exchange tokens over the new ep group; the state
         is rebuilt over the new expert-data-parallel group when it is refilled."""
         if (groups.size, groups.place) != (self.groups.size, self.groups.place):

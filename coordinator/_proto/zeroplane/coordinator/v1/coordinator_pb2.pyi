@@ -24,7 +24,7 @@ class ParamInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., requires_grad: _Optional[bool] = ..., group: _Optional[int] = ..., unit: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "host", "device_kind", "device_memory_bytes", "metrics_endpoint", "free_ports", "incarnation", "stage", "fixed_rank", "fixed_world_size", "mesh", "held", "experts")
+    __slots__ = ("worker_id", "host", "device_kind", "device_memory_bytes", "metrics_endpoint", "free_ports", "incarnation", "stage", "fixed_rank", "fixed_world_size", "mesh", "held", "experts", "context_parallel")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class WorkerInfo(_message.Message):
     MESH_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     device_kind: str
@@ -51,7 +52,8 @@ class WorkerInfo(_message.Message):
     mesh: MeshRequest
     held: MeshCoords
     experts: ExpertRequest
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ..., free_ports: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., stage: _Optional[int] = ..., fixed_rank: _Optional[int] = ..., fixed_world_size: _Optional[int] = ..., mesh: _Optional[_Union[MeshRequest, _Mapping]] = ..., held: _Optional[_Union[MeshCoords, _Mapping]] = ..., experts: _Optional[_Union[ExpertRequest, _Mapping]] = ...) -> None: ...
+    context_parallel: int
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ..., free_ports: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., stage: _Optional[int] = ..., fixed_rank: _Optional[int] = ..., fixed_world_size: _Optional[int] = ..., mesh: _Optional[_Union[MeshRequest, _Mapping]] = ..., held: _Optional[_Union[MeshCoords, _Mapping]] = ..., experts: _Optional[_Union[ExpertRequest, _Mapping]] = ..., context_parallel: _Optional[int] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
     __slots__ = ("expert_parallel", "numel")

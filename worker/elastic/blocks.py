@@ -1,6 +1,19 @@
-"""An expert-parallel job's membership changes, by whole ep groups: the experts'
-side of a scale-up, a leave and a newcomer's join (worker/elastic/change.py and
-joining.py call these beside the exchange of the engine's own state).
+"""The membership changes of a job of blocks (expert- or context-parallel groups of
+consecutive ranks), by whole blocks: the groups formed again, and the experts' side of
+a scale-up, a leave and a newcomer's join (worker/elastic/change.py and joining.py
+call these beside the exchange of the engine's own state).
+
+[Note: elastic blocks]
+Expert and context parallelism group ranks in blocks of consecutive ranks within
+data parallelism (worker/moe/dispatch.py ``ExpertGroups``, worker/context/parallel.py
+``ContextParallel``). Their jobs change membership by whole blocks: the coordinator
+arranges them as a mesh whose group is a block (coordinator/control/arrangement.py
+``BlockArrangement``), and a rank asked to leave takes its block with it. After the
+new group forms, every rank forms the blocks' groups again (every rank creates every
+group, in the same order: members right after the new group forms, a newcomer as it
+builds its engine). A context-parallel rank holds nothing of its own beyond the
+engine's state (every rank holds the whole model), so that is all it needs; an
+expert-parallel one holds its place's experts, which follow below.
 
 [Note: elastic expert parallelism]
 Under expert parallelism (worker/moe/dispatch.py [Note: expert parallelism]) an
@@ -8,9 +21,8 @@ ep group is ``ep`` consecutive ranks, and the rank at place ``j`` of every group
 holds the same experts, sharded over those ranks (the expert-data-parallel ring
 of place ``j``; worker/moe/shards.py [Note: two shard states]). A membership
 change keeps ``ep`` and moves the world by whole ep groups, each survivor at its
-place (coordinator/control/arrangement.py ``ExpertArrangement``: the mesh
-arrangement, with ep groups for model-parallel ones), so a survivor's experts
-stay its own and only their sharding changes:
+place (``BlockArrangement``), so a survivor's experts stay its own and only their
+sharding changes:
 
 * the engine's own state (every parameter but the experts) re-shards over the
   world with the data-parallel exchange (worker/live/exchange.py), as in a
@@ -48,20 +60,28 @@ from worker.state import Counters
 __all__ = ["adopt", "exchange", "leaving_group", "regroup"]
 
 
+def _block(engine: ZeroEngine) -> int:
+    """Ranks per block: the ep or cp degree (1: a data-parallel job)."""
+    if engine.experts is not None:
+        return engine.experts.groups.size
+    return 1 if engine.context is None else engine.context.size
+
+
 def leaving_group(engine: ZeroEngine, leaving: int) -> list[int]:
-    """The ranks that leave with rank ``leaving``: its ep group under expert
-    parallelism, itself otherwise."""
-    if engine.experts is None:
-        return [leaving]
-    ep = engine.experts.groups.size
-    first = leaving - leaving % ep
-    return list(range(first, first + ep))
+    """The ranks that leave with rank ``leaving``: its block ([Note: elastic blocks])."""
+    size = _block(engine)
+    first = leaving - leaving % size
+    return list(range(first, first + size))
 
 
-def regroup(experts: ExpertShards) -> None:
-    """Form the ep and expert-data-parallel groups over the new default group (a
-    collective of every rank of it) and move the experts modules onto them."""
-    experts.regroup(ExpertGroups.form(Collectives(None), experts.groups.size))
+def regroup(engine: ZeroEngine) -> None:
+    """Form the blocks' groups over the new default group (a collective of every rank
+    of it): the experts modules and the context move onto theirs."""
+    if engine.experts is not None:
+        size = engine.experts.groups.size
+        engine.experts.regroup(ExpertGroups.form(Collectives(None), size))
+    if engine.context is not None:
+        engine.context.regroup(Collectives(None))
 
 
 def exchange(

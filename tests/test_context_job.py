@@ -1,0 +1,92 @@
+"""Context-parallel jobs under ``zeroplane run --cp``: examples/train_long.py (a
+transformers Llama as it comes, packed documents) against one process with torch
+alone, and an elastic job grown and shrunk by whole cp groups
+(worker/elastic/blocks.py [Note: elastic blocks])."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.reference import max_diff
+from tests.test_mesh_elastic import STEPS, MeshRun
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_long.py"
+SCRIPT = ROOT / "tests" / "scripts" / "context_elastic_train.py"
+
+
+@pytest.mark.timeout(300)
+def test_the_long_sequence_example_under_zeroplane_run_trains_like_torch(tmp_path) -> None:
+    from examples.train_long import batch, build_model
+
+    out, steps, world, cp = tmp_path / "final.pt", 3, 4, 2
+    cmd = [
+        sys.executable, "-m", "coordinator.cli", "run", "--nproc", str(world), "--cp", str(cp),
+        "--cp-kind", "ring", "--no-http", str(EXAMPLE), "--steps", str(steps), "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "context parallel: cp=2 (ring)" in done.stdout + done.stderr
+
+    ref = build_model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(steps):
+        parts = [batch(step, share) for share in range(world // cp)]
+        whole = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        ref(**whole).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    diff, name = max_diff(torch.load(out, weights_only=True), dict(ref.named_parameters()))
+    assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
+
+
+def test_run_refuses_a_cp_that_does_not_divide_the_job() -> None:
+    from coordinator.cli import main
+
+    assert main(["run", "--nproc", "3", "--cp", "2", str(EXAMPLE)]) == 2
+    assert main(["run", "--nproc", "4", "--cp", "2", "--max-nproc", "5", str(EXAMPLE)]) == 2
+    assert main(["run", "--nproc", "4", "--cp", "2", "--tp", "2", str(EXAMPLE)]) == 2
+    assert main(["run", "--nproc", "4", "--cp", "2", "--ep", "2", str(EXAMPLE)]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_a_cp_job_grows_by_a_cp_group_and_shrinks_back(tmp_path) -> None:
+    from tests.scripts.context_elastic_train import LR, global_batch
+
+    job = MeshRun(
+        tmp_path, "--nproc", "4", "--min-nproc", "4", "--max-nproc", "6", stage=3,
+        mesh=("--cp", "2", "--cp-kind", "ring"), script=SCRIPT,
+    )  # fmt: skip
+    try:
+        job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
+        job.proc.send_signal(signal.SIGUSR1)  # a whole cp group: two workers
+        job.wait_until("six ranks", lambda: job.world() == 6)
+        grown = job.step()
+        job.wait_until("six ranks training", lambda: job.step() >= grown + 3)
+        assert job.step() < STEPS - 4, "the job is too fast for this test to resize it"
+        job.proc.send_signal(signal.SIGUSR2)  # the newest cp group leaves
+        job.wait_until("back to four", lambda: job.world() == 4)
+        text = job.finish()
+    finally:
+        job.close()
+    assert text.count("INFO coordinator.control.membership: registered") == 6, text[-4000:]
+    assert "grew to 6 ranks" in text and "with its group, ranks [4, 5]" in text
+    assert "recovered" not in text
+
+    from examples.train_long import build_model
+
+    ref = build_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(STEPS):
+        ref(**global_batch(step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    got = torch.load(tmp_path / "final.pt", weights_only=True)
+    diff, name = max_diff(got, dict(ref.named_parameters()))
+    assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
