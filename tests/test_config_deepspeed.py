@@ -123,7 +123,7 @@ FILES: dict[str, tuple[dict[str, Any], ZeroConfig | set[str]]] = {
     ),
     "activation_checkpointing_cpu.json": (
         {},
-        named("activation_checkpointing.cpu_checkpointing"),
+        ZeroConfig(stage=2, activation_checkpointing="units", offload_activations=True),
     ),
 }
 
@@ -646,6 +646,9 @@ def test_deepspeed_activation_section_turns_units_on(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="worker.ds_config"):
         cfg = ZeroConfig.from_deepspeed({"activation_checkpointing": section})
     assert cfg == ZeroConfig(activation_checkpointing="units")
+    # cpu_checkpointing: the checkpointed activations kept in host memory
+    on = ZeroConfig.from_deepspeed({"activation_checkpointing": {"cpu_checkpointing": True}})
+    assert on.offload_activations and on.activation_checkpointing == "units"
     for key in section:
         if key != "cpu_checkpointing":
             assert f"activation_checkpointing.{key}" in caplog.text
@@ -662,7 +665,6 @@ def test_deepspeed_activation_section_turns_units_on(caplog) -> None:
 @pytest.mark.parametrize(
     ("section", "message"),
     [
-        ({"cpu_checkpointing": True}, r"not support: activation_checkpointing\.cpu_checkpointing"),
         # read raw and tested by truthiness in DeepSpeed, where "false" would turn it on
         ({"cpu_checkpointing": "false"}, r"'activation_checkpointing\.cpu_checkpointing' must be"),
         ({"cpu_checkpointing": 0}, r"'activation_checkpointing\.cpu_checkpointing' must be"),

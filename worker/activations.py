@@ -112,28 +112,52 @@ def unwrap(modules: list[nn.Module]) -> None:
 class SavedBytes:
     """Counts the bytes autograd keeps for backward ([Note: saved-activation bytes])."""
 
-    def __init__(self, params: Callable[[], set[int]]) -> None:
+    def __init__(self, params: Callable[[], set[int]], *, offload: bool = False) -> None:
         self._params = params  # ids (``_cdata``) of the parameters' storages
         self.last = 0  # bytes kept by the last measured forward
         self._calls = 0
+        # [Note: saved activations in host memory]: ZeroConfig.offload_activations
+        self.offload = offload
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
-        """Count this forward, if it is one to measure."""
+        """Count this forward, if it is one to measure; move what it saves to host
+        memory, where ``offload`` says.
+
+        [Note: saved activations in host memory]
+        With ``offload`` every tensor autograd saves outside the checkpointed
+        regions (whose own hooks keep only their inputs: with activation
+        checkpointing, what is saved is each unit's input) and that lives on an
+        accelerator is copied to pinned host memory when saved and back when the
+        backward reads it; parameters stay (they are the engine's). torch uses
+        the innermost pair of saved-tensor hooks only, so measuring and offloading
+        are one pair. On the CPU there is nothing to move."""
         self._calls += 1
-        if self._calls != 1 and self._calls % MEASURE_EVERY:
+        measure = self._calls == 1 or self._calls % MEASURE_EVERY == 0
+        if not (measure or self.offload):
             yield
             return
-        skip = self._params()
+        skip = self._params() if measure else set()
         seen: dict[int, int] = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            key = storage._cdata
-            if key not in skip and key not in seen:
-                seen[key] = storage.nbytes()
+        def pack(t: torch.Tensor) -> Any:
+            if measure:
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in skip and key not in seen:
+                    seen[key] = storage.nbytes()
+            if self.offload and t.device.type != "cpu" and not isinstance(t, nn.Parameter):
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                return t.device, host.copy_(t, non_blocking=True)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, tuple):
+                device, host = packed
+                return host.to(device, non_blocking=True)
+            return packed
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
-        self.last = sum(seen.values())
+        if measure:
+            self.last = sum(seen.values())

@@ -152,6 +152,17 @@ class ZeroConfig:
             under torch's non-reentrant ``checkpoint``. An int ``k >= 1``:
             every k-th of those units (1 = all of them). A callable
             ``policy(module) -> bool``: each module for which it is True.
+        offload_activations: keep the activations autograd saves outside the
+            checkpointed regions (with ``activation_checkpointing``, each
+            checkpointed unit's input) in host memory between forward and
+            backward, pinned on CUDA (DeepSpeed's ``activation_checkpointing.
+            cpu_checkpointing``); on the CPU it changes nothing.
+        tiled_loss: a transformers causal LM called with ``labels`` computes its head
+            and cross-entropy this many tokens at a time, each tile recomputed in
+            backward, so the logits never exist for the whole batch (see
+            worker/tiling.py [Note: tiles]); 0: off.
+        tiled_mlp: every transformers decoder MLP runs this many tokens of each row
+            at a time, each tile recomputed in backward (worker/tiling.py); 0: off.
         offload_optimizer: ``"cpu"`` keeps this rank's fp32 master partition and
             optimizer state in host memory and runs the optimizer there
             (ZeRO-Offload; stages 1-3). Reduced gradient shards are copied to
@@ -194,6 +205,9 @@ class ZeroConfig:
     replica_gradient_log: bool = True
     # torch-free annotation: the callable takes an nn.Module
     activation_checkpointing: Literal["none", "units"] | int | Callable[[Any], bool] = "none"
+    offload_activations: bool = False
+    tiled_loss: int = 0
+    tiled_mlp: int = 0
     offload_optimizer: Literal["none", "cpu"] = "none"
     offload_params: Literal["none", "cpu"] = "none"
     pin_memory: bool = True

@@ -248,8 +248,17 @@ class ActivationSection:
 
     # torch-free annotation: the callable takes an nn.Module
     activation_checkpointing: Literal["none", "units"] | int | Callable[[Any], bool]
+    offload_activations: bool
+    tiled_loss: int
+    tiled_mlp: int
 
     def __post_init__(self) -> None:
+        if not isinstance(self.offload_activations, bool):
+            raise _bad(self, "offload_activations", "True or False")
+        for name in ("tiled_loss", "tiled_mlp"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                raise _bad(self, name, "an integer >= 0 (tokens per tile; 0: off)")
         policy = self.activation_checkpointing
         if isinstance(policy, str):
             ok = policy in ("none", "units")

@@ -571,8 +571,7 @@ class _DeepSpeedReader:
         for sub, value in section.items():
             key = f"activation_checkpointing.{sub}"
             if sub == "cpu_checkpointing":
-                if _raw_bool(key, value):
-                    self.unsupported.append(key)
+                self.set("offload_activations", key, _raw_bool(key, value))
             elif sub in _DS_ACTIVATION_IGNORED:
                 self.ignored.append(key)
             else:

@@ -29,6 +29,7 @@ all-reduced once per optimizer step in the step-boundary ballot
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -59,6 +60,7 @@ from worker.precision import LossScaler, MixedPrecision
 from worker.schedule import LrSchedule, SchedulerArg, resolve_scheduler
 from worker.state import ShardState
 from worker.stats import StepStats
+from worker.tiling import tile_mlps, tiled_loss_forward
 
 if TYPE_CHECKING:  # (loaded with context parallelism: worker/factory.py)
     from worker.context import ContextParallel
@@ -197,7 +199,11 @@ class ZeroEngine(Checkpointing):
             module, self.inventory, getattr(config, "activation_checkpointing", "none")
         )
         checkpoint_modules(self.checkpointed)
-        self.saved_activations = SavedBytes(self._parameter_storages)
+        if config.tiled_mlp:  # worker/tiling.py [Note: tiles]
+            tile_mlps(module, config.tiled_mlp)
+        self.saved_activations = SavedBytes(
+            self._parameter_storages, offload=config.offload_activations
+        )
         self.state = ShardState(
             module,
             self.user_optimizer,
@@ -363,6 +369,9 @@ class ZeroEngine(Checkpointing):
             kwargs = self.context.prepare(kwargs)
         if self.precision.enabled:
             args, kwargs = tree_map(self.precision.cast_input, (args, kwargs))
+        call: Callable[..., Any] = self.module
+        if self.config.tiled_loss and "labels" in kwargs:  # [Note: tiles]
+            call = functools.partial(tiled_loss_forward, self.module, self.config.tiled_loss)
         with (
             self.saved_activations.measuring(),
             self.state.params.forward_context() as mode,
@@ -372,8 +381,8 @@ class ZeroEngine(Checkpointing):
                 # the first forward at stage 3 looks at every op's tensors, which
                 # torch.compile cannot trace: it runs eager ([Note: compiling at stage 3])
                 with compile_disabled():
-                    return self.module(*args, **kwargs)
-            return self.module(*args, **kwargs)
+                    return call(*args, **kwargs)
+            return call(*args, **kwargs)
 
     def _parameter_storages(self) -> set[int]:
         """What autograd may save that is not an activation: parameters and buffers."""
