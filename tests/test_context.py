@@ -205,3 +205,59 @@ def test_bad_context_parallel_configs_are_refused() -> None:
         check_combination(
             worker.ZeroConfig(), ParallelConfig(context_parallel=2, tensor_parallel=2)
         )
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def resume_at_another_cp(directory: str) -> None:
+    """Two steps at cp=2 (two data-parallel groups), saved; then the same job at cp=4
+    and without cp loads it and trains a third: each equal to torch's three steps."""
+    # the third step's global batch: four rows, each with as many labelled tokens (so
+    # that without cp, where each rank takes one row, the mean of means is the mean)
+    third = {
+        k: torch.cat([batch(2, 0, True)[k], batch(2, 1, True)[k]])
+        for k in ("input_ids", "labels", "position_ids")
+    }
+    ref = llama()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(3):
+        every = [batch(step, g, True) for g in range(2)]
+        whole = third if step == 2 else {k: torch.cat([b[k] for b in every]) for k in every[0]}
+        ref(**whole).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+
+    def engine_at(cp: int):
+        model = llama()
+        parallel = ParallelConfig(context_parallel=cp, context_parallel_kind="ring")
+        return worker.initialize(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            config=worker.ZeroConfig(stage=3, stage3_min_unit_numel=1),
+            parallel=parallel if cp > 1 else None,
+        )
+
+    first = engine_at(2)
+    for step in range(2):
+        first.backward(first(**batch(step, first.data_rank[0], True)).loss)
+        first.step()
+    first.save_checkpoint(directory)
+    first.close()
+    for cp in (4, 1):
+        engine = engine_at(cp)
+        engine.load_checkpoint(directory)
+        assert engine.global_steps == 2
+        group, groups = engine.data_rank
+        rows = slice(group * 4 // groups, (group + 1) * 4 // groups)
+        engine.backward(engine(**{k: v[rows] for k, v in third.items()}).loss)
+        engine.step()
+        diff, name = max_diff(engine.full_state_dict(), want)
+        assert diff < 1e-5, f"{name} differs from torch by {diff:.3g} after resuming at cp={cp}"
+        engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_resumes_at_another_cp(pools, tmp_path) -> None:
+    pools(4).run(resume_at_another_cp, str(tmp_path / "ckpt"))
