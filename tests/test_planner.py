@@ -234,3 +234,44 @@ def test_a_workers_experts_cross_the_wire() -> None:
     assert worker_from_proto(worker_to_proto(info)).experts == (4, 6_000_000_000)
     plain = WorkerInfo(worker_id="v", host="127.0.0.1")
     assert worker_from_proto(worker_to_proto(plain)).experts is None
+
+
+# ---------------------------------------------------------------- long sequences
+
+
+def test_the_longest_sequence_grows_with_cp_and_the_cp_a_length_needs_is_the_smallest() -> None:
+    from coordinator.core.planner import ActivationShape, estimate_memory
+    from coordinator.core.sequences import plan_sequence
+
+    shape = ActivationShape(layers=32, hidden=4096, seq=131072, heads=32)
+    config = PlanConfig(precision="bf16", optimizer_states=2, headroom=0.1)
+    plan = plan_sequence(
+        8_000_000_000, shape, world_size=8, device_memory_bytes=80 * 10**9, config=config,
+        vocab=128256,
+    )  # fmt: skip
+    # by hand: ZeRO-3 over 8 ranks holds 16 bytes per parameter / 8; per token, 32
+    # layers keep their bf16 input (2·h bytes) and one layer its 34·h, plus fp32
+    # logits and their log-softmax
+    state = estimate_memory(8_000_000_000, stage=3, world_size=8, config=config)
+    assert state.model_states.total == 16 * 8_000_000_000 / 8
+    per_token = 32 * 2 * 4096 + 34 * 4096 + 8 * 128256
+    tokens = int((72e9 - 16e9) // per_token)
+    assert plan.longest[1] == tokens
+    assert plan.longest[4] == tokens * 4 // 8 * 8
+    assert plan.needs == min(cp for cp, n in plan.longest.items() if n >= 131072) == 4
+    tiled = plan_sequence(
+        8_000_000_000, shape, world_size=8, device_memory_bytes=80 * 10**9, config=config,
+        vocab=128256, tiled_loss=True,
+    )  # fmt: skip
+    assert tiled.longest[1] > plan.longest[1] and tiled.needs == 1
+
+
+def test_plan_seq_reports_the_cp_a_sequence_needs(capsys) -> None:
+    from coordinator.cli import main
+
+    assert main([
+        "plan", "--params", "8e9", "--seq", "131072", "--layers", "32", "--hidden", "4096",
+        "--vocab", "128256", "--world-sizes", "8",
+    ]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "N=8: 131,072 tokens need cp >= 4; the longest sequence at cp=1:" in out

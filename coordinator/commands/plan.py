@@ -34,6 +34,7 @@ from coordinator.core.planner import (
     parse_bytes,
     parse_count,
 )
+from coordinator.core.sequences import plan_sequence
 
 __all__ = ["add_parser", "inventory_of", "plan"]
 
@@ -108,6 +109,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--layers/--hidden/--heads default to the model's config where it has one",
     )
     add_shape_args(shape)
+    sequences = parser.add_argument_group(
+        "long sequences",
+        "with --seq: the longest sequence per rank that fits beside the ZeRO-3 state, with "
+        "activation checkpointing, at every context-parallel degree dividing the world "
+        "size, and the cp that --seq needs (coordinator/core/sequences.py)",
+    )
+    sequences.add_argument(
+        "--vocab", type=int, metavar="V",
+        help="vocabulary size, for the logits (default: the model's config; none with --params)",
+    )  # fmt: skip
+    sequences.add_argument(
+        "--tiled-loss", action="store_true",
+        help="the loss is tiled (ZeroConfig.tiled_loss): no logits for the whole sequence",
+    )  # fmt: skip
     offload = parser.add_argument_group(
         "offload",
         "when no stage fits the device, propose CPU offload of the optimizer (and at stage 3 "
@@ -178,6 +193,7 @@ def _shape_of(model: object) -> dict[str, int]:
         ("layers", ("num_hidden_layers", "n_layer", "num_layers")),
         ("hidden", ("hidden_size", "n_embd", "d_model")),
         ("heads", ("num_attention_heads", "n_head", "num_heads")),
+        ("vocab", ("vocab_size",)),
     ):
         for name in names:
             value = getattr(cfg, name, None)
@@ -277,6 +293,23 @@ def plan(args: argparse.Namespace) -> int:
         )
         for n in world_sizes
     ]
+    vocab = args.vocab if args.vocab is not None else shape.get("vocab")
+    sequences = (
+        []
+        if config.activations is None
+        else [
+            plan_sequence(
+                numel,
+                config.activations,
+                world_size=n,
+                device_memory_bytes=device_memory,
+                config=config,
+                vocab=vocab,
+                tiled_loss=args.tiled_loss,
+            )
+            for n in world_sizes
+        ]
+    )
     layers = args.layers if args.layers is not None else shape.get("layers")
     hidden = args.hidden if args.hidden is not None else shape.get("hidden")
     # a transformer layer (4h² attention, 8h² MLP): the largest unit of such models
@@ -290,6 +323,15 @@ def plan(args: argparse.Namespace) -> int:
             "headroom": config.headroom,
             "activation_bytes": config.activation_bytes,
             "activations": None if config.activations is None else vars(config.activations),
+            "sequences": [
+                {
+                    "world_size": p.world_size,
+                    "seq": p.seq,
+                    "needs_cp": p.needs,
+                    "longest_by_cp": {str(cp): n for cp, n in p.longest.items()},
+                }
+                for p in sequences
+            ],
             "plans": [
                 {
                     "world_size": n,
@@ -401,6 +443,21 @@ def plan(args: argparse.Namespace) -> int:
     for m in meshes:
         star = "" if m.fits else " (does not fit)"
         print(f"N={m.world_size}: {m.reason}{star}")
+    if sequences:
+        print()
+        logits = (
+            "no logits (tiled loss)"
+            if args.tiled_loss
+            else f"the logits of {vocab:,} words"
+            if vocab
+            else "no logits (--vocab counts them)"
+        )
+        print(
+            "long sequences (context parallelism): the longest sequence per cp group beside "
+            f"the ZeRO-3 state, with activation checkpointing and {logits}"
+        )
+        for p in sequences:
+            print(p.describe())
     return 0
 
 
