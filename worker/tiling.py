@@ -68,8 +68,22 @@ def _tile_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor) -> t
 
 def tiled_loss_forward(model: nn.Module, tile: int, **kwargs: Any) -> Any:
     """``model(**kwargs)`` with the loss computed ``tile`` tokens at a time ([Note:
-    tiles]); returns the model's output class with ``loss`` and no logits."""
+    tiles]); returns the model's output class with ``loss`` and no logits. It runs
+    as the model's own call (its hooks, stage 3's gather of its own parameters),
+    with the tiled forward in place of the model's for that call."""
     decoder, head = _parts(model)
+    own = model.__dict__.get("forward")
+    model.forward = functools.partial(_tiled_loss, decoder, head, tile)
+    try:
+        return model(**kwargs)
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
+def _tiled_loss(decoder: nn.Module, head: nn.Linear, tile: int, **kwargs: Any) -> Any:
     labels = kwargs.pop("labels")
     shift = kwargs.pop("shift_labels", None)
     count = kwargs.pop("num_items_in_batch", None)

@@ -1,0 +1,241 @@
+"""Context parallelism beside ZeRO-3: activation memory per rank by sequence length,
+the longest sequence within a budget, and step time.
+
+    python bench/context.py                       # ~5-10 min on 2 loaded cores
+    python bench/context.py --json out/context.json --budget-mb 768
+
+One run, 4 ranks on gloo, a Llama-like decoder (transformers' ``LlamaForCausalLM``:
+4 layers, d=128, 8 heads, 4 key/value heads, MLP 384, vocabulary 16384), fp32, ZeRO
+stage 3 with activation checkpointing of every layer, one sequence a cp group, for cp
+= 1 (each rank its own sequence: plain ZeRO-3), 2 and 4, both kinds (all-to-all,
+ring), with and without the tiled loss.
+
+Columns, for rank 0 (the ranks are symmetric):
+
+* saved: the bytes autograd keeps for backward in a step, measured by the engine
+  (``memory_report()['activations']``: every saved tensor's storage once);
+* peak: the growth of the process's peak resident memory over one step from
+  its resident memory before it (``VmHWM`` reset through ``/proc/self/clear_refs``,
+  freed memory given back with ``malloc_trim`` first): what the step's activations,
+  gradients in flight, gathered units and transient buffers cost together;
+* step: the median of the timed steps, and its ratio to cp=1 at the same length.
+
+Then the longest sequence whose peak growth stays within ``--budget-mb`` at cp = 1
+and cp = 4 (all-to-all), without and with the tiled loss: lengths doubled from 2048
+until one exceeds the budget, then halved between the last two.
+
+Peers: DeepSpeed's Ulysses for transformers models (``UlyssesSPAttentionHF``) and
+torch's experimental ``context_parallel`` are tried on the same model; each row says
+what ran or why it could not on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import free_port, gloo_group, quiet_gloo_warnings
+
+WORLD, VOCAB = 4, 16384
+
+
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1 << 18,
+        tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def measure(case: dict, rank: int, steps: int) -> dict:
+    import worker
+    from worker.parallel import ParallelConfig
+
+    cp, seq = case["cp"], case["seq"]
+    m = model()
+    parallel = (
+        ParallelConfig(context_parallel=cp, context_parallel_kind=case["kind"]) if cp > 1 else None
+    )
+    config = worker.ZeroConfig(
+        stage=3, activation_checkpointing="units", tiled_loss=1024 if case["tiled"] else 0
+    )
+    engine = worker.initialize(
+        m, torch.optim.AdamW(m.parameters(), lr=1e-4), config=config, parallel=parallel
+    )
+    share, _ = engine.data_rank
+    g = torch.Generator().manual_seed(share)
+    ids = torch.randint(0, VOCAB, (1, seq), generator=g)
+    times, peaks = [], []
+    for _ in range(steps + 1):
+        _reset_peak()
+        before = _rss()
+        start = time.perf_counter()
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        times.append(time.perf_counter() - start)
+        peaks.append(_peak() - before)
+    row = {
+        **case,
+        "saved": engine.memory_report()["activations"],
+        "peak": max(peaks[1:]),
+        "step_s": statistics.median(times[1:]),
+    }
+    engine.close()
+    return row
+
+
+def run_rank(rank: int, port: int, cases: list, steps: int, budget: int, out: dict) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    quiet_gloo_warnings()
+    with gloo_group("127.0.0.1", port, rank, WORLD, timedelta(seconds=1200)):
+        rows = [measure(c, rank, steps) for c in cases]
+        longest = {}
+        for cp, tiled in ((1, False), (4, False), (1, True), (4, True)):
+            longest[f"cp={cp}{' tiled' if tiled else ''}"] = _longest(cp, tiled, rank, budget)
+        if rank == 0:
+            out["rows"], out["longest"] = rows, longest
+
+
+def _longest(cp: int, tiled: bool, rank: int, budget: int) -> int:
+    """The longest sequence (a multiple of 1024) whose peak growth on every rank stays
+    within ``budget`` bytes."""
+
+    def fits(seq: int) -> bool:
+        row = measure({"cp": cp, "kind": "ulysses", "seq": seq, "tiled": tiled}, rank, 1)
+        worst = torch.tensor([row["peak"]], dtype=torch.int64)
+        torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+        return int(worst) <= budget
+
+    low, high = 0, 2048
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1024:
+        mid = (low + high) // 2 // 1024 * 1024
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def peers(seq: int) -> list[dict]:
+    """What DeepSpeed's Ulysses and torch's context_parallel do on this machine."""
+    out = []
+    try:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: F401
+
+        why = (
+            "imports, but needs deepspeed.initialize with its sequence-parallel mpu and an "
+            "accelerator: DeepSpeed's CPU accelerator refuses the all-to-all it issues over gloo"
+        )
+    except Exception as exc:  # noqa: BLE001
+        why = f"{type(exc).__name__}: {exc}"[:160]
+    out.append({"peer": "DeepSpeed Ulysses (UlyssesSPAttentionHF)", "result": why})
+    try:
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+
+        why = (
+            "imports, but dispatches only the CUDA flash and efficient attention kernels "
+            "(its ring replaces aten._scaled_dot_product_{flash,efficient}_attention); the CPU "
+            "kernel is not among them"
+        )
+    except Exception as exc:  # noqa: BLE001
+        why = f"{type(exc).__name__}: {exc}"[:160]
+    out.append({"peer": "torch context_parallel (experimental)", "result": why})
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| seq | cp | kind | tiled loss | saved MB | saved x cp / cp=1's | peak MB "
+        "| step ms | step vs cp=1 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {(r["seq"], r["tiled"]): r for r in rows if r["cp"] == 1}
+    for r in rows:
+        b = base.get((r["seq"], r["tiled"]))
+        scaled = "" if b is None else f"{r['saved'] * r['cp'] / b['saved']:.2f}"
+        ratio = "" if b is None else f"{r['step_s'] / b['step_s']:.2f}x"
+        lines.append(
+            f"| {r['seq']} | {r['cp']} | {r['kind'] if r['cp'] > 1 else '-'} "
+            f"| {'yes' if r['tiled'] else 'no'} | {r['saved'] / 1e6:.1f} | {scaled} "
+            f"| {r['peak'] / 1e6:.1f} | {r['step_s'] * 1e3:.0f} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqs", default="2048,4096,8192", help="sequence lengths of the table")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--budget-mb", type=int, default=512, help="peak growth per rank allowed")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    cases = [
+        {"cp": cp, "kind": kind, "seq": seq, "tiled": tiled}
+        for seq in (int(s) for s in args.seqs.split(","))
+        for tiled in (False, True)
+        for cp, kind in ((1, "ulysses"), (2, "ulysses"), (4, "ulysses"), (4, "ring"))
+    ]
+    out = mp.Manager().dict()
+    port = free_port()
+    mp.spawn(
+        run_rank, args=(port, cases, args.steps, args.budget_mb * 10**6, out), nprocs=WORLD
+    )
+    rows, longest = out["rows"], out["longest"]
+    print(table(rows))
+    print()
+    print(f"longest sequence with peak growth <= {args.budget_mb} MB a rank:")
+    for name, n in longest.items():
+        print(f"  {name}: {n}")
+    one, four = longest["cp=1"], longest["cp=4"]
+    print(f"  cp=4 / cp=1: {four / one:.2f}x; tiled loss at cp=4 / cp=4: "
+          f"{longest['cp=4 tiled'] / four:.2f}x")  # fmt: skip
+    print()
+    for row in peers(max(int(s) for s in args.seqs.split(","))):
+        print(f"  {row['peer']}: {row['result']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps({"rows": rows, "longest": dict(longest), "peers": peers(0)}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
