@@ -8,7 +8,7 @@ One run, 4 ranks on gloo, a Llama-like decoder (transformers' ``LlamaForCausalLM
 4 layers, d=128, 8 heads, 4 key/value heads, MLP 384, vocabulary 16384), fp32, ZeRO
 stage 3 with activation checkpointing of every layer, one sequence a cp group, for cp
 = 1 (each rank its own sequence: plain ZeRO-3), 2 and 4, both kinds (all-to-all,
-ring), with and without the tiled loss.
+ring), with and without the tiled loss (256 tokens a tile).
 
 Columns, for rank 0 (the ranks are symmetric):
 
@@ -21,12 +21,14 @@ Columns, for rank 0 (the ranks are symmetric):
 * step: the median of the timed steps, and its ratio to cp=1 at the same length.
 
 Then the longest sequence whose peak growth stays within ``--budget-mb`` at cp = 1
-and cp = 4 (all-to-all), without and with the tiled loss: lengths doubled from 2048
+and cp = 4 (all-to-all), without and with the tiled loss: lengths doubled from 1024
 until one exceeds the budget, then halved between the last two.
 
-Peers: DeepSpeed's Ulysses for transformers models (``UlyssesSPAttentionHF``) and
-torch's experimental ``context_parallel`` are tried on the same model; each row says
-what ran or why it could not on this machine.
+Peers: ``--peers`` runs DeepSpeed's Ulysses for transformers models (ALST's
+``UlyssesSPAttentionHF``, bench/context_deepspeed.py) on the same model and lengths
+and prints its rows beside zeroplane's all-to-all ones, as ratios; torch's
+experimental ``context_parallel`` is tried on the same model in the same run, and
+what it did is printed.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def measure(case: dict, rank: int, steps: int) -> dict:
         ParallelConfig(context_parallel=cp, context_parallel_kind=case["kind"]) if cp > 1 else None
     )
     config = worker.ZeroConfig(
-        stage=3, activation_checkpointing="units", tiled_loss=1024 if case["tiled"] else 0
+        stage=3, activation_checkpointing="units", tiled_loss=256 if case["tiled"] else 0
     )
     engine = worker.initialize(
         m, torch.optim.AdamW(m.parameters(), lr=1e-4), config=config, parallel=parallel
@@ -131,13 +133,14 @@ def run_rank(rank: int, port: int, cases: list, steps: int, budget: int, out: di
         longest = {}
         for cp, tiled in ((1, False), (4, False), (1, True), (4, True)):
             longest[f"cp={cp}{' tiled' if tiled else ''}"] = _longest(cp, tiled, rank, budget)
+        torch_cp = try_torch_context_parallel(1024)
         if rank == 0:
-            out["rows"], out["longest"] = rows, longest
+            out["rows"], out["longest"], out["torch_cp"] = rows, longest, torch_cp
 
 
 def _longest(cp: int, tiled: bool, rank: int, budget: int) -> int:
     """The longest sequence (a multiple of 1024) whose peak growth on every rank stays
-    within ``budget`` bytes."""
+    within ``budget`` bytes (0: not even 1024)."""
 
     def fits(seq: int) -> bool:
         row = measure({"cp": cp, "kind": "ulysses", "seq": seq, "tiled": tiled}, rank, 1)
@@ -145,7 +148,7 @@ def _longest(cp: int, tiled: bool, rank: int, budget: int) -> int:
         torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
         return int(worst) <= budget
 
-    low, high = 0, 2048
+    low, high = 0, 1024
     while fits(high):
         low, high = high, 2 * high
     while high - low > 1024:
@@ -154,31 +157,27 @@ def _longest(cp: int, tiled: bool, rank: int, budget: int) -> int:
     return low
 
 
-def peers(seq: int) -> list[dict]:
-    """What DeepSpeed's Ulysses and torch's context_parallel do on this machine."""
-    out = []
-    try:
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: F401
+def try_torch_context_parallel(seq: int) -> str:
+    """torch's experimental ``context_parallel`` on the same model over the whole group
+    (every rank calls it): what it did."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
-        why = (
-            "imports, but needs deepspeed.initialize with its sequence-parallel mpu and an "
-            "accelerator: DeepSpeed's CPU accelerator refuses the all-to-all it issues over gloo"
-        )
-    except Exception as exc:  # noqa: BLE001
-        why = f"{type(exc).__name__}: {exc}"[:160]
-    out.append({"peer": "DeepSpeed Ulysses (UlyssesSPAttentionHF)", "result": why})
     try:
-        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+        from torch.distributed.tensor.experimental import context_parallel
 
-        why = (
-            "imports, but dispatches only the CUDA flash and efficient attention kernels "
-            "(its ring replaces aten._scaled_dot_product_{flash,efficient}_attention); the CPU "
-            "kernel is not among them"
-        )
-    except Exception as exc:  # noqa: BLE001
-        why = f"{type(exc).__name__}: {exc}"[:160]
-    out.append({"peer": "torch context_parallel (experimental)", "result": why})
-    return out
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+        m = model()
+        ids = torch.randint(0, VOCAB, (1, seq))
+        pos = torch.arange(seq)[None]
+        shift = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+        start = time.perf_counter()
+        with context_parallel(mesh, buffers=[ids, pos, shift], buffer_seq_dims=[1, 1, 1]):
+            out = m(input_ids=ids, position_ids=pos, labels=shift, shift_labels=shift)
+            out.loss.backward()
+        return f"ran: one step without ZeRO in {time.perf_counter() - start:.2f} s"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:200]
 
 
 def table(rows: list[dict]) -> str:
@@ -205,6 +204,7 @@ def main() -> None:
     p.add_argument("--seqs", default="2048,4096,8192", help="sequence lengths of the table")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--budget-mb", type=int, default=512, help="peak growth per rank allowed")
+    p.add_argument("--peers", action="store_true", help="DeepSpeed's Ulysses beside")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     cases = [
@@ -215,9 +215,7 @@ def main() -> None:
     ]
     out = mp.Manager().dict()
     port = free_port()
-    mp.spawn(
-        run_rank, args=(port, cases, args.steps, args.budget_mb * 10**6, out), nprocs=WORLD
-    )
+    mp.spawn(run_rank, args=(port, cases, args.steps, args.budget_mb * 10**6, out), nprocs=WORLD)
     rows, longest = out["rows"], out["longest"]
     print(table(rows))
     print()
@@ -225,16 +223,48 @@ def main() -> None:
     for name, n in longest.items():
         print(f"  {name}: {n}")
     one, four = longest["cp=1"], longest["cp=4"]
-    print(f"  cp=4 / cp=1: {four / one:.2f}x; tiled loss at cp=4 / cp=4: "
-          f"{longest['cp=4 tiled'] / four:.2f}x")  # fmt: skip
+    if one and four:
+        print(f"  cp=4 / cp=1: {four / one:.2f}x; tiled loss at cp=4 / cp=4: "
+              f"{longest['cp=4 tiled'] / four:.2f}x")  # fmt: skip
     print()
-    for row in peers(max(int(s) for s in args.seqs.split(","))):
-        print(f"  {row['peer']}: {row['result']}")
+    print(f"torch context_parallel (experimental): {out['torch_cp']}")
+    ds_rows: list[dict] = []
+    if args.peers:
+        from bench.context_deepspeed import run_cases
+
+        seqs = sorted({r["seq"] for r in rows})
+        ds_rows = run_cases([(sp, seq) for seq in seqs for sp in (1, 2, 4)], args.steps)
+        print()
+        print(beside(rows, ds_rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps({"rows": rows, "longest": dict(longest), "peers": peers(0)}, indent=1)
+        doc = {"rows": rows, "longest": dict(longest), "torch_cp": out["torch_cp"],
+               "deepspeed": ds_rows}  # fmt: skip
+        args.json.write_text(json.dumps(doc, indent=1))
+
+
+def beside(rows: list[dict], peers: list[dict]) -> str:
+    """zeroplane's all-to-all rows (no tiled loss) beside DeepSpeed's Ulysses, as ratios."""
+    lines = [
+        "| seq | cp | zeroplane saved MB | DeepSpeed saved MB | saved zp/DS | zeroplane peak MB "
+        "| DeepSpeed peak MB | peak zp/DS | step zp/DS |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_case = {(d["seq"], d["sp"]): d for d in peers}
+    for r in rows:
+        if r["tiled"] or r["kind"] != "ulysses":
+            continue
+        d = by_case.get((r["seq"], r["cp"]))
+        if d is None or "error" in d:
+            why = "not run" if d is None else f"DeepSpeed: {d['error'][:60]}"
+            lines.append(f"| {r['seq']} | {r['cp']} | {r['saved'] / 1e6:.1f} | {why} |")
+            continue
+        lines.append(
+            f"| {r['seq']} | {r['cp']} | {r['saved'] / 1e6:.1f} | {d['saved'] / 1e6:.1f} "
+            f"| {r['saved'] / d['saved']:.2f}x | {r['peak'] / 1e6:.1f} | {d['peak'] / 1e6:.1f} "
+            f"| {r['peak'] / d['peak']:.2f}x | {r['step_s'] / d['step_s']:.2f}x |"
         )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
