@@ -275,3 +275,25 @@ def test_plan_seq_reports_the_cp_a_sequence_needs(capsys) -> None:
     ]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "N=8: 131,072 tokens need cp >= 4; the longest sequence at cp=1:" in out
+
+
+def test_plan_ep_counts_each_ranks_experts_over_their_group(capsys) -> None:
+    # a Mixtral-8x7B-like job: 2e9 dense elements, 45e9 in the experts, ep=8
+    assert main([
+        "plan", "--params", "47e9", "--ep", "8", "--expert-params", "45e9",
+        "--world-sizes", "8,16", "--json",
+    ]) == 0  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["experts"] == {"expert_parallel": 8, "numel": 45_000_000_000}
+    by_n = {p["world_size"]: p for p in doc["plans"]}
+    for n in (8, 16):
+        stages = {int(k): v["total"] for k, v in by_n[n]["bytes_per_rank"].items()}
+        # by hand: the dense 2e9 at 16 bytes over n ranks, the experts' 45e9/8 over n/8
+        assert stages[3] == 16 * 2e9 / n + 16 * 45e9 / 8 / (n // 8)
+        assert stages[0] == 16 * 2e9 + 16 * 45e9 / 8
+    assert main(["plan", "--params", "47e9", "--ep", "8", "--world-sizes", "4"]) == 2
+    assert "needs --expert-params" in capsys.readouterr().err
+    assert main([
+        "plan", "--params", "47e9", "--ep", "8", "--expert-params", "45e9", "--world-sizes", "4",
+    ]) == 2  # fmt: skip
+    assert "not multiples of --ep 8" in capsys.readouterr().err

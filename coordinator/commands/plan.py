@@ -119,6 +119,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--vocab", type=int, metavar="V",
         help="vocabulary size, for the logits (default: the model's config; none with --params)",
     )  # fmt: skip
+    experts = parser.add_argument_group(
+        "mixture of experts",
+        "with --ep: each layer's experts split over ep ranks, their state sharded over the "
+        "world/ep ranks holding the same ones, the rest over the world ([Note: experts in "
+        "the plan])",
+    )
+    experts.add_argument(
+        "--ep", type=int, default=1, metavar="E",
+        help="expert-parallel degree; every world size must be a multiple (default 1)",
+    )  # fmt: skip
+    experts.add_argument(
+        "--expert-params", metavar="N",
+        help="with --params: how many of them are the experts' (with --model: found in it)",
+    )  # fmt: skip
     sequences.add_argument(
         "--tiled-loss", action="store_true",
         help="the loss is tiled (ZeroConfig.tiled_loss): no logits for the whole sequence",
@@ -185,10 +199,18 @@ def inventory_of(module: object) -> list[ParamSpec]:
 
 
 def _shape_of(model: object) -> dict[str, int]:
-    """layers/hidden/heads from a model's config, where it has one (Hugging Face's, or
-    zeroplane's GPT): what ``--layers``/``--hidden``/``--heads`` default to."""
+    """layers/hidden/heads (and vocab) from a model's config, where it has one (Hugging
+    Face's, or zeroplane's GPT): what ``--layers``/``--hidden``/``--heads`` default to;
+    and the elements of its experts modules, if any (``--ep``)."""
     cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
     found: dict[str, int] = {}
+    from worker.moe.dispatch import expert_modules  # (the model is a torch module)
+
+    experts = sum(
+        p.numel() for _, m in expert_modules(model) for p in m.parameters() if p.requires_grad
+    )
+    if experts:
+        found["experts"] = experts
     for key, names in (
         ("layers", ("num_hidden_layers", "n_layer", "num_layers")),
         ("hidden", ("hidden_size", "n_embd", "d_model")),
@@ -201,6 +223,34 @@ def _shape_of(model: object) -> dict[str, int]:
                 found[key] = value
                 break
     return found
+
+
+def _experts(
+    args: argparse.Namespace, numel: int, shape: dict[str, int], world_sizes: list[int]
+) -> tuple[int, int] | None:
+    """(ep, the experts' elements) for ``--ep``; None without it."""
+    if args.ep < 1:
+        raise ValueError(f"--ep must be >= 1, got {args.ep}")
+    if args.ep == 1:
+        if args.expert_params is not None:
+            raise ValueError("--expert-params needs --ep (the expert-parallel degree)")
+        return None
+    if args.expert_params is not None:
+        if args.model is not None:
+            raise ValueError("--expert-params is for --params; --model finds its experts")
+        experts = parse_count(args.expert_params)
+    elif args.params is not None:
+        raise ValueError("--ep with --params needs --expert-params (the experts' share)")
+    else:
+        experts = shape.get("experts", 0)
+        if not experts:
+            raise ValueError(f"--ep {args.ep}: {args.model} has no experts module")
+    if experts > numel:
+        raise ValueError(f"--expert-params {experts:,} is more than the {numel:,} parameters")
+    bad = [n for n in world_sizes if n % args.ep]
+    if bad:
+        raise ValueError(f"world sizes {bad} are not multiples of --ep {args.ep}")
+    return args.ep, experts
 
 
 def _activations(args: argparse.Namespace, defaults: dict[str, int]) -> ActivationShape | None:
@@ -260,6 +310,8 @@ def plan(args: argparse.Namespace) -> int:
             numel, source, shape, sharded = _load_model_sharded(args.model)
         if args.pipeline_microbatches < 1 or args.max_tp < 1:
             raise ValueError("--pipeline-microbatches and --max-tp must be >= 1")
+        experts = _experts(args, numel, shape, world_sizes)
+        numel -= 0 if experts is None else experts[1]
         config = PlanConfig(
             precision=args.precision,
             optimizer_states=args.optimizer_states,
@@ -269,6 +321,7 @@ def plan(args: argparse.Namespace) -> int:
             offload=not args.no_offload,
             host_memory_bytes=parse_bytes(args.host_memory),
             pcie_bytes_per_s=float(parse_bytes(args.pcie_bandwidth)),
+            experts=experts,
         )
     except ValueError as exc:
         print(f"zeroplane plan: {exc}", file=sys.stderr)
@@ -278,21 +331,25 @@ def plan(args: argparse.Namespace) -> int:
         choose_stage(numel, world_size=n, device_memory_bytes=device_memory, config=config)
         for n in world_sizes
     ]
-    meshes = [
-        choose_mesh(
-            numel,
-            sharded_numel=sharded,
-            world_size=n,
-            device_memory_bytes=device_memory,
-            config=config,
-            microbatches=args.pipeline_microbatches,
-            schedule=args.schedule,
-            max_tp=args.max_tp,
-            heads=args.heads if args.heads is not None else shape.get("heads"),
-            layers=args.layers if args.layers is not None else shape.get("layers"),
-        )
-        for n in world_sizes
-    ]
+    meshes = (
+        []
+        if config.experts is not None
+        else [
+            choose_mesh(
+                numel,
+                sharded_numel=sharded,
+                world_size=n,
+                device_memory_bytes=device_memory,
+                config=config,
+                microbatches=args.pipeline_microbatches,
+                schedule=args.schedule,
+                max_tp=args.max_tp,
+                heads=args.heads if args.heads is not None else shape.get("heads"),
+                layers=args.layers if args.layers is not None else shape.get("layers"),
+            )
+            for n in world_sizes
+        ]
+    )
     vocab = args.vocab if args.vocab is not None else shape.get("vocab")
     sequences = (
         []
@@ -323,6 +380,9 @@ def plan(args: argparse.Namespace) -> int:
             "headroom": config.headroom,
             "activation_bytes": config.activation_bytes,
             "activations": None if config.activations is None else vars(config.activations),
+            "experts": None
+            if config.experts is None
+            else {"expert_parallel": config.experts[0], "numel": config.experts[1]},
             "sequences": [
                 {
                     "world_size": p.world_size,
@@ -371,6 +431,12 @@ def plan(args: argparse.Namespace) -> int:
     mixed = "mixed precision" if config.precision != "fp32" else "full precision"
     usable = device_memory * (1 - config.headroom)
     print(f"model: {numel:,} trainable parameters ({source})")
+    if config.experts is not None:
+        ep, experts = config.experts
+        print(
+            f"experts: {experts:,} more, split over ep={ep}: each rank holds 1/{ep} of every "
+            f"layer's experts, sharded over world/{ep} ranks; the {numel:,} above over all"
+        )
     print(
         f"precision: {config.precision} ({mixed}); optimizer: {config.optimizer_states} fp32 "
         "state(s) per parameter"
@@ -443,6 +509,8 @@ def plan(args: argparse.Namespace) -> int:
     for m in meshes:
         star = "" if m.fits else " (does not fit)"
         print(f"N={m.world_size}: {m.reason}{star}")
+    if not meshes:
+        print("(expert parallelism runs over data parallelism only: no tp or pp beside it)")
     if sequences:
         print()
         logits = (
