@@ -400,3 +400,40 @@ def test_cuda_memory_gauges(monkeypatch) -> None:
     for kind, number in (("allocated", 11), ("reserved", 22), ("peak", 33), ("total", 44)):
         assert value(text, f"zeroplane_device_memory_{kind}_bytes") == number
     assert 'device_kind="cuda"' in text
+
+
+def test_expert_load_is_the_busiest_expert_over_the_mean_over_the_window() -> None:
+    from coordinator.commands.status import format_figures
+    from coordinator.control.observe import expert_balance
+
+    text = """# TYPE zeroplane_expert_tokens counter
+zeroplane_expert_tokens_total{layer="l0",expert="0"} 10
+zeroplane_expert_tokens_total{layer="l0",expert="1"} 10
+zeroplane_expert_tokens_total{layer="l1",expert="0"} 5
+zeroplane_expert_tokens_total{layer="l1",expert="1"} 5
+# TYPE zeroplane_expert_dropped_tokens counter
+zeroplane_expert_dropped_tokens_total{layer="l0"} 0
+zeroplane_expert_dropped_tokens_total{layer="l1"} 0
+"""
+    first = parse_sample(text, at=1.0)
+    assert first.expert_tokens == {"l0": {"0": 10.0, "1": 10.0}, "l1": {"0": 5.0, "1": 5.0}}
+    later = dataclasses.replace(
+        first,
+        at=11.0,
+        steps=1,
+        step_count=1,
+        expert_tokens={"l0": {"0": 40.0, "1": 20.0}, "l1": {"0": 15.0, "1": 15.0}},
+        expert_dropped={"l0": 6.0, "l1": 0.0},
+    )
+    f = figures("e", [first, later])
+    # over the window l0's experts got 30 and 10 rows: 30 over a mean of 20
+    assert f.expert_tokens["l0"] == {"0": 30.0, "1": 10.0}
+    assert (f.expert_load, f.expert_layer) == (1.5, "l0")
+    assert f.expert_dropped_share == pytest.approx(6 / (30 + 10 + 10 + 10 + 6))
+    # another rank holding experts 2 and 3 of l0, evenly loaded: the job's balance
+    other = {"l0": {"2": 20.0, "3": 20.0}}
+    load, layer = expert_balance([f.expert_tokens, other])
+    assert layer == "l0" and load == pytest.approx(30 / 20)
+    table = format_figures([{**f.as_dict(), "rank": 0}])
+    assert "expert load" in table and "1.50" in table and "every rank's experts 1.50 (l0)" in table
+    assert "expert load" not in format_figures([{**figures("e", [RankSample(at=1)]).as_dict()}])

@@ -25,7 +25,7 @@ from typing import Any
 
 from coordinator.commands.args import seconds, wait_seconds
 from coordinator.control.client import ClientConfig, CoordinatorClient, CoordinatorError
-from coordinator.control.observe import Sampler
+from coordinator.control.observe import Sampler, expert_balance
 from coordinator.control.web import api_status
 from coordinator.core.messages import StatusReport
 from coordinator.core.planner import format_bytes
@@ -228,6 +228,9 @@ def format_figures(ranks: Sequence[Mapping[str, Any]]) -> str:
 
     header = ["rank", "held", "stage-0 baseline", "saves", "step time", "samples/s"]
     header += [f"{op} bw" for op in FIGURE_OPS] + ["compression", "loss"]
+    experts = any(r.get("expert_tokens") for r in ranks)
+    if experts:  # expert parallelism: the busiest expert over the mean, the worst layer
+        header += ["expert load", "dropped"]
     rows, errors, window = [], [], 0.0
     for r in ranks:
         if r.get("error"):
@@ -251,9 +254,21 @@ def format_figures(ranks: Sequence[Mapping[str, Any]]) -> str:
                 num(r.get("loss"), ".4f"),
             ]
         )
+        if experts:
+            share = r.get("expert_dropped_share")
+            rows[-1] += [
+                num(r.get("expert_load"), ".2f"),
+                "-" if share is None else f"{100 * share:.1f}%",
+            ]
     over = f"over {window:.1f}s" if window else "averaged since each worker started"
     lines = [f"per-rank figures ({over}; bandwidth = collective bytes per collective second):"]
     lines += _table(header, rows) or ["no worker metrics"]
+    if experts:
+        load, layer = expert_balance(r.get("expert_tokens") or {} for r in ranks)
+        lines.append(
+            "expert load (token rows of the busiest expert over the mean, the worst layer; "
+            f"1.00 is even): every rank's experts {num(load, '.2f')} ({layer or '-'})"
+        )
     return "\n".join(lines + errors)
 
 

@@ -10,7 +10,12 @@ them, from the same metrics:
   ``rate(bytes[w]) / rate(seconds[w])`` over the same window (the
   extrapolation of ``rate`` cancels in the ratio);
 * step time: Δsum over Δcount of ``zeroplane_step_duration_seconds``;
-* compression ratio, throughput, loss, device and host memory.
+* compression ratio, throughput, loss, device and host memory;
+* under expert parallelism, the load balance: of each layer's experts on the
+  rank, the most token rows one received over the mean (Δ
+  ``zeroplane_expert_tokens_total``; 1.0: even), the worst layer's, and the
+  share of assignments dropped over capacity (:func:`expert_balance` does the
+  same over every rank's experts).
 
 With a single sample (no window yet) the rates fall back to averages since
 the worker started.
@@ -25,13 +30,21 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["RankFigures", "RankSample", "Sampler", "figures", "parse_sample", "scrape"]
+__all__ = [
+    "RankFigures",
+    "RankSample",
+    "Sampler",
+    "expert_balance",
+    "figures",
+    "parse_sample",
+    "scrape",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +80,10 @@ class RankSample:
     tokens: float = 0.0
     loss: float | None = None
     memory: dict[str, float] = field(default_factory=dict)
+    # under expert parallelism: rows each of this rank's experts received, by layer and
+    # expert, and the assignments each layer dropped over capacity
+    expert_tokens: dict[str, dict[str, float]] = field(default_factory=dict)
+    expert_dropped: dict[str, float] = field(default_factory=dict)
 
 
 def parse_sample(text: str, at: float) -> RankSample:
@@ -80,10 +97,16 @@ def parse_sample(text: str, at: float) -> RankSample:
         "collective_seconds": {},
     }
     memory: dict[str, float] = {}
+    expert_tokens: dict[str, dict[str, float]] = {}
+    expert_dropped: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             name, labels, value = s.name, s.labels, float(s.value)
-            if name == "zeroplane_model_state_bytes":
+            if name == "zeroplane_expert_tokens_total":
+                expert_tokens.setdefault(labels["layer"], {})[labels["expert"]] = value
+            elif name == "zeroplane_expert_dropped_tokens_total":
+                expert_dropped[labels["layer"]] = value
+            elif name == "zeroplane_model_state_bytes":
                 by["model_state"][labels["kind"]] = value
             elif name == "zeroplane_model_state_baseline_bytes":
                 by["baseline"][labels["kind"]] = value
@@ -118,6 +141,8 @@ def parse_sample(text: str, at: float) -> RankSample:
         tokens=num("zeroplane_tokens_total"),
         loss=gauges.get("zeroplane_loss"),
         memory=memory,
+        expert_tokens=expert_tokens,
+        expert_dropped=expert_dropped,
         **by,
     )
 
@@ -179,6 +204,12 @@ class RankFigures:
     # Seconds between the samples the rates come from; 0: averages since start.
     window_s: float = 0.0
     error: str = ""
+    # under expert parallelism, over the window: token rows per expert by layer, the
+    # worst layer's most over mean (1.0: even) and the share of assignments dropped
+    expert_tokens: dict[str, dict[str, float]] = field(default_factory=dict)
+    expert_load: float | None = None
+    expert_layer: str = ""
+    expert_dropped_share: float | None = None
 
     @property
     def state_total(self) -> float:
@@ -221,11 +252,42 @@ class RankFigures:
             "memory": self.memory,
             "window_s": self.window_s,
             "error": self.error,
+            "expert_tokens": self.expert_tokens,
+            "expert_load": self.expert_load,
+            "expert_layer": self.expert_layer,
+            "expert_dropped_share": self.expert_dropped_share,
         }
 
 
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
+
+
+def _worst_layer(tokens: dict[str, dict[str, float]]) -> tuple[float | None, str]:
+    """The layer whose busiest expert got the most rows over its mean, and that ratio."""
+    worst: tuple[float | None, str] = (None, "")
+    for layer, by_expert in tokens.items():
+        counts = list(by_expert.values())
+        mean = sum(counts) / len(counts) if counts else 0.0
+        if mean > 0 and (worst[0] is None or max(counts) / mean > worst[0]):
+            worst = (max(counts) / mean, layer)
+    return worst
+
+
+def expert_balance(
+    ranks: Iterable[Mapping[str, Mapping[str, float]]],
+) -> tuple[float | None, str]:
+    """The load balance over every rank's experts (``ranks``: each rank's
+    ``expert_tokens``): rows per expert summed over the ranks (the ranks holding one
+    expert each count the rows of their ep group), the worst layer's most over mean,
+    and that layer."""
+    total: dict[str, dict[str, float]] = {}
+    for tokens in ranks:
+        for layer, by_expert in tokens.items():
+            into = total.setdefault(layer, {})
+            for expert, n in by_expert.items():
+                into[expert] = into.get(expert, 0.0) + n
+    return _worst_layer(total)
 
 
 def figures(endpoint: str, samples: Iterable[RankSample]) -> RankFigures:
@@ -254,6 +316,13 @@ def figures(endpoint: str, samples: Iterable[RankSample]) -> RankFigures:
     raw = last.compression_raw - first.compression_raw
     wire = last.compression_wire - first.compression_wire
     steps = last.step_count - first.step_count
+    tokens = {
+        layer: {e: n - first.expert_tokens.get(layer, {}).get(e, 0.0) for e, n in by.items()}
+        for layer, by in last.expert_tokens.items()
+    }
+    load, layer = _worst_layer(tokens)
+    dropped = sum(last.expert_dropped.values()) - sum(first.expert_dropped.values())
+    routed = sum(sum(by.values()) for by in tokens.values())
     return RankFigures(
         endpoint=endpoint,
         rank=last.rank,
@@ -271,6 +340,10 @@ def figures(endpoint: str, samples: Iterable[RankSample]) -> RankFigures:
         loss=last.loss,
         memory=dict(last.memory),
         window_s=window,
+        expert_tokens=tokens,
+        expert_load=load,
+        expert_layer=layer,
+        expert_dropped_share=_ratio(dropped, routed + dropped) if tokens else None,
     )
 
 
