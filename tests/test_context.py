@@ -21,17 +21,26 @@ from worker.parallel import ParallelConfig
 VOCAB, SEQ, ROWS, STEPS = 64, 16, 2, 3
 
 
-def llama(heads: int = 4, kv_heads: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama(heads: int = 4, kv_heads: int = 2, family: str = "llama"):
+    """A small transformers decoder: Llama, Mistral (a sliding window of 5 tokens, so
+    that it matters on 16) or Qwen2 (biased q/k/v projections)."""
+    import transformers
 
-    config = LlamaConfig(
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[family]
+    extra = {"sliding_window": 5} if family == "mistral" else {}
+    config = config_class(
         vocab_size=VOCAB, hidden_size=24 if heads == 6 else 32, intermediate_size=48,
         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="sdpa",
         use_cache=False,  # (with a cache, transformers lets packed documents attend across)
+        **extra,
     )  # fmt: skip
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return model_class(config)
 
 
 def batch(step: int, group: int, packed: bool) -> dict[str, torch.Tensor]:
@@ -50,10 +59,17 @@ def batch(step: int, group: int, packed: bool) -> dict[str, torch.Tensor]:
 
 
 def train_llama_against_torch(
-    cp: int, kind: str, stage: int, packed: bool, heads: int = 4, kv_heads: int = 2, **options
+    cp: int,
+    kind: str,
+    stage: int,
+    packed: bool,
+    heads: int = 4,
+    kv_heads: int = 2,
+    family: str = "llama",
+    **options,
 ) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, ref = llama(heads, kv_heads), llama(heads, kv_heads)
+    model, ref = llama(heads, kv_heads, family), llama(heads, kv_heads, family)
     config = worker.ZeroConfig(stage=stage, bucket_numel=199, stage3_min_unit_numel=1, **options)
     parallel = ParallelConfig(context_parallel=cp, context_parallel_kind=kind)
     engine = worker.initialize(
@@ -104,6 +120,15 @@ def test_ring_takes_heads_that_do_not_divide_and_composes_with_checkpointing(poo
     pools(4).run(
         train_llama_against_torch, 4, "ring", 3, True, 6, 2, activation_checkpointing="units"
     )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("family", "kind"), [("mistral", "ring"), ("mistral", "ulysses"), ("qwen2", "ring")]
+)
+def test_other_decoders_train_like_torch(pools, family: str, kind: str) -> None:
+    # Mistral's sliding window (5 of 16 tokens) in both kinds; Qwen2's biased projections
+    pools(2).run(train_llama_against_torch, 2, kind, 3, True, 4, 2, family)
 
 
 # ---------------------------------------------------------------- a model of its own

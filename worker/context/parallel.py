@@ -55,15 +55,21 @@ def active() -> ContextParallel:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's tokens over the whole sequence, for a model of
     a context-parallel job: ``q`` B x H x s x D, ``k`` and ``v`` B x H_kv x s x D (s =
     this rank's tokens of the batch :meth:`ContextParallel.split` split last),
     returning B x H x s x D. Documents packed in a row (position ids restarting)
-    never attend across. Equal to ``F.scaled_dot_product_attention(q, k, v,
+    never attend across; ``window``: each token attends to the last ``window`` only
+    (a sliding window). Equal to ``F.scaled_dot_product_attention(q, k, v,
     is_causal=True)`` on the whole sequence."""
-    return active().attention(q, k, v, scale=scale)
+    return active().attention(q, k, v, scale=scale, window=window)
 
 
 class ContextParallel:
@@ -156,14 +162,18 @@ class ContextParallel:
     # ------------------------------------------------------------ attention
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         if self.batch is None:
             raise RuntimeError("context-parallel attention before any batch was split")
-        if self.size == 1:
-            return ulysses_attention(q, k, v, self.comm, self.batch, scale)
-        run = ulysses_attention if self.kind == "ulysses" else ring_attention
-        return run(q, k, v, self.comm, self.batch, scale)
+        run = ulysses_attention if self.kind == "ulysses" or self.size == 1 else ring_attention
+        return run(q, k, v, self.comm, self.batch, scale, window)
 
     def install(self, model: nn.Module) -> None:
         """Switch a transformers model to this context's attention (a model of its own
@@ -204,7 +214,10 @@ def _hf_attention(
     """transformers' attention interface: B x H x s x D in, B x s x H x D out."""
     if dropout and module.training:
         raise ValueError("attention dropout under context parallelism is not supported")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("sliding-window attention under context parallelism is not supported")
-    out = active().attention(query, key, value, scale=scaling)
+    for unsupported in ("softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(
+                f"attention with {unsupported} under context parallelism is not supported"
+            )
+    out = active().attention(query, key, value, scale=scaling, window=kwargs.get("sliding_window"))
     return out.transpose(1, 2).contiguous(), None

@@ -70,6 +70,7 @@ class _Ring(torch.autograd.Function):
         comm: Collectives,
         batch: SequenceBatch,
         scale: float,
+        window: int | None,
     ) -> torch.Tensor:
         n, r = comm.world_size, comm.rank
         rep = q.shape[1] // k.shape[1]
@@ -81,7 +82,7 @@ class _Ring(torch.autograd.Function):
             src = (r - t) % n
             ahead = _pass_on(comm, block) if t < n - 1 else None
             kb, vb = block[: k.numel()].view_as(k), block[k.numel() :].view_as(v)
-            s = _scores(q, kb, batch.mask(index[r], index[src]).to(q.device), scale, rep)
+            s = _scores(q, kb, batch.mask(index[r], index[src], window).to(q.device), scale, rep)
             m = s.amax(-1, keepdim=True)
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             p = torch.exp(s - m)
@@ -98,13 +99,13 @@ class _Ring(torch.autograd.Function):
                 block, handle = ahead
                 handle.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.batch, ctx.scale, ctx.index = comm, batch, scale, index
+        ctx.comm, ctx.batch, ctx.scale, ctx.index, ctx.window = comm, batch, scale, index, window
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        comm, batch, scale, index = ctx.comm, ctx.batch, ctx.scale, ctx.index
+        comm, batch, scale, index, window = ctx.comm, ctx.batch, ctx.scale, ctx.index, ctx.window
         n, r = comm.world_size, comm.rank
         rep = q.shape[1] // k.shape[1]
         dout = dout.float()
@@ -124,7 +125,7 @@ class _Ring(torch.autograd.Function):
                 part.view_as(like)
                 for part, like in zip(block.split(sizes), (k, v, k, v), strict=True)
             )
-            s = _scores(q, kb, batch.mask(index[r], index[src]).to(q.device), scale, rep)
+            s = _scores(q, kb, batch.mask(index[r], index[src], window).to(q.device), scale, rep)
             p = torch.exp(s - lse[..., None])  # (masked: exp(-inf) = 0)
             vr = vb.repeat_interleave(rep, dim=1) if rep > 1 else vb
             kr = kb.repeat_interleave(rep, dim=1) if rep > 1 else kb
@@ -144,6 +145,7 @@ class _Ring(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -154,10 +156,12 @@ def ring_attention(
     comm: Collectives,
     batch: SequenceBatch,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's zig-zag shard (B x H x S/k x D queries, B x H_kv x
-    S/k x D keys and values) over the whole sequence ([Note: ring attention])."""
+    S/k x D keys and values) over the whole sequence ([Note: ring attention]); ``window``:
+    a sliding window's tokens."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _Ring.apply(q, k, v, comm, batch, scale)
+    return _Ring.apply(q, k, v, comm, batch, scale, window)

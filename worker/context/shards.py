@@ -15,7 +15,8 @@ cp group hold the same batch, each a shard of every sequence along its length:
   Megatron balance it (worker/context/ring.py).
 
 Masks follow the tokens, not the shard: token i attends to token j when j <= i
-in the whole sequence and both are of one document, documents being found from
+in the whole sequence (and j > i - w under a sliding window of w) and both are of
+one document, documents being found from
 position ids as transformers finds packed sequences (a position that does not
 follow its predecessor by one starts a document). Position ids themselves are the
 whole sequence's, sliced with the tokens, so rotary embeddings see true positions.
@@ -71,11 +72,16 @@ class SequenceBatch:
     index: torch.Tensor
     docs: torch.Tensor | None
 
-    def mask(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+    def mask(
+        self, q_index: torch.Tensor, k_index: torch.Tensor, window: int | None = None
+    ) -> torch.Tensor:
         """Which keys (at ``k_index`` of the whole sequence) each query (at
-        ``q_index``) attends to: causal, within its document (B' x 1 x q x k, B' = 1
-        without documents)."""
+        ``q_index``) attends to: causal, within its document, and within ``window``
+        tokens back where a sliding window is given (transformers' rule: key > query
+        - window) (B' x 1 x q x k, B' = 1 without documents)."""
         causal = k_index[None, :] <= q_index[:, None]
+        if window is not None:
+            causal = causal & (k_index[None, :] > q_index[:, None] - window)
         if self.docs is None:
             return causal[None, None]
         same = self.docs[:, q_index, None] == self.docs[:, None, k_index]

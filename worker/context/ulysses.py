@@ -73,9 +73,11 @@ def ulysses_attention(
     comm: Collectives,
     batch: SequenceBatch,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's tokens (B x H x S/k x D queries, B x H_kv x S/k x D
-    keys and values) over the whole sequence ([Note: all-to-all attention])."""
+    keys and values) over the whole sequence ([Note: all-to-all attention]); ``window``:
+    a sliding window's tokens."""
     heads, kv_heads, n = q.shape[1], k.shape[1], comm.world_size
     if heads % n:
         raise ValueError(
@@ -89,10 +91,10 @@ def ulysses_attention(
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    if batch.docs is None:
+    if batch.docs is None and window is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         whole = torch.arange(batch.length, device=q.device)
-        mask = batch.mask(whole, whole).to(q.device)
+        mask = batch.mask(whole, whole, window).to(q.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return _sequence_to_heads(out, comm)
