@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from coordinator.core.meshplan import MeshCoords, MeshShape
 from coordinator.core.messages import Generation
@@ -164,6 +164,8 @@ def _construct(
             spec.plan, spec.lr_scheduler, device=spec.device, init=spec.init, metrics=metrics,
             initial_state=initial_state, loss_fn=spec.loss_fn,
         )  # fmt: skip
+        if parallel.context_parallel > 1:
+            engine.context = _context_parallel(spec, parallel, shape=shape, mesh=mesh)
     logger.info(
         "mesh pp=%d dp=%d tp=%d: this rank is pp=%d dp=%d tp=%d",
         shape.pp, shape.dp, shape.tp, coords.pp, coords.dp, coords.tp,
@@ -195,15 +197,32 @@ def _expert_parallel(spec: EngineSpec, parallel: ParallelConfig) -> OptimizerArg
     return rebuild_optimizer(spec.optimizer, before, spec.model, dropped_ok=True)
 
 
-def _context_parallel(spec: EngineSpec, parallel: ParallelConfig | None) -> ContextParallel | None:
+def _context_parallel(
+    spec: EngineSpec,
+    parallel: ParallelConfig | None,
+    *,
+    shape: MeshShape | None = None,
+    mesh: DeviceMesh | None = None,
+) -> ContextParallel | None:
     """The cp groups of the process group and the model switched to their attention
-    (worker/context/parallel.py [Note: context parallelism]); None without cp."""
+    (worker/context/parallel.py [Note: context parallelism]); None without cp. On a
+    mesh (``shape``), a cp group is ``cp`` consecutive dp indices at one tp position:
+    the dp dimension split in two (dp/cp, cp)."""
     if parallel is None or parallel.context_parallel == 1:
         return None
     from worker.context import ContextParallel
 
+    cp, within = parallel.context_parallel, None
+    if shape is not None and mesh is not None:
+        if shape.dp % cp:
+            raise ValueError(f"context_parallel={cp} must divide the mesh's dp={shape.dp}")
+        split = init_device_mesh(
+            mesh.device_type, (shape.pp, shape.dp // cp, cp, shape.tp),
+            mesh_dim_names=("pp", "dp_outer", "cp", "tp"),
+        )  # fmt: skip
+        within = Collectives(split["cp"].get_group())
     context = ContextParallel(
-        Collectives(spec.group), parallel.context_parallel, parallel.context_parallel_kind
+        Collectives(spec.group), cp, parallel.context_parallel_kind, comm=within
     )
     context.install(spec.model)
     logger.info(

@@ -120,11 +120,11 @@ def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
     """Refuse, with the reason, what this composition does not do (README, "The mesh")."""
     pp = parallel.pipeline_parallel
     cp = parallel.context_parallel
-    if cp > 1 and (pp > 1 or parallel.tensor_parallel > 1 or parallel.expert_parallel > 1):
+    if cp > 1 and (pp > 1 or parallel.expert_parallel > 1):
         raise ValueError(
-            f"context_parallel={cp} runs over data parallelism only for now, not with "
-            f"tensor_parallel={parallel.tensor_parallel}, pipeline_parallel={pp} or "
-            f"expert_parallel={parallel.expert_parallel} (docs/guides/long-sequences.md)"
+            f"context_parallel={cp} runs with data and tensor parallelism only for now, not "
+            f"with pipeline_parallel={pp} or expert_parallel={parallel.expert_parallel} "
+            "(docs/guides/long-sequences.md)"
         )
     if parallel.expert_parallel > 1 and (pp > 1 or parallel.tensor_parallel > 1):
         raise ValueError(

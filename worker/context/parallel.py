@@ -75,7 +75,11 @@ def attention(
 class ContextParallel:
     """This rank's cp group and the batch it is computing ([Note: context parallelism])."""
 
-    def __init__(self, world: Collectives, size: int, kind: Kind) -> None:
+    def __init__(
+        self, world: Collectives, size: int, kind: Kind, *, comm: Collectives | None = None
+    ) -> None:
+        """cp groups of ``size`` consecutive ranks of ``world``, or ``comm`` (this rank's
+        cp group, formed by the caller: on a device mesh)."""
         if kind not in ("ulysses", "ring"):
             raise ValueError(f"context_parallel_kind must be 'ulysses' or 'ring', got {kind!r}")
         if size < 1 or world.world_size % size:
@@ -83,7 +87,10 @@ class ContextParallel:
                 f"context_parallel={size} must divide the world's {world.world_size} ranks"
             )
         self.kind = kind
-        self.regroup(world, size)
+        if comm is None:
+            self.regroup(world, size)
+        else:
+            self.world, self.comm = world, comm
         self.batch: SequenceBatch | None = None
         _ACTIVE.append(self)
 
@@ -129,7 +136,8 @@ class ContextParallel:
         small all-reduce over the world)."""
         total = torch.as_tensor(count, dtype=torch.float64).reshape(1).clone()
         self.world.all_reduce(total, control=True)
-        # every rank of a cp group counted the same batch
+        # every rank of a cp group counted the same batch (on a mesh, every tp rank
+        # too, whose factor the world size carries: the engine averages over dp)
         return (total / self.size / self.world.world_size).to(torch.float32).squeeze(0)
 
     def prepare(self, kwargs: dict[str, Any]) -> dict[str, Any]:
