@@ -1,5 +1,6 @@
-"""torch.compile at every stage, both ways scripts write it: the whole model compiled
-before ``worker.initialize``, and blocks compiled after it (torchtitan's recipe);
+"""torch.compile at every stage, the ways scripts write it: the whole model compiled
+before ``worker.initialize``, blocks compiled after it (torchtitan's recipe), and
+``ZeroConfig(compile=True)``;
 each against eager one-process torch (worker/factory.py [Note: compiling at stage 3])."""
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def compiled_against_eager_torch(stage: int, how: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if how == "whole":
         model = torch.compile(model)
-    engine = worker.initialize(model, opt, config=worker.ZeroConfig(stage=stage))
+    # "config": the engine compiles it (ZeroConfig.compile, DeepSpeed's compile.deepcompile)
+    config = worker.ZeroConfig(stage=stage, compile=how == "config")
+    engine = worker.initialize(model, opt, config=config)
     if how == "blocks":
         for block in engine.module.blocks:
             block.compile()
@@ -58,6 +61,8 @@ def compiled_against_eager_torch(stage: int, how: str) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("stage", "how"), [(1, "whole"), (3, "whole"), (3, "blocks")])
+@pytest.mark.parametrize(
+    ("stage", "how"), [(1, "whole"), (3, "whole"), (3, "blocks"), (2, "config")]
+)
 def test_compiled_training_equals_eager_torch(pools, stage: int, how: str) -> None:
     pools(2).run(compiled_against_eager_torch, stage, how)

@@ -646,6 +646,11 @@ def test_deepspeed_activation_section_turns_units_on(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="worker.ds_config"):
         cfg = ZeroConfig.from_deepspeed({"activation_checkpointing": section})
     assert cfg == ZeroConfig(activation_checkpointing="units")
+    # compile.deepcompile: the engine compiles the model; DeepCompile's own passes aside
+    compiled = ZeroConfig.from_deepspeed(
+        {"compile": {"deepcompile": True, "free_activation": True}}
+    )
+    assert compiled == ZeroConfig(compile=True)
     # cpu_checkpointing: the checkpointed activations kept in host memory
     on = ZeroConfig.from_deepspeed({"activation_checkpointing": {"cpu_checkpointing": True}})
     assert on.offload_activations and on.activation_checkpointing == "units"

@@ -163,6 +163,11 @@ class ZeroConfig:
             worker/tiling.py [Note: tiles]); 0: off.
         tiled_mlp: every transformers decoder MLP runs this many tokens of each row
             at a time, each tile recomputed in backward (worker/tiling.py); 0: off.
+        compile: compile the model with ``torch.compile`` once the engine is built:
+            whole at stages 0-2, each gather unit's forward at stage 3 with its
+            gathers and releases at its edges (worker/factory.py [Note: compiling
+            at stage 3]); what ``torch.compile(model)`` before ``initialize`` does.
+            DeepSpeed's ``compile.deepcompile``.
         offload_optimizer: ``"cpu"`` keeps this rank's fp32 master partition and
             optimizer state in host memory and runs the optimizer there
             (ZeRO-Offload; stages 1-3). Reduced gradient shards are copied to
@@ -208,6 +213,7 @@ class ZeroConfig:
     offload_activations: bool = False
     tiled_loss: int = 0
     tiled_mlp: int = 0
+    compile: bool = False
     offload_optimizer: Literal["none", "cpu"] = "none"
     offload_params: Literal["none", "cpu"] = "none"
     pin_memory: bool = True

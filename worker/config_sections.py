@@ -244,17 +244,20 @@ class MetricsSection:
 
 @dataclass(frozen=True, kw_only=True)
 class ActivationSection:
-    """Which modules' activations are recomputed in backward."""
+    """The forward's activations: which modules recompute theirs in backward, where
+    saved ones wait, the tiles of the loss and MLPs, and whether it is compiled."""
 
     # torch-free annotation: the callable takes an nn.Module
     activation_checkpointing: Literal["none", "units"] | int | Callable[[Any], bool]
     offload_activations: bool
     tiled_loss: int
     tiled_mlp: int
+    compile: bool
 
     def __post_init__(self) -> None:
-        if not isinstance(self.offload_activations, bool):
-            raise _bad(self, "offload_activations", "True or False")
+        for flag in ("offload_activations", "compile"):
+            if not isinstance(getattr(self, flag), bool):
+                raise _bad(self, flag, "True or False")
         for name in ("tiled_loss", "tiled_mlp"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:

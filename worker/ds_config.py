@@ -347,6 +347,8 @@ class _DeepSpeedReader:
                     self.set(key, key, _raw_number(key, value))
             elif key == "activation_checkpointing":
                 self.activation_section(value)
+            elif key == "compile":
+                self.compile_section(value)
             elif key == "zeroplane":
                 self.zeroplane_section(value)
             elif key in _DS_IGNORED_TOP:
@@ -561,6 +563,19 @@ class _DeepSpeedReader:
                 self.unsupported.append(f"zeroplane.{sub}")
             elif sub not in self.overrides:
                 self.set(sub, f"zeroplane.{sub}", value)
+
+    def compile_section(self, section: Any) -> None:
+        """DeepSpeed's ``compile``: ``deepcompile`` compiles the model (zeroplane's
+        ``compile``: each stage-3 unit's forward between its gathers); the other keys
+        tune DeepCompile's own passes."""
+        if not isinstance(section, Mapping):
+            raise ValueError(f"DeepSpeed 'compile' must be a dict, got {section!r}")
+        for sub, value in section.items():
+            key = f"compile.{sub}"
+            if sub == "deepcompile":
+                self.set("compile", key, _raw_bool(key, value))
+            else:
+                self.ignored.append(key)
 
     def activation_section(self, section: Any) -> None:
         if not isinstance(section, Mapping):

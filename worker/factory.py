@@ -70,7 +70,7 @@ def build_engine(
     engine = _construct(
         spec, generation, rank, shape, mesh, coords, metrics, initial_state, build_for
     )
-    if spec.compiled:
+    if spec.compiled or spec.config.compile:
         compile_model(engine)
     return engine
 
@@ -78,7 +78,8 @@ def build_engine(
 def compile_model(engine: ZeroEngine) -> None:
     """[Note: compiling at stage 3]
     A script compiles its model (``torch.compile(model)``) before ``initialize``, or
-    its blocks (``block.compile()``) after. At stages 0-2 the parameters are whole
+    its blocks (``block.compile()``) after, or asks the engine to
+    (``ZeroConfig(compile=True)``, which does as the first). At stages 0-2 the parameters are whole
     and the engine's hooks run in backward only, so the whole module compiles as
     it is (``module.compile()``, which keeps the parameter names). At stage 3 a
     unit's parameters exist only between its gather and its release, which run in
