@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +31,29 @@ def pools() -> Iterator[Pools]:
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture
+def mesh_job(tmp_path: Path):
+    """``start(*flags, stage=, mesh=, step_sleep=, script=)``: a ``zeroplane run`` of an
+    elastic test script in the background (tests/test_mesh_elastic.py ``MeshRun``),
+    closed after the test."""
+    from tests.test_mesh_elastic import SCRIPT, MeshRun
+
+    runs: list[MeshRun] = []
+
+    def start(
+        *flags: str,
+        stage: int,
+        mesh: tuple[str, ...] = ("--tp", "2"),
+        step_sleep: float = 0.4,
+        script: Path = SCRIPT,
+    ) -> MeshRun:
+        runs.append(
+            MeshRun(tmp_path, *flags, stage=stage, mesh=mesh, step_sleep=step_sleep, script=script)
+        )
+        return runs[-1]
+
+    yield start
+    for r in runs:
+        r.close()

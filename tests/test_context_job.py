@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.reference import max_diff
-from tests.test_mesh_elastic import STEPS, MeshRun
+from tests.test_mesh_elastic import STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_long.py"
@@ -56,25 +56,22 @@ def test_run_refuses_a_cp_that_does_not_divide_the_job() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_cp_job_grows_by_a_cp_group_and_shrinks_back(tmp_path) -> None:
+def test_a_cp_job_grows_by_a_cp_group_and_shrinks_back(tmp_path, mesh_job) -> None:
     from tests.scripts.context_elastic_train import LR, global_batch
 
-    job = MeshRun(
-        tmp_path, "--nproc", "4", "--min-nproc", "4", "--max-nproc", "6", stage=3,
+    job = mesh_job(
+        "--nproc", "4", "--min-nproc", "4", "--max-nproc", "6", stage=3,
         mesh=("--cp", "2", "--cp-kind", "ring"), script=SCRIPT,
     )  # fmt: skip
-    try:
-        job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
-        job.proc.send_signal(signal.SIGUSR1)  # a whole cp group: two workers
-        job.wait_until("six ranks", lambda: job.world() == 6)
-        grown = job.step()
-        job.wait_until("six ranks training", lambda: job.step() >= grown + 3)
-        assert job.step() < STEPS - 4, "the job is too fast for this test to resize it"
-        job.proc.send_signal(signal.SIGUSR2)  # the newest cp group leaves
-        job.wait_until("back to four", lambda: job.world() == 4)
-        text = job.finish()
-    finally:
-        job.close()
+    job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
+    job.proc.send_signal(signal.SIGUSR1)  # a whole cp group: two workers
+    job.wait_until("six ranks", lambda: job.world() == 6)
+    grown = job.step()
+    job.wait_until("six ranks training", lambda: job.step() >= grown + 3)
+    assert job.step() < STEPS - 4, "the job is too fast for this test to resize it"
+    job.proc.send_signal(signal.SIGUSR2)  # the newest cp group leaves
+    job.wait_until("back to four", lambda: job.world() == 4)
+    text = job.finish()
     assert text.count("INFO coordinator.control.membership: registered") == 6, text[-4000:]
     assert "grew to 6 ranks" in text and "with its group, ranks [4, 5]" in text
     assert "recovered" not in text

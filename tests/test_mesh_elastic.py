@@ -330,24 +330,9 @@ def assert_matches_reference(tmp: Path) -> None:
     assert worst < 1e-5, f"the elastic mesh job differs from one process by {worst:.3g}"
 
 
-@pytest.fixture
-def run(tmp_path: Path):
-    runs: list[MeshRun] = []
-
-    def start(
-        *flags: str, stage: int, mesh: tuple[str, ...] = ("--tp", "2"), step_sleep: float = 0.4
-    ) -> MeshRun:
-        runs.append(MeshRun(tmp_path, *flags, stage=stage, mesh=mesh, step_sleep=step_sleep))
-        return runs[-1]
-
-    yield start
-    for r in runs:
-        r.close()
-
-
 @pytest.mark.timeout(300)
-def test_a_tp_job_grows_by_a_group_and_shrinks_back(run) -> None:
-    job = run("--nproc", "4", "--min-nproc", "4", "--max-nproc", "6", stage=1)
+def test_a_tp_job_grows_by_a_group_and_shrinks_back(mesh_job) -> None:
+    job = mesh_job("--nproc", "4", "--min-nproc", "4", "--max-nproc", "6", stage=1)
     job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
     first = job.workers()
     assert len(first) == 4
@@ -372,10 +357,10 @@ def test_a_tp_job_grows_by_a_group_and_shrinks_back(run) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_sigkilled_rank_of_a_tp_job_recovers_from_replicas(run) -> None:
+def test_a_sigkilled_rank_of_a_tp_job_recovers_from_replicas(mesh_job) -> None:
     """Its tp peer stands by (its group is broken), the survivors train on as one
     group, and the launcher's replacement makes two groups again."""
-    job = run("--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=3)
+    job = mesh_job("--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=3)
     job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 4)
     victim = job.workers()[-1]
     os.kill(victim, signal.SIGKILL)
@@ -388,11 +373,11 @@ def test_a_sigkilled_rank_of_a_tp_job_recovers_from_replicas(run) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_one_worker_asked_to_leave_takes_its_group_out_and_its_peer_stands_by(run) -> None:
+def test_one_worker_asked_to_leave_takes_its_group_out_and_its_peer_stands_by(mesh_job) -> None:
     """A SIGTERM from outside to one worker of a group: it leaves at a step boundary
     (every replica refreshed there, so nothing is trained again), its tp peer has no
     group and stands by, and it leaves with exit 0 when the job finishes."""
-    job = run("--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=2)
+    job = mesh_job("--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=2)
     job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
     os.kill(job.workers()[-1], signal.SIGTERM)
     job.wait_until("one group", lambda: job.world() == 2)
@@ -404,11 +389,13 @@ def test_one_worker_asked_to_leave_takes_its_group_out_and_its_peer_stands_by(ru
 
 
 @pytest.mark.timeout(300)
-def test_a_sigkilled_stage_of_a_pipeline_recovers_from_replicas(run) -> None:
+def test_a_sigkilled_stage_of_a_pipeline_recovers_from_replicas(mesh_job) -> None:
     """pp=2 x dp=2 at stage 2: a rank of the last stage is lost; its stage's dp ring
     restores it from its neighbour's replica, the first stage's rolls back with it,
     and the pipeline's stages and schedule are rebuilt over the new pp groups."""
-    job = run("--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=2, mesh=("--pp", "2"))
+    job = mesh_job(
+        "--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=2, mesh=("--pp", "2")
+    )
     job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 4)
     os.kill(job.workers()[-1], signal.SIGKILL)
     job.wait_until("the recovery", lambda: "recovered as" in job.text())
@@ -419,11 +406,11 @@ def test_a_sigkilled_stage_of_a_pipeline_recovers_from_replicas(run) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_tp_x_pp_job_grows_by_a_group_and_shrinks_back(run) -> None:
+def test_a_tp_x_pp_job_grows_by_a_group_and_shrinks_back(mesh_job) -> None:
     """pp=2 x tp=2: groups of four; each stage's schedule and each tp group re-form."""
     # four workers start at once to grow it: on 2 cores that takes the job 20 steps
     # of 0.4 s, so its steps are slower here, for room to resize before it ends
-    job = run("--nproc", "4", "--min-nproc", "4", "--max-nproc", "8", stage=1,
+    job = mesh_job("--nproc", "4", "--min-nproc", "4", "--max-nproc", "8", stage=1,
               mesh=("--pp", "2", "--tp", "2"), step_sleep=0.8)  # fmt: skip
     job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
     job.proc.send_signal(signal.SIGUSR1)
@@ -440,14 +427,14 @@ def test_a_tp_x_pp_job_grows_by_a_group_and_shrinks_back(run) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_sigkilled_rank_of_a_tp_x_pp_job_comes_back_whole(run) -> None:
+def test_a_sigkilled_rank_of_a_tp_x_pp_job_comes_back_whole(mesh_job) -> None:
     """pp=2 x dp=2 x tp=2 at stage 2: a rank is lost, its group's three others stand
     by (unless its replacement registers first) and the other group trains on from
     replicas; the launcher's replacement makes
     the group whole again, each standby back in its own stage and tp slice (the
     coordinator keeps their positions), and DTensor's cached decisions from the
     mesh of an earlier generation are forgotten (worker/compat.py forget_meshes)."""
-    job = run("--nproc", "8", "--min-nproc", "4", "--max-nproc", "8", stage=2,
+    job = mesh_job("--nproc", "8", "--min-nproc", "4", "--max-nproc", "8", stage=2,
               mesh=("--pp", "2", "--tp", "2"))  # fmt: skip
     job.wait_until("eight ranks training", lambda: job.world() == 8 and job.step() >= 4)
     os.kill(job.workers()[2], signal.SIGKILL)

@@ -16,10 +16,11 @@ import torch
 from coordinator.control.arrangement import BlockArrangement, arrangement_for
 from tests.coordinator_util import worker
 from tests.scripts.moe_elastic_train import batches, build
-from tests.test_mesh_elastic import STEPS, MeshRun
+from tests.test_mesh_elastic import STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "moe_elastic_train.py"
+EP = ("--ep", "2")
 
 
 def reference(steps: int) -> dict[str, torch.Tensor]:
@@ -48,22 +49,11 @@ def assert_matches_reference(tmp: Path) -> None:
     assert worst < 1e-5, f"the elastic ep job differs from one process by {worst:.3g}"
 
 
-@pytest.fixture
-def run(tmp_path: Path):
-    runs: list[MeshRun] = []
-
-    def start(*flags: str, stage: int) -> MeshRun:
-        runs.append(MeshRun(tmp_path, *flags, stage=stage, mesh=("--ep", "2"), script=SCRIPT))
-        return runs[-1]
-
-    yield start
-    for r in runs:
-        r.close()
-
-
 @pytest.mark.timeout(300)
-def test_an_ep_job_grows_by_an_ep_group_and_shrinks_back(run) -> None:
-    job = run("--nproc", "4", "--min-nproc", "4", "--max-nproc", "6", stage=3)
+def test_an_ep_job_grows_by_an_ep_group_and_shrinks_back(mesh_job) -> None:
+    job = mesh_job(
+        "--nproc", "4", "--min-nproc", "4", "--max-nproc", "6", stage=3, mesh=EP, script=SCRIPT
+    )
     job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
     job.proc.send_signal(signal.SIGUSR1)  # a whole ep group: two workers
     job.wait_until("six ranks", lambda: job.world() == 6)
@@ -82,10 +72,12 @@ def test_an_ep_job_grows_by_an_ep_group_and_shrinks_back(run) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_worker_asked_to_leave_takes_its_ep_group_out(run) -> None:
+def test_a_worker_asked_to_leave_takes_its_ep_group_out(mesh_job) -> None:
     """A SIGTERM from outside to one worker of the first ep group: it and its ep peer
     hand their shards over and leave; the survivors, renumbered, keep their places."""
-    job = run("--nproc", "6", "--min-nproc", "4", "--max-nproc", "6", stage=1)
+    job = mesh_job(
+        "--nproc", "6", "--min-nproc", "4", "--max-nproc", "6", stage=1, mesh=EP, script=SCRIPT
+    )
     job.wait_until("six ranks training", lambda: job.world() == 6 and job.step() >= 3)
     os.kill(job.workers()[0], signal.SIGTERM)
     job.wait_until("two ep groups", lambda: job.world() == 4)

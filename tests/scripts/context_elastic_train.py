@@ -14,16 +14,11 @@ the same batches (tests/test_context_job.py). The first rank writes
 
 from __future__ import annotations
 
-import argparse
-import logging
-import time
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
 
 import worker
 from examples.train_long import batch, build_model
+from tests.scripts import elastic_loop
 from worker.parallel import ParallelConfig
 
 SHARES, LR = 6, 0.5
@@ -35,14 +30,7 @@ def global_batch(step: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out", type=Path)
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--stage", type=int, default=3)
-    p.add_argument("--step-sleep", type=float, default=0.4)
-    args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
+    args = elastic_loop.parser(__doc__.splitlines()[0], stage=3)
     model = build_model()
     engine = worker.initialize(
         model,
@@ -50,23 +38,13 @@ def main() -> None:
         config=worker.ZeroConfig(stage=args.stage),
         parallel=ParallelConfig.from_env(),
     )
-    while engine.global_steps < args.steps:
-        share, shares = engine.data_rank
-        whole = global_batch(engine.global_steps)
+
+    def step(s: int, share: int, shares: int) -> None:
         rows = slice(share * SHARES // shares, (share + 1) * SHARES // shares)
-        try:
-            engine.backward(engine(**{k: v[rows] for k, v in whole.items()}).loss)
-            engine.step()
-        except worker.StepAborted:
-            continue
-        if dist.get_rank() == 0:
-            (args.out / "step").write_text(str(engine.global_steps))
-        if not (args.out / "hurry").exists():
-            time.sleep(args.step_sleep)
-    full = engine.full_state_dict()
-    if dist.get_rank() == 0:
-        torch.save(full, args.out / "final.pt")
-    engine.close()
+        engine.backward(engine(**{k: v[rows] for k, v in global_batch(s).items()}).loss)
+        engine.step()
+
+    elastic_loop.train(engine, args, step)
 
 
 if __name__ == "__main__":

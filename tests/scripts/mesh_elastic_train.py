@@ -13,15 +13,10 @@ of the job writes ``OUT_DIR/step`` as it goes; steps are paced until
 
 from __future__ import annotations
 
-import argparse
-import logging
-import time
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
 
 import worker
+from tests.scripts import elastic_loop
 from worker.mesh import ParallelConfig
 from worker.models import GPT, GPTConfig
 from worker.pipeline import lm_loss
@@ -45,35 +40,19 @@ def build() -> tuple[GPT, torch.optim.Optimizer]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out", type=Path)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--stage", type=int, default=1)
-    p.add_argument("--step-sleep", type=float, default=0.4)
-    args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
+    args = elastic_loop.parser(__doc__.splitlines()[0], stage=1)
     data = batches(args.steps)
     model, opt = build()
     config = worker.ZeroConfig(stage=args.stage, replica_interval=1)
     engine = worker.initialize(
         model, opt, config=config, parallel=ParallelConfig.from_env(), loss_fn=lm_loss
     )
-    while engine.global_steps < args.steps:
-        step, n, r = engine.global_steps, engine.world_size, engine.rank
-        x = data[step][r * GLOBAL_BATCH // n : (r + 1) * GLOBAL_BATCH // n]
-        try:
-            engine.train_batch([(x[:, :-1], x[:, 1:])])
-        except worker.StepAborted:
-            continue
-        if dist.get_rank() == 0:
-            (args.out / "step").write_text(str(engine.global_steps))
-        if not (args.out / "hurry").exists():
-            time.sleep(args.step_sleep)
-    full = engine.full_state_dict()
-    if dist.get_rank() == 0:
-        torch.save(full, args.out / "final.pt")
-    engine.close()
+
+    def step(s: int, share: int, shares: int) -> None:
+        x = data[s][share * GLOBAL_BATCH // shares : (share + 1) * GLOBAL_BATCH // shares]
+        engine.train_batch([(x[:, :-1], x[:, 1:])])
+
+    elastic_loop.train(engine, args, step)
 
 
 if __name__ == "__main__":

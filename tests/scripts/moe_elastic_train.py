@@ -14,17 +14,12 @@ first rank writes ``OUT_DIR/step`` as it goes; steps are paced until
 
 from __future__ import annotations
 
-import argparse
-import logging
-import time
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import worker
+from tests.scripts import elastic_loop
 from worker.moe import Experts
 from worker.parallel import ParallelConfig
 
@@ -82,35 +77,19 @@ def build() -> tuple[MoE, torch.optim.Optimizer]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out", type=Path)
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--stage", type=int, default=3)
-    p.add_argument("--step-sleep", type=float, default=0.4)
-    args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
+    args = elastic_loop.parser(__doc__.splitlines()[0], stage=3)
     data = batches(args.steps)
     model, opt = build()
     engine = worker.initialize(
         model, opt, config=worker.ZeroConfig(stage=args.stage), parallel=ParallelConfig.from_env()
     )
-    while engine.global_steps < args.steps:
-        step, n, r = engine.global_steps, engine.world_size, engine.rank
-        x = data[step][r * GLOBAL_BATCH // n : (r + 1) * GLOBAL_BATCH // n]
-        try:
-            engine.backward(engine(x[:, :-1], x[:, 1:]))
-            engine.step()
-        except worker.StepAborted:
-            continue
-        if dist.get_rank() == 0:
-            (args.out / "step").write_text(str(engine.global_steps))
-        if not (args.out / "hurry").exists():
-            time.sleep(args.step_sleep)
-    full = engine.full_state_dict()
-    if dist.get_rank() == 0:
-        torch.save(full, args.out / "final.pt")
-    engine.close()
+
+    def step(s: int, share: int, shares: int) -> None:
+        x = data[s][share * GLOBAL_BATCH // shares : (share + 1) * GLOBAL_BATCH // shares]
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        engine.step()
+
+    elastic_loop.train(engine, args, step)
 
 
 if __name__ == "__main__":
