@@ -23,15 +23,19 @@ VOCAB, SEQ, ROWS, STEPS = 64, 16, 2, 3
 
 def llama(heads: int = 4, kv_heads: int = 2, family: str = "llama"):
     """A small transformers decoder: Llama, Mistral (a sliding window of 5 tokens, so
-    that it matters on 16) or Qwen2 (biased q/k/v projections)."""
+    that it matters on 16), Qwen2 (biased q/k/v projections) or Mixtral (4 experts)."""
     import transformers
 
     config_class, model_class = {
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     }[family]
-    extra = {"sliding_window": 5} if family == "mistral" else {}
+    extra = {
+        "mistral": {"sliding_window": 5},
+        "mixtral": {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
+    }.get(family, {})
     config = config_class(
         vocab_size=VOCAB, hidden_size=24 if heads == 6 else 32, intermediate_size=48,
         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -67,6 +71,7 @@ def train_llama_against_torch(
     kv_heads: int = 2,
     family: str = "llama",
     tp: int = 1,
+    ep: int = 1,
     **options,
 ) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,7 +118,7 @@ def test_a_llama_split_by_sequence_over_two_ranks_trains_like_torch(pools, kind,
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("cp", "kind", "stage", "packed"),
-    [(4, "ulysses", 3, False), (4, "ring", 2, True), (2, "ring", 3, True), (2, "ulysses", 1, True)],
+    [(4, "ulysses", 3, True), (4, "ring", 3, False), (2, "ring", 2, True), (2, "ulysses", 1, True)],
 )
 def test_context_parallel_over_four_ranks_trains_like_torch(pools, cp, kind, stage, packed):
     # cp=2 on 4 ranks: two data-parallel groups, each splitting its own batch
@@ -142,6 +147,14 @@ def test_other_decoders_train_like_torch(pools, family: str, kind: str) -> None:
 def test_context_parallel_with_tensor_parallel_trains_like_torch(pools, kind, stage) -> None:
     # tp=2 x cp=2 on 4 ranks: each tp rank holds 2 of the 4 query heads (1 of 2 kv heads)
     pools(4).run(train_llama_against_torch, 2, kind, stage, True, 4, 2, "llama", 2)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("cp", "ep", "kind"), [(2, 2, "ring"), (2, 4, "ulysses")])
+def test_context_parallel_with_expert_parallel_trains_like_torch(pools, cp, ep, kind) -> None:
+    # a Mixtral on 4 ranks: cp=2, ep=2 (each cp group is an ep group: a rank's shard of
+    # the sequence reaches the other's experts) and ep=4 (experts over both groups)
+    pools(4).run(train_llama_against_torch, cp, kind, 3, True, 4, 2, "mixtral", 1, ep)
 
 
 # ---------------------------------------------------------------- a model of its own
@@ -180,7 +193,7 @@ def one_process_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def train_own_model_against_torch(kind: str) -> None:
+def train_own_model_against_torch(kind: str, cp: int) -> None:
     torch.manual_seed(0)
     model = Tiny()
     torch.manual_seed(0)
@@ -189,7 +202,7 @@ def train_own_model_against_torch(kind: str) -> None:
         model,
         torch.optim.SGD(model.parameters(), lr=0.5),
         config=worker.ZeroConfig(stage=3, stage3_min_unit_numel=1),
-        parallel=ParallelConfig(context_parallel=2, context_parallel_kind=kind),
+        parallel=ParallelConfig(context_parallel=cp, context_parallel_kind=kind),
     )
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(STEPS):
@@ -208,9 +221,9 @@ def train_own_model_against_torch(kind: str) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["ulysses", "ring"])
-def test_a_model_of_its_own_calls_the_attention(pools, kind):
-    pools(2).run(train_own_model_against_torch, kind)
+@pytest.mark.parametrize(("kind", "cp"), [("ulysses", 2), ("ring", 4)])
+def test_a_model_of_its_own_calls_the_attention(pools, kind, cp):
+    pools(cp).run(train_own_model_against_torch, kind, cp)
 
 
 # ---------------------------------------------------------------- pure
@@ -239,7 +252,7 @@ def test_bad_context_parallel_configs_are_refused() -> None:
         ParallelConfig(context_parallel=0)
     from worker.parallel import check_combination
 
-    with pytest.raises(ValueError, match="context_parallel=2 runs with data and tensor"):
+    with pytest.raises(ValueError, match="context_parallel=2 runs with data, tensor or expert"):
         check_combination(
             worker.ZeroConfig(), ParallelConfig(context_parallel=2, pipeline_parallel=2)
         )

@@ -26,6 +26,7 @@ data-parallel one; its mesh is chosen when the generation is planned.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 from coordinator.control.roster import Roster
@@ -181,10 +182,10 @@ def arrangement_for(info: WorkerInfo) -> Arrangement:
     """The arrangement of a job whose first worker registered with ``info``."""
     if info.fixed_rank is not None:
         return FixedArrangement()
-    if info.experts is not None and info.experts[0] > 1:
-        return BlockArrangement(info.experts[0])
-    if info.context_parallel is not None and info.context_parallel > 1:
-        return BlockArrangement(info.context_parallel)
+    ep = 1 if info.experts is None else info.experts[0]
+    cp = info.context_parallel or 1
+    if ep * cp > 1:  # (both: blocks of the least multiple of the two)
+        return BlockArrangement(math.lcm(ep, cp))
     if info.mesh is not None and 0 not in info.mesh:
         return MeshArrangement(*info.mesh)
     return ElasticArrangement()

@@ -47,6 +47,7 @@ only).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from worker import live
@@ -61,10 +62,11 @@ __all__ = ["adopt", "exchange", "leaving_group", "regroup"]
 
 
 def _block(engine: ZeroEngine) -> int:
-    """Ranks per block: the ep or cp degree (1: a data-parallel job)."""
-    if engine.experts is not None:
-        return engine.experts.groups.size
-    return 1 if engine.context is None else engine.context.size
+    """Ranks per block: the ep or cp degree, or the least multiple of both (1: a
+    data-parallel job)."""
+    ep = 1 if engine.experts is None else engine.experts.groups.size
+    cp = 1 if engine.context is None else engine.context.size
+    return math.lcm(ep, cp)
 
 
 def leaving_group(engine: ZeroEngine, leaving: int) -> list[int]:
