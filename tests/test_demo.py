@@ -224,3 +224,19 @@ def test_demo_cli(repo_on_path):
     assert proc.returncode == 0, proc.stderr
     assert "stage 2  done in" in proc.stdout
     assert "measured" in proc.stdout and "(predicted)" in proc.stdout
+
+
+def test_a_stage_listed_twice_runs_twice(monkeypatch) -> None:
+    """--stages 3,0,3: each run gets a directory of its own (it made one per stage, and
+    the second 3 failed with FileExistsError)."""
+    demo = demo_cmd
+    ran = []
+
+    def fake_stage(options, stage, out, on_progress, on_line):
+        out.mkdir()  # what the real one does first
+        ran.append((stage, out.name))
+        return stage
+
+    monkeypatch.setattr(demo, "_run_stage", fake_stage)
+    assert demo.run_demo(demo.DemoOptions(nproc=1, stages=(3, 0, 3), steps=1)) == [3, 0, 3]
+    assert [s for s, _ in ran] == [3, 0, 3] and len({d for _, d in ran}) == 3

@@ -100,7 +100,8 @@ class StageResult:
     measured: bytes by kind on the rank that holds the most.
     predicted: the planner's bytes by kind for the same numel, stage, N and dtype.
     losses: per step, the mean of the ranks' losses (the global-batch loss).
-    step_s: median step time of the slowest rank, first step excluded (warm-up).
+    step_s: median step time of the slowest rank, the warm-up excluded (the first
+        fifth of the steps, at least one: allocator, caches and the gather plan settle).
     comm_bytes_per_step: logical bytes of rank 0's collectives per training step.
     """
 
@@ -179,7 +180,7 @@ def _collect(options: DemoOptions, stage: int, out: Path, wall_s: float) -> Stag
         statistics.fmean(step) for step in zip(*(rep["losses"] for rep in reports), strict=True)
     ]
     slowest = [max(step) for step in zip(*(rep["step_s"] for rep in reports), strict=True)]
-    timed = slowest[1:] or slowest
+    timed = slowest[max(1, len(slowest) // 5) :] or slowest
     comm_bytes = sum(int(v.get("bytes", 0)) for v in reports[0].get("comm", {}).values())
     return StageResult(
         stage=stage,
@@ -266,10 +267,11 @@ def run_demo(
 
     results: list[StageResult] = []
     with tempfile.TemporaryDirectory(prefix="zeroplane-demo-") as tmp:
-        for stage in options.stages:
+        for i, stage in enumerate(options.stages):
             try:
+                # (a stage may be listed twice: 3,0,3 runs it again, in a directory of its own)
                 result = _run_stage(
-                    options, stage, Path(tmp) / f"stage{stage}", on_progress, on_line or keep
+                    options, stage, Path(tmp) / f"{i}-stage{stage}", on_progress, on_line or keep
                 )
             except DemoError as exc:
                 exc.output = list(tail)
