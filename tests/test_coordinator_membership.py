@@ -307,11 +307,19 @@ def test_a_scripts_own_group_keeps_its_ranks_and_forms_only_when_whole() -> None
 
 
 @pytest.mark.parametrize(
-    "from_workers, asked, want",
-    [(True, (1, 1), 1), (True, (None, None), 0), (True, (1, 2), 2), (False, (1, 1), 0)],
+    "from_workers, asked, want, memory",
+    [
+        (True, (1, 1), 1, 0),
+        (True, (None, None), 0, 0),
+        (True, (1, 2), 2, 0),
+        # --stage auto: the coordinator chooses where it knows the devices' memory (all
+        # fits: stage 0), and the script's stage stands where it does not (a CPU job)
+        (False, (1, 1), 0, 80 * 10**9),
+        (False, (1, 1), 1, 0),
+    ],
 )
 def test_the_workers_stage_applies_when_the_coordinator_has_none(
-    from_workers: bool, asked: tuple[int | None, int | None], want: int
+    from_workers: bool, asked: tuple[int | None, int | None], want: int, memory: int
 ) -> None:
     clock = Clock()
     m = Membership(
@@ -321,11 +329,12 @@ def test_the_workers_stage_applies_when_the_coordinator_has_none(
         wall_clock=clock,
     )
     for wid, stage in zip("ab", asked, strict=True):
-        m.register(dataclasses.replace(worker(wid), stage=stage), inventory())
+        info = dataclasses.replace(worker(wid), stage=stage, device_memory_bytes=memory)
+        m.register(info, inventory())
     gen = m.maybe_form()
     assert gen is not None and gen.stage == want, gen and gen.stage_reason
     assert ("asked for by the workers" in gen.stage_reason) == (
-        from_workers and asked[0] is not None
+        (from_workers or not memory) and asked[0] is not None
     )
 
 

@@ -136,7 +136,7 @@ def plan_generation(
     memories = [i.device_memory_bytes for i in infos if i.device_memory_bytes > 0]
     if infos[0].experts is not None:  # planner.py [Note: experts in the plan]
         plan = dataclasses.replace(plan, experts=infos[0].experts)
-    job_plan, asked = plan, _asked_stage(plan, infos)
+    job_plan, asked = plan, _asked_stage(plan, infos, memory_known=bool(memories))
     if asked is not None:
         plan = dataclasses.replace(plan, stage=asked)
     # The generation's stage must be one the workers can run as they are
@@ -160,9 +160,11 @@ def plan_generation(
             proposal = advice.reason.split("; ", 1)[-1]
             choice = dataclasses.replace(choice, reason=f"{choice.reason}; {proposal}")
     if asked is not None:
+        why = "asked for by the workers"
+        if not job_plan.stage_from_workers:
+            why += " (device memory unknown: nothing to choose another by)"
         choice = dataclasses.replace(
-            choice,
-            reason=choice.reason.replace("set by configuration", "asked for by the workers"),
+            choice, reason=choice.reason.replace("set by configuration", why)
         )
     mesh, mesh_reason = None, ""
     if infos[0].mesh is not None:
@@ -226,9 +228,14 @@ def _plan_mesh(
     return best.shape, f"{who}: {picked.reason}", choice
 
 
-def _asked_stage(plan: PlanConfig, infos: Sequence[WorkerInfo]) -> int | None:
-    """The stage the workers' ZeroConfig asks for, when the coordinator has none."""
-    if plan.stage is not None or not plan.stage_from_workers:
+def _asked_stage(
+    plan: PlanConfig, infos: Sequence[WorkerInfo], *, memory_known: bool
+) -> int | None:
+    """The stage the workers' ZeroConfig asks for, when the coordinator has none: where
+    it takes the workers' stage (``zeroplane run`` without ``--stage``), or where it
+    would choose (``--stage auto``) but knows no device memory to choose by (on CPUs:
+    its choice would be stage 0 for want of a reason, over the script's own)."""
+    if plan.stage is not None or not (plan.stage_from_workers or not memory_known):
         return None
     asked = sorted({i.stage for i in infos if i.stage is not None})
     if len(asked) > 1:
