@@ -297,3 +297,12 @@ def test_plan_ep_counts_each_ranks_experts_over_their_group(capsys) -> None:
         "plan", "--params", "47e9", "--ep", "8", "--expert-params", "45e9", "--world-sizes", "4",
     ]) == 2  # fmt: skip
     assert "not multiples of --ep 8" in capsys.readouterr().err
+
+
+def test_the_mesh_table_agrees_with_the_stage_table_where_only_offload_fits(capsys) -> None:
+    # 7.5e9 parameters on one 80 GB device: only stage 1 with the optimizer offloaded
+    assert main(["plan", "--params", "7.5e9", "--world-sizes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1+oo" in out
+    assert "N=1: no mesh fits without offload; ZeRO alone with offload does (stage 1+oo" in out
+    assert "nothing fits" not in out

@@ -506,7 +506,16 @@ def plan(args: argparse.Namespace) -> int:
         f"{numel:,} parameters; pipeline activations for {args.pipeline_microbatches} "
         f"micro-batches, {args.schedule}"
     )
+    by_size = dict(zip(world_sizes, choices, strict=True))
     for m in meshes:
+        c = by_size[m.world_size]
+        if not m.fits and c.fits and c.offload != "none":
+            # the meshes are planned without offload: say what the stage table found
+            print(
+                f"N={m.world_size}: no mesh fits without offload; ZeRO alone with offload "
+                f"does (stage {c.stage}{_OFFLOAD_MARK[c.offload]}, as above)"
+            )
+            continue
         star = "" if m.fits else " (does not fit)"
         print(f"N={m.world_size}: {m.reason}{star}")
     if not meshes:
