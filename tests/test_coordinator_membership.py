@@ -173,7 +173,8 @@ def test_below_min_workers_the_generation_stays_and_status_says_why() -> None:
     status = m.status()
     assert status.phase == "waiting"
     assert "lost 1 member" in status.waiting_reason
-    assert [(w.info.worker_id, w.state) for w in status.workers] == [("a", "member"), ("b", "lost")]
+    # b left (it was not lost: its lease did not run out)
+    assert [(w.info.worker_id, w.state) for w in status.workers] == [("a", "member"), ("b", "left")]
     m.register(worker("c"), inventory())
     gen = m.maybe_form()  # lost members: no join window
     assert gen is not None and [x.worker_id for x in gen.members] == ["a", "c"]
@@ -336,6 +337,23 @@ def test_the_workers_stage_applies_when_the_coordinator_has_none(
     assert ("asked for by the workers" in gen.stage_reason) == (
         (from_workers or not memory) and asked[0] is not None
     )
+
+
+def test_a_finished_job_reads_finished_with_its_members_left_not_lost() -> None:
+    from coordinator.core.messages import FINISHED
+
+    clock = Clock()
+    m = membership(clock, max_workers=2)
+    for wid in "ab":
+        m.register(worker(wid), inventory())
+    assert m.maybe_form() is not None
+    for wid in "ab":
+        m.leave(wid, FINISHED)
+    status = m.status()
+    assert status.phase == "finished"
+    assert {w.state for w in status.workers} == {"left"}
+    clock.now += 60  # their leases would have run out: they left before
+    assert {w.state for w in m.status().workers} == {"left"}
 
 
 def test_newcomers_wait_until_a_recovery_generation_is_applied() -> None:

@@ -322,7 +322,7 @@ def format_status(report: StatusReport, *, address: str = "", events: int = 10) 
                 w.info.host,
                 w.info.device_kind,
                 _bytes(w.info.device_memory_bytes or None),
-                f"{w.lease_remaining_s:.1f}s" if w.state != "lost" else "gone",
+                f"{w.lease_remaining_s:.1f}s" if w.state not in ("lost", "left") else "gone",
                 "-" if r is None else str(r.step),
                 *(_bytes(None if states is None else states.get(k)) for k in kinds_sorted),
                 _bytes(None if states is None else sum(states.values())),

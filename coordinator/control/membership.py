@@ -634,17 +634,19 @@ class Membership:
         rows: list[WorkerStatus] = []
         gen = self.generation
         for m in () if gen is None else gen.members:
-            lost = self.roster.gone.get(m.worker_id)
-            w = lost or self.roster.live[m.worker_id]
+            gone = self.roster.gone.get(m.worker_id)
+            w = gone or self.roster.live[m.worker_id]
+            # a member that left (a hand-over, the end of training) is not lost
+            state = "member" if gone is None else gone.state.value
             rows.append(
                 WorkerStatus(
                     info=w.info,
-                    state="lost" if lost else "member",
+                    state=state,
                     rank=m.rank,
                     lease_remaining_s=w.deadline - now,
                     report=w.report,
                     metrics_url=w.metrics_url,
-                    leaving=w.leaving and not lost,
+                    leaving=w.leaving and not gone,
                 )
             )
         for wid in self.roster.waiting():
@@ -661,8 +663,12 @@ class Membership:
                 )
             )
         reason = self.waiting_reason()
+        if self.finished:
+            phase = "finished"  # (a finished job is neither waiting nor running)
+        else:
+            phase = "running" if gen is not None and not self.roster.gone else "waiting"
         return StatusReport(
-            phase="running" if gen is not None and not self.roster.gone else "waiting",
+            phase=phase,
             waiting_reason=reason,
             generation_id=self.generation_id,
             world_size=0 if gen is None else gen.world_size,

@@ -12,7 +12,7 @@ Metric names and labels:
 
 ==================================================  =====================================
 zeroplane_coordinator_info{version, job_name}       1
-zeroplane_coordinator_workers{state}                member / standby / lost
+zeroplane_coordinator_workers{state}                member / standby / lost / left
 zeroplane_coordinator_generation                    current generation id (0: none)
 zeroplane_coordinator_world_size                    ranks in the current generation
 zeroplane_coordinator_stage                         the current generation's ZeRO stage
@@ -57,7 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-WORKER_STATES = ("member", "standby", "lost")
+WORKER_STATES = ("member", "standby", "lost", "left")
 
 METRIC_NAMES = (
     "zeroplane_coordinator_info",

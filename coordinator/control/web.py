@@ -54,7 +54,7 @@ def sd_targets(report: StatusReport, job_name: str) -> list[dict[str, Any]]:
     """The ``http_sd`` target groups of the live workers (see [Note: service discovery labels])."""
     groups = []
     for w in report.workers:
-        if w.state == "lost" or not w.info.metrics_endpoint:
+        if w.state in ("lost", "left") or not w.info.metrics_endpoint:
             continue
         labels = {
             "job": job_name,

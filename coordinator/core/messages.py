@@ -287,8 +287,9 @@ class Generation:
 @dataclass(frozen=True, kw_only=True)
 class WorkerStatus:
     info: WorkerInfo
-    # "member", "standby" (registered, waiting for a generation) or "lost"
-    # (a member of the current generation whose lease ran out or who left).
+    # "member", "standby" (registered, waiting for a generation), "lost" (a member
+    # of the current generation whose lease ran out) or "left" (one that left: a
+    # hand-over, the end of training).
     state: str
     rank: int | None
     lease_remaining_s: float
@@ -343,8 +344,9 @@ class StatusReport:
         or not their process has exited yet, and those that said they were asked to
         leave (a SIGTERM from outside their launcher) and will."""
         gone = {e.worker_id for e in self.events if e.kind in ("left", "expired")}
-        # a member that left stays in the status, "lost", until the next generation forms
-        here = {w.info.worker_id for w in self.workers if w.state != "lost"}
+        # a member that left stays in the status ("left", or "lost" once its lease ran
+        # out) until the next generation forms
+        here = {w.info.worker_id for w in self.workers if w.state not in ("lost", "left")}
         return (gone - here) | {w.info.worker_id for w in self.workers if w.leaving}
 
     def over(self) -> bool:
