@@ -240,6 +240,12 @@ def test_client_commands_run_without_torch(tmp_path: Path) -> None:
     result = _without_torch("submit", "--dry-run", str(ROOT / "examples" / "job.yaml"))
     assert result.returncode == 0, result.stderr
     assert "kind: Deployment" in result.stdout
+    # the Secret shows a placeholder, never a real token (a dry run is pasted and logged)
+    import base64
+
+    from coordinator.commands.submit import DRY_RUN_TOKEN
+
+    assert base64.b64encode(DRY_RUN_TOKEN.encode()).decode() in result.stdout
     # nothing listens there: the error is the connection's, not an import's
     result = _without_torch("status", "--coordinator", "127.0.0.1:1", "--timeout", "0.5")
     assert result.returncode == 1 and result.stderr.startswith("zeroplane status:"), result.stderr

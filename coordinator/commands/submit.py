@@ -88,6 +88,10 @@ def write_tree(spec: JobSpec, out: Path, *, dashboard: str | None) -> list[Path]
     return written
 
 
+# the token a dry run's Secret shows in place of the real one
+DRY_RUN_TOKEN = "placeholder-zeroplane-submit-writes-the-real-token"
+
+
 def _token(args: argparse.Namespace, existing: Path | None) -> str:
     for path in (args.token_file, existing):
         if path is not None and path.is_file():
@@ -121,7 +125,10 @@ def submit(args: argparse.Namespace) -> int:
         return 2
 
     if args.dry_run:
-        print(dump_yaml(render(spec, token=token, dashboard=dashboard)), end="")
+        # what is printed is often pasted or logged: the Secret shows a placeholder
+        shown = None if token is None else DRY_RUN_TOKEN
+        print("# the token Secret holds a placeholder; a submit writes the real one")
+        print(dump_yaml(render(spec, token=shown, dashboard=dashboard)), end="")
         return 0
 
     write_tree(spec, out, dashboard=dashboard)
