@@ -663,6 +663,8 @@ def test_overlays_differ_only_in_the_workers_workload() -> None:
 
 @pytest.mark.timeout(60)
 def test_dry_run_prints_the_manifests(tmp_path: Path) -> None:
+    from coordinator.commands.submit import DRY_RUN_TOKEN
+
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
     result = subprocess.run(
@@ -673,8 +675,10 @@ def test_dry_run_prints_the_manifests(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     printed = list(yaml.safe_load_all(result.stdout))
-    want = render(load_job_spec(EXAMPLE), token=TOKEN, dashboard=find_dashboard())
+    # the token Secret shows a placeholder, not the token file's token
+    want = render(load_job_spec(EXAMPLE), token=DRY_RUN_TOKEN, dashboard=find_dashboard())
     assert printed == want
+    assert TOKEN not in result.stdout
     assert list(tmp_path.iterdir()) == [token]  # nothing written
 
 
