@@ -277,6 +277,13 @@ class HFNet(nn.Module):
                 num_local_experts=4, num_experts_per_tok=2,
             )  # fmt: skip
             self.model = tf.MixtralForCausalLM(cfg)
+        elif kind == "qwen2":  # eager attention: it checks the keys against its mask
+            cfg = tf.Qwen2Config(
+                vocab_size=v, hidden_size=d, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                attn_implementation="eager",
+            )  # fmt: skip
+            self.model = tf.Qwen2ForCausalLM(cfg)
         elif kind == "bert":
             cfg = tf.BertConfig(
                 vocab_size=v, hidden_size=d, num_hidden_layers=2, num_attention_heads=2,
@@ -303,6 +310,15 @@ def test_hugging_face_models_train_like_torch(pools, kind: str, stage: int) -> N
     pytest.importorskip("transformers")
     config = {"bucket_numel": 211, "stage3_min_unit_numel": 1}
     pools(2).run(train_against_torch, partial(HFNet, kind), stage, config)
+
+
+def test_a_decoder_that_caches_keys_trains_with_activation_checkpointing(pools) -> None:
+    """[Note: no cache under recomputation]: a Qwen2 (use_cache in its config, eager
+    attention) inside a module of the script's, its layers recomputed in backward:
+    before, the recomputation appended its keys to the cache again and failed."""
+    pytest.importorskip("transformers")
+    config = {"activation_checkpointing": "units", "stage3_min_unit_numel": 1}
+    pools(2).run(train_against_torch, partial(HFNet, "qwen2"), 3, config)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,7 +40,14 @@ from torch.utils.checkpoint import checkpoint
 
 from worker.inventory import Inventory
 
-__all__ = ["MEASURE_EVERY", "SavedBytes", "checkpoint_modules", "choose_modules", "unwrap"]
+__all__ = [
+    "MEASURE_EVERY",
+    "SavedBytes",
+    "checkpoint_modules",
+    "choose_modules",
+    "unwrap",
+    "without_kv_cache",
+]
 
 MEASURE_EVERY = 50
 
@@ -107,6 +115,48 @@ def unwrap(modules: list[nn.Module]) -> None:
     """Undo :func:`checkpoint_modules`."""
     for module in modules:
         vars(module).pop("forward", None)
+
+
+def without_kv_cache(root: nn.Module) -> int:
+    """Have every transformers model in ``root`` make no key/value cache in a training
+    forward (a call that sets ``use_cache`` keeps its own); returns how many it hooked.
+
+    [Note: no cache under recomputation]
+    A transformers decoder whose config says ``use_cache`` makes a key/value cache
+    in every forward and appends each layer's keys and values to it. A checkpointed
+    layer runs again in backward and appends them again: its attention then sees
+    twice the keys, which eager attention refuses against its mask ("the size of
+    tensor a (24) must match the size of tensor b (12)", a Qwen2 at any stage with
+    ``activation_checkpointing``) and sdpa's causal attention silently accepts
+    (the duplicates weigh as one key each: a Llama trained right by luck).
+    transformers' own gradient checkpointing turns the cache off for training; the
+    engine does the same where it recomputes (activation checkpointing, context
+    parallelism's attention), with a forward pre-hook on each transformers model it
+    holds (the model may be the root or inside a module of the script's), so the
+    config stays the user's and ``generate`` keeps its cache."""
+    hooked = 0
+    for m in root.modules():
+        config = getattr(m, "config", None)
+        if getattr(config, "use_cache", False) and _takes_use_cache(type(m)):
+            m.register_forward_pre_hook(_no_cache, with_kwargs=True)
+            hooked += 1
+    return hooked
+
+
+def _no_cache(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if module.training and torch.is_grad_enabled() and "use_cache" not in kwargs:
+        kwargs = {**kwargs, "use_cache": False}
+    return args, kwargs
+
+
+@functools.cache
+def _takes_use_cache(cls: type) -> bool:
+    try:
+        return "use_cache" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class SavedBytes:

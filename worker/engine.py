@@ -42,7 +42,13 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from coordinator.core.layout import Layout
 from worker import accounting, checkpoint, live
-from worker.activations import SavedBytes, checkpoint_modules, choose_modules, unwrap
+from worker.activations import (
+    SavedBytes,
+    checkpoint_modules,
+    choose_modules,
+    unwrap,
+    without_kv_cache,
+)
 from worker.ballot import Ballot, BoundaryVote
 from worker.birth import Init, default_device, place_module
 from worker.clipping import NormScope, clip_or_skip
@@ -199,6 +205,8 @@ class ZeroEngine(Checkpointing):
             module, self.inventory, getattr(config, "activation_checkpointing", "none")
         )
         checkpoint_modules(self.checkpointed)
+        if self.checkpointed:  # [Note: no cache under recomputation]
+            without_kv_cache(module)
         if config.tiled_mlp:  # worker/tiling.py [Note: tiles]
             tile_mlps(module, config.tiled_mlp)
         self.saved_activations = SavedBytes(

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.activations import without_kv_cache
 from worker.collectives import Collectives
 from worker.context.ring import ring_attention
 from worker.context.shards import Kind, SequenceBatch, documents, shard_index
@@ -186,6 +187,7 @@ class ContextParallel:
     def install(self, model: nn.Module) -> None:
         """Switch a transformers model to this context's attention (a model of its own
         calls :func:`attention`)."""
+        without_kv_cache(model)  # [Note: no cache under recomputation]
         config = getattr(model, "config", None)
         if config is None or not hasattr(config, "_attn_implementation"):
             return
