@@ -264,6 +264,12 @@ class MeshRun:
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def pace(self, seconds: float) -> None:
+        """Seconds between steps from now on (tests/scripts/elastic_loop.py): a grow
+        test slows the job while its newcomers start, which on a loaded machine takes
+        tens of seconds."""
+        (self.tmp / "pace").write_text(str(seconds))
+
     def step(self) -> int:
         try:
             return int((self.tmp / "step").read_text() or 0)
@@ -336,9 +342,11 @@ def test_a_tp_job_grows_by_a_group_and_shrinks_back(mesh_job) -> None:
     job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
     first = job.workers()
     assert len(first) == 4
+    job.pace(1.5)  # while the newcomers start
     job.proc.send_signal(signal.SIGUSR1)  # a whole group: two workers
     job.wait_until("six ranks", lambda: job.world() == 6)
     grown = job.step()
+    job.pace(0.4)
     doc = job.status()
     assert doc["mesh"] == {"pp": 1, "dp": 3, "tp": 2}
     coords = sorted((w["mesh"]["dp"], w["mesh"]["tp"]) for w in doc["workers"] if w.get("mesh"))
@@ -413,10 +421,12 @@ def test_a_tp_x_pp_job_grows_by_a_group_and_shrinks_back(mesh_job) -> None:
     job = mesh_job("--nproc", "4", "--min-nproc", "4", "--max-nproc", "8", stage=1,
               mesh=("--pp", "2", "--tp", "2"), step_sleep=0.8)  # fmt: skip
     job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
+    job.pace(2.0)  # while the newcomers start
     job.proc.send_signal(signal.SIGUSR1)
     job.wait_until("eight ranks", lambda: job.world() == 8)
     assert job.status()["mesh"] == {"pp": 2, "dp": 2, "tp": 2}
     grown = job.step()
+    job.pace(0.8)
     job.wait_until("eight ranks training", lambda: job.step() >= grown + 3)
     assert job.step() < STEPS - 4, "the job is too fast for this test to resize it"
     job.proc.send_signal(signal.SIGUSR2)

@@ -55,9 +55,11 @@ def test_an_ep_job_grows_by_an_ep_group_and_shrinks_back(mesh_job) -> None:
         "--nproc", "4", "--min-nproc", "4", "--max-nproc", "6", stage=3, mesh=EP, script=SCRIPT
     )
     job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
+    job.pace(1.5)  # while the newcomers start
     job.proc.send_signal(signal.SIGUSR1)  # a whole ep group: two workers
     job.wait_until("six ranks", lambda: job.world() == 6)
     grown = job.step()
+    job.pace(0.4)
     job.wait_until("six ranks training", lambda: job.step() >= grown + 3)
     assert job.step() < STEPS - 4, "the job is too fast for this test to resize it"
     job.proc.send_signal(signal.SIGUSR2)  # the newest ep group leaves

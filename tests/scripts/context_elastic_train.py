@@ -14,12 +14,19 @@ the same batches (tests/test_context_job.py). The first rank writes
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 import worker
 from examples.train_long import batch, build_model
-from tests.scripts import elastic_loop
 from worker.parallel import ParallelConfig
+
+# the loop beside this script (a pod or the fork server runs it without the repository
+# on the path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import elastic_loop
 
 SHARES, LR = 6, 0.5
 

@@ -5,7 +5,9 @@ A script parses its arguments with :func:`parser` (``OUT_DIR``, ``--steps``,
 function of the global step, this rank's data-parallel share and the number of
 shares. :func:`train` runs it until ``--steps`` (a step abandoned after a lost peer
 is run again), the first rank writing ``OUT_DIR/step`` as it goes; steps are paced
-until ``OUT_DIR/hurry`` exists; ``OUT_DIR/final.pt`` gets the full parameters.
+by ``--step-sleep`` (or the seconds ``OUT_DIR/pace`` holds: a test slows the job
+while newcomers start on a loaded machine) until ``OUT_DIR/hurry`` exists;
+``OUT_DIR/final.pt`` gets the full parameters.
 """
 
 from __future__ import annotations
@@ -44,8 +46,15 @@ def train(engine, args: argparse.Namespace, step: Callable[[int, int, int], None
         if dist.get_rank() == 0:
             (args.out / "step").write_text(str(engine.global_steps))
         if not (args.out / "hurry").exists():
-            time.sleep(args.step_sleep)
+            time.sleep(_pace(args))
     full = engine.full_state_dict()
     if dist.get_rank() == 0:
         torch.save(full, args.out / "final.pt")
     engine.close()
+
+
+def _pace(args: argparse.Namespace) -> float:
+    try:
+        return float((args.out / "pace").read_text())
+    except (OSError, ValueError):  # none, or being written
+        return args.step_sleep

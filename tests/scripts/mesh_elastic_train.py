@@ -13,13 +13,20 @@ of the job writes ``OUT_DIR/step`` as it goes; steps are paced until
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 import worker
-from tests.scripts import elastic_loop
 from worker.mesh import ParallelConfig
 from worker.models import GPT, GPTConfig
 from worker.pipeline import lm_loss
+
+# the loop beside this script (a pod or the fork server runs it without the repository
+# on the path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import elastic_loop
 
 MODEL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, tie_weights=False)
 GLOBAL_BATCH = 12

@@ -14,14 +14,21 @@ first rank writes ``OUT_DIR/step`` as it goes; steps are paced until
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import worker
-from tests.scripts import elastic_loop
 from worker.moe import Experts
 from worker.parallel import ParallelConfig
+
+# the loop beside this script (a pod or the fork server runs it without the repository
+# on the path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import elastic_loop
 
 VOCAB, D, EXPERTS, TOP_K, SEQ = 32, 16, 4, 2, 8
 GLOBAL_BATCH = 12
