@@ -135,7 +135,10 @@ class ContextParallel:
         over every token of the global batch: that batch's token count over the world
         size (``count``: the tokens of this rank's whole batch, before the split; a
         small all-reduce over the world)."""
-        total = torch.as_tensor(count, dtype=torch.float64).reshape(1).clone()
+        # on the group's own device (NCCL reduces CUDA tensors only); a tensor count
+        # is reduced where it is, with no host synchronisation
+        device = count.device if isinstance(count, torch.Tensor) else _wire(self.world)
+        total = torch.as_tensor(count, dtype=torch.float64, device=device).reshape(1).clone()
         self.world.all_reduce(total, control=True)
         # every rank of a cp group counted the same batch (on a mesh, every tp rank
         # too, whose factor the world size carries: the engine averages over dp)
@@ -165,7 +168,7 @@ class ContextParallel:
         kwargs["input_ids"], kwargs["position_ids"] = split[0], split[-1]
         if shift is not None:
             kwargs["labels"] = kwargs["shift_labels"] = split[1]
-            kwargs["num_items_in_batch"] = self.token_scale(int((shift != _IGNORE).sum()))
+            kwargs["num_items_in_batch"] = self.token_scale((shift != _IGNORE).sum())
         return kwargs
 
     # ------------------------------------------------------------ attention
@@ -209,6 +212,10 @@ class ContextParallel:
     def close(self) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+
+
+def _wire(comm: Collectives) -> torch.device:
+    return torch.device("cuda") if comm.backend == "nccl" else torch.device("cpu")
 
 
 def _hf_attention(
