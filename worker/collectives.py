@@ -25,6 +25,7 @@ native ones. The local sum runs in fp32 for bf16/fp16 inputs.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from worker.compat import all_gather_flat, reduce_scatter_flat
+from worker.whereabouts import TRACKER, Call, GroupTag
 
 __all__ = ["CollectiveError", "Collectives", "Handle", "OpStats", "StepAborted"]
 
@@ -113,7 +115,7 @@ class Handle:
     are nearly always buffers the engine keeps anyway.
     """
 
-    __slots__ = ("_outlive", "_start", "_stats", "_then", "_works")
+    __slots__ = ("_call", "_outlive", "_start", "_stats", "_then", "_works")
 
     def __init__(
         self,
@@ -123,10 +125,12 @@ class Handle:
         then: Callable[[], None] | None = None,
         *,
         outlive: bool = False,
+        call: Call | None = None,
     ) -> None:
         self._works = work if isinstance(work, list) else [] if work is None else [work]
         self._stats, self._start, self._then = stats, start, then
         self._outlive = outlive  # a gloo work: keep it past the wait (see the Note)
+        self._call = call  # worker/whereabouts.py [Note: naming a stall]
 
     def done(self) -> bool:
         """Whether every work has completed (or failed), without waiting: ``wait()``
@@ -134,7 +138,7 @@ class Handle:
         return all(w.is_completed() for w in self._works)
 
     def wait(self) -> None:
-        with _translated("waiting on a collective"):
+        with _translated("waiting on a collective"), TRACKER.waiting(self._call):
             for work in self._works:
                 work.wait()
         if self._outlive:
@@ -179,6 +183,7 @@ class Collectives:
     _scratch: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        self._call: Call | None = None  # the last collective issued, for its Handle
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
@@ -205,11 +210,23 @@ class Collectives:
         """Whether this is the default process group (or a stand-in for one)."""
         return self.group is None or self.group is dist.group.WORLD
 
-    def _book(self, op: Op, nbytes: int, wire: int | None = None) -> tuple[OpStats, float]:
+    @functools.cached_property
+    def _tag(self) -> GroupTag:
+        """This group as worker/whereabouts.py names it."""
+        if self.group is None:
+            return GroupTag.of(dist.group.WORLD, range(self.world_size))
+        return GroupTag.of(self.group, dist.get_process_group_ranks(self.group))
+
+    def _book(
+        self, op: Op, nbytes: int, wire: int | None = None, *, kind: str | None = None
+    ) -> tuple[OpStats, float]:
+        """Count a collective under ``op`` (``kind``: what it is, where ``op`` books
+        it as another) and number it for the coordinator ([Note: naming a stall])."""
         stats = self.stats[op]
         stats.calls += 1
         stats.bytes += nbytes
         stats.wire_bytes += nbytes if wire is None else wire
+        self._call = TRACKER.issue(kind or op, self._tag)
         return stats, time.perf_counter()
 
     def _finish(
@@ -220,7 +237,7 @@ class Collectives:
         async_op: bool,
         then: Callable[[], None] | None = None,
     ) -> Handle:
-        handle = Handle(work, stats, start, then, outlive=self.backend == "gloo")
+        handle = Handle(work, stats, start, then, outlive=self.backend == "gloo", call=self._call)
         if not async_op:
             handle.wait()
         return handle
@@ -235,7 +252,9 @@ class Collectives:
     ) -> Handle:
         if not self.distributed:
             return _DONE
-        stats, start = self._book("control" if control else "all_reduce", _nbytes(tensor))
+        stats, start = self._book(
+            "control" if control else "all_reduce", _nbytes(tensor), kind="all_reduce"
+        )
         work = _issue(
             dist.all_reduce, tensor, op=_REDUCE_OPS[op], group=self.group, async_op=async_op
         )
@@ -429,7 +448,7 @@ class Collectives:
             output.copy_(input)
             return _DONE
         wire = _nbytes(input)
-        stats, start = self._book(as_op, logical_bytes or wire, wire)
+        stats, start = self._book(as_op, logical_bytes or wire, wire, kind="all_to_all")
         work = _issue(
             dist.all_to_all_single,
             output,
@@ -465,7 +484,8 @@ class Collectives:
 
     def barrier(self) -> None:
         if self.distributed:
-            _issue(dist.barrier, group=self.group)
+            self._call = TRACKER.issue("barrier", self._tag)
+            _issue(dist.barrier, group=self.group, async_op=False)
 
     @contextmanager
     def codec_time(self, kind: Literal["encode", "decode"]) -> Iterator[None]:
@@ -499,7 +519,11 @@ class Collectives:
 
 def _issue(fn: Callable[..., dist.Work | None], *args, **kwargs) -> dist.Work | None:
     with _translated(getattr(fn, "__name__", "collective")):
-        return fn(*args, **kwargs)
+        if kwargs.get("async_op", True):
+            return fn(*args, **kwargs)
+        # a blocking call waits inside torch: it is the wait ([Note: naming a stall])
+        with TRACKER.waiting(TRACKER.last):
+            return fn(*args, **kwargs)
 
 
 def _nbytes(t: torch.Tensor) -> int:

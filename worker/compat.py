@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +23,7 @@ __all__ = [
     "abort_default_group",
     "all_gather_flat",
     "backend_for",
+    "close_connections_to",
     "compile_disabled",
     "eager",
     "parallelize_local",
@@ -182,11 +183,17 @@ def _close_connections(rank: int, world_size: int, group: object | None = None) 
     on it: every survivor learns of the loss within moments of the first one,
     and the one that closed its connections to it in turn does the same.
     """
-    probe = torch.empty(1)
     peers = range(world_size) if group is None else _group_ranks().get(group, {})
+    close_connections_to([peer for peer in peers if peer != rank], group)
+
+
+def close_connections_to(peers: Iterable[int], group: object | None = None) -> None:
+    """Close this rank's gloo connections to ``peers`` (global ranks) in ``group`` (None:
+    the default group), so that an operation waiting on one of them fails now
+    ([Note: a survivor that learns late]). Safe from another thread than the one
+    that waits: a receive that times out closes its pair, whoever posted it."""
+    probe = torch.empty(1)
     for peer in peers:
-        if peer == rank:
-            continue
         # the timeout is the point: it closes the connection (or it already was)
         with contextlib.suppress(Exception):
             work = dist.irecv(probe, src=peer, group=group, tag=_CLOSING_TAG)

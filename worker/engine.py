@@ -67,6 +67,7 @@ from worker.schedule import LrSchedule, SchedulerArg, resolve_scheduler
 from worker.state import ShardState
 from worker.stats import StepStats
 from worker.tiling import tile_mlps, tiled_loss_forward
+from worker.whereabouts import during
 
 if TYPE_CHECKING:  # (loaded with context parallelism: worker/factory.py)
     from worker.context import ContextParallel
@@ -371,6 +372,7 @@ class ZeroEngine(Checkpointing):
         return self.forward(*args, **kwargs)
 
     @guarded
+    @during("forward")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.stats.begin()
         if self.context is not None and "input_ids" in kwargs:  # a transformers call
@@ -458,6 +460,7 @@ class ZeroEngine(Checkpointing):
     # ---------------------------------------------------- backward: hooks → buckets → reduce
 
     @guarded
+    @during("backward")
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
         """Backward of one micro-batch loss, with gradient reduction overlapped."""
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
@@ -535,6 +538,7 @@ class ZeroEngine(Checkpointing):
     # ---------------------------------------------------- step: clip → optimizer → publish
 
     @guarded
+    @during("step")
     def step(self, *, samples: int = 0, tokens: int = 0) -> bool:
         """Count a micro-step; at the accumulation boundary, step the optimizer.
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from worker import checkpoint, pretrained
 from worker.collectives import CollectiveError
+from worker.whereabouts import TRACKER
 
 __all__ = ["Checkpointing", "guarded"]
 
@@ -72,14 +73,16 @@ class Checkpointing:
         See worker/checkpoint.py [Note: checkpoint format].
         """
         extras = {name: obj.state_dict() for name, obj in self._extras.items()}
-        saved = checkpoint.save_checkpoint(self._checkpoint_view(), path, client_state, extras)
+        with TRACKER.state("checkpoint"):
+            saved = checkpoint.save_checkpoint(self._checkpoint_view(), path, client_state, extras)
         self.last_checkpoint = Path(path)
         self._saved_at = self.global_steps
         return saved
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Load a checkpoint saved at any world size and stage; returns its client_state."""
-        state = checkpoint.load_checkpoint(self._checkpoint_view(), path, self._extras)
+        with TRACKER.state("checkpoint"):
+            state = checkpoint.load_checkpoint(self._checkpoint_view(), path, self._extras)
         self._saved_at = self.global_steps
         self.last_checkpoint = Path(path)
         if self.membership is not None:

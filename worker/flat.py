@@ -22,7 +22,8 @@ values in backward, with nothing re-registered on the module.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ from worker.compression import (
     start_all_gather,
 )
 from worker.sharded import mark_gathered, mark_sharded
+from worker.whereabouts import TRACKER
 
 __all__ = [
     "BucketState",
@@ -133,6 +135,12 @@ class FlatBucket:
     secondary: torch.Tensor | None = None
     secondary_fresh: bool = False
 
+    @functools.cached_property
+    def label(self) -> str:
+        """The module path of this bucket's parameters, for naming its collectives
+        (worker/whereabouts.py [Note: naming a stall])."""
+        return modules_of(s.name for s in self.spec.slots)
+
     def param_views(self) -> None:
         """Point every parameter's ``.data`` at its slot in ``full``."""
         mark_gathered(self.params)
@@ -159,6 +167,24 @@ class LiveElements:
     numel: int = 0
 
 
+def modules_of(names: Iterable[str]) -> str:
+    """The deepest module path that holds every one of the parameter ``names``
+    ("blocks.3.mlp" for blocks.3.mlp.fc.weight and blocks.3.mlp.proj.bias), or the
+    first parameter's module and a count where they share none."""
+    names = list(names)
+    if not names:
+        return ""
+    paths = [n.split(".")[:-1] for n in names]
+    common: list[str] = []
+    for parts in zip(*paths, strict=False):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    if common or len(names) == 1:
+        return ".".join(common) or "(root)"
+    return f"{'.'.join(paths[0]) or '(root)'} and {len(names) - 1} more parameters"
+
+
 @dataclass(eq=False)
 class GatherUnit:
     """A stage-3 gather unit: one module's parameters, gathered and freed together.
@@ -183,10 +209,20 @@ class GatherUnit:
     def numel(self) -> int:
         return sum(b.full.numel() for b in self.buckets)
 
+    @functools.cached_property
+    def name(self) -> str:
+        """The module path of this unit's parameters (its module's, where it owns
+        every one of them)."""
+        return modules_of(s.name for b in self.buckets for s in b.spec.slots)
+
     def gather(self, comm: Collectives) -> None:
         """Start gathering (asynchronously) if sharded."""
         if self.state is not UnitState.SHARDED:
             return
+        with TRACKER.labelled(self.name):
+            self._gather(comm)
+
+    def _gather(self, comm: Collectives) -> None:
         self._counted = self.numel
         self.live.numel += self._counted
         if self.codec is not None:

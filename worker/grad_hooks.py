@@ -42,6 +42,7 @@ from torch.profiler import record_function
 from worker.ballot import Ballot
 from worker.flat import BucketState
 from worker.state import ShardState
+from worker.whereabouts import TRACKER
 
 __all__ = ["GradHooks"]
 
@@ -141,7 +142,7 @@ class GradHooks:
             b = st.buckets[self.next_bucket]
             if b.state is not BucketState.READY:
                 return
-            with record_function("zeroplane.reduce"):
+            with record_function("zeroplane.reduce"), TRACKER.labelled(b.label):
                 b.state = BucketState.REDUCING
                 st.reducer.launch(b, st.comm)
             st.params.after_launch(b)

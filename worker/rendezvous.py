@@ -14,6 +14,7 @@ show them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -30,8 +31,14 @@ import torch.distributed as dist
 from coordinator.control.client import ClientConfig, CoordinatorClient, CoordinatorError
 from coordinator.core.messages import Generation, WorkerInfo, WorkerReport
 from coordinator.core.settings import ADDRESS_ENV, WORKER_ID_ENV
-from worker.compat import abort_default_group, backend_for, serving_store
+from worker.compat import (
+    abort_default_group,
+    backend_for,
+    close_connections_to,
+    serving_store,
+)
 from worker.inventory import Inventory
+from worker.whereabouts import TRACKER
 
 __all__ = ["ControlPlane", "coordinator_address"]
 
@@ -42,6 +49,8 @@ TIMEOUT_ENV = "ZEROPLANE_COLLECTIVE_TIMEOUT_S"
 # how long members holding the job's state wait for the coordinator's next
 # generation after a loss or a leave (it may first need newcomers: min_workers)
 MEMBERSHIP_WAIT_ENV = "ZEROPLANE_MEMBERSHIP_WAIT_S"
+# a worker's exit code when the coordinator stopped its job, or dropped it, in a stall
+STALL_EXIT_CODE = 3
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -187,6 +196,8 @@ class ControlPlane:
             context_parallel=context_parallel,
         )
         client.register(info, inventory.specs)
+        client.where = TRACKER.snapshot  # [Note: naming a stall]
+        client.on_stall = _exit_in_stall
         client.start()
         deadline = None if wait_s is None else time.monotonic() + wait_s
         while True:
@@ -206,7 +217,30 @@ class ControlPlane:
                 raise TimeoutError(
                     f"the coordinator at {address} gave this worker no rank within {wait_s:g}s"
                 )
-        return cls(client, generation, backend_for(device), timeout, patience)
+        plane = cls(client, generation, backend_for(device), timeout, patience)
+        client.on_generation = plane._release_lost
+        return plane
+
+    def _release_lost(self, gen: Generation) -> None:
+        """The watch thread: ``gen`` dropped ranks as lost that the training thread
+        waits on in a collective of the current generation; close this rank's
+        connections to them, so the wait fails now and the job re-forms, rather than
+        at the collective timeout (a stopped rank, or one the coordinator dropped in
+        a stall, keeps its connections open) ([Note: naming a stall])."""
+        call, current = TRACKER.waiting_on, self.generation
+        schedule = gen.reshard
+        if call is None or schedule is None or schedule.from_generation_id != current.id:
+            return
+        lost = set(schedule.lost_ranks) & set(call.ranks)
+        if lost and self.backend == "gloo":
+            logger.warning(
+                "generation %d dropped rank(s) %s, which %s #%d waits on: releasing it",
+                gen.id,
+                sorted(lost),
+                call.op,
+                call.seq,
+            )
+            close_connections_to(sorted(lost), call.pg)
 
     @property
     def rank(self) -> int:
@@ -247,6 +281,7 @@ class ControlPlane:
                 # torch wraps sys.excepthook at each init to prefix tracebacks with the
                 # rank: one wrapper, with this generation's rank, not one per generation
                 sys.excepthook = _EXCEPTHOOK
+                TRACKER.forget_groups()  # the new group's collectives count from 1
                 dist.init_process_group(
                     self.backend,
                     store=dist.PrefixStore(f"zeroplane/{gen.id}", store),
@@ -254,6 +289,7 @@ class ControlPlane:
                     world_size=gen.world_size,
                     timeout=self.timeout,
                 )
+                self._applied(gen)
                 return
             except (RuntimeError, dist.DistError) as exc:
                 # a peer vanished between the meeting and the group: try the newest
@@ -406,6 +442,13 @@ class ControlPlane:
             self._ahead = None
             return False
 
+    def _applied(self, gen: Generation) -> None:
+        """The heartbeats say at once that this rank trains in ``gen`` (the coordinator
+        compares the whereabouts of the ranks of one generation only)."""
+        report = self.client.report
+        if report is not None and report.applied_generation_id != gen.id:
+            self.client.set_report(dataclasses.replace(report, applied_generation_id=gen.id))
+
     @property
     def latest_id(self) -> int:
         """The newest generation id the coordinator has told this worker about."""
@@ -430,6 +473,10 @@ class ControlPlane:
         to hand the shards over in. Asked to leave while the job goes on (a
         replacement may be starting), it waits: it hands over in that generation.
         """
+        with TRACKER.state("recovering"):
+            return self._wait_to_re_form(stop)
+
+    def _wait_to_re_form(self, stop: Callable[[], bool]) -> Generation | None:
         patience = self.patience_s
         deadline = time.monotonic() + patience
         report = time.monotonic() + _WAIT_REPORT_S
@@ -508,6 +555,16 @@ class ControlPlane:
 
     def close(self, *, leave: bool = True, reason: str = "") -> None:
         self.client.close(leave=leave, reason=reason)
+
+
+def _exit_in_stall(why: str) -> None:
+    """The coordinator stopped the job in a stall, or dropped this rank in one: the
+    training thread is blocked (or stuck), so this heartbeat thread ends the process,
+    with the coordinator's words. The last checkpoint is what the job resumes from."""
+    logger.error("%s", why)
+    print(f"zeroplane: {why}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(STALL_EXIT_CODE)
 
 
 def _listening(host: str, port: int) -> bool:

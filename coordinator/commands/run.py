@@ -20,6 +20,7 @@ from coordinator.commands.args import (
     non_negative,
     seconds,
 )
+from coordinator.control.stalls import dropped_in_stall
 from coordinator.core.meshplan import (
     CP_ENV,
     CP_KIND_ENV,
@@ -386,6 +387,7 @@ def run(args: argparse.Namespace) -> int:
         services=(*services, *agents),
         restarts=args.max_restarts if low < high else None,
         training_over=lambda: _over(services),
+        halted=lambda: _stopped_in_stall(services),
     )
     started = time.monotonic()
     page = None
@@ -405,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
                 args,
                 lambda: _departed(services),
                 over=lambda: _over(services),
-                tick=tick,
+                tick=lambda: (_kill_dropped(job, services), tick()),
             )
         # read before the embedded coordinator stops with the job
         status, reports = _final_status(services)
@@ -567,6 +569,27 @@ def _departed(services: Sequence[object]) -> set[str]:
     """:meth:`StatusReport.departed` of the embedded coordinator (none without one)."""
     status = _embedded_status(services)
     return set() if status is None else status.departed()
+
+
+def _kill_dropped(job: LocalJob, services: Sequence[object]) -> None:
+    """Kill the workers the coordinator dropped in a stall (coordinator/control/stalls.py):
+    a stopped or stuck process would never exit by itself, and the job would wait for it."""
+    status = _embedded_status(services)
+    if status is None:
+        return
+    dropped = {e.worker_id: e.detail for e in status.events if e.kind == "expired"}
+    for index in job.running:
+        detail = dropped.get(job.worker_id(index), "")
+        if dropped_in_stall(detail):
+            job.kill_worker(index, f"the coordinator dropped it as {detail.split(':', 1)[0]}")
+
+
+def _stopped_in_stall(services: Sequence[object]) -> str:
+    """Why the embedded coordinator stopped the job in a stall ("" where it did not)."""
+    status = _embedded_status(services)
+    if status is None or status.stall_kind != "mismatch" or status.phase != "finished":
+        return ""
+    return f"the coordinator stopped the job in a stall: {status.stall}"
 
 
 def _over(services: Sequence[object]) -> bool:

@@ -178,6 +178,8 @@ def _status_over_http(args: argparse.Namespace) -> int:
         lines.append(f"mesh: pp={m['pp']} x dp={m['dp']} x tp={m['tp']} ({api['mesh_reason']})")
     if api.get("waiting_reason"):
         lines.append(f"waiting: {api['waiting_reason']}")
+    if api.get("stall"):
+        lines.append(f"stall ({api['stall_kind']}): {api['stall']}")
     mesh = bool(api.get("mesh"))
     rows = [
         [
@@ -289,6 +291,8 @@ def format_status(report: StatusReport, *, address: str = "", events: int = 10) 
         lines.append(f"mesh: pp={m.pp} x dp={m.dp} x tp={m.tp} ({report.mesh_reason})")
     if report.waiting_reason:
         lines.append(f"waiting: {report.waiting_reason}")
+    if report.stall:
+        lines.append(f"stall ({report.stall_kind}): {report.stall}")
     if report.rendezvous_endpoint:
         lines.append(f"rendezvous: {report.rendezvous_endpoint}")
     s = report.settings

@@ -65,6 +65,7 @@ from coordinator.core.conversions import (
     rank_beat_to_proto,
     report_to_proto,
     status_from_proto,
+    where_to_proto,
     worker_to_proto,
 )
 from coordinator.core.generation_codec import MissingPrevious, generation_from_proto
@@ -75,6 +76,7 @@ from coordinator.core.messages import (
     Generation,
     RankBeat,
     StatusReport,
+    Whereabouts,
     WorkerInfo,
     WorkerReport,
 )
@@ -96,6 +98,7 @@ __all__ = [
     "CoordinatorError",
     "CoordinatorTlsError",
     "CoordinatorUnavailableError",
+    "FencedError",
     "HostBeatReply",
     "LeaseLostError",
     "Registration",
@@ -131,6 +134,11 @@ class StaleGenerationError(CoordinatorError):
     def __init__(self, message: str, current: int) -> None:
         super().__init__(message)
         self.current = current
+
+
+class FencedError(CoordinatorError):
+    """The coordinator dropped this worker in a stall (coordinator/control/stalls.py):
+    it must exit, not register again."""
 
 
 class LeaseLostError(CoordinatorError):
@@ -338,7 +346,7 @@ class CoordinatorClient:
         self._leaving = False
         self._threads: list[threading.Thread] = []
         self._watch_call: grpc.Future | None = None
-        self._on_generation: Callable[[Generation], None] | None = None
+        self.on_generation: Callable[[Generation], None] | None = None
         self._incarnation = uuid.uuid4().hex
         self._worker: WorkerInfo | None = None
         self._inventory: tuple[ParamSpec, ...] = ()
@@ -348,6 +356,12 @@ class CoordinatorClient:
         self.connected = False
         # set by a heartbeat once a member has ended training (Membership.finished)
         self.job_finished = False
+        # where this worker is, sampled at each heartbeat; and what to do, once, when the
+        # coordinator stops the job in a stall or drops this worker in one (why, in words)
+        # (coordinator/control/stalls.py)
+        self.where: Callable[[], Whereabouts] | None = None
+        self.on_stall: Callable[[str], None] = lambda why: logger.error("%s", why)
+        self.stalled = ""
         # heartbeats through this host's agent ([Note: the host agent]); the seq of the
         # last beat sent to it before this worker (re-)registered, and whether the agent
         # has carried this worker's leave announcement
@@ -435,9 +449,11 @@ class CoordinatorClient:
             "free_ports": free_ports(exclude=exclude),
             "leaving": self._leaving,
         }
-        report = self._report
-        if report is not None:
-            fields["report"] = report_to_proto(report)
+        report, where = self._report, None if self.where is None else self.where()
+        if report is not None or where is not None:
+            fields["report"] = msg = report_to_proto(report or WorkerReport())
+            if where is not None:
+                msg.where.CopyFrom(where_to_proto(where))
         if self._agent is not None:
             remaining = self._beat_via_agent(pb.RankBeat(**fields), flush=flush)
             if remaining is not None:
@@ -450,7 +466,14 @@ class CoordinatorClient:
         response = self._unary("Heartbeat", request, timeout=timeout)
         if response.job_finished:
             self.job_finished = True
+        self._check_stalled(response.stalled)
         return response.lease_remaining_s
+
+    def _check_stalled(self, why: str, *, fenced: bool = False) -> None:
+        if why and not self.stalled:
+            self.stalled = why
+            verdict = "dropped this worker" if fenced else "stopped the job"
+            self.on_stall(f"the coordinator {verdict} in a stall: {why}")
 
     def _beat_via_agent(self, beat: pb.RankBeat, *, flush: bool) -> float | None:
         """A heartbeat through the host's agent: the lease's seconds left as of the newest
@@ -479,6 +502,7 @@ class CoordinatorClient:
             raise CoordinatorUnavailableError(f"the host agent says: {reply.unavailable}")
         if reply.job_finished:
             self.job_finished = True
+        self._check_stalled(reply.stalled)
         if not reply.HasField("result") or reply.forwarded_seq <= self._agent_floor:
             return lease  # nothing forwarded since this worker registered yet
         if beat.leaving and reply.forwarded_seq == self._agent.seq:
@@ -490,6 +514,8 @@ class CoordinatorClient:
             return lease  # caught up since (the watch stream was faster)
         if result.outcome == pb.RankBeatResult.UNKNOWN_WORKER:
             raise LeaseLostError(result.detail)
+        if result.outcome == pb.RankBeatResult.FENCED:
+            raise FencedError(result.detail)
         if result.outcome == pb.RankBeatResult.INVALID:
             raise RequestRejectedError(f"Heartbeat (through the host agent): {result.detail}")
         return result.lease_remaining_s
@@ -644,9 +670,16 @@ class CoordinatorClient:
             return RequestRejectedError(f"{where} rejected {method}: {detail}")
         if code == grpc.StatusCode.NOT_FOUND:
             return LeaseLostError(detail)
+        if code == grpc.StatusCode.ABORTED:
+            return FencedError(detail)
         return CoordinatorError(f"{method} to {where} failed ({code.name}): {detail}")
 
     # ---- background threads -----------------------------------------------------------
+
+    @property
+    def report(self) -> WorkerReport | None:
+        """What the heartbeats carry now (:meth:`set_report`)."""
+        return self._report
 
     def set_report(self, report: WorkerReport) -> None:
         """What the next heartbeats carry (model-state bytes by kind, step, ...)."""
@@ -658,7 +691,7 @@ class CoordinatorClient:
             raise RuntimeError("register() before start()")
         if self._threads:
             raise RuntimeError("start() was already called")
-        self._on_generation = on_generation
+        self.on_generation = on_generation
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch")):
             thread = threading.Thread(target=target, name=f"zeroplane-{name}", daemon=True)
             thread.start()
@@ -701,9 +734,9 @@ class CoordinatorClient:
             generation.rank_of(self.worker_id),
             generation.rendezvous_endpoint,
         )
-        if self._on_generation is not None:
+        if self.on_generation is not None:
             try:
-                self._on_generation(generation)
+                self.on_generation(generation)
             except Exception:
                 logger.exception("on_generation callback failed")
 
@@ -722,6 +755,9 @@ class CoordinatorClient:
                 logger.info("%s; fetching it", exc)
                 delay = 0 if self._catch_up(exc.current) else interval
                 continue
+            except FencedError as exc:
+                self._check_stalled(str(exc), fenced=True)
+                break
             except LeaseLostError as exc:
                 if self._stop_heartbeats.is_set():
                     break  # this heartbeat crossed our own Leave: nothing was lost

@@ -134,6 +134,7 @@ class HostAgent:
         self._listed = False  # the last heartbeat listed a rank
         self._generation_id = 0
         self._job_finished = False
+        self._stalled = ""
         self._unavailable = ""
         self.beats_sent = 0
         self._on_stop: Callable[[], object] = lambda: None
@@ -273,6 +274,7 @@ class HostAgent:
                 generation_id=self._generation_id,
                 job_finished=self._job_finished,
                 unavailable=self._unavailable,
+                stalled=self._stalled,
             )
             if rank.result is not None:
                 reply.result.CopyFrom(rank.result)
@@ -325,6 +327,7 @@ class HostAgent:
                 self._unavailable = ""
                 self._generation_id = response.generation_id
                 self._job_finished = response.job_finished
+                self._stalled = response.stalled
                 for (rank, _, seq), result in zip(due, response.ranks, strict=False):
                     rank.result, rank.forwarded_seq = result, seq
                 self._lock.notify_all()

@@ -67,6 +67,7 @@ from coordinator.core.planner import PlanConfig
 from coordinator.core.settings import MembershipConfig
 
 __all__ = [
+    "Fenced",
     "InvalidRequest",
     "InventoryMismatch",
     "Membership",
@@ -104,6 +105,11 @@ class InvalidRequest(MembershipError):
 
 class InventoryMismatch(MembershipError):
     """The worker's parameter inventory is not the job's (FAILED_PRECONDITION)."""
+
+
+class Fenced(MembershipError):
+    """The worker was dropped as stuck or silent in a stall (coordinator/control/stalls.py):
+    it must exit, not register again."""
 
 
 class UnknownWorker(MembershipError):
@@ -225,6 +231,11 @@ class Membership:
         self.events: deque[Event] = deque(maxlen=config.event_history)
         # A refused formation: the state it was refused in, and why (see [Note: atomic formation]).
         self._refused: tuple[tuple, str] | None = None
+        # the job's stall as the servicer's StallWatch names it, and its kind ("" for none);
+        # the stall that stopped the job; the workers dropped in a stall, and why
+        # (coordinator/control/stalls.py)
+        self.stall, self.stall_kind, self.stalled = "", "", ""
+        self._fenced: dict[str, str] = {}
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -250,6 +261,7 @@ class Membership:
         """
         self._check_inventory(inventory, digest, wire)
         self._check_mesh(info)
+        self._fenced.pop(info.worker_id, None)  # a new process under the dropped one's name
         now = self._clock()
         lease = now + self.config.lease_timeout_s
         old = self.roster.get(info.worker_id)
@@ -307,6 +319,8 @@ class Membership:
         over at its next step boundary (kept even from a stale heartbeat)."""
         worker = self.roster.get(worker_id)
         if worker is None:
+            if worker_id in self._fenced:
+                raise Fenced(f"dropped in a stall: {self._fenced[worker_id]}")
             raise UnknownWorker(f"no lease for worker {worker_id!r}: register again")
         if leaving and not worker.leaving:
             worker.leaving = True
@@ -383,6 +397,15 @@ class Membership:
         if reason == STOPPED and member:
             self.stop(f"{worker_id} was told to leave with nobody to hand over to")
         return True
+
+    def fence(self, worker_id: str, why: str) -> None:
+        """Drop ``worker_id`` as lost in a stall (``why``) and tell its next heartbeat to
+        exit rather than register again (coordinator/control/stalls.py)."""
+        if worker_id in self.roster.live:
+            self._drop(worker_id, "expired", why)
+        self._fenced[worker_id] = why
+        while len(self._fenced) > MAX_LAST_REPORTS:
+            del self._fenced[next(iter(self._fenced))]
 
     def stop(self, why: str) -> None:
         """The job is stopping unfinished (``why``): as after a finish, no generation
@@ -684,6 +707,8 @@ class Membership:
             epoch=self.epoch,
             mesh=None if gen is None else gen.mesh,
             mesh_reason="" if gen is None else gen.mesh_reason,
+            stall=self.stall or self.stalled,
+            stall_kind=self.stall_kind or ("mismatch" if self.stalled else ""),
         )
 
     def snapshot(self) -> Snapshot:

@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.control.membership import (
+    Fenced,
     InvalidRequest,
     InventoryMismatch,
     StaleGeneration,
@@ -201,6 +202,8 @@ def to_abort(exc: Exception) -> Abort:
         return Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     if isinstance(exc, UnknownWorker):
         return Abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    if isinstance(exc, Fenced):
+        return Abort(grpc.StatusCode.ABORTED, str(exc))
     logger.exception("internal error in the coordinator", exc_info=exc)
     return Abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 

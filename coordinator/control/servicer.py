@@ -22,6 +22,7 @@ import grpc
 
 from coordinator._proto.zeroplane.coordinator.v1 import coordinator_pb2 as pb
 from coordinator.control.membership import (
+    Fenced,
     InvalidRequest,
     InventoryMismatch,
     Membership,
@@ -32,6 +33,7 @@ from coordinator.control.membership import (
 )
 from coordinator.control.published import Published, publish_steps
 from coordinator.control.rpc import TokenCheck, service_handler
+from coordinator.control.stalls import StallWatch, drop_reason, member_views
 from coordinator.control.statefile import StateStore
 from coordinator.control.telemetry import CoordinatorMetrics
 from coordinator.core.conversions import (
@@ -64,6 +66,7 @@ except metadata.PackageNotFoundError:
     VERSION = "0+unknown"
 
 MAX_HOST_RANKS = 1024  # ranks in one host heartbeat
+_STALL_CHECK_S = 1.0  # how often the members' whereabouts are compared
 
 
 class Servicer:
@@ -95,6 +98,13 @@ class Servicer:
         ms = config.membership
         windows = [ms.lease_timeout_s / 10] + ([ms.join_window_s / 5] if ms.join_window_s else [])
         self._tick_s = max(0.01, min(0.1, *windows))
+        # names the job's stalls from the members' whereabouts, and acts on them
+        self.stalls = StallWatch(
+            ms.stall_after_s,
+            ms.stall_timeout_s,
+            silent_s=2.5 * ms.heartbeat_interval_s,
+            clock=membership._clock,
+        )
 
     # ---- plumbing ---------------------------------------------------------------------
 
@@ -131,7 +141,7 @@ class Servicer:
         # late a lease is seen to run out), the join window's check every tick.
         every = max(self._tick_s, self.config.membership.lease_timeout_s / 20)
         loop = asyncio.get_running_loop()
-        last = loop.time()
+        last = watched = loop.time()
         while True:
             await asyncio.sleep(self._tick_s)
             expire = loop.time() - last >= every
@@ -139,8 +149,34 @@ class Servicer:
                 last = loop.time()
             try:
                 await self._reconcile(expire=expire)
+                if loop.time() - watched >= _STALL_CHECK_S:
+                    watched = loop.time()
+                    await self._watch_stalls()
             except Exception:
                 logger.exception("membership reconcile failed")
+
+    async def _watch_stalls(self) -> None:
+        """Name the job's stall, if any; act on one that reached its bound
+        (coordinator/control/stalls.py)."""
+        if self.m.finished:
+            return
+        named = self.stalls.count
+        act = self.stalls.check(member_views(self.m, self.m._clock()))
+        current = self.stalls.current
+        self.m.stall = "" if current is None else current.text
+        self.m.stall_kind = "" if current is None else current.kind
+        if current is not None and self.stalls.count != named:
+            self.metrics.stalls.labels(current.kind).inc()
+        if act is None:
+            return
+        if act.kind == "mismatch":
+            self.m.stalled = act.text
+            await self.stop_job(f"stalled: {act.text}")
+            return
+        for view in act.culprits:
+            self.m.fence(view.worker_id, drop_reason(act.kind, act.text))
+        self.metrics.on_expired(len(act.culprits))
+        await self._reconcile()
 
     async def stop_job(self, why: str) -> None:
         """A launcher is stopping the job: form nothing more, and tell every worker
@@ -234,6 +270,7 @@ class Servicer:
             generation_id=self.m.generation_id,
             lease_remaining_s=remaining,
             job_finished=self.m.finished,
+            stalled=self.m.stalled,
         )
 
     def _peer(self, context: grpc.aio.ServicerContext) -> str:
@@ -287,6 +324,8 @@ class Servicer:
                     if isinstance(outcome, StaleGeneration)
                     else pb.RankBeatResult.UNKNOWN_WORKER
                     if isinstance(outcome, UnknownWorker)
+                    else pb.RankBeatResult.FENCED
+                    if isinstance(outcome, Fenced)
                     else pb.RankBeatResult.INVALID
                 )
                 add(worker_id=worker_id, outcome=code, detail=printable(str(outcome)))
@@ -294,6 +333,7 @@ class Servicer:
                 add(worker_id=worker_id, outcome=pb.RankBeatResult.OK, lease_remaining_s=outcome)
         response.generation_id = self.m.generation_id
         response.job_finished = self.m.finished
+        response.stalled = self.m.stalled
         return response
 
     async def host_heartbeat(

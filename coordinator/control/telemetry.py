@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from coordinator.control.stalls import KINDS as STALL_KINDS
 from coordinator.core.messages import Generation, StatusReport
 
 __all__ = [
@@ -111,6 +112,14 @@ class _StateCollector(Collector):
         for state in WORKER_STATES:
             workers.add_metric((state,), sum(1 for w in report.workers if w.state == state))
         yield workers
+        stalled = GaugeMetricFamily(
+            "zeroplane_coordinator_stalled",
+            "1 while the job stalls, by the stall's kind (coordinator/control/stalls.py).",
+            labels=("kind",),
+        )
+        for kind in STALL_KINDS:
+            stalled.add_metric((kind,), float(report.stall_kind == kind))
+        yield stalled
         for name, doc, value in (
             ("generation", "Current generation id (0: none yet).", report.generation_id),
             ("world_size", "Ranks in the current generation.", report.world_size),
@@ -194,6 +203,14 @@ class CoordinatorMetrics:
             buckets=_RPC_BUCKETS,
             registry=r,
         )
+        self.stalls = Counter(
+            "zeroplane_coordinator_stalls",
+            "Stalls named, by kind (coordinator/control/stalls.py).",
+            ("kind",),
+            registry=r,
+        )
+        for kind in STALL_KINDS:
+            self.stalls.labels(kind)
         for direction in ("up", "down"):
             self.scale_events.labels(direction)
         for kind in ("new", "reattached"):

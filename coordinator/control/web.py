@@ -26,6 +26,7 @@ Relabel them in if you want them (deploy/prometheus/prometheus.yml keeps
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -41,7 +42,7 @@ from prometheus_client.exposition import choose_encoder
 from coordinator.control.observe import Sampler
 from coordinator.control.telemetry import CoordinatorMetrics
 from coordinator.core.meshplan import MeshCoords
-from coordinator.core.messages import StatusReport, WorkerStatus
+from coordinator.core.messages import StatusReport, WorkerReport, WorkerStatus
 
 __all__ = ["CoordinatorHttp", "api_status", "sd_targets"]
 
@@ -118,6 +119,8 @@ def api_status(
         if report.mesh is None
         else {"pp": report.mesh.pp, "dp": report.mesh.dp, "tp": report.mesh.tp},
         "mesh_reason": report.mesh_reason,
+        "stall": report.stall,
+        "stall_kind": report.stall_kind,
         "trainable_parameters": report.trainable_numel,
         "workers": [
             {
@@ -130,6 +133,7 @@ def api_status(
                 "metrics_endpoint": w.info.metrics_endpoint,
                 "lease_remaining_s": round(w.lease_remaining_s, 2),
                 "step": None if w.report is None else w.report.step,
+                "where": _where(w.report),
             }
             for w in report.workers
         ],
@@ -145,6 +149,12 @@ def api_status(
             for e in list(report.events)[-EVENTS_SHOWN:]
         ],
     }
+
+
+def _where(report: WorkerReport | None) -> dict[str, Any] | None:
+    """Where a worker said it was (coordinator/control/stalls.py), or None."""
+    where = None if report is None else report.where
+    return None if where is None else dataclasses.asdict(where)
 
 
 def _page() -> bytes:

@@ -25,6 +25,7 @@ from coordinator.core.messages import (
     Event,
     RankBeat,
     StatusReport,
+    Whereabouts,
     WorkerInfo,
     WorkerReport,
     WorkerStatus,
@@ -228,6 +229,31 @@ def report_to_proto(report: WorkerReport) -> pb.WorkerReport:
         tokens=report.tokens,
         checkpoint=report.checkpoint,
         total_steps=report.total_steps,
+        where=None if report.where is None else where_to_proto(report.where),
+    )
+
+
+def where_to_proto(where: Whereabouts) -> pb.Whereabouts:
+    return pb.Whereabouts(
+        state=where.state,
+        for_s=where.for_s,
+        op=where.op,
+        seq=where.seq,
+        group=where.group,
+        unit=where.unit,
+        phase=where.phase,
+    )
+
+
+def where_from_proto(msg: pb.Whereabouts) -> Whereabouts:
+    return Whereabouts(
+        state=msg.state,
+        for_s=msg.for_s,
+        op=msg.op,
+        seq=msg.seq,
+        group=msg.group,
+        unit=msg.unit,
+        phase=msg.phase,
     )
 
 
@@ -243,6 +269,7 @@ def report_from_proto(msg: pb.WorkerReport) -> WorkerReport:
         tokens=msg.tokens,
         checkpoint=msg.checkpoint,
         total_steps=msg.total_steps if msg.HasField("total_steps") else None,
+        where=where_from_proto(msg.where) if msg.HasField("where") else None,
     )
 
 
@@ -313,6 +340,8 @@ def status_to_proto(status: StatusReport) -> pb.StatusResponse:
         server_version=status.server_version,
         epoch=status.epoch,
         mesh_reason=status.mesh_reason,
+        stall=status.stall,
+        stall_kind=status.stall_kind,
     )
     mesh_to_proto(status.mesh, msg.mesh)
     return msg
@@ -362,4 +391,6 @@ def status_from_proto(msg: pb.StatusResponse) -> StatusReport:
         epoch=msg.epoch,
         mesh=mesh_from_proto(msg),
         mesh_reason=msg.mesh_reason,
+        stall=msg.stall,
+        stall_kind=msg.stall_kind,
     )

@@ -148,6 +148,36 @@ class WorkerInfo:
                 _check_range(f"WorkerInfo.held.{name}", value, 0, top)
 
 
+# what a rank can be doing (Whereabouts.state)
+WHERE_STATES = ("collective", "running", "recovering", "checkpoint")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Whereabouts:
+    """Where a rank is, sampled at each heartbeat (proto ``Whereabouts``): blocked in a
+    collective (which one: its kind, its number on its group, the group's global
+    ranks, the unit that issued it), running outside any wait, re-forming, or
+    checkpointing, and for how long (coordinator/control/stalls.py)."""
+
+    state: str = "running"
+    for_s: float = 0.0
+    op: str = ""
+    seq: int = 0
+    group: str = ""
+    unit: str = ""
+    phase: str = ""
+
+    def __post_init__(self) -> None:
+        if self.state not in WHERE_STATES:
+            raise ValueError(f"Whereabouts.state must be one of {WHERE_STATES}, got {self.state!r}")
+        if not (math.isfinite(self.for_s) and 0 <= self.for_s <= 1e9):
+            raise ValueError(f"Whereabouts.for_s must be in [0, 1e9] seconds, got {self.for_s}")
+        _check_range("Whereabouts.seq", self.seq, 0, MAX_COUNT)
+        for name, most in (("op", 32), ("group", 256), ("unit", 256), ("phase", 32)):
+            if len(getattr(self, name)) > most:
+                raise ValueError(f"Whereabouts.{name} is longer than {most} characters")
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerReport:
     """What a worker holds, sent with each heartbeat."""
@@ -168,6 +198,8 @@ class WorkerReport:
     checkpoint: str = ""
     # The optimizer steps the script means to train for (engine.progress(total=)).
     total_steps: int | None = None
+    # Where the rank is now (sampled at each heartbeat); None from a worker that does not say.
+    where: Whereabouts | None = None
 
     def __post_init__(self) -> None:
         # one heartbeat per rank per interval: the common case is checked in one
@@ -328,6 +360,9 @@ class StatusReport:
     epoch: str = ""
     mesh: MeshShape | None = None
     mesh_reason: str = ""
+    # a stall named by comparing the members' whereabouts, and its kind (stalls.py)
+    stall: str = ""
+    stall_kind: str = ""
 
     def coords(self, rank: int | None) -> MeshCoords | None:
         """A member's place in the generation's mesh; None without one (or a rank)."""

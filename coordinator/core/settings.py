@@ -57,7 +57,24 @@ TLS_CLIENT_KEY_ENV = "ZEROPLANE_TLS_CLIENT_KEY"
 # The Unix socket of the host's heartbeat agent (coordinator/control/host_agent.py):
 # a worker's heartbeats go there instead of to the coordinator.
 HOST_AGENT_ENV = "ZEROPLANE_HOST_AGENT"
+# When the coordinator names a stall, and when it acts on one (coordinator/control/stalls.py);
+# what --stall-after and --stall-timeout default to.
+STALL_AFTER_ENV = "ZEROPLANE_STALL_AFTER_S"
+STALL_TIMEOUT_ENV = "ZEROPLANE_STALL_TIMEOUT_S"
 MiB = 1 << 20
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"${name} must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +170,12 @@ class MembershipConfig:
     reattach_grace_s: float = 10.0
     # Membership events kept for status.
     event_history: int = 256
+    # A collective waited on this long is a stall, named on status, the metrics and the
+    # log; once its longest wait reaches stall_timeout_s the coordinator acts on it
+    # (coordinator/control/stalls.py). From $ZEROPLANE_STALL_AFTER_S and
+    # $ZEROPLANE_STALL_TIMEOUT_S where set.
+    stall_after_s: float = field(default_factory=lambda: _env_seconds(STALL_AFTER_ENV, 5.0))
+    stall_timeout_s: float = field(default_factory=lambda: _env_seconds(STALL_TIMEOUT_ENV, 30.0))
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -192,6 +215,12 @@ class MembershipConfig:
         if self.event_history < 1:
             raise ValueError(
                 f"MembershipConfig.event_history must be >= 1, got {self.event_history}"
+            )
+        after, bound = self.stall_after_s, self.stall_timeout_s
+        if not (math.isfinite(bound) and 0 < after <= bound):
+            raise ValueError(
+                f"MembershipConfig.stall_after_s ({after}) and stall_timeout_s ({bound}) "
+                "must satisfy 0 < stall_after_s <= stall_timeout_s"
             )
 
 

@@ -252,8 +252,12 @@ class LocalJob:
         services: Sequence[JobService] = (),
         restarts: int | None = None,
         training_over: Callable[[], bool] | None = None,
+        halted: Callable[[], str] | None = None,
     ) -> None:
         self.spec = spec
+        # why failed workers must not be replaced ("": they may be), e.g. the
+        # coordinator stopped the job in a stall (coordinator/control/stalls.py)
+        self._halted = halted or str
         # elastic jobs: how many failed workers may be replaced (None: fail fast)
         self._restarts_left = restarts
         # whether training has ended (a coordinator's word): a worker's exit 0 is then
@@ -275,6 +279,7 @@ class LocalJob:
         self._result: JobResult | None = None
         self._extra_env: dict[str, str] = {}
         self._retiring: set[int] = set()
+        self._killed_workers: set[int] = set()  # kill_worker already ended them
         # workers whose exit is not the job's: left when asked, or replaced
         self._settled: set[int] = set()
         # why the job was stopped as failed (abandon())
@@ -417,6 +422,9 @@ class LocalJob:
             return True
         if index in self._retiring or not going:
             return False
+        if why := self._halted():
+            logger.error("worker %d %s; not replaced: %s", index, _describe(code), why)
+            return False
         return self.replace(index, _describe(code))
 
     def replace(self, index: int, what: str) -> bool:
@@ -519,6 +527,16 @@ class LocalJob:
             os.kill(self._procs[index].pid, signal.SIGTERM)
         logger.info("asked worker %d (pid %d) to leave", index, self._procs[index].pid)
         return index
+
+    def kill_worker(self, index: int, why: str) -> None:
+        """End worker ``index`` and everything it started at once (SIGKILL: a stopped
+        or hung process too), saying ``why``; its exit then counts as a failure."""
+        if index not in self.running or index in self._killed_workers:
+            return
+        self._killed_workers.add(index)
+        logger.warning("killing worker %d (pid %d): %s", index, self._procs[index].pid, why)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._procs[index].pid, signal.SIGKILL)
 
     def send_signal(self, signum: int) -> None:
         """Forward ``signum`` to every worker; a second call sends SIGKILL.

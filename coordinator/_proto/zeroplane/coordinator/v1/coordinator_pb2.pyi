@@ -116,7 +116,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., generation_id: _Optional[int] = ..., reattached: _Optional[bool] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("model_state_bytes", "device_allocated_bytes", "device_reserved_bytes", "step", "applied_generation_id", "loss", "samples", "tokens", "checkpoint", "total_steps")
+    __slots__ = ("model_state_bytes", "device_allocated_bytes", "device_reserved_bytes", "step", "applied_generation_id", "loss", "samples", "tokens", "checkpoint", "total_steps", "where")
     class ModelStateBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class WorkerReport(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
     model_state_bytes: _containers.ScalarMap[str, int]
     device_allocated_bytes: int
     device_reserved_bytes: int
@@ -144,7 +145,26 @@ class WorkerReport(_message.Message):
     tokens: int
     checkpoint: str
     total_steps: int
-    def __init__(self, model_state_bytes: _Optional[_Mapping[str, int]] = ..., device_allocated_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ..., step: _Optional[int] = ..., applied_generation_id: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., checkpoint: _Optional[str] = ..., total_steps: _Optional[int] = ...) -> None: ...
+    where: Whereabouts
+    def __init__(self, model_state_bytes: _Optional[_Mapping[str, int]] = ..., device_allocated_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ..., step: _Optional[int] = ..., applied_generation_id: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., checkpoint: _Optional[str] = ..., total_steps: _Optional[int] = ..., where: _Optional[_Union[Whereabouts, _Mapping]] = ...) -> None: ...
+
+class Whereabouts(_message.Message):
+    __slots__ = ("state", "for_s", "op", "seq", "group", "unit", "phase")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FOR_S_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    for_s: float
+    op: str
+    seq: int
+    group: str
+    unit: str
+    phase: str
+    def __init__(self, state: _Optional[str] = ..., for_s: _Optional[float] = ..., op: _Optional[str] = ..., seq: _Optional[int] = ..., group: _Optional[str] = ..., unit: _Optional[str] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "generation_id", "report", "free_ports", "leaving")
@@ -161,14 +181,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation_id", "lease_remaining_s", "job_finished")
+    __slots__ = ("generation_id", "lease_remaining_s", "job_finished", "stalled")
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
     JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     generation_id: int
     lease_remaining_s: float
     job_finished: bool
-    def __init__(self, generation_id: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., job_finished: _Optional[bool] = ...) -> None: ...
+    stalled: str
+    def __init__(self, generation_id: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., job_finished: _Optional[bool] = ..., stalled: _Optional[str] = ...) -> None: ...
 
 class RankBeat(_message.Message):
     __slots__ = ("worker_id", "generation_id", "report", "free_ports", "leaving")
@@ -201,11 +223,13 @@ class RankBeatResult(_message.Message):
         STALE_GENERATION: _ClassVar[RankBeatResult.Outcome]
         UNKNOWN_WORKER: _ClassVar[RankBeatResult.Outcome]
         INVALID: _ClassVar[RankBeatResult.Outcome]
+        FENCED: _ClassVar[RankBeatResult.Outcome]
     OUTCOME_UNSPECIFIED: RankBeatResult.Outcome
     OK: RankBeatResult.Outcome
     STALE_GENERATION: RankBeatResult.Outcome
     UNKNOWN_WORKER: RankBeatResult.Outcome
     INVALID: RankBeatResult.Outcome
+    FENCED: RankBeatResult.Outcome
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
@@ -217,14 +241,16 @@ class RankBeatResult(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., outcome: _Optional[_Union[RankBeatResult.Outcome, str]] = ..., lease_remaining_s: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class HostHeartbeatResponse(_message.Message):
-    __slots__ = ("generation_id", "job_finished", "ranks")
+    __slots__ = ("generation_id", "job_finished", "ranks", "stalled")
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     generation_id: int
     job_finished: bool
     ranks: _containers.RepeatedCompositeFieldContainer[RankBeatResult]
-    def __init__(self, generation_id: _Optional[int] = ..., job_finished: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankBeatResult, _Mapping]]] = ...) -> None: ...
+    stalled: str
+    def __init__(self, generation_id: _Optional[int] = ..., job_finished: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankBeatResult, _Mapping]]] = ..., stalled: _Optional[str] = ...) -> None: ...
 
 class AgentBeat(_message.Message):
     __slots__ = ("beat", "seq", "lease_timeout_s", "heartbeat_interval_s", "flush")
@@ -241,18 +267,20 @@ class AgentBeat(_message.Message):
     def __init__(self, beat: _Optional[_Union[RankBeat, _Mapping]] = ..., seq: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., flush: _Optional[bool] = ...) -> None: ...
 
 class AgentReply(_message.Message):
-    __slots__ = ("result", "forwarded_seq", "generation_id", "job_finished", "unavailable")
+    __slots__ = ("result", "forwarded_seq", "generation_id", "job_finished", "unavailable", "stalled")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     FORWARDED_SEQ_FIELD_NUMBER: _ClassVar[int]
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     result: RankBeatResult
     forwarded_seq: int
     generation_id: int
     job_finished: bool
     unavailable: str
-    def __init__(self, result: _Optional[_Union[RankBeatResult, _Mapping]] = ..., forwarded_seq: _Optional[int] = ..., generation_id: _Optional[int] = ..., job_finished: _Optional[bool] = ..., unavailable: _Optional[str] = ...) -> None: ...
+    stalled: str
+    def __init__(self, result: _Optional[_Union[RankBeatResult, _Mapping]] = ..., forwarded_seq: _Optional[int] = ..., generation_id: _Optional[int] = ..., job_finished: _Optional[bool] = ..., unavailable: _Optional[str] = ..., stalled: _Optional[str] = ...) -> None: ...
 
 class WatchGenerationsRequest(_message.Message):
     __slots__ = ("worker_id", "after_generation_id", "incremental")
@@ -459,7 +487,7 @@ class MembershipSettings(_message.Message):
     def __init__(self, min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., join_window_s: _Optional[float] = ..., lease_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("phase", "waiting_reason", "generation_id", "world_size", "stage", "stage_reason", "rendezvous_endpoint", "workers", "events", "settings", "trainable_numel", "inventory_digest", "server_version", "epoch", "mesh", "mesh_reason")
+    __slots__ = ("phase", "waiting_reason", "generation_id", "world_size", "stage", "stage_reason", "rendezvous_endpoint", "workers", "events", "settings", "trainable_numel", "inventory_digest", "server_version", "epoch", "mesh", "mesh_reason", "stall", "stall_kind")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     WAITING_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +504,8 @@ class StatusResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     MESH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STALL_FIELD_NUMBER: _ClassVar[int]
+    STALL_KIND_FIELD_NUMBER: _ClassVar[int]
     phase: str
     waiting_reason: str
     generation_id: int
@@ -492,7 +522,9 @@ class StatusResponse(_message.Message):
     epoch: str
     mesh: MeshShape
     mesh_reason: str
-    def __init__(self, phase: _Optional[str] = ..., waiting_reason: _Optional[str] = ..., generation_id: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., rendezvous_endpoint: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., settings: _Optional[_Union[MembershipSettings, _Mapping]] = ..., trainable_numel: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., server_version: _Optional[str] = ..., epoch: _Optional[str] = ..., mesh: _Optional[_Union[MeshShape, _Mapping]] = ..., mesh_reason: _Optional[str] = ...) -> None: ...
+    stall: str
+    stall_kind: str
+    def __init__(self, phase: _Optional[str] = ..., waiting_reason: _Optional[str] = ..., generation_id: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., rendezvous_endpoint: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., settings: _Optional[_Union[MembershipSettings, _Mapping]] = ..., trainable_numel: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., server_version: _Optional[str] = ..., epoch: _Optional[str] = ..., mesh: _Optional[_Union[MeshShape, _Mapping]] = ..., mesh_reason: _Optional[str] = ..., stall: _Optional[str] = ..., stall_kind: _Optional[str] = ...) -> None: ...
 
 class PersistedState(_message.Message):
     __slots__ = ("format_version", "inventory", "generation", "members", "epoch", "inventory_digest", "left", "finished_by", "stopping")

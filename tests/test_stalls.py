@@ -1,0 +1,155 @@
+"""The coordinator names a stall from the ranks' whereabouts (coordinator/control/stalls.py).
+
+The rules on made-up whereabouts here; the whereabouts real ranks send, and what the
+coordinator does with a real job's stalls, in tests/test_stalls_job.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from coordinator.control.stalls import RankView, StallWatch, diagnose, parse_ranks
+from coordinator.core.messages import Whereabouts
+from worker.whereabouts import Tracker, describe_ranks
+
+
+def waits(rank: int, seq: int, *, op="all_gather", group="0-3", unit="blocks.1", s=12.0, **kw):
+    where = Whereabouts(state="collective", for_s=s, op=op, seq=seq, group=group, unit=unit)
+    return RankView(rank, f"w{rank}", where, kw.get("heard", 0.5), kw.get("step", 7))
+
+
+def runs(rank: int, s: float, *, heard: float = 0.5, state: str = "running") -> RankView:
+    where = Whereabouts(state=state, for_s=s, op="all_gather", seq=56, group="0-3", unit="b.0")
+    return RankView(rank, f"w{rank}", where, heard, 7)
+
+
+def name(views, after=5.0):
+    return diagnose(views, after_s=after, silent_s=5.0)
+
+
+def test_ranks_round_trip_through_their_short_form():
+    rng = random.Random(0)
+    for _ in range(300):
+        ranks = sorted(rng.sample(range(64), rng.randint(1, 20)))
+        assert list(parse_ranks(describe_ranks(ranks))) == ranks
+    assert describe_ranks([0, 1, 2, 3]) == "0-3"
+    assert describe_ranks([1, 3, 5, 7]) == "1-7/2"
+    assert describe_ranks([0, 5]) == "0,5"
+    assert parse_ranks("garbage") == () and parse_ranks("3-1") == ()
+
+
+def test_a_job_whose_waits_are_short_has_no_stall():
+    assert name([waits(0, 5, s=0.1), waits(1, 5, s=0.1), runs(2, 1.0), runs(3, 0.2)]) is None
+
+
+def test_a_rank_in_another_unit_at_the_same_number_is_a_mismatch():
+    views = [waits(r, 57, unit="blocks.3.experts.1") for r in range(3)]
+    views.append(waits(3, 57, op="reduce_scatter", unit="blocks.3.experts.2", s=11))
+    stall = name(views)
+    assert stall is not None and stall.kind == "mismatch"
+    assert [v.rank for v in stall.culprits] == [3]
+    assert "ranks 0-2 wait in all-gather #57 on ranks 0-3, unit blocks.3.experts.1" in stall.text
+    assert "rank 3 waits in reduce-scatter #57 on ranks 0-3, unit blocks.3.experts.2" in stall.text
+    assert "rank 3 issued other collectives than the rest of their group" in stall.text
+    assert "data-dependent" in stall.text
+
+
+def test_ranks_waiting_on_each_other_in_different_groups_deadlock():
+    views = [waits(0, 18, unit="a"), waits(1, 18, unit="a"), runs(3, 0.5)]
+    views.append(waits(2, 1, op="all_reduce", group="1,2", unit="", s=9))
+    stall = name(views)
+    assert stall.kind == "mismatch" and [v.rank for v in stall.culprits] == [2]
+    assert "rank 2 waits in all-reduce #1 on ranks 1,2" in stall.text, stall.text
+
+
+def test_a_rank_running_outside_any_collective_is_stuck():
+    stall = name([waits(0, 57), waits(1, 57), waits(2, 57), runs(3, 14.0)])
+    assert stall is not None and stall.kind == "stuck"
+    assert [v.rank for v in stall.culprits] == [3]
+    assert "rank 3 runs outside any collective for 14s" in stall.text
+    # one that has just left its last collective is still advancing
+    assert name([waits(0, 57), waits(1, 57), waits(2, 57), runs(3, 1.0)]).kind == "waiting"
+
+
+def test_a_rank_without_heartbeats_is_silent_before_stuck_or_mismatched():
+    views = [waits(0, 57), waits(1, 57), runs(2, 30.0), runs(3, 20.0, heard=8.0)]
+    stall = name(views)
+    assert stall.kind == "silent" and [v.rank for v in stall.culprits] == [3]
+    assert "rank 3 (w3) has sent no heartbeat for 8s" in stall.text
+
+
+def test_checkpointing_and_re_forming_ranks_are_never_blamed():
+    views = [waits(0, 57), runs(1, 40.0, state="checkpoint"), runs(2, 40.0, state="recovering")]
+    views.append(waits(3, 57))
+    assert name(views).kind == "waiting"
+
+
+def test_a_chain_of_waits_is_followed_to_its_cause():
+    # a pipeline: rank 0 waits on its send to rank 1, which waits in rank 1-3's
+    # all-reduce, where rank 3 is stuck in its own code
+    views = [
+        waits(0, 9, op="send_recv", group="0,1", unit=""),
+        waits(1, 4, op="all_reduce", group="1-3", unit=""),
+        waits(2, 4, op="all_reduce", group="1-3", unit=""),
+        runs(3, 25.0),
+    ]
+    stall = name(views)
+    assert stall.kind == "stuck" and [v.rank for v in stall.culprits] == [3]
+
+
+def test_ranks_that_wait_to_re_form_wait_for_every_member():
+    views = [runs(0, 9.0, state="recovering"), runs(1, 9.0, state="recovering"), runs(2, 40.0)]
+    stall = name(views)
+    assert stall.kind == "stuck" and [v.rank for v in stall.culprits] == [2]
+    assert "ranks 0-1 wait for the job to re-form" in stall.text
+
+
+def test_the_watch_acts_once_at_the_bound_and_keeps_the_cause_through_timeouts():
+    now = [100.0]
+    watch = StallWatch(2.0, 10.0, 5.0, clock=lambda: now[0])
+    mismatch = [waits(0, 8, s=3.0), waits(1, 8, unit="blocks.2", s=3.0)]
+    assert watch.check(mismatch) is None and watch.current.kind == "mismatch"
+    now[0] += 5
+    assert watch.check(mismatch) is None  # 8 s into it
+    # their collectives time out: both wait for a re-formation nobody will form
+    recovering = [runs(0, 2.5, state="recovering"), runs(1, 2.5, state="recovering")]
+    now[0] += 3
+    act = watch.check(recovering)
+    assert act is not None and act.kind == "mismatch" and "(after: " in act.text
+    assert watch.check(recovering) is None  # once
+    assert watch.count == 1  # one stall, its cause kept
+    now[0] += 1
+    assert watch.check([runs(0, 0.1), runs(1, 0.1)]) is None and watch.current is None
+
+
+def test_a_watch_needs_its_naming_within_its_bound():
+    with pytest.raises(ValueError, match="stall-after"):
+        StallWatch(10.0, 5.0, 5.0)
+
+
+def test_the_tracker_numbers_each_group_and_says_what_it_waits_on():
+    from worker.whereabouts import GroupTag
+
+    t = Tracker()
+    world, pair = GroupTag("0", (0, 1, 2, 3), "0-3", None), GroupTag("1", (0, 2), "0,2", None)
+    t.issue("all_gather", world)
+    with t.labelled("blocks.0"):
+        second = t.issue("all_gather", world)
+    t.issue("all_reduce", pair)
+    with t.waiting(second):
+        where = t.snapshot()
+    assert (where.state, where.op, where.seq, where.group, where.unit) == (
+        "collective",
+        "all_gather",
+        2,
+        "0-3",
+        "blocks.0",
+    )
+    after = t.snapshot()
+    assert (after.state, after.op, after.seq, after.group) == ("running", "all_reduce", 1, "0,2")
+    with t.state("recovering"):
+        assert t.snapshot().state == "recovering"
+    t.forget_groups()
+    assert t.issue("broadcast", world).seq == 1
