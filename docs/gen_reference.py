@@ -561,7 +561,13 @@ def _coordinator_scrape() -> str:
     from coordinator.control.telemetry import CoordinatorMetrics
 
     report = types.SimpleNamespace(
-        server_version="x", workers=(), generation_id=1, world_size=1, stage=0, trainable_numel=1
+        server_version="x",
+        workers=(),
+        generation_id=1,
+        world_size=1,
+        stage=0,
+        trainable_numel=1,
+        stall_kind="",
     )
     metrics = CoordinatorMetrics(status=lambda: report)
     metrics.on_rpc("Coordinator/Register", "OK", 0.001)
@@ -674,6 +680,13 @@ ENV_DOCS: dict[str, str] = {
     "ZEROPLANE_MEMBERSHIP_WAIT_S": "Seconds a worker waits for a generation it can "
     "train in (below `--min-workers`, or all ranks meeting at the rendezvous) before it "
     "gives up (default 600); it says every 30 s what it waits for.",
+    "ZEROPLANE_STALL_AFTER_S": "Seconds a rank waits in one collective before the "
+    "coordinator names the job's stall on `zeroplane status`, the status page, the "
+    "`zeroplane_coordinator_stalled` metric and its log (default 5; `--stall-after`).",
+    "ZEROPLANE_STALL_TIMEOUT_S": "Seconds of a stall after which the coordinator acts on "
+    "it: a stopped or stuck rank is dropped and the job re-forms without it, a job "
+    "whose ranks' collectives diverged is stopped with the stall's words (default 30; "
+    "`--stall-timeout`).",
     "ZEROPLANE_PEER_LOSS_WAIT_S": "Seconds a tensor-parallel worker whose DTensor "
     "collective failed waits for the coordinator to confirm a lost peer (a newer "
     "generation) before it takes the error for the script's own (default 30).",

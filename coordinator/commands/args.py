@@ -151,3 +151,30 @@ def activation_shape(
         micro_batch=args.micro_batch,
         heads=args.heads if args.heads is not None else defaults.get("heads"),
     )
+
+
+def add_stall_flags(group: argparse._ArgumentGroup) -> None:
+    """``--stall-after`` and ``--stall-timeout`` (coordinator/control/stalls.py), for the
+    commands that run a coordinator."""
+    group.add_argument(
+        "--stall-after",
+        type=wait_seconds,
+        metavar="SECONDS",
+        help="name a stall (on status, the status page, the metrics and the log) once a "
+        "rank has waited this long in one collective (default 5, or "
+        "$ZEROPLANE_STALL_AFTER_S)",
+    )
+    group.add_argument(
+        "--stall-timeout",
+        type=wait_seconds,
+        metavar="SECONDS",
+        help="act on a stall this long: drop a stopped or stuck rank (the job re-forms "
+        "without it) or stop a job whose ranks' collectives diverged (default 30, or "
+        "$ZEROPLANE_STALL_TIMEOUT_S)",
+    )
+
+
+def stall_settings(args: argparse.Namespace) -> dict[str, float]:
+    """The MembershipConfig fields ``add_stall_flags``' flags set (the rest default)."""
+    given = {"stall_after_s": args.stall_after, "stall_timeout_s": args.stall_timeout}
+    return {k: v for k, v in given.items() if v is not None}

@@ -12,8 +12,10 @@ from coordinator.commands.args import (
     activation_shape,
     add_alias,
     add_shape_args,
+    add_stall_flags,
     fraction,
     seconds,
+    stall_settings,
     wait_seconds,
 )
 from coordinator.core.planner import parse_count
@@ -149,6 +151,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="SECONDS",
         help="how often workers heartbeat (default lease timeout / 5)",
     )
+    add_stall_flags(members)
 
     plan = parser.add_argument_group("planning")
     plan.add_argument(
@@ -248,6 +251,7 @@ def coordinator(args: argparse.Namespace) -> int:
                 join_window_s=args.join_window,
                 lease_timeout_s=args.lease_timeout,
                 heartbeat_interval_s=interval,
+                **stall_settings(args),
             ),
             plan=PlanConfig(
                 stage=None if args.stage == "auto" else int(args.stage),

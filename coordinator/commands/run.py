@@ -17,8 +17,10 @@ from coordinator.commands.args import (
     activation_shape,
     add_alias,
     add_shape_args,
+    add_stall_flags,
     non_negative,
     seconds,
+    stall_settings,
 )
 from coordinator.control.stalls import dropped_in_stall
 from coordinator.core.meshplan import (
@@ -139,6 +141,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "activations",
             "the model's shape, from which --stage auto and --mesh auto count activations "
             "per rank (the embedded coordinator's plan; default: none counted)",
+        )
+    )
+    add_stall_flags(
+        parser.add_argument_group(
+            "stalls", "when the embedded coordinator names a stall, and when it acts on one"
         )
     )
     parser.add_argument(
@@ -355,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
                 job_name=args.job_name,
                 tls=args.tls,
                 activations=activation_shape(args),
+                stalls=stall_settings(args),
             )
         except ValueError as exc:
             print(f"zeroplane run: {exc}", file=sys.stderr)

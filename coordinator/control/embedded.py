@@ -8,6 +8,7 @@ import logging
 import secrets
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -61,6 +62,7 @@ class EmbeddedCoordinator:
         max_workers: int | None = None,
         tls: bool = False,
         activations: ActivationShape | None = None,
+        stalls: Mapping[str, float] | None = None,
     ) -> EmbeddedCoordinator:
         """The coordinator of a one-machine job of ``nproc`` workers (elastic between
         ``min_workers`` and ``max_workers``, both ``nproc`` by default), a fresh
@@ -70,7 +72,9 @@ class EmbeddedCoordinator:
         (0: a free port), and have the workers serve their metrics too. ``tls``: serve
         TLS with a self-signed certificate for 127.0.0.1 made now, which the workers
         trust ($ZEROPLANE_TLS_ROOT_CERT); it is deleted when the coordinator stops.
-        ``activations``: the model's shape, for the activations a plan counts."""
+        ``activations``: the model's shape, for the activations a plan counts.
+        ``stalls``: ``stall_after_s`` and ``stall_timeout_s`` where given
+        (coordinator/control/stalls.py)."""
         low = nproc if min_workers is None else min_workers
         high = nproc if max_workers is None else max_workers
         if not low <= nproc <= high:
@@ -91,6 +95,7 @@ class EmbeddedCoordinator:
                     max_workers=high,
                     # an elastic job still starts with all nproc: give them time to register
                     join_window_s=0.0 if low == nproc else 3.0,
+                    **(stalls or {}),
                 ),
                 plan=PlanConfig(
                     stage=None if stage in (None, "auto") else int(stage),

@@ -63,6 +63,7 @@ WORKER_STATES = ("member", "standby", "lost", "left")
 METRIC_NAMES = (
     "zeroplane_coordinator_info",
     "zeroplane_coordinator_workers",
+    "zeroplane_coordinator_stalled",
     "zeroplane_coordinator_generation",
     "zeroplane_coordinator_world_size",
     "zeroplane_coordinator_stage",
@@ -72,6 +73,7 @@ METRIC_NAMES = (
     "zeroplane_coordinator_lease_expiries_total",
     "zeroplane_coordinator_scale_events_total",
     "zeroplane_coordinator_registrations_total",
+    "zeroplane_coordinator_stalls_total",
     "zeroplane_coordinator_rpcs_total",
     "zeroplane_coordinator_rpc_duration_seconds",
 )

@@ -219,7 +219,8 @@ class MembershipConfig:
         after, bound = self.stall_after_s, self.stall_timeout_s
         if not (math.isfinite(bound) and 0 < after <= bound):
             raise ValueError(
-                f"MembershipConfig.stall_after_s ({after}) and stall_timeout_s ({bound}) "
+                f"MembershipConfig.stall_after_s (--stall-after, {after}) and stall_timeout_s "
+                f"(--stall-timeout, {bound}) "
                 "must satisfy 0 < stall_after_s <= stall_timeout_s"
             )
 
