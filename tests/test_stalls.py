@@ -153,3 +153,33 @@ def test_the_tracker_numbers_each_group_and_says_what_it_waits_on():
         assert t.snapshot().state == "recovering"
     t.forget_groups()
     assert t.issue("broadcast", world).seq == 1
+
+
+SUBGROUPS = """
+import datetime, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from worker.compat import time_out_subgroups_as
+timeout = datetime.timedelta(seconds=7)
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:{port}",
+                        timeout=timeout)
+time_out_subgroups_as(timeout)
+cpu = torch.device("cpu")
+mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+for group in (dist.new_group([0]), mesh.get_group("dp"), mesh.get_group("tp")):
+    print(group._get_backend(cpu).options._timeout.total_seconds())
+"""
+
+
+def test_subgroups_and_meshes_time_out_as_the_jobs_group():
+    """torch gives a new group 30 minutes on gloo whatever the default group's timeout:
+    a rank stuck on a pipeline or tensor-parallel group outlived the job's."""
+    import subprocess
+    import sys
+
+    from coordinator.core.ports import free_port
+
+    code = SUBGROUPS.format(port=free_port())
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["7.0", "7.0", "7.0"], out.stderr[-2000:]

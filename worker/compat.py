@@ -30,6 +30,7 @@ __all__ = [
     "rebind_hook_mesh",
     "reduce_scatter_flat",
     "serving_store",
+    "time_out_subgroups_as",
 ]
 
 # torch 2.13 renamed the flat-tensor collectives (`*_single`) and deprecated the
@@ -185,6 +186,19 @@ def _close_connections(rank: int, world_size: int, group: object | None = None) 
     """
     peers = range(world_size) if group is None else _group_ranks().get(group, {})
     close_connections_to([peer for peer in peers if peer != rank], group)
+
+
+def time_out_subgroups_as(timeout: timedelta) -> None:
+    """Give every process group made from now on in this process (``new_group``, a
+    ``DeviceMesh``'s dimensions, the script's own) ``timeout`` unless it names its own:
+    torch gives them 30 minutes (gloo) or 10 (NCCL), not the default group's, so a
+    rank stuck on a tensor- or pipeline-parallel group outlived the job's collective
+    timeout ([Note: naming a stall] in worker/whereabouts.py)."""
+    from torch.distributed import distributed_c10d
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if hasattr(distributed_c10d, name):
+            setattr(distributed_c10d, name, timeout)
 
 
 def close_connections_to(peers: Iterable[int], group: object | None = None) -> None:

@@ -36,6 +36,7 @@ from worker.compat import (
     backend_for,
     close_connections_to,
     serving_store,
+    time_out_subgroups_as,
 )
 from worker.inventory import Inventory
 from worker.whereabouts import TRACKER
@@ -289,6 +290,7 @@ class ControlPlane:
                     world_size=gen.world_size,
                     timeout=self.timeout,
                 )
+                time_out_subgroups_as(self.timeout)
                 self._applied(gen)
                 return
             except (RuntimeError, dist.DistError) as exc:
