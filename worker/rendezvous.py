@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from coordinator.control.client import ClientConfig, CoordinatorClient, CoordinatorError
 from coordinator.core.messages import Generation, WorkerInfo, WorkerReport
-from coordinator.core.settings import ADDRESS_ENV, WORKER_ID_ENV
+from coordinator.core.settings import ADDRESS_ENV, WORKER_ID_ENV, env_seconds
 from worker.compat import (
     abort_default_group,
     backend_for,
@@ -52,20 +52,6 @@ TIMEOUT_ENV = "ZEROPLANE_COLLECTIVE_TIMEOUT_S"
 MEMBERSHIP_WAIT_ENV = "ZEROPLANE_MEMBERSHIP_WAIT_S"
 # a worker's exit code when the coordinator stopped its job, or dropped it, in a stall
 STALL_EXIT_CODE = 3
-
-
-def env_seconds(name: str, default: float) -> float:
-    """``$name`` as a positive number of seconds (``default`` when unset)."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"${name} must be a positive number of seconds, got {raw!r}")
-    return value
 
 
 def coordinator_address(explicit: str | None) -> str | None:

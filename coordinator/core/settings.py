@@ -64,7 +64,8 @@ STALL_TIMEOUT_ENV = "ZEROPLANE_STALL_TIMEOUT_S"
 MiB = 1 << 20
 
 
-def _env_seconds(name: str, default: float) -> float:
+def env_seconds(name: str, default: float) -> float:
+    """``$name`` as a positive number of seconds (``default`` when unset)."""
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -174,8 +175,8 @@ class MembershipConfig:
     # log; once its longest wait reaches stall_timeout_s the coordinator acts on it
     # (coordinator/control/stalls.py). From $ZEROPLANE_STALL_AFTER_S and
     # $ZEROPLANE_STALL_TIMEOUT_S where set.
-    stall_after_s: float = field(default_factory=lambda: _env_seconds(STALL_AFTER_ENV, 5.0))
-    stall_timeout_s: float = field(default_factory=lambda: _env_seconds(STALL_TIMEOUT_ENV, 30.0))
+    stall_after_s: float = field(default_factory=lambda: env_seconds(STALL_AFTER_ENV, 5.0))
+    stall_timeout_s: float = field(default_factory=lambda: env_seconds(STALL_TIMEOUT_ENV, 30.0))
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
