@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tests.scripts.stall_train import batches, build
+from tests.test_mesh_elastic import STEPS  # what the mesh_job fixture trains for
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "stall_train.py"
-STEPS = 24
-AT = 4  # the step the last rank stalls at
+AT = 3  # the step the last rank stalls at
 NAMED_WITHIN_S = 10.0
 
 
@@ -34,15 +34,17 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def stalling(mesh_job, monkeypatch):
-    """``start(kind, stage)``: a 3-worker job (2 at least) whose last rank stalls at step
-    ``AT``, named after 2 s and handled after 6."""
+    """``start(kind, stage, world)``: a job of ``world`` workers (one fewer at least) whose
+    last rank stalls at step ``AT``, named after 2 s and handled after 5."""
 
-    def start(kind: str, stage: int):
+    def start(kind: str, stage: int, world: int):
         monkeypatch.setenv("ZEROPLANE_TEST_STALL", kind)
         monkeypatch.setenv("ZEROPLANE_TEST_STALL_AT", str(AT))
+        monkeypatch.setenv("ZEROPLANE_TEST_STALL_WORLD", str(world))
         monkeypatch.setenv("ZEROPLANE_STALL_AFTER_S", "2")
-        monkeypatch.setenv("ZEROPLANE_STALL_TIMEOUT_S", "6")
-        job = mesh_job("--nproc", "3", "--min-nproc", "2", stage=stage, mesh=(), script=SCRIPT)
+        monkeypatch.setenv("ZEROPLANE_STALL_TIMEOUT_S", "5")
+        nproc = ("--nproc", str(world), "--min-nproc", str(world - 1))
+        job = mesh_job(*nproc, stage=stage, mesh=(), script=SCRIPT)
         job.wait_until("the stall", (job.tmp / "stalled").exists, timeout=180)
         return job
 
@@ -56,7 +58,10 @@ def named(job, kind: str, *patterns: str) -> dict:
     seen: list[str] = []
 
     def said() -> bool:
-        status = job.status()
+        try:
+            status = job.status()
+        except OSError:  # the status page, busy on a loaded machine
+            return False
         seen.append(status.get("stall", ""))
         text = status["stall"]
         return status.get("stall_kind") == kind and all(re.search(p, text) for p in patterns)
@@ -84,16 +89,16 @@ def assert_matches_reference(tmp: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_rank_stuck_in_its_script_is_named_dropped_and_the_job_goes_on(stalling) -> None:
-    job = stalling("stuck", stage=3)
+    job = stalling("stuck", stage=3, world=2)
     status = named(
         job,
         "stuck",
-        "rank 2 runs outside any collective",
-        r"ranks 0-1 wait in all-gather #\d+ on ranks 0-2",
+        "rank 1 runs outside any collective",
+        r"rank 0 waits in all-gather #\d+ on ranks 0-1",
     )
-    stuck = next(w for w in status["workers"] if w["rank"] == 2)
+    stuck = next(w for w in status["workers"] if w["rank"] == 1)
     assert stuck["where"]["state"] == "running" and stuck["where"]["phase"] == ""
-    job.wait_until("the job re-formed without it", lambda: job.world() == 2)
+    job.wait_until("the survivor recovered", lambda: "recovered as rank 0 of 1" in job.text())
     text = job.finish()
     # whichever comes first: its own heartbeat, or its launcher
     said = "dropped this worker in a stall" in text or "dropped it as stuck" in text
@@ -104,9 +109,9 @@ def test_a_rank_stuck_in_its_script_is_named_dropped_and_the_job_goes_on(stallin
 
 @pytest.mark.timeout(300)
 def test_a_stopped_rank_is_named_silent_and_the_survivors_go_on(stalling) -> None:
-    job = stalling("stop", stage=2)
-    named(job, "silent", r"rank 2 \(\S+\) has sent no heartbeat for \d+s")
-    job.wait_until("the job re-formed without it", lambda: job.world() == 2)
+    job = stalling("stop", stage=2, world=2)
+    named(job, "silent", r"rank 1 \(\S+\) has sent no heartbeat for \d+s")
+    job.wait_until("the survivor recovered", lambda: "recovered as rank 0 of 1" in job.text())
     text = job.finish()
     assert "releasing it" in text, text[-4000:]  # not a wait for the collective timeout
     assert_recovered_in_memory(text)
@@ -115,7 +120,7 @@ def test_a_stopped_rank_is_named_silent_and_the_survivors_go_on(stalling) -> Non
 
 @pytest.mark.timeout(300)
 def test_diverged_collectives_stop_the_job_naming_them(stalling) -> None:
-    job = stalling("diverge", stage=3)
+    job = stalling("diverge", stage=3, world=3)
     named(
         job,
         "mismatch",

@@ -7,14 +7,15 @@ to name (coordinator/control/stalls.py).
 Three linear blocks with SGD on fixed random batches: step s trains ``batches[s]``
 (12 rows, which every world of 1-4 ranks divides), each rank its share, so that the
 result equals one process training the same batches (tests/test_stalls_job.py).
-At step ``$ZEROPLANE_TEST_STALL_AT`` or the first after it with three ranks, the
-last rank, once (``OUT_DIR/stalled`` says it did):
+At step ``$ZEROPLANE_TEST_STALL_AT`` or the first after it with all
+``$ZEROPLANE_TEST_STALL_WORLD`` ranks (default 3), the last rank, once
+(``OUT_DIR/stalled`` says it did):
 
 - ``stuck``: sleeps in the script, outside any collective;
 - ``stop``: stops itself (SIGSTOP);
-- ``diverge``: waits in a collective on a group of ranks 1 and 2, which rank 1,
-  waiting in the step's first collective with rank 0, never joins: the ranks'
-  collectives diverged, as a branch some ranks take makes them.
+- ``diverge`` (three ranks): waits in a collective on a group of ranks 1 and 2,
+  which rank 1, waiting in the step's first collective with rank 0, never joins:
+  the ranks' collectives diverged, as a branch some ranks take makes them.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main() -> None:
     args = elastic_loop.parser(__doc__.splitlines()[0], stage=3)
     kind = os.environ.get("ZEROPLANE_TEST_STALL", "")
     at = int(os.environ.get("ZEROPLANE_TEST_STALL_AT", "4"))
+    world = int(os.environ.get("ZEROPLANE_TEST_STALL_WORLD", "3"))
     model, opt = build()
     # recovery in memory; every block its own stage-3 gather unit
     config = worker.ZeroConfig(stage=args.stage, replica_interval=1, stage3_min_unit_numel=16)
@@ -73,13 +75,14 @@ def main() -> None:
     marker = args.out / "stalled"
 
     def step(s: int, share: int, shares: int) -> None:
-        full = dist.get_world_size() == 3
+        full = dist.get_world_size() == world
+        last = dist.get_rank() == world - 1
         if kind == "diverge" and s >= at and full and not marker.exists():
             pair = dist.new_group([1, 2])  # every rank forms it
             if dist.get_rank() == 2:
                 marker.write_text(kind)
                 Collectives(pair).all_reduce(torch.ones(1))
-        elif s >= at and full and dist.get_rank() == 2 and not marker.exists():
+        elif s >= at and full and last and not marker.exists():
             marker.write_text(kind)
             if kind == "stuck":
                 time.sleep(3600)
