@@ -60,6 +60,21 @@ def test_first_generation_waits_for_min_workers_and_the_join_window() -> None:
     assert m.maybe_form() is None
 
 
+def test_the_launchers_expected_workers_form_the_first_generation_at_once() -> None:
+    clock = Clock()
+    m = membership(clock, min_workers=2, max_workers=5, expected_workers=3)
+    m.register(worker("a", free_ports=(1001,)), inventory())
+    m.register(worker("b", free_ports=(1002,)), inventory())
+    assert m.maybe_form() is None  # two of the three: the window runs
+    m.register(worker("c", free_ports=(1003,)), inventory())
+    gen = m.maybe_form()
+    assert gen is not None and gen.world_size == 3
+    m.register(worker("d", free_ports=(1004,)), inventory())
+    assert m.maybe_form() is None  # later joins wait for the window again
+    clock.now += 5.1
+    assert m.maybe_form().world_size == 4
+
+
 def test_max_workers_forms_at_once_and_extra_workers_stand_by() -> None:
     clock = Clock()
     m = membership(clock)

@@ -94,7 +94,9 @@ class EmbeddedCoordinator:
                     min_workers=low,
                     max_workers=high,
                     # an elastic job still starts with all nproc: give them time to register
+                    # (the first generation forms once they all have)
                     join_window_s=0.0 if low == nproc else 3.0,
+                    expected_workers=nproc,
                     **(stalls or {}),
                 ),
                 plan=PlanConfig(

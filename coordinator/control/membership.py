@@ -618,6 +618,9 @@ class Membership:
             return False
         if lost or survivors + admitted >= self.config.max_workers:
             return True
+        expected = self.config.expected_workers
+        if self.generation is None and expected and admitted >= expected:
+            return True  # the launcher's first workers are all here
         return self._clock() - self._window_start() >= self.config.join_window_s
 
     def _window_start(self) -> float:

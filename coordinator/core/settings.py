@@ -158,6 +158,9 @@ class MembershipConfig:
     min_workers: int = 1
     max_workers: int = 4096
     join_window_s: float = 2.0
+    # The workers a launcher starts at once (zeroplane run's --nproc): the first
+    # generation forms as soon as they have registered, without the rest of the window.
+    expected_workers: int | None = None
     # A worker silent for this long is dropped.
     lease_timeout_s: float = 10.0
     heartbeat_interval_s: float = 2.0
@@ -181,6 +184,12 @@ class MembershipConfig:
     def __post_init__(self) -> None:
         if self.min_workers < 1:
             raise ValueError(f"MembershipConfig.min_workers must be >= 1, got {self.min_workers}")
+        expected = self.expected_workers
+        if expected is not None and not self.min_workers <= expected <= self.max_workers:
+            raise ValueError(
+                f"MembershipConfig.expected_workers ({expected}) must be within "
+                f"[min_workers, max_workers] = [{self.min_workers}, {self.max_workers}]"
+            )
         if self.max_workers < self.min_workers:
             raise ValueError(
                 f"MembershipConfig.max_workers ({self.max_workers}) must be >= "
