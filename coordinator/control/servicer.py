@@ -149,11 +149,17 @@ class Servicer:
                 last = loop.time()
             try:
                 await self._reconcile(expire=expire)
-                if loop.time() - watched >= _STALL_CHECK_S:
+                if loop.time() - watched >= self._stall_check_s():
                     watched = loop.time()
                     await self._watch_stalls()
             except Exception:
                 logger.exception("membership reconcile failed")
+
+    def _stall_check_s(self) -> float:
+        """How often the members' whereabouts are compared: every second up to 10,000
+        ranks, then in proportion (a comparison walks every member)."""
+        gen = self.m.generation
+        return _STALL_CHECK_S * max(1.0, (0 if gen is None else gen.world_size) / 10_000)
 
     async def _watch_stalls(self) -> None:
         """Name the job's stall, if any; act on one that reached its bound
