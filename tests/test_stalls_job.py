@@ -8,6 +8,8 @@ that name the modules."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,15 +36,15 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def stalling(mesh_job, monkeypatch):
-    """``start(kind, stage, world)``: a job of ``world`` workers (one fewer at least) whose
-    last rank stalls at step ``AT``, named after 2 s and handled after 5."""
+    """``start(kind, stage, world, bound)``: a job of ``world`` workers (one fewer at least)
+    whose last rank stalls at step ``AT``, named after 2 s and handled after ``bound``."""
 
-    def start(kind: str, stage: int, world: int):
+    def start(kind: str, stage: int, world: int, bound: float = 5.0):
         monkeypatch.setenv("ZEROPLANE_TEST_STALL", kind)
         monkeypatch.setenv("ZEROPLANE_TEST_STALL_AT", str(AT))
         monkeypatch.setenv("ZEROPLANE_TEST_STALL_WORLD", str(world))
         monkeypatch.setenv("ZEROPLANE_STALL_AFTER_S", "2")
-        monkeypatch.setenv("ZEROPLANE_STALL_TIMEOUT_S", "5")
+        monkeypatch.setenv("ZEROPLANE_STALL_TIMEOUT_S", str(bound))
         nproc = ("--nproc", str(world), "--min-nproc", str(world - 1))
         job = mesh_job(*nproc, stage=stage, mesh=(), script=SCRIPT)
         job.wait_until("the stall", (job.tmp / "stalled").exists, timeout=180)
@@ -89,15 +91,25 @@ def assert_matches_reference(tmp: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_rank_stuck_in_its_script_is_named_dropped_and_the_job_goes_on(stalling) -> None:
-    job = stalling("stuck", stage=3, world=2)
+    job = stalling("stuck", stage=3, world=2, bound=10.0)
     status = named(
         job,
         "stuck",
         "rank 1 runs outside any collective",
-        r"rank 0 waits in all-gather #\d+ on ranks 0-1",
+        r"rank 0 waits in all-gather #\d+ on ranks 0,1, unit a",
     )
     stuck = next(w for w in status["workers"] if w["rank"] == 1)
     assert stuck["where"]["state"] == "running" and stuck["where"]["phase"] == ""
+    # zeroplane status says it too, with where each rank is
+    cli = [sys.executable, "-m", "coordinator.cli", "status", "--http", f"127.0.0.1:{job.port}"]
+    text = subprocess.run(cli, capture_output=True, text=True, timeout=60, cwd=ROOT).stdout
+    assert "stall (stuck): " in text, text
+    rows: dict[str, str] = {}  # the members' table, the first with a rank column
+    for line in text.splitlines():
+        if line[:2] in ("0 ", "1 "):
+            rows.setdefault(line[0], line)
+    assert re.search(r"all-gather #\d+ \(a\) \d+s", rows["0"]), text
+    assert re.search(r"running \d+s", rows["1"]), text
     job.wait_until("the survivor recovered", lambda: "recovered as rank 0 of 1" in job.text())
     text = job.finish()
     # whichever comes first: its own heartbeat, or its launcher

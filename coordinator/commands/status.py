@@ -26,8 +26,9 @@ from typing import Any
 from coordinator.commands.args import seconds, wait_seconds
 from coordinator.control.client import ClientConfig, CoordinatorClient, CoordinatorError
 from coordinator.control.observe import Sampler, expert_balance
+from coordinator.control.stalls import where_short
 from coordinator.control.web import api_status
-from coordinator.core.messages import StatusReport
+from coordinator.core.messages import StatusReport, Whereabouts
 from coordinator.core.planner import format_bytes
 from coordinator.core.settings import ADDRESS_ENV, TOKEN_ENV, TOKEN_FILE_ENV, load_token
 
@@ -190,12 +191,13 @@ def _status_over_http(args: argparse.Namespace) -> int:
             w["host"],
             w["device_kind"],
             "-" if w["step"] is None else str(w["step"]),
+            where_short(Whereabouts(**w["where"]) if w.get("where") else None),
             w["metrics_endpoint"] or "-",
         ]
         for w in api["workers"]
     ]
     header = ["rank", *(["pp/dp/tp"] if mesh else []), "worker", "state", "host", "device"]
-    lines += ["", *_table([*header, "step", "metrics"], rows)]
+    lines += ["", *_table([*header, "step", "where", "metrics"], rows)]
     if api["ranks"]:
         lines += ["", format_figures(api["ranks"])]
     print("\n".join(lines))
@@ -310,7 +312,8 @@ def format_status(report: StatusReport, *, address: str = "", events: int = 10) 
     kinds_sorted = [k for k in KIND_ORDER if k in kinds] + sorted(kinds - set(KIND_ORDER))
     mesh = report.mesh is not None
     header = ["rank", *(["pp/dp/tp"] if mesh else []), "worker", "state", "host", "device"]
-    header += ["device mem", "lease", "step", *kinds_sorted, "model states", "allocated"]
+    header += ["device mem", "lease", "step", "where"]
+    header += [*kinds_sorted, "model states", "allocated"]
     rows = []
     for w in report.workers:
         r = w.report
@@ -328,6 +331,7 @@ def format_status(report: StatusReport, *, address: str = "", events: int = 10) 
                 _bytes(w.info.device_memory_bytes or None),
                 f"{w.lease_remaining_s:.1f}s" if w.state not in ("lost", "left") else "gone",
                 "-" if r is None else str(r.step),
+                where_short(None if r is None else r.where),
                 *(_bytes(None if states is None else states.get(k)) for k in kinds_sorted),
                 _bytes(None if states is None else sum(states.values())),
                 _bytes(None if r is None else r.device_allocated_bytes),

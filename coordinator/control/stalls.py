@@ -59,6 +59,7 @@ __all__ = [
     "dropped_in_stall",
     "parse_ranks",
     "ranks_words",
+    "where_short",
 ]
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,17 @@ class Stall:
     @property
     def key(self) -> tuple:
         return (self.kind, tuple(v.worker_id for v in self.culprits))
+
+
+def where_short(w: Whereabouts | None) -> str:
+    """A rank's whereabouts in a status table's column: ``all-gather #58 (blocks.1) 6s``,
+    ``running 0s``, ``recovering 3s``; "-" for a rank that says nothing."""
+    if w is None:
+        return "-"
+    if w.state != "collective":
+        return f"{w.state} {w.for_s:.0f}s"
+    unit = f" ({w.unit})" if w.unit else ""
+    return f"{w.op.replace('_', '-')} #{w.seq}{unit} {w.for_s:.0f}s"
 
 
 def _call_words(w: Whereabouts) -> str:
