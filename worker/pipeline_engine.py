@@ -264,20 +264,24 @@ class PipelineEngine(MeshEngine):
         # [Note: pipeline gradients into ZeRO]
         zero = torch.stack([p.reshape(-1)[0] for p in self._trainable]).sum() * 0.0
         ZeroEngine.backward(self, zero)
+        # the rank's mean loss replaces the zero's in the loss the step sums. The last
+        # stage computed it; every stage takes it now, so that each stage's dp sum in
+        # the step is the global loss. Now, not after the step: the step's boundary
+        # may re-form the pipeline, and a broadcast on the new pp group would meet a
+        # returning standby's schedule instead (#51)
+        loss = torch.zeros((), dtype=torch.float64, device=self.state.device)
         if self.is_last:
-            # the rank's mean loss replaces the zero's in the loss the step sums
             real = sum(self._real)
             rank_loss = sum(n * self._losses[j] for j, n in enumerate(self._real))
-            self.stats.replace_window_loss(rank_loss / max(real, 1), weight)
-        else:
-            self.stats.replace_window_loss(None, 0.0)
+            loss += torch.as_tensor(rank_loss, dtype=torch.float64, device=loss.device) / max(
+                real, 1
+            )
+        if self.shape.pp > 1:
+            with self._peer_loss():
+                self.pp_comm.broadcast(loss, src=self.shape.pp - 1)
+        self.stats.replace_window_loss(loss, weight)
         ZeroEngine.step(self, samples=sum(self._real) if self.coords.pp == 0 else 0)
         self.state.trim_staging()
-        # the loss summed over dp lives on the last stage: every stage gets it
-        pair = self.stats.global_loss
-        if pair is not None and self.shape.pp > 1:
-            with self._peer_loss():
-                self.pp_comm.broadcast(pair, src=self.shape.pp - 1)
         return self.mean_loss()
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
