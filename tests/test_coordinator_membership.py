@@ -62,7 +62,7 @@ def test_first_generation_waits_for_min_workers_and_the_join_window() -> None:
 
 def test_the_launchers_expected_workers_form_the_first_generation_at_once() -> None:
     clock = Clock()
-    m = membership(clock, min_workers=2, max_workers=5, expected_workers=3)
+    m = membership(clock, min_workers=2, max_workers=8, expected_workers=3)
     m.register(worker("a", free_ports=(1001,)), inventory())
     m.register(worker("b", free_ports=(1002,)), inventory())
     assert m.maybe_form() is None  # two of the three: the window runs
@@ -71,8 +71,13 @@ def test_the_launchers_expected_workers_form_the_first_generation_at_once() -> N
     assert gen is not None and gen.world_size == 3
     m.register(worker("d", free_ports=(1004,)), inventory())
     assert m.maybe_form() is None  # later joins wait for the window again
-    clock.now += 5.1
+    m.expect_more(1)  # unless the launcher says it started them: then at once
     assert m.maybe_form().world_size == 4
+    m.expect_more(1)
+    m.register(worker("e", free_ports=(1005,)), inventory())
+    assert m.maybe_form().world_size == 5
+    m.register(worker("f", free_ports=(1006,)), inventory())
+    assert m.maybe_form() is None  # the expectation was met: the window again
 
 
 def test_max_workers_forms_at_once_and_extra_workers_stand_by() -> None:

@@ -416,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
                 lambda: _departed(services),
                 over=lambda: _over(services),
                 tick=lambda: (_kill_dropped(job, services), tick()),
+                expect=lambda count: _expect_more(services, count),
             )
         # read before the embedded coordinator stops with the job
         status, reports = _final_status(services)
@@ -579,6 +580,14 @@ def _departed(services: Sequence[object]) -> set[str]:
     return set() if status is None else status.departed()
 
 
+def _expect_more(services: Sequence[object], count: int) -> None:
+    """Tell the embedded coordinator the launcher started ``count`` more workers."""
+    for service in services:
+        server = getattr(service, "server", None)
+        if server is not None:
+            server.expect_more(count)
+
+
 def _kill_dropped(job: LocalJob, services: Sequence[object]) -> None:
     """Kill the workers the coordinator dropped in a stall (coordinator/control/stalls.py):
     a stopped or stuck process would never exit by itself, and the job would wait for it."""
@@ -654,6 +663,7 @@ def _wait_scaling(
     *,
     over: Callable[[], bool] = lambda: True,
     tick: Callable[[], None] = lambda: None,
+    expect: Callable[[int], None] = lambda count: None,
 ) -> JobResult:
     """Wait for the job, adding (SIGUSR1) or retiring (SIGUSR2) workers on request,
     replacing workers that left from outside when fewer than ``--min-workers``
@@ -692,6 +702,7 @@ def _wait_scaling(
                     if n + group <= high:
                         for _ in range(group):
                             job.add_worker()
+                        expect(group)
                     else:
                         print(f"zeroplane run: already at {high} workers", file=sys.stderr)
                 elif len(set(map(job.worker_id, job.running)) - departed()) - group >= low:

@@ -236,6 +236,9 @@ class Membership:
         # (coordinator/control/stalls.py)
         self.stall, self.stall_kind, self.stalled = "", "", ""
         self._fenced: dict[str, str] = {}
+        # the world a launcher's workers make once registered: the next generation forms
+        # then, without the rest of the join window (expect_more; None: the window decides)
+        self._expected = config.expected_workers
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -398,6 +401,14 @@ class Membership:
             self.stop(f"{worker_id} was told to leave with nobody to hand over to")
         return True
 
+    def expect_more(self, count: int) -> None:
+        """A launcher started ``count`` more workers: the next generation forms as soon as
+        the world they make has registered, without the rest of the join window."""
+        base = self._expected
+        if base is None:
+            base = 0 if self.generation is None else self.generation.world_size
+        self._expected = base + count
+
     def fence(self, worker_id: str, why: str) -> None:
         """Drop ``worker_id`` as lost in a stall (``why``) and tell its next heartbeat to
         exit rather than register again (coordinator/control/stalls.py)."""
@@ -548,6 +559,8 @@ class Membership:
         ):
             return False
         self.generation = generation
+        if self._expected is not None and generation.world_size >= self._expected:
+            self._expected = None
         self._recent_endpoints.append(generation.rendezvous_endpoint)
         for wid in proposal.admitted:
             self.roster.move(self.roster.live[wid], WorkerState.MEMBER)
@@ -618,9 +631,8 @@ class Membership:
             return False
         if lost or survivors + admitted >= self.config.max_workers:
             return True
-        expected = self.config.expected_workers
-        if self.generation is None and expected and admitted >= expected:
-            return True  # the launcher's first workers are all here
+        if self._expected is not None and survivors + admitted >= self._expected:
+            return True  # the workers a launcher started are all here
         return self._clock() - self._window_start() >= self.config.join_window_s
 
     def _window_start(self) -> float:

@@ -212,6 +212,13 @@ class CoordinatorServer:
             return
         self._call(self._servicer.stop_job(why), timeout=10)
 
+    def expect_more(self, count: int) -> None:
+        """The launcher started ``count`` more workers: the next generation forms once
+        they have registered, without the rest of the join window (in process)."""
+        if self._terminated.is_set() or not hasattr(self, "_servicer"):
+            return
+        self._call(self._servicer.expect_more(count), timeout=10)
+
     def status(self) -> StatusReport:
         """The job's status, read in process (no RPC, no token)."""
         return self._call(self._read_status())

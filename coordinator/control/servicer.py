@@ -194,6 +194,11 @@ class Servicer:
         async with self._forming:
             await self._store.save(self.m.snapshot())
 
+    async def expect_more(self, count: int) -> None:
+        """A launcher started ``count`` more workers (Membership.expect_more)."""
+        self.m.expect_more(count)
+        await self._reconcile()
+
     async def process_exited(self, worker_id: str, how: str) -> None:
         """A launcher saw the worker's process exit: drop it and re-form now."""
         if self.m.process_exited(worker_id, how):

@@ -445,12 +445,20 @@ def panels() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Membership events",
-            "Lease expiries, generations formed, and generations that grew or shrank the job.",
+            "Lease expiries, generations formed, generations that grew or shrank the job, "
+            "and stalls the coordinator named (by kind: silent, stuck, mismatch, waiting; "
+            "'stalled' is 1 while one lasts). `zeroplane status` says which ranks wait where.",
             [
                 (
                     f"increase(zeroplane_coordinator_lease_expiries_total{{{JOB}}}[{RATE}])",
                     "lease expiries",
                 ),
+                (
+                    f"sum by (kind) "
+                    f"(increase(zeroplane_coordinator_stalls_total{{{JOB}}}[{RATE}]))",
+                    "stalls {{kind}}",
+                ),
+                (f"zeroplane_coordinator_stalled{{{JOB}}} > 0", "stalled ({{kind}})"),
                 (
                     f"increase(zeroplane_coordinator_generations_total{{{JOB}}}[{RATE}])",
                     "generations",
