@@ -396,6 +396,7 @@ def run(args: argparse.Namespace) -> int:
         restarts=args.max_restarts if low < high else None,
         training_over=lambda: _over(services),
         halted=lambda: _stopped_in_stall(services),
+        started=lambda count: _expect_more(services, count),
     )
     started = time.monotonic()
     page = None

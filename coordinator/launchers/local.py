@@ -253,8 +253,12 @@ class LocalJob:
         restarts: int | None = None,
         training_over: Callable[[], bool] | None = None,
         halted: Callable[[], str] | None = None,
+        started: Callable[[int], None] | None = None,
     ) -> None:
         self.spec = spec
+        # told how many workers a replacement started (the coordinator then admits them
+        # as soon as they register)
+        self._started = started or (lambda count: None)
         # why failed workers must not be replaced ("": they may be), e.g. the
         # coordinator stopped the job in a stall (coordinator/control/stalls.py)
         self._halted = halted or str
@@ -437,6 +441,7 @@ class LocalJob:
         self._restarts_left -= 1
         self._settled.add(index)
         new = self.add_worker()
+        self._started(1)
         logger.warning(
             "worker %d %s; started worker %d in its place (%d restart(s) left)",
             index,
