@@ -181,7 +181,8 @@ def diagnose(views: Sequence[RankView], *, after_s: float, silent_s: float) -> S
     """The stall of a job whose members are ``views``, or None while it advances
     (see the module docstring). ``silent_s``: how long without a heartbeat a rank
     is silent. A rank that waits for the job to re-form (its collective failed)
-    waits for every member."""
+    waits for every member. Each group waited on is walked once, so a job whose
+    every rank waits on the world costs one walk of it."""
     waiters = [
         v
         for v in views
@@ -192,21 +193,29 @@ def diagnose(views: Sequence[RankView], *, after_s: float, silent_s: float) -> S
     if not waiters:
         return None
     by_rank = {v.rank: v for v in views}
-    everyone = tuple(by_rank)
-    # follow the waits: who does each waiting rank wait for, and what is that one doing
+    on_group: dict[str, list[RankView]] = {}  # who waits on each group ("" = to re-form)
+    for v in views:
+        w = v.where
+        if w is not None and w.state in ("collective", "recovering"):
+            on_group.setdefault(w.group if w.state == "collective" else "", []).append(v)
+    # follow the waits: whom does each group's waiting wait for, and what is that one doing
     culprits: dict[int, str] = {}  # rank -> kind
-    seen: set[int] = set()
-    todo = list(waiters)
+    involved: set[int] = set()
+    todo = {w.where.group if w.where.state == "collective" else "" for w in waiters}  # type: ignore[union-attr]
+    done: set[str] = set()
     while todo:
-        w = todo.pop()
-        if w.rank in seen or w.where is None:
-            continue
-        seen.add(w.rank)
-        awaited = w.where
-        group = parse_ranks(awaited.group) if awaited.state == "collective" else everyone
-        for r in group:
+        group = todo.pop()
+        done.add(group)
+        waiting = on_group.get(group, [])
+        calls = {(v.where.seq, v.where.op, v.where.unit) for v in waiting if group}  # type: ignore[union-attr]
+        involved.update(v.rank for v in waiting)
+        if len(calls) > 1:  # ranks of one group wait in different calls on it
+            for v in waiting:
+                culprits.setdefault(v.rank, "mismatch")
+        in_call = {v.rank for v in waiting}
+        for r in parse_ranks(group) if group else by_rank:
             peer = by_rank.get(r)
-            if peer is None or r == w.rank:
+            if peer is None or r in in_call:
                 continue
             if peer.heard_s >= silent_s:
                 culprits[r] = "silent"
@@ -217,11 +226,8 @@ def diagnose(views: Sequence[RankView], *, after_s: float, silent_s: float) -> S
             if pw.state == "running":
                 if peer.for_s >= after_s:
                     culprits.setdefault(r, "stuck")
-            elif awaited.state == "collective" and pw.group == awaited.group:
-                if (pw.seq, pw.op, pw.unit) != (awaited.seq, awaited.op, awaited.unit):
-                    culprits.setdefault(r, "mismatch")
-            else:
-                todo.append(peer)  # it waits for someone else: follow it
+            elif pw.group not in done:
+                todo.add(pw.group)  # it waits on another group: follow it
     kind = next((k for k in KINDS if k in culprits.values()), "waiting")
     blamed = [by_rank[r] for r, k in sorted(culprits.items()) if k == kind]
     if kind == "mismatch":
@@ -229,9 +235,9 @@ def diagnose(views: Sequence[RankView], *, after_s: float, silent_s: float) -> S
     elif kind == "waiting":
         # every rank involved waits in a collective; in more than one, they deadlock
         # (a rank waits on a group where its peers wait on another)
-        calls = _calls(v for v in views if v.rank in seen)
-        if len(calls) > 1:
-            kind, blamed = "mismatch", _outside_largest(calls)
+        calls_seen = _calls(v for v in views if v.rank in involved)
+        if len(calls_seen) > 1:
+            kind, blamed = "mismatch", _outside_largest(calls_seen)
     longest = max(w.for_s for w in waiters)
     return Stall(kind, _words(kind, waiters, blamed, views), tuple(blamed), longest)
 
