@@ -183,7 +183,6 @@ class Collectives:
     _scratch: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        self._call: Call | None = None  # the last collective issued, for its Handle
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
@@ -226,7 +225,7 @@ class Collectives:
         stats.calls += 1
         stats.bytes += nbytes
         stats.wire_bytes += nbytes if wire is None else wire
-        self._call = TRACKER.issue(kind or op, self._tag)
+        TRACKER.issue(kind or op, self._tag)  # its Handle waits on TRACKER.last
         return stats, time.perf_counter()
 
     def _finish(
@@ -237,7 +236,7 @@ class Collectives:
         async_op: bool,
         then: Callable[[], None] | None = None,
     ) -> Handle:
-        handle = Handle(work, stats, start, then, outlive=self.backend == "gloo", call=self._call)
+        handle = Handle(work, stats, start, then, outlive=self.backend == "gloo", call=TRACKER.last)
         if not async_op:
             handle.wait()
         return handle
@@ -484,7 +483,7 @@ class Collectives:
 
     def barrier(self) -> None:
         if self.distributed:
-            self._call = TRACKER.issue("barrier", self._tag)
+            TRACKER.issue("barrier", self._tag)
             _issue(dist.barrier, group=self.group, async_op=False)
 
     @contextmanager

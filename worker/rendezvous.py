@@ -14,7 +14,6 @@ show them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -277,7 +276,6 @@ class ControlPlane:
                     timeout=self.timeout,
                 )
                 time_out_subgroups_as(self.timeout)
-                self._applied(gen)
                 return
             except (RuntimeError, dist.DistError) as exc:
                 # a peer vanished between the meeting and the group: try the newest
@@ -430,13 +428,6 @@ class ControlPlane:
             self._ahead = None
             return False
 
-    def _applied(self, gen: Generation) -> None:
-        """The heartbeats say at once that this rank trains in ``gen`` (the coordinator
-        compares the whereabouts of the ranks of one generation only)."""
-        report = self.client.report
-        if report is not None and report.applied_generation_id != gen.id:
-            self.client.set_report(dataclasses.replace(report, applied_generation_id=gen.id))
-
     @property
     def latest_id(self) -> int:
         """The newest generation id the coordinator has told this worker about."""
@@ -550,7 +541,6 @@ def _exit_in_stall(why: str) -> None:
     training thread is blocked (or stuck), so this heartbeat thread ends the process,
     with the coordinator's words. The last checkpoint is what the job resumes from."""
     logger.error("%s", why)
-    print(f"zeroplane: {why}", file=sys.stderr, flush=True)
     logging.shutdown()
     os._exit(STALL_EXIT_CODE)
 

@@ -162,9 +162,6 @@ class Tracker:
         finally:
             self.unit = before
 
-    def set_phase(self, phase: str) -> None:
-        self.phase = phase
-
     @property
     def last(self) -> Call | None:
         """The collective issued last."""

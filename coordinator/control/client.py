@@ -676,11 +676,6 @@ class CoordinatorClient:
 
     # ---- background threads -----------------------------------------------------------
 
-    @property
-    def report(self) -> WorkerReport | None:
-        """What the heartbeats carry now (:meth:`set_report`)."""
-        return self._report
-
     def set_report(self, report: WorkerReport) -> None:
         """What the next heartbeats carry (model-state bytes by kind, step, ...)."""
         self._report = report
