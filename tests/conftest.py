@@ -35,9 +35,9 @@ def pools() -> Iterator[Pools]:
 
 @pytest.fixture
 def mesh_job(tmp_path: Path):
-    """``start(*flags, stage=, mesh=, step_sleep=, script=)``: a ``zeroplane run`` of an
-    elastic test script in the background (tests/test_mesh_elastic.py ``MeshRun``),
-    closed after the test."""
+    """``start(*flags, stage=, mesh=, step_sleep=, script=, steps=, script_flags=)``: a
+    ``zeroplane run`` of an elastic test script in the background
+    (tests/test_mesh_elastic.py ``MeshRun``), closed after the test."""
     from tests.test_mesh_elastic import SCRIPT, MeshRun
 
     runs: list[MeshRun] = []
@@ -48,9 +48,18 @@ def mesh_job(tmp_path: Path):
         mesh: tuple[str, ...] = ("--tp", "2"),
         step_sleep: float = 0.4,
         script: Path = SCRIPT,
+        **more,
     ) -> MeshRun:
         runs.append(
-            MeshRun(tmp_path, *flags, stage=stage, mesh=mesh, step_sleep=step_sleep, script=script)
+            MeshRun(
+                tmp_path,
+                *flags,
+                stage=stage,
+                mesh=mesh,
+                step_sleep=step_sleep,
+                script=script,
+                **more,
+            )
         )
         return runs[-1]
 

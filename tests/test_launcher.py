@@ -602,6 +602,19 @@ def test_a_worker_leaving_from_outside_is_replaced_only_below_the_minimum(
         assert "fewer than the 2 it needs" in job.abandoned
 
 
+def test_members_count_as_whole_groups_place_them():
+    """Two workers remain, but the coordinator can place neither in a whole group (both
+    at one tp position): the leaver is replaced, not taken for a scale-down."""
+    from coordinator.commands.run import _keep_minimum
+
+    job = LeftJob([1, 2], 3)
+    _keep_minimum(job, 2, lambda: {"w0"}, lambda: False, lambda workers: 0)
+    assert job.replaced == [0]
+    job = LeftJob([1, 2], 3)
+    _keep_minimum(job, 2, lambda: {"w0"}, lambda: False, len)
+    assert job.replaced == []
+
+
 def test_a_script_that_never_joined_the_coordinator_is_not_a_leaver():
     """Under `zeroplane run` a plain script ends without registering: its exit 0
     while the others still run is not a leave, whatever the minimum."""

@@ -83,6 +83,21 @@ def test_survivors_of_broken_groups_in_complementary_positions_form_one() -> Non
     assert got.order == ("a", "b", "c", "d") and got.standby == ()
 
 
+def test_a_survivor_holding_state_is_kept_before_newcomers_that_hold_none() -> None:
+    """A scale-up's generation replaced before it formed: its newcomers (dp 1) hold
+    nothing, the old group's survivor (dp 0, tp 1) holds what tp 1 trained. The
+    newcomers' group is the more complete, but the holder must not stand by: a newcomer
+    completes its group instead."""
+    old = {"held": _c(0, 1), "n0": _c(1, 0), "n1": _c(1, 1)}
+    got = arrange_groups(
+        tp=2, pp=1, survivors=old, joiners=[], max_world=4, holders={"held"}
+    )  # fmt: skip
+    assert got.order == ("n0", "held") and got.standby == ("n1",)
+    # (every survivor a holder: the most complete group stays together)
+    got = arrange_groups(tp=2, pp=1, survivors=old, joiners=[], max_world=4)
+    assert got.order == ("n0", "n1") and got.standby == ("held",)
+
+
 def test_groups_of_a_pipeline_and_tensor_mesh_follow_the_rank_order() -> None:
     got = arrange_groups(tp=2, pp=2, survivors={}, joiners=list("abcdefghi"), max_world=8)
     shape = MeshShape(pp=2, dp=2, tp=2)
@@ -127,6 +142,25 @@ def test_the_coordinator_forms_whole_groups_and_stands_a_broken_ones_survivor_by
     gen = m.maybe_form()
     assert gen is not None and [mb.worker_id for mb in gen.members] == ["w2", "w4"]
     assert m.status().worker("w0").state == "standby"
+
+
+def test_only_workers_whole_groups_can_hold_count_towards_the_minimum() -> None:
+    """What the launcher counts against --min-nproc (coordinator/commands/run.py
+    ``_keep_minimum``): two survivors at one tp position make no group; at
+    complementary positions they make one; a worker not registered yet fills a gap."""
+    m = _membership(2, 4, ["w0", "w1", "w2", "w3"], (2, 1))
+    gen = m.maybe_form()
+    assert gen is not None
+    at = {mb.worker_id: gen.coords(mb.rank) for mb in gen.members}
+    tp0 = sorted(w for w, c in at.items() if c.tp == 0)
+    tp1 = sorted(w for w, c in at.items() if c.tp == 1)
+    assert m.placeable(tp1) == 0  # both at tp 1
+    assert m.placeable([tp0[0], tp1[1]]) == 2  # complementary: one group
+    assert m.placeable([*tp1, "not-yet-registered"]) == 2
+    assert m.placeable([*tp0, *tp1]) == 4
+    # a data-parallel job counts workers
+    dp = _membership(2, 4, ["a", "b", "c"], (1, 1))
+    assert dp.maybe_form() is not None and dp.placeable(["a", "b", "x"]) == 3
 
 
 def _one_group_broken() -> tuple[Membership, dict[str, MeshCoords], list[str], Generation]:
@@ -247,13 +281,15 @@ class MeshRun:
         mesh: tuple[str, ...],
         step_sleep: float = 0.4,
         script: Path = SCRIPT,
+        steps: int = STEPS,
+        script_flags: tuple[str, ...] = (),
     ) -> None:
         self.tmp, self.port = tmp, find_free_port()
         cmd = [
             sys.executable, "-m", "coordinator.cli", "run", *mesh, *flags,
             "--no-fork-server", "--progress", "off", "--http-port", str(self.port),
-            str(script), str(tmp), "--steps", str(STEPS), "--stage", str(stage),
-            "--step-sleep", str(step_sleep),
+            str(script), str(tmp), "--steps", str(steps), "--stage", str(stage),
+            "--step-sleep", str(step_sleep), *script_flags,
         ]  # fmt: skip
         self.log_path = tmp / "run.log"
         self.log = self.log_path.open("w+")
@@ -328,9 +364,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def assert_matches_reference(tmp: Path) -> None:
+def assert_matches_reference(tmp: Path, steps: int = STEPS) -> None:
     got = torch.load(tmp / "final.pt", weights_only=True)
-    want = reference(STEPS)
+    want = reference(steps)
     assert set(got) == set(want)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst < 1e-5, f"the elastic mesh job differs from one process by {worst:.3g}"
@@ -453,4 +489,35 @@ def test_a_sigkilled_rank_of_a_tp_x_pp_job_comes_back_whole(mesh_job) -> None:
     text = job.finish()
     assert "restored from replica" in text, text[-4000:]
     # (whether the three stood by depends on when the replacement registered)
+    assert_matches_reference(job.tmp)
+
+
+@pytest.mark.timeout(300)
+def test_sigterms_to_a_whole_ring_keep_its_last_copy_until_a_newcomer_takes_it(mesh_job) -> None:
+    """tp=2 x dp=2: both tp-0 ranks are asked to leave at once (worker/elastic/rings.py
+    [Note: the last copy of a ring]). One leaves; the other holds the last copy of its
+    ring and stays; the two tp-1 survivors make no group, so the launcher replaces the
+    leaver (coordinator/commands/run.py ``_keep_minimum``, counting whole groups); the
+    newcomer takes the tp-0 position, the deferred leaver goes, and nothing is trained
+    again or restarted from scratch."""
+    job = mesh_job("--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=2)
+    job.wait_until("four ranks", lambda: job.world() == 4)
+    at = job.step()  # (a loaded machine may start with two and grow)
+    job.wait_until("four ranks training", lambda: job.step() >= at + 2)
+    pids = job.workers()
+    tp0 = [
+        int(w["worker_id"].rsplit("-", 1)[1])
+        for w in job.status()["workers"]
+        if (w.get("mesh") or {}).get("tp") == 0
+    ]
+    assert len(tp0) == 2, job.status()["workers"]
+    job.pace(1.0)  # room for the replacement to start
+    for index in tp0:
+        os.kill(pids[index], signal.SIGTERM)
+    job.wait_until("both leavers gone", lambda: job.text().count("left the job: asked to") == 2)
+    job.pace(0.4)
+    text = job.finish()
+    assert "holds the last copy of its ring (pp 0, tp 0)" in text, text[-4000:]
+    assert "in its place" in text  # the launcher replaced the first leaver
+    assert "restored from module" not in text and "recovered" not in text
     assert_matches_reference(job.tmp)

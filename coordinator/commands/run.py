@@ -416,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
                 args,
                 lambda: _departed(services),
                 over=lambda: _over(services),
+                placeable=lambda workers: _placeable(services, workers),
                 tick=lambda: (_kill_dropped(job, services), tick()),
                 expect=lambda count: _expect_more(services, count),
             )
@@ -581,6 +582,19 @@ def _departed(services: Sequence[object]) -> set[str]:
     return set() if status is None else status.departed()
 
 
+def _placeable(services: Sequence[object], workers: set[str]) -> int:
+    """How many of ``workers`` the embedded coordinator could place in whole groups (all
+    of them without one: a job of another launcher's coordinator, or stopping)."""
+    for service in services:
+        server = getattr(service, "server", None)
+        if server is not None:
+            try:
+                return server.placeable(workers)
+            except Exception as exc:  # stopping: count processes only
+                logger.debug("no placement: %s", exc)
+    return len(workers)
+
+
 def _expect_more(services: Sequence[object], count: int) -> None:
     """Tell the embedded coordinator the launcher started ``count`` more workers."""
     for service in services:
@@ -625,13 +639,21 @@ def _stopped_unfinished(status: StatusReport) -> bool:
 
 
 def _keep_minimum(
-    job: LocalJob, low: int, departed: Callable[[], set[str]], over: Callable[[], bool]
+    job: LocalJob,
+    low: int,
+    departed: Callable[[], set[str]],
+    over: Callable[[], bool],
+    placeable: Callable[[set[str]], int] = len,
 ) -> None:
     """Workers that left the coordinator and exited 0 without the launcher asking,
     while the job is not over (:func:`_over`), left on a SIGTERM from outside:
     a scale-down while at least ``low`` members remain. Below that the others
     wait for workers nobody starts, so each leaver is replaced (an elastic job
-    with restarts left) or the job stops, saying why."""
+    with restarts left) or the job stops, saying why.
+
+    Members count as the coordinator places them (``placeable``): in a job of whole
+    groups, two survivors of broken groups at one tp position make no group, and
+    neither counts (two workers but no member)."""
     if job.stopping:
         return
     exited = job.left_unasked()
@@ -640,7 +662,7 @@ def _keep_minimum(
     gone = departed()
     # a script that never joined the coordinator just ended: not a leave
     leavers = [i for i in exited if job.worker_id(i) in gone]
-    members = len(set(map(job.worker_id, job.running)) - gone)
+    members = placeable(set(map(job.worker_id, job.running)) - gone)
     short = low - members
     for index in leavers:
         job.settle(index)
@@ -665,6 +687,7 @@ def _wait_scaling(
     over: Callable[[], bool] = lambda: True,
     tick: Callable[[], None] = lambda: None,
     expect: Callable[[int], None] = lambda count: None,
+    placeable: Callable[[set[str]], int] = len,
 ) -> JobResult:
     """Wait for the job, adding (SIGUSR1) or retiring (SIGUSR2) workers on request,
     replacing workers that left from outside when fewer than ``--min-workers``
@@ -672,12 +695,13 @@ def _wait_scaling(
 
     A retirement counts members, not processes: a worker told to leave, or one
     that has handed over (``departed``: the coordinator no longer has it) and is
-    still exiting, does not count towards ``--min-workers``."""
+    still exiting, does not count towards ``--min-workers``, nor does one whole
+    groups cannot place (``placeable``)."""
     low = args.nproc if args.min_workers is None else args.min_workers
     high = args.nproc if args.max_workers is None else args.max_workers
     if low == high:
         while (result := job.poll()) is None:
-            _keep_minimum(job, low, departed, over)
+            _keep_minimum(job, low, departed, over, placeable)
             tick()
             time.sleep(0.05)
         return result
@@ -706,7 +730,7 @@ def _wait_scaling(
                         expect(group)
                     else:
                         print(f"zeroplane run: already at {high} workers", file=sys.stderr)
-                elif len(set(map(job.worker_id, job.running)) - departed()) - group >= low:
+                elif placeable(set(map(job.worker_id, job.running)) - departed()) - group >= low:
                     if group == 1:
                         job.retire_worker()  # the newest
                     else:  # the newest group's worth
@@ -714,7 +738,7 @@ def _wait_scaling(
                             job.retire_worker(index)
                 else:
                     print(f"zeroplane run: already at {low} workers", file=sys.stderr)
-            _keep_minimum(job, low, departed, over)
+            _keep_minimum(job, low, departed, over, placeable)
             tick()
             time.sleep(0.1)
     finally:

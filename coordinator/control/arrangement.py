@@ -27,6 +27,7 @@ data-parallel one; its mesh is chosen when the generation is planned.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Protocol
 
 from coordinator.control.roster import Roster
@@ -81,6 +82,12 @@ class Arrangement:
         """The next generation's workers in rank order, those of them admitted now, and
         the survivors left out."""
         raise NotImplementedError
+
+    def placeable(self, ms: MembershipView, workers: Collection[str]) -> int:
+        """How many of ``workers`` (members, standbys, workers not registered yet) a
+        generation of them alone could hold: what a launcher counts against its
+        minimum (coordinator/commands/run.py ``_keep_minimum``)."""
+        return len(workers)
 
 
 class ElasticArrangement(Arrangement):
@@ -147,12 +154,16 @@ class MeshArrangement(Arrangement):
         bound = ms.roster.standby()
         joiners = [wid for wid in ms.roster.waiting() if wid not in bound]
         joiners.sort(key=lambda wid: (ms.roster.live[wid].info.host, wid))  # a group on one host
+        # a member that never reported has not restored anything yet (a newcomer of a
+        # generation replaced before it formed): it holds no state to keep together
+        holders = {w for w in survivors if (e := ms.roster.live.get(w)) and e.report is not None}
         arranged = arrange_groups(
             tp=self.tp,
             pp=self.pp,
             survivors={**survivors, **bound},
             joiners=joiners,
             max_world=ms.config.max_workers,
+            holders=holders,
         )
         placed = set(arranged.order)
         return GroupArrangement(
@@ -164,6 +175,27 @@ class MeshArrangement(Arrangement):
     def coords(self, generation: Generation, rank: int) -> MeshCoords | None:
         """Where ``rank`` of ``generation`` sits (None: nowhere, a job without a mesh)."""
         return None if generation.mesh is None else generation.mesh.coords(rank)
+
+    def placeable(self, ms: MembershipView, workers: Collection[str]) -> int:
+        """Only whole groups count: a member or standby keeps its position, and two
+        survivors at one position fill one group, not two; a worker with none (not
+        registered yet, or new) fills any gap."""
+        gen, held = ms.generation, ms.roster.standby()
+        ranks = {} if gen is None else {m.worker_id: m.rank for m in gen.members}
+        positions: dict[str, MeshCoords] = {}
+        joiners: list[str] = []
+        for wid in workers:
+            at = held.get(wid)
+            if at is None and gen is not None and wid in ranks:
+                at = self.coords(gen, ranks[wid])
+            if at is None:
+                joiners.append(wid)
+            else:
+                positions[wid] = at
+        whole = arrange_groups(
+            tp=self.tp, pp=self.pp, survivors=positions, joiners=joiners, max_world=len(workers)
+        )
+        return whole.world_size
 
 
 class BlockArrangement(MeshArrangement):

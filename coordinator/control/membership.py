@@ -38,7 +38,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.control.arrangement import Arrangement, ElasticArrangement, arrangement_for
@@ -408,6 +408,11 @@ class Membership:
         if base is None:
             base = 0 if self.generation is None else self.generation.world_size
         self._expected = base + count
+
+    def placeable(self, workers: Collection[str]) -> int:
+        """How many of ``workers`` a generation of them alone could hold (whole groups
+        only: arrangement.py ``Arrangement.placeable``)."""
+        return self._arrangement.placeable(self, workers)
 
     def fence(self, worker_id: str, why: str) -> None:
         """Drop ``worker_id`` as lost in a stall (``why``) and tell its next heartbeat to

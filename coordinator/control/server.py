@@ -22,7 +22,7 @@ import asyncio
 import logging
 import signal
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
@@ -222,6 +222,14 @@ class CoordinatorServer:
     def status(self) -> StatusReport:
         """The job's status, read in process (no RPC, no token)."""
         return self._call(self._read_status())
+
+    def placeable(self, workers: Collection[str]) -> int:
+        """How many of ``workers`` a generation of them alone could hold (whole groups
+        only, in a mesh job), read in process."""
+        return self._call(self._placeable(tuple(workers)))
+
+    async def _placeable(self, workers: tuple[str, ...]) -> int:
+        return self._servicer.m.placeable(workers)
 
     async def _read_status(self) -> StatusReport:
         return self._servicer.m.status(VERSION)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.core.memory import (
@@ -180,6 +180,7 @@ def arrange_groups(
     survivors: Mapping[str, MeshCoords],
     joiners: Sequence[str],
     max_world: int,
+    holders: Collection[str] | None = None,
 ) -> GroupArrangement:
     """Whole model-parallel groups for the next generation of an elastic mesh job.
 
@@ -196,15 +197,26 @@ def arrange_groups(
     positions complement each other form a group together, a scale-up keeps
     every member's coordinates, and a survivor beyond the groups formed stands
     by. ``survivors``: each surviving member's coordinates in the previous
-    generation."""
+    generation.
+
+    ``holders``: the survivors known to hold their position's state (None: all of
+    them). A member admitted to a generation that was replaced before it formed
+    holds nothing: a group of two such newcomers is as complete as an old group
+    that lost a rank, but the old group's survivor holds what its position
+    trained, and were it the one to stand by, the next generation would find that
+    position held by nobody and start again. Old groups with more holders go first."""
     size = tp * pp
     slots = [(p, t) for p in range(pp) for t in range(tp)]
     queues: dict[tuple[int, int], list[str]] = {slot: [] for slot in slots}
     whole = {d: 0 for d in (c.dp for c in survivors.values())}
-    for c in survivors.values():
+    held = dict.fromkeys(whole, 0)
+    for wid, c in survivors.items():
         whole[c.dp] += 1
-    # the most complete old groups first (they stay together), then by old dp index
-    for wid, c in sorted(survivors.items(), key=lambda kv: (-whole[kv[1].dp], kv[1].dp)):
+        held[c.dp] += holders is None or wid in holders
+    # the old groups holding most state first, then the most complete (they stay
+    # together), then by old dp index
+    order = sorted(survivors.items(), key=lambda kv: (-held[kv[1].dp], -whole[kv[1].dp], kv[1].dp))
+    for wid, c in order:
         queues[(c.pp, c.tp)].append(wid)
     groups = 0
     while (groups + 1) * size <= max_world and sum(

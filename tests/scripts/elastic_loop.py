@@ -7,7 +7,9 @@ shares. :func:`train` runs it until ``--steps`` (a step abandoned after a lost p
 is run again), the first rank writing ``OUT_DIR/step`` as it goes; steps are paced
 by ``--step-sleep`` (or the seconds ``OUT_DIR/pace`` holds: a test slows the job
 while newcomers start on a loaded machine) until ``OUT_DIR/hurry`` exists;
-``OUT_DIR/final.pt`` gets the full parameters.
+``OUT_DIR/final.pt`` gets the full parameters. ``--checkpoint DIR --save-every N``
+saves a checkpoint every N steps (what the job restores from where no replica covers a
+lost rank).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def parser(description: str, *, stage: int) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--stage", type=int, default=stage)
     p.add_argument("--step-sleep", type=float, default=0.4)
+    p.add_argument("--checkpoint", type=Path, default=None)
+    p.add_argument("--save-every", type=int, default=5)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -41,6 +45,8 @@ def train(engine, args: argparse.Namespace, step: Callable[[int, int, int], None
         share, shares = engine.data_rank
         try:
             step(engine.global_steps, share, shares)
+            if args.checkpoint and engine.checkpoint_due(args.save_every):
+                engine.save_checkpoint(args.checkpoint)
         except worker.StepAborted:
             continue
         if dist.get_rank() == 0:

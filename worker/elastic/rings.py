@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn, cast
 
 import torch
+import torch.distributed as dist
 
 from coordinator.core.meshplan import MeshCoords, MeshShape
 from coordinator.core.messages import Generation
@@ -87,6 +88,10 @@ if TYPE_CHECKING:  # (loaded with the mesh: worker/factory.py)
 __all__ = ["PEER_LOSS_WAIT_ENV", "Carried", "boundary", "join", "peer_lost", "recover"]
 
 logger = logging.getLogger(__name__)
+
+# this rank was asked to leave but holds the last copy of its ring ([Note: the last
+# copy of a ring])
+_deferred = False
 
 # how long a tensor-parallel error waits for the coordinator to confirm a lost
 # peer (a newer generation) before it is taken for the script's own error
@@ -189,13 +194,20 @@ def boundary(session: Session, engine: ZeroEngine, stepped: bool) -> None:
     )
     Collectives(None).all_reduce(vote, op="max", control=True)
     newest, leaving = (int(v) for v in vote.tolist())
-    if leaving:
-        _leave_step(session, engine)
-    elif newest > control.generation.id:
-        start = time.perf_counter()
+    start = time.perf_counter()
+    gen = None
+    if newest > control.generation.id:  # (every rank waits for it: one answer below)
         gen = control.client.generation
         while gen is None or gen.id < newest:
             gen = control.wait_newer(member=False)
+    # a scale-up that keeps every member goes first: the leavers leave at the next
+    # boundary, from the wider world (whose replicas may cover what they held)
+    grows = gen is not None and all(
+        gen.rank_of(m.worker_id) is not None for m in control.generation.members
+    )
+    if leaving and not grows and _leave_step(session, engine):
+        return
+    if gen is not None:
         _switch(session, engine, gen, broken=False)
         engine.stats.record_pause("scale_up", time.perf_counter() - start)
     elif stepped:
@@ -242,16 +254,22 @@ def peer_lost(session: Session) -> bool:
     return True
 
 
-def _leave_step(session: Session, engine: ZeroEngine) -> None:
+def _leave_step(session: Session, engine: ZeroEngine) -> bool:
     """Some rank was asked to leave: every rank's replica is made current (one
     refresh, confirmed at once), the leavers go, and the rest re-form in the
     generation the coordinator forms without them, restoring from the replicas of
-    this very step (nothing is trained again)."""
+    this very step (nothing is trained again). False where every leaver stays for
+    now: each holds the last copy of its ring (:func:`_leavers_now`)."""
     control = session.control
     assert control is not None
+    engine = cast("MeshEngine", engine)  # the engine of a mesh job (worker/factory.py)
+    ring = engine.coords.pp * engine.shape.tp + engine.coords.tp
+    now = _leavers_now(engine, ring, session.leave_requested)
+    if not now:
+        return False
     session.keeper.refresh(engine.state, control.generation.id)
     session.keeper.confirm()
-    if session.leave_requested:
+    if dist.get_rank() in now:
         session._to(Phase.LEAVING)
         report(control, engine)
         _exit(session, "asked to leave")
@@ -261,6 +279,59 @@ def _leave_step(session: Session, engine: ZeroEngine) -> None:
         _exit(session, "the job ended while this rank waited to re-form")
     _switch(session, engine, gen, broken=True)
     engine.stats.record_pause("scale_down", time.perf_counter() - start)
+    return True
+
+
+def _leavers_now(engine: MeshEngine, ring: int, asked: bool) -> set[int]:
+    """The ranks that leave at this boundary: those asked to, but one of a ring whose
+    ranks were all asked while others stay.
+
+    [Note: the last copy of a ring]
+    A leave restores the leavers' shards from their ring's replicas, kept by their
+    right dp neighbours at the same (pp, tp) position. When every rank of one ring
+    is asked to leave at once (two SIGTERMs that hit both tp-0 ranks of a tp = 2,
+    dp = 2 job) and the job goes on, nobody would hold that ring's state: the job
+    would fall back to its last checkpoint, or start again. So the ring's first
+    rank stays, its leave deferred (it still says it is leaving, so a launcher
+    replaces it below its minimum), until a generation places a newcomer at its
+    position; it leaves at the first boundary after that, its ring then restored
+    from the newcomer's replica like any leave. The launcher replaces the other
+    leavers (no whole group remains without the deferred rank: coordinator/commands/
+    run.py ``_keep_minimum``), and a newcomer completes a group with a standby of the
+    broken ones. A job whose every rank was asked (a launcher stopping it) leaves at
+    once, as before; so does the only rank of a ring at dp = 1 asked alone: a
+    newcomer could take its position only with a whole group, which nobody starts
+    for it, so it goes and its ring is restored from the last checkpoint
+    (docs/guides/mesh.md)."""
+    global _deferred
+    world, me = dist.get_world_size(), dist.get_rank()
+    # per rank: its ring, and 0 (stays), 1 (asked to leave) or 2 (asked, and deferred
+    # at an earlier boundary: it keeps the last copy whatever the ring's width now)
+    table = torch.zeros(world, 2, dtype=torch.int64, device=engine.device)
+    table[me] = torch.tensor([ring, 2 if asked and _deferred else int(asked)])
+    Collectives(None).all_reduce(table, op="sum", control=True)
+    rows = [(int(r), int(a)) for r, a in table.tolist()]
+    asked_ranks = {rank for rank, (_, a) in enumerate(rows) if a}
+    if len(asked_ranks) == world:
+        return asked_ranks
+    now = set(asked_ranks)
+    for r in {ring_of for ring_of, _ in rows}:
+        held_by = [rank for rank, (ring_of, _) in enumerate(rows) if ring_of == r]
+        if not all(rank in asked_ranks for rank in held_by):
+            continue
+        kept = [rank for rank in held_by if rows[rank][1] == 2]
+        if len(held_by) == 1 and not kept:
+            continue  # dp = 1, asked alone
+        keeper = (kept or held_by)[0]
+        now.discard(keeper)
+        if keeper == me and not _deferred:
+            _deferred = True
+            logger.warning(
+                "asked to leave, but this rank holds the last copy of its ring "
+                "(pp %d, tp %d): it stays until a newcomer takes its position",
+                engine.coords.pp, engine.coords.tp,
+            )  # fmt: skip
+    return now
 
 
 def _next_generation(session: Session) -> Generation | None:
