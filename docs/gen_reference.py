@@ -639,7 +639,8 @@ ENV_DOCS: dict[str, str] = {
     "`ZeroConfig.metrics_port` is None (0: a free port; unset: no endpoint). Launchers "
     "set it.",
     "ZEROPLANE_METRICS_HOST": "The interface the worker's `/metrics` binds (default all, "
-    "`0.0.0.0`); `zeroplane run` sets 127.0.0.1.",
+    "`0.0.0.0`); `zeroplane run` sets 127.0.0.1, and with `--coordinator` at an address "
+    "beyond loopback 0.0.0.0 (that coordinator lists it for a Prometheus elsewhere).",
     "ZEROPLANE_TLS_ROOT_CERT": "Speak TLS to the coordinator, trusting the PEM roots in "
     "this file (or the system's, for `system`). Unset: plaintext.",
     "ZEROPLANE_TLS_SERVER_NAME": "The name the coordinator's certificate must carry when "

@@ -615,6 +615,26 @@ def test_members_count_as_whole_groups_place_them():
     assert job.replaced == []
 
 
+@pytest.mark.parametrize(
+    ("placed", "fits", "chosen"),
+    [
+        # two workers no generation places (a standby, a newcomer): they go first
+        ({"w0": 0, "w1": 0, "w2": 1, "w3": 1}, True, [4, 5]),
+        # one unplaced: a whole group goes, the current generation's last
+        ({"w0": 0, "w1": 0, "w2": 1, "w3": 1, "w5": 2, "w4": 2}, True, [4, 5]),
+        ({"w0": 0, "w1": 0, "w2": 1, "w3": 1, "w4": 0}, True, [2, 3]),
+        # what would remain makes too few members in whole groups: nobody goes
+        ({"w0": 0, "w1": 0, "w2": 1, "w3": 1}, False, []),
+    ],
+)
+def test_a_retirement_takes_a_whole_group_or_workers_nobody_places(placed, fits, chosen):
+    from coordinator.commands.run import _retirees
+
+    job = LeftJob([0, 1, 2, 3, 4, 5], 0)
+    got = _retirees(job, 2, 2, set, lambda rest: 4 if fits else 0, lambda: placed)
+    assert got == chosen
+
+
 def test_a_script_that_never_joined_the_coordinator_is_not_a_leaver():
     """Under `zeroplane run` a plain script ends without registering: its exit 0
     while the others still run is not a leave, whatever the minimum."""

@@ -440,7 +440,12 @@ class ControlPlane:
             after=self.generation.id, member=member, timeout=timeout
         )
 
-    def wait_to_re_form(self, *, stop: Callable[[], bool] = lambda: False) -> Generation | None:
+    def wait_to_re_form(
+        self,
+        *,
+        stop: Callable[[], bool] = lambda: False,
+        give_up: Callable[[], bool] = lambda: False,
+    ) -> Generation | None:
         """Wait for the generation that re-forms the job after a loss or a leave.
 
         It may be a while: below ``min_workers`` the coordinator waits for
@@ -451,11 +456,14 @@ class ControlPlane:
         (finished or stopping, e.g. its launcher stops it): no generation is coming
         to hand the shards over in. Asked to leave while the job goes on (a
         replacement may be starting), it waits: it hands over in that generation.
+        None at once once ``give_up()`` (a standby, holding nothing, asked to leave).
         """
         with TRACKER.state("recovering"):
-            return self._wait_to_re_form(stop)
+            return self._wait_to_re_form(stop, give_up)
 
-    def _wait_to_re_form(self, stop: Callable[[], bool]) -> Generation | None:
+    def _wait_to_re_form(
+        self, stop: Callable[[], bool], give_up: Callable[[], bool]
+    ) -> Generation | None:
         patience = self.patience_s
         deadline = time.monotonic() + patience
         report = time.monotonic() + _WAIT_REPORT_S
@@ -470,7 +478,7 @@ class ControlPlane:
                         f"within {patience:g}s (${MEMBERSHIP_WAIT_ENV}); "
                         f"it says: {self._waiting_reason()}"
                     ) from None
-            if stop() and self.client.job_finished:
+            if give_up() or (stop() and self.client.job_finished):
                 return None
             if time.monotonic() >= report:
                 report += _WAIT_REPORT_S

@@ -106,8 +106,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--http-host",
         default="127.0.0.1",
         metavar="HOST",
-        help="address for HTTP, which has no authentication (default 127.0.0.1; 0.0.0.0 for a "
-        "Prometheus on another host, as the Kubernetes manifests pass)",
+        help="address for HTTP (default 127.0.0.1; 0.0.0.0 for a Prometheus on another host, "
+        "as the Kubernetes manifests pass; see --http-auth and --http-tls)",
+    )
+    net.add_argument(
+        "--http-auth",
+        action="store_true",
+        help="ask every HTTP client but /healthz for the job's token (--token-file): "
+        "'Authorization: Bearer TOKEN', or basic auth with the token as the password",
+    )
+    net.add_argument(
+        "--http-tls",
+        action="store_true",
+        help="serve HTTP over TLS with --tls-cert/--tls-key (and, with --tls-client-ca, "
+        "ask HTTP clients for a certificate too)",
     )
     net.add_argument(
         "--job-name",
@@ -262,7 +274,13 @@ def coordinator(args: argparse.Namespace) -> int:
                 align=args.align,
                 activations=activation_shape(args),
             ),
-            http=HttpConfig(port=args.http_port, host=args.http_host, job_name=args.job_name),
+            http=HttpConfig(
+                port=args.http_port,
+                host=args.http_host,
+                job_name=args.job_name,
+                auth=args.http_auth,
+                tls=args.http_tls,
+            ),
         )
         # after every other flag is checked: closed by default
         host = serving_host(args.host, token=token, insecure=args.insecure)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
@@ -343,9 +344,11 @@ def run(args: argparse.Namespace) -> int:
             # the workers read the file themselves (load_token): the token stays out of env
             env[TOKEN_FILE_ENV] = os.path.abspath(args.token_file)
         # the coordinator lists each worker's /metrics endpoint for Prometheus; a port
-        # the environment names already wins (a Kubernetes pod's named metrics port)
+        # the environment names already wins (a Kubernetes pod's named metrics port).
+        # Bound to what must reach it: loopback beside a coordinator on loopback
         if not args.no_http and METRICS_PORT_ENV not in os.environ:
-            env |= {METRICS_PORT_ENV: "0", METRICS_HOST_ENV: "0.0.0.0"}
+            host = "127.0.0.1" if _on_loopback(args.coordinator) else "0.0.0.0"
+            env |= {METRICS_PORT_ENV: "0", METRICS_HOST_ENV: host}
         spec = dataclasses.replace(spec, env=env)
         services = ()
     else:
@@ -417,6 +420,7 @@ def run(args: argparse.Namespace) -> int:
                 lambda: _departed(services),
                 over=lambda: _over(services),
                 placeable=lambda workers: _placeable(services, workers),
+                groups=lambda: _groups(services, _group_size(args)),
                 tick=lambda: (_kill_dropped(job, services), tick()),
                 expect=lambda count: _expect_more(services, count),
             )
@@ -582,6 +586,31 @@ def _departed(services: Sequence[object]) -> set[str]:
     return set() if status is None else status.departed()
 
 
+def _on_loopback(address: str) -> bool:
+    """Whether a coordinator at ``address`` (host:port) is on this host's loopback."""
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _groups(services: Sequence[object], size: int) -> dict[str, int]:
+    """Each member of the embedded coordinator's current generation: the index of its
+    whole group (its dp coordinate on a mesh, its block's index else)."""
+    status = _embedded_status(services)
+    if status is None:
+        return {}
+    out = {}
+    for w in status.workers:
+        if w.state == "member" and w.rank is not None:
+            coords = status.coords(w.rank)
+            out[w.info.worker_id] = coords.dp if coords is not None else w.rank // size
+    return out
+
+
 def _placeable(services: Sequence[object], workers: set[str]) -> int:
     """How many of ``workers`` the embedded coordinator could place in whole groups (all
     of them without one: a job of another launcher's coordinator, or stopping)."""
@@ -679,6 +708,31 @@ def _keep_minimum(
             return
 
 
+def _retirees(
+    job: LocalJob,
+    group: int,
+    low: int,
+    departed: Callable[[], set[str]],
+    placeable: Callable[[set[str]], int],
+    groups: Callable[[], dict[str, int]],
+) -> list[int]:
+    """The workers a SIGUSR2 retires from a job of whole groups of ``group``: that many
+    that no generation places (standbys, workers still joining: the newest), else
+    the current generation's last group (``groups``: each member's group index);
+    none where the workers left could not make ``low`` members in whole groups."""
+    gone = departed()
+    here = [i for i in sorted(job.running) if job.worker_id(i) not in gone]
+    placed = groups()
+    unplaced = [i for i in here if job.worker_id(i) not in placed]
+    if len(unplaced) >= group or not placed:
+        chosen = (unplaced if len(unplaced) >= group else here)[-group:]
+    else:
+        last = max(placed.values())
+        chosen = [i for i in here if placed.get(job.worker_id(i)) == last]
+    rest = {job.worker_id(i) for i in here} - {job.worker_id(i) for i in chosen}
+    return chosen if chosen and placeable(rest) >= low else []
+
+
 def _wait_scaling(
     job: LocalJob,
     args: argparse.Namespace,
@@ -688,6 +742,7 @@ def _wait_scaling(
     tick: Callable[[], None] = lambda: None,
     expect: Callable[[int], None] = lambda count: None,
     placeable: Callable[[set[str]], int] = len,
+    groups: Callable[[], dict[str, int]] = dict,
 ) -> JobResult:
     """Wait for the job, adding (SIGUSR1) or retiring (SIGUSR2) workers on request,
     replacing workers that left from outside when fewer than ``--min-workers``
@@ -730,12 +785,13 @@ def _wait_scaling(
                         expect(group)
                     else:
                         print(f"zeroplane run: already at {high} workers", file=sys.stderr)
-                elif placeable(set(map(job.worker_id, job.running)) - departed()) - group >= low:
-                    if group == 1:
-                        job.retire_worker()  # the newest
-                    else:  # the newest group's worth
-                        for index in sorted(job.running)[-group:]:
-                            job.retire_worker(index)
+                elif group == 1 and len(set(map(job.worker_id, job.running)) - departed()) > low:
+                    job.retire_worker()  # the newest
+                elif group > 1 and (
+                    chosen := _retirees(job, group, low, departed, placeable, groups)
+                ):
+                    for index in chosen:
+                        job.retire_worker(index)
                 else:
                     print(f"zeroplane run: already at {low} workers", file=sys.stderr)
             _keep_minimum(job, low, departed, over, placeable)

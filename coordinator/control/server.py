@@ -34,6 +34,7 @@ from coordinator.control.rpc import GRPC_LOGGER, SERVICE_NAME, NoMetadataValues
 from coordinator.control.servicer import VERSION, Servicer
 from coordinator.control.statefile import load_snapshot
 from coordinator.control.telemetry import CoordinatorMetrics, RpcMetricsInterceptor
+from coordinator.control.tls import http_context
 from coordinator.control.web import CoordinatorHttp
 from coordinator.core.messages import StatusReport, WorkerReport
 from coordinator.core.settings import CoordinatorConfig
@@ -74,12 +75,21 @@ class CoordinatorServer:
         try:
             self.port: int = self._call(self._bind())
             if config.http.port is not None:
+                server = config.server
+                tls = None
+                if config.http.tls:
+                    assert server.tls_cert_file is not None and server.tls_key_file is not None
+                    tls = http_context(
+                        server.tls_cert_file, server.tls_key_file, server.tls_client_ca_file
+                    )
                 self.http = CoordinatorHttp(
-                    host=config.http.host or config.server.host,
+                    host=config.http.host or server.host,
                     port=config.http.port,
                     metrics=self.metrics,
                     status=lambda: self._call(self._read_status(), timeout=10),
                     job_name=config.http.job_name,
+                    token=server.token if config.http.auth else None,
+                    tls=tls,
                 )
         except BaseException:
             self._close_loop()
@@ -145,12 +155,16 @@ class CoordinatorServer:
         self._started = True
         if self.http is not None:
             self.http.start()
-            bound = self.config.http.host or self.config.server.host
+            http = self.config.http
+            bound = http.host or self.config.server.host
+            where = ": every interface" if bound in ("0.0.0.0", "::") else ""
             logger.info(
-                "coordinator status page and metrics on http://%s/ (bound to %s%s)",
+                "coordinator status page and metrics on %s://%s/ (bound to %s%s, %s)",
+                "https" if http.tls else "http",
                 self.http_address,
                 bound,
-                ": every interface, no authentication" if bound in ("0.0.0.0", "::") else "",
+                where,
+                "the job's token asked for" if http.auth else "no authentication",
             )
         if self.config.server.token is None:
             logger.warning("no bearer token configured: the coordinator accepts any client")

@@ -210,3 +210,15 @@ def self_signed(directory: Path, hosts: list[str]) -> tuple[Path, Path]:
         ),
     )
     return cert_file, key_file
+
+
+def http_context(cert_file: Path, key_file: Path, client_ca_file: Path | None) -> ssl.SSLContext:
+    """The coordinator's HTTPS: its gRPC certificate, and where gRPC asks for client
+    certificates (``client_ca_file``), HTTPS asks for them too (mutual TLS)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert_file, key_file)
+    if client_ca_file is not None:
+        ctx.load_verify_locations(client_ca_file)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx

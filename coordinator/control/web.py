@@ -11,7 +11,13 @@
 ============  ===============================================================
 
 Everything here is read-only and carries no secret (no token, no tensor); it
-serves on its own port (``HttpConfig.port``), next to the gRPC one.
+serves on its own port (``HttpConfig.port``), next to the gRPC one, bound to
+127.0.0.1 unless told otherwise. ``HttpConfig.auth`` asks every request but
+``/healthz``'s (a kubelet's probe) for the control plane's token, as a bearer
+token or as basic auth's password (a browser asks for it; Prometheus sends
+either: ``authorization`` or ``basic_auth`` in its scrape config);
+``HttpConfig.tls`` serves HTTPS with the gRPC server's certificate, and with
+its client authority where it has one.
 
 [Note: service discovery labels]
 Each ``/sd`` target group sets ``job`` to the job's name (a target label
@@ -26,9 +32,13 @@ Relabel them in if you want them (deploy/prometheus/prometheus.yml keeps
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import hmac
 import json
 import logging
+import ssl
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
@@ -177,14 +187,21 @@ class CoordinatorHttp:
         status: Callable[[], StatusReport],
         job_name: str,
         sampler: Sampler | None = None,
+        token: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.metrics = metrics
         self.status = status
         self.job_name = job_name
         self.sampler = sampler if sampler is not None else Sampler()
+        self.token = token
         self._page = _page()
         handler = _handler_for(self)
         self._server = ThreadingHTTPServer((host, port), handler)
+        if tls is not None:  # (each connection's handshake runs in its own thread)
+            self._server.socket = tls.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
         self._server.daemon_threads = True
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(
@@ -199,6 +216,23 @@ class CoordinatorHttp:
             self._server.shutdown()
         self._server.server_close()
         self.sampler.close()
+
+    def authorized(self, path: str, authorization: str | None) -> bool:
+        """Whether a request for ``path`` with this ``Authorization`` header may be
+        served: always without a token, and for ``/healthz``; else with the token as
+        a bearer token or as basic auth's password (any user name)."""
+        if self.token is None or urlparse(path).path.rstrip("/") == "/healthz":
+            return True
+        scheme, _, value = (authorization or "").strip().partition(" ")
+        given = value.strip()
+        if scheme.lower() == "basic":
+            try:
+                given = base64.b64decode(given, validate=True).decode().partition(":")[2]
+            except (binascii.Error, UnicodeDecodeError):
+                return False
+        elif scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(given.encode(), self.token.encode())
 
     def respond(self, path: str, accept: str) -> tuple[int, str, bytes]:
         """(status, content type, body) for a GET of ``path``."""
@@ -223,7 +257,23 @@ def _handler_for(app: CoordinatorHttp) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "zeroplane-coordinator"
 
+        def setup(self) -> None:
+            if isinstance(self.request, ssl.SSLSocket):
+                self.request.settimeout(10)  # a client that never finishes its hello
+                self.request.do_handshake()
+                self.request.settimeout(None)
+            super().setup()
+
         def do_GET(self) -> None:
+            if not app.authorized(self.path, self.headers.get("Authorization")):
+                body = b"this coordinator's HTTP asks for the job's token\n"
+                self.send_response(HTTPStatus.UNAUTHORIZED)
+                self.send_header("WWW-Authenticate", 'Basic realm="zeroplane", charset="UTF-8"')
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             try:
                 code, content_type, body = app.respond(self.path, self.headers.get("Accept", ""))
             except Exception:

@@ -243,11 +243,19 @@ class HttpConfig:
     host: address to bind; None: the gRPC server's host.
     job_name: the ``job`` label service discovery gives the workers' series,
         and what the dashboard's job variable selects.
+    auth: ask every client but ``/healthz``'s for the server's token.
+    tls: serve HTTPS with the server's certificate (and client authority).
     """
 
     port: int | None = None
     host: str | None = None
     job_name: str = "zeroplane"
+    # every endpoint but /healthz asks for the server's token (ServerConfig.token):
+    # "Authorization: Bearer TOKEN", or basic auth with the token as the password
+    auth: bool = False
+    # served over TLS with the server's certificate (ServerConfig.tls_cert_file), and
+    # its client authority where it has one (mutual TLS)
+    tls: bool = False
 
     def __post_init__(self) -> None:
         if self.port is not None and not 0 <= self.port <= 65535:
@@ -277,6 +285,13 @@ class CoordinatorConfig:
         ):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"CoordinatorConfig.{name} must be a {kind.__name__}")
+        if self.http.auth and self.server.token is None:
+            raise ValueError("HttpConfig.auth asks for the server's token: set ServerConfig.token")
+        if self.http.tls and self.server.tls_cert_file is None:
+            raise ValueError(
+                "HttpConfig.tls serves the server's certificate: set ServerConfig.tls_cert_file "
+                "and tls_key_file"
+            )
 
 
 def load_token(

@@ -383,9 +383,15 @@ def _switch(session: Session, engine: ZeroEngine, gen: Generation, *, broken: bo
         )  # fmt: skip
         abort_default_group(control.timeout)
         session.carried = None
-        placed = control.wait_to_re_form(stop=lambda: True)
+        # it holds nothing now: asked to leave, it goes at once
+        placed = control.wait_to_re_form(stop=lambda: True, give_up=lambda: session.leave_requested)
         if placed is None:
-            _exit(session, "the job ended while this rank stood by")
+            _exit(
+                session,
+                "asked to leave while it stood by"
+                if session.leave_requested
+                else "the job ended while this rank stood by",
+            )
         gen, broken = placed, False
     control.move_to(gen, broken=broken)
     gen = control.generation
