@@ -57,8 +57,6 @@ def test_run_refuses_a_cp_that_does_not_divide_the_job() -> None:
 
 @pytest.mark.timeout(300)
 def test_a_cp_job_grows_by_a_cp_group_and_shrinks_back(tmp_path, mesh_job) -> None:
-    from tests.scripts.context_elastic_train import LR, global_batch
-
     job = mesh_job(
         "--nproc", "4", "--min-nproc", "4", "--max-nproc", "6", stage=3,
         mesh=("--cp", "2", "--cp-kind", "ring"), script=SCRIPT,
@@ -78,14 +76,20 @@ def test_a_cp_job_grows_by_a_cp_group_and_shrinks_back(tmp_path, mesh_job) -> No
     assert "grew to 6 ranks" in text and "with its group, ranks [4, 5]" in text
     assert "recovered" not in text
 
+    got = torch.load(tmp_path / "final.pt", weights_only=True)
+    diff, name = max_diff(got, reference(STEPS))
+    assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    """tests/scripts/context_elastic_train.py's model and batches, one process, torch alone."""
     from examples.train_long import build_model
+    from tests.scripts.context_elastic_train import LR, global_batch
 
     ref = build_model()
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    for step in range(STEPS):
+    for step in range(steps):
         ref(**global_batch(step)).loss.backward()
         opt.step()
         opt.zero_grad()
-    got = torch.load(tmp_path / "final.pt", weights_only=True)
-    diff, name = max_diff(got, dict(ref.named_parameters()))
-    assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
+    return {n: p.detach() for n, p in ref.named_parameters()}

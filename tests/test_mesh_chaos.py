@@ -1,10 +1,13 @@
 """Random membership events on elastic mesh jobs under ``zeroplane run`` (worker/elastic/
-rings.py [Note: elastic by whole groups]): tp = 2, pp = 2 and tp = 2 x pp = 2, at
-stages 1-3, with replicas every step and a checkpoint every few steps; SIGKILL of
-any worker (the launcher replaces it), SIGTERM of any worker from outside the
-launcher (its group leaves, or the launcher replaces it below --min-nproc), a whole
-group added (SIGUSR1) or retired (SIGUSR2), at random moments. Every run must end
-with exit 0 and the parameters of one process training the same batches with torch.
+rings.py [Note: elastic by whole groups], worker/elastic/blocks.py [Note: elastic
+blocks]): tp = 2, pp = 2, tp = 2 x pp = 2, ep = 2 and cp = 2, at stages 1-3, with
+replicas every step and a checkpoint every few steps; SIGKILL of any worker (the
+launcher replaces it), SIGTERM of any worker from outside the launcher (its group
+leaves, or the launcher replaces it below --min-nproc), a whole group added (SIGUSR1)
+or retired (SIGUSR2), at random moments. Every run must end with exit 0 and the
+parameters of one process training the same batches with torch. An ep or cp job is
+not SIGKILLed: a lost rank of one stops it, saying to restart from its checkpoint
+(its experts' and sequence shards have no in-memory replica yet).
 
 Seeded and replayable: ZEROPLANE_MESH_CHAOS_SEEDS=3,17 runs those seeds (the layout,
 the stage, the events and their spacing come from the seed; the machine decides the
@@ -15,6 +18,7 @@ outside pytest, one after another, and prints each outcome (the long soak).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import random
 import signal
@@ -25,50 +29,96 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.test_mesh_elastic import MeshRun, assert_matches_reference
+from tests.test_mesh_elastic import MeshRun
 
+ROOT = Path(__file__).resolve().parent.parent
 SEEDS = [int(s) for s in os.environ.get("ZEROPLANE_MESH_CHAOS_SEEDS", "0").split(",") if s]
 STEPS = 40
 EVENTS = ("kill", "term", "add", "retire")
-# (mesh flags, workers at the start, min, max): a job of whole groups
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A job of whole groups: its mesh flags, (workers at the start, min, max), the
+    test script it runs (tests/scripts/) and the module whose ``reference(steps)`` is
+    that script's one-process torch run, and the events it takes."""
+
+    mesh: tuple[str, ...]
+    sizes: tuple[int, int, int]
+    script: str
+    reference: str
+    events: tuple[str, ...] = EVENTS
+
+
 LAYOUTS = (
-    (("--tp", "2"), 4, 2, 6),
-    (("--pp", "2"), 4, 2, 6),
-    (("--pp", "2", "--tp", "2"), 4, 4, 8),
+    Layout(("--tp", "2"), (4, 2, 6), "mesh_elastic_train.py", "tests.test_mesh_elastic"),
+    Layout(("--pp", "2"), (4, 2, 6), "mesh_elastic_train.py", "tests.test_mesh_elastic"),
+    Layout(
+        ("--pp", "2", "--tp", "2"), (4, 4, 8), "mesh_elastic_train.py", "tests.test_mesh_elastic"
+    ),
+    Layout(
+        ("--ep", "2"),
+        (4, 2, 6),
+        "moe_elastic_train.py",
+        "tests.test_moe_elastic",
+        events=("term", "add", "retire"),
+    ),
+    Layout(
+        ("--cp", "2", "--cp-kind", "ring"),
+        (4, 2, 6),
+        "context_elastic_train.py",
+        "tests.test_context_job",
+        events=("term", "add", "retire"),
+    ),
 )
 
 
 @dataclass(frozen=True)
 class Trial:
     seed: int
-    mesh: tuple[str, ...]
-    sizes: tuple[int, int, int]
+    layout: Layout
     stage: int
     # (seconds before it, kind, which worker: a fraction of the launcher's children)
     events: tuple[tuple[float, str, float], ...]
 
     def flags(self) -> tuple[str, ...]:
-        nproc, low, high = self.sizes
+        nproc, low, high = self.layout.sizes
         return (
             "--nproc", str(nproc), "--min-nproc", str(low), "--max-nproc", str(high),
             "--max-restarts", "20",
         )  # fmt: skip
 
+    def __str__(self) -> str:
+        return f"seed {self.seed}: {' '.join(self.layout.mesh)} stage {self.stage}"
+
 
 def plan(seed: int) -> Trial:
     rng = random.Random(seed)
-    mesh, *sizes = LAYOUTS[seed % len(LAYOUTS)]
-    stage = rng.choice((1, 2, 3))
-    events = tuple((rng.uniform(0.5, 4.0), rng.choice(EVENTS), rng.random()) for _ in range(3))
-    return Trial(seed, mesh, tuple(sizes), stage, events)  # type: ignore[arg-type]
+    layout = LAYOUTS[seed % len(LAYOUTS)]
+    # (a pipeline runs with stages 0-2: worker/pipeline_engine.py)
+    stage = rng.choice((1, 2) if "--pp" in layout.mesh else (1, 2, 3))
+    events = tuple(
+        (rng.uniform(0.5, 4.0), rng.choice(layout.events), rng.random()) for _ in range(3)
+    )
+    return Trial(seed, layout, stage, events)
+
+
+def _assert_matches_reference(trial: Trial, tmp: Path) -> None:
+    want = importlib.import_module(trial.layout.reference).reference(STEPS)
+    got = torch.load(tmp / "final.pt", weights_only=True)
+    assert set(got) == set(want)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst < 1e-5, f"the job differs from one process by {worst:.3g}"
 
 
 def run_trial(trial: Trial, tmp: Path) -> list[str]:
     """One job under ``trial``'s events (returned: those sent before the job ended);
     raises AssertionError naming the trial where it fails or differs from torch."""
     run = MeshRun(
-        tmp, *trial.flags(), stage=trial.stage, mesh=trial.mesh, steps=STEPS,
+        tmp, *trial.flags(), stage=trial.stage, mesh=trial.layout.mesh, steps=STEPS,
+        script=ROOT / "tests" / "scripts" / trial.layout.script,
         script_flags=("--checkpoint", str(tmp / "ckpt"), "--save-every", "4"),
     )  # fmt: skip
     done: list[str] = []
@@ -95,7 +145,7 @@ def run_trial(trial: Trial, tmp: Path) -> list[str]:
     finally:
         run.close()
     try:
-        assert_matches_reference(tmp, STEPS)
+        _assert_matches_reference(trial, tmp)
     except AssertionError as exc:
         raise AssertionError(f"{trial}, done {done}: {exc}") from None
     return done
@@ -115,7 +165,7 @@ def main(first: int, count: int) -> int:
             try:
                 trial = plan(seed)
                 done = run_trial(trial, Path(tmp))
-                outcome = f"passed {' '.join(trial.mesh)} stage {trial.stage}: {done}"
+                outcome = f"passed {trial}: {done}"
             except AssertionError as exc:
                 failed += 1
                 outcome = f"FAILED {str(exc)[:6000]}"

@@ -86,6 +86,55 @@ def test_checkpointing_and_re_forming_ranks_are_never_blamed():
     assert name(views).kind == "waiting"
 
 
+def test_a_rank_blocked_in_an_unnumbered_torch_collective_is_not_blamed():
+    """tp = 2 x dp = 2: rank 3 stopped; its tp peer 2 blocks in DTensor's all-reduce
+    (torch's, unnumbered). Rank 0 waits on dp group 0,2 for rank 2, rank 1 on 1,3 for
+    rank 3: only the silent rank is blamed, never the rank inside torch's wait."""
+    blocked = Whereabouts(state="torch", for_s=20.0, op="wait_tensor", unit="blocks.0")
+    views = [
+        waits(0, 9, op="reduce_scatter", group="0,2"),
+        waits(1, 9, op="reduce_scatter", group="1,3"),
+        RankView(2, "w2", blocked, 0.5, 7),
+        runs(3, 30.0, heard=9.0),
+    ]
+    stall = name(views)
+    assert stall.kind == "silent" and [v.rank for v in stall.culprits] == [3]
+    # a stuck rank's tp peer, blocked on it in torch: the stuck one is blamed, alone
+    views[3] = runs(3, 30.0)
+    stall = name(views)
+    assert stall.kind == "stuck" and [v.rank for v in stall.culprits] == [3]
+    assert "rank 2 waits in torch.distributed's wait_tensor (not numbered" in stall.text
+
+
+def test_the_tracker_says_a_thread_blocked_in_torch_distributed_is_in_torch():
+    """The snapshot looks at the training thread's innermost frames: a function of
+    torch.distributed's collectives (here one compiled under c10d's file name, blocked
+    on an event) reads as "torch" and its name; elsewhere, as running."""
+    import os
+    import threading
+    import time
+
+    from worker.whereabouts import in_torch_collective
+
+    release = threading.Event()
+    space = {"release": release}
+    path = os.path.join("site-packages", "torch", "distributed", "distributed_c10d.py")
+    exec(compile("def recv():\n    release.wait(30)\n", path, "exec"), space)
+    thread = threading.Thread(target=space["recv"])
+    thread.start()
+    try:
+        time.sleep(0.2)
+        assert in_torch_collective(thread.ident) == "recv"
+        tracker = Tracker()
+        tracker._thread = thread.ident
+        where = tracker.snapshot()
+        assert (where.state, where.op, where.group) == ("torch", "recv", "")
+        assert in_torch_collective(threading.get_ident()) == ""  # this thread: elsewhere
+    finally:
+        release.set()
+        thread.join()
+
+
 def test_a_chain_of_waits_is_followed_to_its_cause():
     # a pipeline: rank 0 waits on its send to rank 1, which waits in rank 1-3's
     # all-reduce, where rank 3 is stuck in its own code

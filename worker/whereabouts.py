@@ -18,7 +18,16 @@ heartbeat thread: the training thread may be the one that is blocked):
   issues, and its phase (forward, backward, step), so that a divergence from
   data-dependent module execution names the modules;
 - the elastic session marks a rank that waits for the job to re-form, and
-  checkpoints mark their I/O, which are no stalls of the script.
+  checkpoints mark their I/O, which are no stalls of the script;
+- collectives zeroplane does not issue (DTensor's under tensor parallelism, a
+  pipeline schedule's sends and receives, the script's own ``torch.distributed``
+  calls) are not numbered; a rank blocked in one would read as running outside
+  any collective, and could be blamed as stuck for its peer's stall. So the
+  snapshot looks at the training thread's innermost Python frames: inside
+  torch.distributed's collectives (``distributed_c10d``, the functional
+  collectives DTensor waits through, the pipelining schedules) it reports the
+  state ``torch`` and the function (``wait_tensor``, ``recv``), which the
+  coordinator never blames and does not follow (the group is unknown).
 
 The coordinator compares what the ranks say (coordinator/control/stalls.py). A
 rank's own view suffices for the rest: a rank blocked on a group in which a
@@ -32,6 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -112,9 +123,12 @@ class Tracker:
         self._state = "running"
         self._since = time.monotonic()
         self._lock = threading.Lock()  # the snapshot reads three fields together
+        # the thread that trains (issues the collectives): the main one until one does
+        self._thread = threading.main_thread().ident
 
     def issue(self, op: str, group: GroupTag) -> Call:
         """Number a collective on ``group`` as it is issued."""
+        self._thread = threading.get_ident()
         seq = self._seq.get(group.name, 0) + 1
         self._seq[group.name] = seq
         call = Call(op, seq, group.described, group.ranks, self.unit, group.pg)
@@ -177,6 +191,15 @@ class Tracker:
         with self._lock:
             state, since, call = self._state, self._since, self._waiting
         call = call or self._last
+        inside = in_torch_collective(self._thread) if state == "running" else ""
+        if inside:  # a collective zeroplane did not number: said, not numbered
+            return Whereabouts(
+                state="torch",
+                for_s=round(max(0.0, time.monotonic() - since), 3),
+                op=inside,
+                unit=self.unit[:256],
+                phase=self.phase,
+            )
         return Whereabouts(
             state=state,
             for_s=round(max(0.0, time.monotonic() - since), 3),
@@ -189,6 +212,26 @@ class Tracker:
 
 
 TRACKER = Tracker()
+
+# where torch.distributed's blocking collectives run in Python: c10d's calls, the
+# functional collectives (DTensor's waits), the pipelining schedules' sends and receives
+_TORCH_COLLECTIVES = tuple(
+    os.path.join("torch", "distributed", *part)
+    for part in (("distributed_c10d.py",), ("_functional_collectives.py",), ("pipelining", ""))
+)
+
+
+def in_torch_collective(thread: int | None, depth: int = 4) -> str:
+    """The torch.distributed function ``thread`` is blocked in (within its innermost
+    ``depth`` Python frames); "" where it is elsewhere."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    for _ in range(depth):
+        if frame is None:
+            return ""
+        if any(part in frame.f_code.co_filename for part in _TORCH_COLLECTIVES):
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return ""
 
 
 def during(phase: str) -> Callable[[F], F]:

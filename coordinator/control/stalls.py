@@ -149,6 +149,8 @@ def where_short(w: Whereabouts | None) -> str:
     ``running 0s``, ``recovering 3s``; "-" for a rank that says nothing."""
     if w is None:
         return "-"
+    if w.state == "torch":
+        return f"torch {w.op} {w.for_s:.0f}s"
     if w.state != "collective":
         return f"{w.state} {w.for_s:.0f}s"
     unit = f" ({w.unit})" if w.unit else ""
@@ -173,6 +175,11 @@ def _elsewhere(v: RankView) -> str:
         return f"rank {v.rank} waits for the job to re-form for {v.for_s:.0f}s{step}"
     if w.state == "checkpoint":
         return f"rank {v.rank} saves or loads a checkpoint for {v.for_s:.0f}s{step}"
+    if w.state == "torch":
+        return (
+            f"rank {v.rank} waits in torch.distributed's {w.op} (not numbered: DTensor, "
+            f"a pipeline schedule or the script) for {v.for_s:.0f}s{phase}{step}"
+        )
     last = f"; its last collective was {_call_words(w)}" if w.seq else ""
     return f"rank {v.rank} runs outside any collective for {v.for_s:.0f}s{phase}{step}{last}"
 
@@ -221,8 +228,8 @@ def diagnose(views: Sequence[RankView], *, after_s: float, silent_s: float) -> S
                 culprits[r] = "silent"
                 continue
             pw = peer.where
-            if pw is None or pw.state in ("recovering", "checkpoint"):
-                continue
+            if pw is None or pw.state in ("recovering", "checkpoint", "torch"):
+                continue  # (in torch's own collective: blocked on a group nobody named)
             if pw.state == "running":
                 if peer.for_s >= after_s:
                     culprits.setdefault(r, "stuck")
@@ -287,6 +294,10 @@ def _words(
         + f" for {max(v.for_s for v in vs):.0f}s"
         for key, vs in calls.items()
     )
+    # ranks blocked in torch's own collectives: named, never blamed
+    in_torch = [v for v in views if v.where is not None and v.where.state == "torch"]
+    if in_torch and kind != "waiting":
+        waiting += "; " + "; ".join(_elsewhere(v) for v in in_torch[:4])
     if kind == "silent":
         cause = "; ".join(
             f"rank {v.rank} ({v.worker_id}) has sent no heartbeat for {v.heard_s:.0f}s: "

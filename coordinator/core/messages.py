@@ -149,15 +149,16 @@ class WorkerInfo:
 
 
 # what a rank can be doing (Whereabouts.state)
-WHERE_STATES = ("collective", "running", "recovering", "checkpoint")
+WHERE_STATES = ("collective", "running", "recovering", "checkpoint", "torch")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Whereabouts:
     """Where a rank is, sampled at each heartbeat (proto ``Whereabouts``): blocked in a
     collective (which one: its kind, its number on its group, the group's global
-    ranks, the unit that issued it), running outside any wait, re-forming, or
-    checkpointing, and for how long (coordinator/control/stalls.py)."""
+    ranks, the unit that issued it), blocked in a collective of torch's that
+    zeroplane did not number ("torch": which function), running outside any wait,
+    re-forming, or checkpointing, and for how long (coordinator/control/stalls.py)."""
 
     state: str = "running"
     for_s: float = 0.0
