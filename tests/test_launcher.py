@@ -482,7 +482,7 @@ def test_a_retirement_counts_members_not_processes(departed, retired, capsys):
     the three has handed over already (still exiting): then the job is at 2 members."""
     from argparse import Namespace
 
-    from coordinator.commands.run import _wait_scaling
+    from coordinator.commands.keeping import wait_scaling as _wait_scaling
 
     job = ScalingJob()
     args = Namespace(nproc=3, min_workers=2, max_workers=4)
@@ -555,24 +555,28 @@ class LeftJob:
 
     def __init__(self, running: list[int], restarts: int) -> None:
         self.running, self.restarts = running, restarts
-        self.settled: list[int] = []
+        self._settled: list[int] = []
         self.replaced: list[int] = []
         self.abandoned: str | None = None
 
     def left_unasked(self) -> list[int]:
-        return [i for i in (0,) if i not in self.settled]
+        return [i for i in (0,) if i not in self._settled]
 
     def worker_id(self, index: int) -> str:
         return f"w{index}"
 
     def settle(self, index: int) -> None:
-        self.settled.append(index)
+        self._settled.append(index)
+
+    def settled(self, index: int) -> bool:
+        return index in self._settled
 
     def replace(self, index: int, what: str) -> bool:
         if not self.restarts:
             return False
         self.restarts -= 1
         self.replaced.append(index)
+        self._settled.append(index)
         return True
 
     def abandon(self, message: str) -> None:
@@ -592,7 +596,7 @@ class LeftJob:
 def test_a_worker_leaving_from_outside_is_replaced_only_below_the_minimum(
     running, restarts, finished, replaced, abandoned
 ):
-    from coordinator.commands.run import _keep_minimum
+    from coordinator.commands.keeping import keep_minimum as _keep_minimum
 
     job = LeftJob(running, restarts)
     _keep_minimum(job, 2, lambda: {"w0"}, lambda: finished)
@@ -605,7 +609,7 @@ def test_a_worker_leaving_from_outside_is_replaced_only_below_the_minimum(
 def test_members_count_as_whole_groups_place_them():
     """Two workers remain, but the coordinator can place neither in a whole group (both
     at one tp position): the leaver is replaced, not taken for a scale-down."""
-    from coordinator.commands.run import _keep_minimum
+    from coordinator.commands.keeping import keep_minimum as _keep_minimum
 
     job = LeftJob([1, 2], 3)
     _keep_minimum(job, 2, lambda: {"w0"}, lambda: False, lambda workers: 0)
@@ -628,17 +632,37 @@ def test_members_count_as_whole_groups_place_them():
     ],
 )
 def test_a_retirement_takes_a_whole_group_or_workers_nobody_places(placed, fits, chosen):
-    from coordinator.commands.run import _retirees
+    from coordinator.commands.keeping import retirees as _retirees
 
     job = LeftJob([0, 1, 2, 3, 4, 5], 0)
     got = _retirees(job, 2, 2, set, lambda rest: 4 if fits else 0, lambda: placed)
     assert got == chosen
 
 
+def test_a_leaver_still_running_is_replaced_ahead_when_whole_groups_need_it():
+    """Worker 2 said it leaves (still running); the others alone make no whole group
+    (an ep job's other place): a whole group's worth starts now, before its exit. A
+    leaver the rest can spare, or a job everyone leaves, starts nobody."""
+    from coordinator.commands.keeping import keep_minimum
+
+    job = LeftJob([1, 2], 5)
+    job._settled.append(0)  # (worker 0's exit is not the point here)
+    keep_minimum(job, 2, lambda: {"w2"}, lambda: False, lambda stay: 0, early=True)
+    assert job.replaced == [2, 2]
+    job = LeftJob([1, 2, 3, 4], 5)
+    job._settled.append(0)
+    keep_minimum(job, 2, lambda: {"w2"}, lambda: False, len, early=True)
+    assert job.replaced == []
+    job = LeftJob([1, 2], 5)
+    job._settled.append(0)
+    keep_minimum(job, 2, lambda: {"w1", "w2"}, lambda: False, lambda stay: 0, early=True)
+    assert job.replaced == []
+
+
 def test_a_script_that_never_joined_the_coordinator_is_not_a_leaver():
     """Under `zeroplane run` a plain script ends without registering: its exit 0
     while the others still run is not a leave, whatever the minimum."""
-    from coordinator.commands.run import _keep_minimum
+    from coordinator.commands.keeping import keep_minimum as _keep_minimum
 
     job = LeftJob([1], 3)
     _keep_minimum(job, 2, set, lambda: False)

@@ -466,6 +466,10 @@ class LocalJob:
             if p.poll() == 0 and i not in self._retiring and i not in self._settled
         ]
 
+    def settled(self, index: int) -> bool:
+        """Whether worker ``index``'s exit is dealt with already (replaced, settled)."""
+        return index in self._settled or index in self._retiring
+
     def settle(self, index: int) -> None:
         """Take worker ``index``'s exit as dealt with (see :meth:`left_unasked`)."""
         self._settled.add(index)

@@ -34,7 +34,7 @@ import torch
 from coordinator.core.messages import FINISHED, Generation
 from worker.ballot import BoundaryVote
 from worker.collectives import CollectiveError, Collectives, Handle
-from worker.elastic import change, joining, recovery, rings
+from worker.elastic import blocks, change, joining, recovery, rings
 from worker.elastic.phases import TRANSITIONS, Held, Phase, StepClock, admitted
 from worker.elastic.prepared import PreparedLeave, PreparedScaleUp
 from worker.engine import ZeroEngine
@@ -85,6 +85,8 @@ class ElasticSession(FinalReport):
         # carries its state across a change it had to retry (a peer lost in it)
         self.rings = False
         self.carried: rings.Carried | None = None
+        # a leave it could not make yet was said (_leave_deferred)
+        self._told_deferred = False
 
     # what the keeper holds, read as the session's own
     @property
@@ -133,7 +135,7 @@ class ElasticSession(FinalReport):
         if isinstance(ahead, PreparedLeave):
             # a leave was announced: hand over once every survivor has prepared
             waiting = ahead.rank is not None and not ahead.ready(_LEAVE_PATIENCE_S)
-        elif self.leave_requested:
+        elif self.leave_requested and not self._leave_deferred(engine, control.rank):
             # announce the leave first, where a step is short enough to afford it
             waiting = self.clock.estimate() <= _ANNOUNCE_MAX_STEP_S
         elif (
@@ -200,6 +202,8 @@ class ElasticSession(FinalReport):
         self.clock.tick()
         self._confirm_refresh(engine)  # before anything changes the membership
         leaving = None if agreed.everyone_leaving else agreed.leaving_rank
+        if leaving is not None and self._leave_deferred(engine, leaving):
+            leaving = None
         if leaving is not None and agreed.waiting:
             change.prepare_leave(self, engine, leaving)  # announced: hand over once prepared
             leaving = None
@@ -225,6 +229,23 @@ class ElasticSession(FinalReport):
                 control.generation, gen = gen, control.wait_newer()
             change.grow_to(self, engine, gen)
             engine.stats.record_pause("scale_up", time.perf_counter() - start)
+
+    def _leave_deferred(self, engine: ZeroEngine, leaving: int) -> bool:
+        """Rank ``leaving``'s block (its ep or cp group) is the whole world while the
+        job goes on (not everyone was asked): nobody could take its shards, so the
+        leave waits until a newcomer's block joins (a launcher below its minimum
+        starts one; coordinator/commands/run.py ``_keep_minimum``), like the last
+        copy of a mesh's ring (worker/elastic/rings.py [Note: the last copy of a
+        ring])."""
+        deferred = len(blocks.leaving_group(engine, leaving)) >= engine.world_size > 1
+        if deferred and not self._told_deferred:
+            self._told_deferred = True
+            logger.warning(
+                "rank %d was asked to leave, but its group is the whole job: the leave "
+                "waits until another group joins",
+                leaving,
+            )
+        return deferred
 
     def settle(self) -> None:
         if self.phase is Phase.MEMBER:
