@@ -96,6 +96,10 @@ def test_a_survivor_holding_state_is_kept_before_newcomers_that_hold_none() -> N
     # (every survivor a holder: the most complete group stays together)
     got = arrange_groups(tp=2, pp=1, survivors=old, joiners=[], max_world=4)
     assert got.order == ("n0", "n1") and got.standby == ("held",)
+    # a survivor asked to leave goes last at its position: its group's peers stay whole
+    old = {"a0": _c(0, 0), "b0": _c(1, 0), "b1": _c(1, 1), "c0": _c(2, 0), "c1": _c(2, 1)}
+    got = arrange_groups(tp=2, pp=1, survivors=old, joiners=[], max_world=6, leaving={"a0"})
+    assert got.order == ("b0", "b1", "c0", "c1") and got.standby == ("a0",)
 
 
 def test_groups_of_a_pipeline_and_tensor_mesh_follow_the_rank_order() -> None:

@@ -57,9 +57,19 @@ class Checkpointing:
     def checkpoint_due(self, every: int) -> bool:
         """Whether a loop that saves every ``every`` steps should save now.
 
-        The same answer on every rank, newcomers included: a rank that joined a
-        running job at step N saves N with the members (they have not saved it
-        yet), and after a rollback nobody re-saves the step it rolled back to.
+        The same answer on every rank, newcomers included, and after a rollback
+        nobody re-saves the step it rolled back to.
+
+        [Note: no save at a join]
+        Newcomers join a running job at a step boundary, N, inside the members'
+        ``train_batch`` of step N. A loop that saves after its step ("train, then
+        save if due") asks the members at N, but a newcomer, whose first call is
+        ``initialize``, first asks after step N + 1: were N due, the members would
+        save it alone and wait for the newcomers in the save while these wait for
+        them in step N + 1. So a generation that admits newcomers marks N saved on
+        every rank (worker/elastic/rings.py ``_restore``, worker/elastic/change.py
+        ``grow_to``, worker/elastic/joining.py): that save is skipped, whatever the
+        loop's shape, and the next is at the next multiple of ``every``.
         """
         steps = self.global_steps
         return steps > 0 and steps % every == 0 and steps != self._saved_at

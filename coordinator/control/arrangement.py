@@ -52,6 +52,9 @@ class MembershipView(Protocol):
     generation: Generation | None
     roster: Roster
     config: MembershipConfig
+    # the workers the current generation admitted (none for a job's first: every
+    # member of it holds its state from the start)
+    admitted_last: frozenset[str]
 
     def recovering(self) -> bool:
         """A recovery is under way: newcomers wait for it."""
@@ -154,9 +157,10 @@ class MeshArrangement(Arrangement):
         bound = ms.roster.standby()
         joiners = [wid for wid in ms.roster.waiting() if wid not in bound]
         joiners.sort(key=lambda wid: (ms.roster.live[wid].info.host, wid))  # a group on one host
-        # a member that never reported has not restored anything yet (a newcomer of a
-        # generation replaced before it formed): it holds no state to keep together
-        holders = {w for w in survivors if (e := ms.roster.live.get(w)) and e.report is not None}
+        # the newcomers of the current generation may hold nothing yet (that
+        # generation may have been replaced before it formed); members before it do
+        holders = set(survivors) - ms.admitted_last
+        leaving = {w for w in survivors if (e := ms.roster.live.get(w)) and e.leaving}
         arranged = arrange_groups(
             tp=self.tp,
             pp=self.pp,
@@ -164,6 +168,7 @@ class MeshArrangement(Arrangement):
             joiners=joiners,
             max_world=ms.config.max_workers,
             holders=holders,
+            leaving=leaving,
         )
         placed = set(arranged.order)
         return GroupArrangement(

@@ -213,6 +213,8 @@ class Membership:
         self.inventory_wire = b""
         self.trainable_numel = 0
         self.generation: Generation | None = None
+        # the workers the current generation admitted (none for the first: arrangement.py)
+        self.admitted_last: frozenset[str] = frozenset()
         # every worker, in its state (coordinator/control/roster.py [Note: worker states])
         self.roster = Roster()
         # how proposals arrange the workers, chosen by the first to register
@@ -564,6 +566,7 @@ class Membership:
         ):
             return False
         self.generation = generation
+        self.admitted_last = frozenset(proposal.admitted if proposal.previous else ())
         if self._expected is not None and generation.world_size >= self._expected:
             self._expected = None
         self._recent_endpoints.append(generation.rendezvous_endpoint)

@@ -181,6 +181,7 @@ def arrange_groups(
     joiners: Sequence[str],
     max_world: int,
     holders: Collection[str] | None = None,
+    leaving: Collection[str] = (),
 ) -> GroupArrangement:
     """Whole model-parallel groups for the next generation of an elastic mesh job.
 
@@ -200,23 +201,26 @@ def arrange_groups(
     generation.
 
     ``holders``: the survivors known to hold their position's state (None: all of
-    them). A member admitted to a generation that was replaced before it formed
-    holds nothing: a group of two such newcomers is as complete as an old group
-    that lost a rank, but the old group's survivor holds what its position
-    trained, and were it the one to stand by, the next generation would find that
-    position held by nobody and start again. Old groups with more holders go first."""
+    them); ``leaving``: survivors asked to leave. At each position, those staying
+    go first, then holders: a member admitted to a generation that was replaced
+    before it formed holds nothing, and were an old member at its position the one
+    to stand by, the next generation would find that position held by nobody and
+    start again."""
     size = tp * pp
     slots = [(p, t) for p in range(pp) for t in range(tp)]
     queues: dict[tuple[int, int], list[str]] = {slot: [] for slot in slots}
     whole = {d: 0 for d in (c.dp for c in survivors.values())}
-    held = dict.fromkeys(whole, 0)
-    for wid, c in survivors.items():
+    for c in survivors.values():
         whole[c.dp] += 1
-        held[c.dp] += holders is None or wid in holders
-    # the old groups holding most state first, then the most complete (they stay
-    # together), then by old dp index
-    order = sorted(survivors.items(), key=lambda kv: (-held[kv[1].dp], -whole[kv[1].dp], kv[1].dp))
-    for wid, c in order:
+
+    def first(kv: tuple[str, MeshCoords]) -> tuple:
+        wid, c = kv
+        holds = holders is None or wid in holders
+        # staying holders, then the most complete old groups (they stay together),
+        # then by old dp index
+        return (wid in leaving, not holds, -whole[c.dp], c.dp)
+
+    for wid, c in sorted(survivors.items(), key=first):
         queues[(c.pp, c.tp)].append(wid)
     groups = 0
     while (groups + 1) * size <= max_world and sum(

@@ -214,6 +214,8 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
     session._adopt(engine, handover, Collectives(None))
     if engine.experts is not None:
         blocks.adopt(engine.experts, handed)
+    if gen.world_size > len(survivor_ids):
+        engine.saved_at = engine.global_steps  # newcomers too: [Note: no save at a join]
     session.held.generation, session.held.handed = gen.id, None
     session._refresh_replica(engine)  # newcomers, at the end of their join, too
     logger.info(
@@ -280,5 +282,6 @@ def grow_to(session: Session, engine: ZeroEngine, gen: Generation) -> None:
     if engine.experts is not None:
         blocks.adopt(engine.experts, handed)
     session.held.generation = gen.id
+    engine.saved_at = engine.global_steps  # as the newcomers: [Note: no save at a join]
     session._refresh_replica(engine)  # the newcomers, at the end of their join, too
     logger.info("grew to %d ranks at step %d", engine.world_size, engine.global_steps)

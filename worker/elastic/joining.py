@@ -177,6 +177,7 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
             session._adopt(engine, handover, None)
             if engine.experts is not None:
                 blocks.adopt(engine.experts, held)
+            engine.saved_at = engine.global_steps  # [Note: no save at a join]
             logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
         session._refresh_replica(engine)  # as the members do after the exchange
     session.held.generation = gen.id

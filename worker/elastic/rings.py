@@ -167,7 +167,7 @@ def join(session: Session, spec: EngineSpec) -> MeshEngine:
     session.report_at_exit(engine)
     if born == "peers":
         # joining a running job: the members hand this rank its shards
-        _restore(session, engine, gen, carried=None)
+        _restore(session, engine, gen, carried=None, joining=True)
     else:
         session._refresh_replica(engine)
     engine.state.drop_module_values()
@@ -427,7 +427,12 @@ def _hold(session: Session, engine: MeshEngine) -> Carried:
 
 
 def _restore(
-    session: Session, engine: MeshEngine, gen: Generation, carried: Carried | None
+    session: Session,
+    engine: MeshEngine,
+    gen: Generation,
+    carried: Carried | None,
+    *,
+    joining: bool = False,
 ) -> None:
     """Every rank of ``gen``, in its new group: agree on the source and re-shard each
     ring over the new dp group ([Note: elastic by whole groups]), through the
@@ -449,16 +454,17 @@ def _restore(
         live_step=held.step if held is not None and live_id is not None else -1,
     )
     # per rank: its ring, the step it had reached (-1: it holds nothing), the last
-    # step it saved, its holding
-    table = torch.zeros(gen.world_size, 3 + mine.WIDTH, dtype=torch.int64, device=engine.device)
+    # step it saved, whether it joins the job now (a newcomer), its holding
+    table = torch.zeros(gen.world_size, 4 + mine.WIDTH, dtype=torch.int64, device=engine.device)
     table[control.rank, 0] = ring
     table[control.rank, 1] = held.step if held is not None else -1
     table[control.rank, 2] = engine.saved_at
-    table[control.rank, 3:] = mine.encode()
+    table[control.rank, 3] = int(joining)
+    table[control.rank, 4:] = mine.encode()
     Collectives(None).all_reduce(table, op="sum", control=True)
     rings: list[list[live.Holding]] = [[] for _ in range(shape.group_size)]
     for row in table.cpu():
-        rings[int(row[0])].append(live.Holding.decode(row[3:]))
+        rings[int(row[0])].append(live.Holding.decode(row[4:]))
     reached, saved = int(table[:, 1].max()), int(table[:, 2].max())
     held_words = "; ".join(
         f"ring {r} (pp {r // shape.tp}, tp {r % shape.tp}): "
@@ -493,10 +499,13 @@ def _restore(
         session.keeper.retire(carried.replicas)
     # checkpoint_due must give one answer on every rank of the generation, standbys
     # and newcomers included: each decides from the same table. After a rollback the
-    # step it went back to is not saved again; else (a scale-up, a leave, a restore
-    # of the very step the job had reached) the last save any rank made stands
+    # step it went back to is not saved again; nor the step newcomers join at
+    # (engine_checkpoints.py [Note: no save at a join]); else (a leave, a restore of
+    # the very step the job had reached) the last save any rank made stands
     if engine.global_steps < reached:
         engine.mark_restored()
+    elif int(table[:, 3].max()):
+        engine.saved_at = engine.global_steps
     else:
         engine.saved_at = saved
     logger.info(
