@@ -492,6 +492,37 @@ def test_a_retirement_counts_members_not_processes(departed, retired, capsys):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(60)
+def test_a_retired_worker_killed_while_it_leaves_has_left(tmp_path):
+    """A worker asked to leave (SIGUSR2's retirement) that dies of anything else
+    before it exits (chaos: a SIGKILL while it hands over) has left: the others go
+    on, nobody replaces it, and the job ends well."""
+    script = write_script(
+        tmp_path,
+        """
+        import os, signal, sys, time
+        out = sys.argv[1]
+        signal.signal(signal.SIGTERM, lambda *_: open(os.path.join(out, "asked"), "w").close())
+        open(os.path.join(out, "ready-" + os.environ["RANK"]), "w").close()
+        if os.environ["RANK"] == "1":
+            time.sleep(30)  # the one retired: killed while it "hands over"
+        while not os.path.exists(os.path.join(out, "done")):
+            time.sleep(0.05)
+        """,
+    )
+    spec = LaunchSpec(command=python(script, str(tmp_path)), nproc=2)
+    with LocalJob(spec, on_line=Lines(), restarts=3, training_over=lambda: False) as job:
+        assert wait_until(lambda: (tmp_path / "ready-1").exists(), 30.0)
+        job.retire_worker(1)
+        assert wait_until(lambda: (tmp_path / "asked").exists(), 10.0)
+        os.kill(job._procs[1].pid, signal.SIGKILL)
+        assert wait_until(lambda: job.poll() is None and job.settled(1), 10.0)
+        (tmp_path / "done").touch()
+        result = job.wait(timeout=30)
+    assert result.ok, result.message
+    assert len(job._procs) == 2  # not replaced
+
+
 def test_an_elastic_job_whose_every_worker_failed_restarts_them(tmp_path):
     """Every worker fails at once (the survivors of a loss nothing covered exit 1):
     an elastic job replaces them while restarts last, as torchrun restarts its

@@ -415,8 +415,8 @@ class LocalJob:
 
     def _settle(self, index: int, code: int, *, going: bool) -> bool:
         """Whether worker ``index``'s failure leaves the job running: a worker asked
-        to leave that died of that SIGTERM (before its handler was installed) has
-        left; in an elastic job that has not finished (``going``: others still
+        to leave that died of that SIGTERM (before its handler was installed), or of
+        anything else while others train, has left; in an elastic job that has not finished (``going``: others still
         train, or every worker failed before any finished, when the replacements
         start again from the script's checkpoint, as torchrun's restarts do), a
         failed worker is replaced while restarts last."""
@@ -424,7 +424,12 @@ class LocalJob:
             self._settled.add(index)
             logger.info("worker %d stopped before it could hand over: it has left", index)
             return True
-        if index in self._retiring or not going:
+        if index in self._retiring and going:
+            # it was leaving anyway: the others recover without it, nobody replaces it
+            self._settled.add(index)
+            logger.warning("worker %d %s while it was retired: it has left", index, _describe(code))
+            return True
+        if not going:
             return False
         if why := self._halted():
             logger.error("worker %d %s; not replaced: %s", index, _describe(code), why)
