@@ -416,8 +416,9 @@ class LocalJob:
     def _settle(self, index: int, code: int, *, going: bool) -> bool:
         """Whether worker ``index``'s failure leaves the job running: a worker asked
         to leave that died of that SIGTERM (before its handler was installed), or of
-        anything else while others train, has left; in an elastic job that has not finished (``going``: others still
-        train, or every worker failed before any finished, when the replacements
+        anything else while others train, has left; in an elastic job that has not
+        finished (``going``: others still train, or every worker failed before any
+        finished, when the replacements
         start again from the script's checkpoint, as torchrun's restarts do), a
         failed worker is replaced while restarts last."""
         if index in self._retiring and code == -signal.SIGTERM:
