@@ -34,7 +34,7 @@ import torch
 from tests.test_mesh_elastic import MeshRun
 
 ROOT = Path(__file__).resolve().parent.parent
-SEEDS = [int(s) for s in os.environ.get("ZEROPLANE_MESH_CHAOS_SEEDS", "0").split(",") if s]
+SEEDS = [int(s) for s in os.environ.get("ZEROPLANE_MESH_CHAOS_SEEDS", "140").split(",") if s]
 STEPS = 40
 EVENTS = ("kill", "term", "add", "retire")
 

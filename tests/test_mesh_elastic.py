@@ -421,22 +421,6 @@ def test_a_sigkilled_rank_of_a_tp_job_recovers_from_replicas(mesh_job) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_one_worker_asked_to_leave_takes_its_group_out_and_its_peer_stands_by(mesh_job) -> None:
-    """A SIGTERM from outside to one worker of a group: it leaves at a step boundary
-    (every replica refreshed there, so nothing is trained again), its tp peer has no
-    group and stands by, and it leaves with exit 0 when the job finishes."""
-    job = mesh_job("--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=2)
-    job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 3)
-    os.kill(job.workers()[-1], signal.SIGTERM)
-    job.wait_until("one group", lambda: job.world() == 2)
-    text = job.finish()
-    assert "left the job: asked to leave" in text
-    assert "standing by" in text and "the job ended while this rank stood by" in text
-    assert "restored from replica" in text and "recovered" not in text
-    assert_matches_reference(job.tmp)
-
-
-@pytest.mark.timeout(300)
 def test_a_sigkilled_stage_of_a_pipeline_recovers_from_replicas(mesh_job) -> None:
     """pp=2 x dp=2 at stage 2: a rank of the last stage is lost; its stage's dp ring
     restores it from its neighbour's replica, the first stage's rolls back with it,
@@ -498,12 +482,14 @@ def test_a_sigkilled_rank_of_a_tp_x_pp_job_comes_back_whole(mesh_job) -> None:
 
 @pytest.mark.timeout(300)
 def test_sigterms_to_a_whole_ring_keep_its_last_copy_until_a_newcomer_takes_it(mesh_job) -> None:
-    """tp=2 x dp=2: both tp-0 ranks are asked to leave at once (worker/elastic/rings.py
-    [Note: the last copy of a ring]). One leaves; the other holds the last copy of its
-    ring and stays; the two tp-1 survivors make no group, so the launcher replaces the
-    leaver (coordinator/commands/run.py ``_keep_minimum``, counting whole groups); the
-    newcomer takes the tp-0 position, the deferred leaver goes, and nothing is trained
-    again or restarted from scratch."""
+    """tp=2 x dp=2: both tp-0 ranks are asked to leave at once, from outside
+    (worker/elastic/rings.py [Note: the last copy of a ring]). One leaves at a step
+    boundary (every replica refreshed there, so nothing is trained again) and its
+    tp peer, without a group, stands by; the other holds the last copy of its ring
+    and stays; the two tp-1 survivors make no group, so the launcher replaces the
+    leavers (coordinator/commands/keeping.py, counting whole groups); a newcomer takes
+    the tp-0 position, the deferred leaver goes, and the standby leaves with exit 0
+    when the job finishes."""
     job = mesh_job("--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=2)
     job.wait_until("four ranks", lambda: job.world() == 4)
     at = job.step()  # (a loaded machine may start with two and grow)
@@ -523,5 +509,7 @@ def test_sigterms_to_a_whole_ring_keep_its_last_copy_until_a_newcomer_takes_it(m
     text = job.finish()
     assert "holds the last copy of its ring (pp 0, tp 0)" in text, text[-4000:]
     assert "in its place" in text  # the launcher replaced the first leaver
+    assert "standing by" in text and "the job ended while this rank stood by" in text
+    assert "restored from replica" in text
     assert "restored from module" not in text and "recovered" not in text
     assert_matches_reference(job.tmp)
