@@ -27,6 +27,7 @@ Needs torch (the worker's metrics and ZeroConfig's reader).
 
 from __future__ import annotations
 
+import json
 import argparse
 import ast
 import contextlib
@@ -366,6 +367,10 @@ def _ds_probes() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
         probes.append((key, {key: {}}, {}))
     for key in ("amp", "compression_training", "data_efficiency", "sparse_attention"):
         probes.append((key, {key: {}}, {}))
+    for key, default in sorted(ds_config._DS_DEFAULTS_TOP.items()):
+        probes.append((f"{key} = {json.dumps(default)} (DeepSpeed's default)", {key: default}, {}))
+    probes.append(("autotuning", {"autotuning": {"enabled": True}}, {}))
+    probes.append(("<any section> = {\"enabled\": false}", {"autotuning": {"enabled": False}}, {}))
     probes.append(("zeroplane.<field>", {"zeroplane": {"compression": "int8"}}, {}))
     return probes
 

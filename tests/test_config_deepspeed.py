@@ -682,3 +682,22 @@ def test_deepspeed_activation_section_turns_units_on(caplog) -> None:
 def test_deepspeed_activation_section_refusals(section: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ZeroConfig.from_deepspeed({"activation_checkpointing": section})
+
+
+def test_deepspeed_defaults_written_out_and_features_switched_off_load():
+    """A config as DeepSpeed accepts it loads: DeepSpeed's own defaults written out,
+    and its features switched off (``enabled: false``); the same keys asking for
+    something are refused by name, autotuning pointing to `zeroplane tune`."""
+    cfg = ZeroConfig.from_deepspeed(
+        {
+            "fp16_master_weights_and_grads": False,
+            "autotuning": {"enabled": False, "fast": True},
+            "data_efficiency": {"enabled": False},
+            "zero_optimization": {"stage": 2},
+        }
+    )
+    assert cfg.stage == 2
+    with pytest.raises(ValueError, match=r"does not support: fp16_master_weights_and_grads$"):
+        ZeroConfig.from_deepspeed({"fp16_master_weights_and_grads": True})
+    with pytest.raises(ValueError, match=r"autotuning \(autotuning: run `zeroplane tune`"):
+        ZeroConfig.from_deepspeed({"autotuning": {"enabled": True}})

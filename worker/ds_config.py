@@ -135,6 +135,21 @@ _DS_IGNORED_TOP = frozenset(
     }
 )
 
+# DeepSpeed-only top-level keys accepted at DeepSpeed's own default (a config that
+# writes its defaults out means nothing by them); any other value is refused
+_DS_DEFAULTS_TOP: dict[str, Any] = {
+    "fp16_master_weights_and_grads": False,
+    "sparse_gradients": False,
+    "communication_data_type": None,
+    "disable_allgather": False,
+    "amp": {"enabled": False},
+}
+
+# where a refused DeepSpeed feature's user goes instead
+_DS_INSTEAD = {
+    "autotuning": "run `zeroplane tune` (docs/guides/autotune.md)",
+}
+
 # zero_optimization keys with no effect on what zeroplane computes: its
 # gradients are always contiguous flat buckets and reduce-scattered.
 _DS_ZERO_IGNORED = frozenset(
@@ -351,13 +366,18 @@ class _DeepSpeedReader:
                 self.compile_section(value)
             elif key == "zeroplane":
                 self.zeroplane_section(value)
-            elif key in _DS_IGNORED_TOP:
+            elif key in _DS_IGNORED_TOP or _DS_DEFAULTS_TOP.get(key, _SKIP) == value:
                 self.ignored.append(key)
+            elif isinstance(value, Mapping) and value.get("enabled") is False:
+                self.ignored.append(key)  # a DeepSpeed feature switched off configures nothing
             else:
                 self.unsupported.append(key)
         if self.unsupported:
+            instead = [f"{k}: {_DS_INSTEAD[k]}" for k in self.unsupported if k in _DS_INSTEAD]
             raise ValueError(
-                "DeepSpeed config keys zeroplane does not support: " + ", ".join(self.unsupported)
+                "DeepSpeed config keys zeroplane does not support: "
+                + ", ".join(self.unsupported)
+                + (f" ({'; '.join(instead)})" if instead else "")
             )
         if self.offload_pins and "pin_memory" not in self.overrides:
             if len(set(self.offload_pins)) > 1:

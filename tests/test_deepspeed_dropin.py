@@ -1,0 +1,116 @@
+"""``import worker.deepspeed as deepspeed`` (worker/deepspeed.py [Note: a drop-in for
+DeepSpeed scripts]): a DeepSpeed-shaped script, its arguments, ``init_distributed``,
+``initialize``'s 4-tuple with param groups and a training set, and the engine members
+DeepSpeed scripts call, trained against one process with torch alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler, TensorDataset
+
+import worker.deepspeed as deepspeed
+from coordinator.launchers.local import find_free_port
+
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+    "zero_optimization": {"stage": 2},
+    "gradient_clipping": 1.0,
+    "fp16_master_weights_and_grads": False,  # DeepSpeed's default, written out
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _groups(model: torch.nn.Module) -> list[dict]:
+    """Weight decay on the weights only: the usual custom groups."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(32, 6, generator=g), torch.randn(32, 1, generator=g))
+
+
+def _reference(epochs: int) -> dict[str, torch.Tensor]:
+    """torch alone: AdamW over the same groups, the sampler's order, two micro-batches
+    of four a step, the mean over them, the norm clipped at 1."""
+    model = _model()
+    opt = torch.optim.AdamW(_groups(model), lr=1e-2, weight_decay=0.1)
+    data = _data()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for start in range(0, len(order), 8):
+            for micro in (order[start : start + 4], order[start + 4 : start + 8]):
+                x, y = data[micro]
+                (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_a_deepspeed_script_trains_as_torch_with_only_its_import_changed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(CONFIG))
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    deepspeed.init_distributed()
+    try:
+        dist.barrier()  # a script's own call before initialize ("rank 0 downloads first")
+        model = _model()
+        engine, optimizer, loader, scheduler = deepspeed.initialize(
+            args=args, model=model, model_parameters=_groups(model), training_data=_data()
+        )
+        assert scheduler is None and optimizer is engine.optimizer
+        assert (engine.local_rank, engine.global_rank, engine.world_size) == (0, 0, 1)
+        assert not engine.fp16_enabled() and not engine.bfloat16_enabled()
+        assert engine.zero_optimization_stage() == 2
+        assert engine.gradient_accumulation_steps() == 2  # a method, as DeepSpeed's
+        assert engine.train_micro_batch_size_per_gpu() == 4 and engine.train_batch_size() == 8
+        for epoch in range(2):
+            loader.sampler.set_epoch(epoch)
+            for x, y in loader:
+                engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+                boundary = engine.is_gradient_accumulation_boundary()
+                engine.step()
+                if boundary:
+                    assert engine.was_step_applied()
+                    assert isinstance(engine.get_global_grad_norm(), float)
+        assert engine.global_steps == 8
+        got = engine.full_state_dict()
+    finally:
+        dist.destroy_process_group()
+    want = _reference(2)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst < 1e-6, worst
+
+
+def test_initialize_names_what_is_missing() -> None:
+    with pytest.raises(ValueError, match="needs model="):
+        deepspeed.initialize(config=CONFIG)
+    with pytest.raises(ValueError, match=r"no config \(config=, config_params= or"):
+        deepspeed.initialize(model=_model())
+    with pytest.raises(ValueError, match="mpu=/mesh_param="):
+        deepspeed.initialize(model=_model(), config=CONFIG, mpu=object())
