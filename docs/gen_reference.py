@@ -27,12 +27,12 @@ Needs torch (the worker's metrics and ZeroConfig's reader).
 
 from __future__ import annotations
 
-import json
 import argparse
 import ast
 import contextlib
 import dataclasses
 import inspect
+import json
 import logging
 import re
 import sys
@@ -370,7 +370,7 @@ def _ds_probes() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     for key, default in sorted(ds_config._DS_DEFAULTS_TOP.items()):
         probes.append((f"{key} = {json.dumps(default)} (DeepSpeed's default)", {key: default}, {}))
     probes.append(("autotuning", {"autotuning": {"enabled": True}}, {}))
-    probes.append(("<any section> = {\"enabled\": false}", {"autotuning": {"enabled": False}}, {}))
+    probes.append(('<any section> = {"enabled": false}', {"autotuning": {"enabled": False}}, {}))
     probes.append(("zeroplane.<field>", {"zeroplane": {"compression": "int8"}}, {}))
     return probes
 
