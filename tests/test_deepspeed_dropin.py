@@ -99,12 +99,19 @@ def test_a_deepspeed_script_trains_as_torch_with_only_its_import_changed(
                     assert engine.was_step_applied()
                     assert isinstance(engine.get_global_grad_norm(), float)
         assert engine.global_steps == 8
+        assert deepspeed.comm.get_world_size() == 1 and deepspeed.comm.get_rank() == 0
         got = engine.full_state_dict()
     finally:
         dist.destroy_process_group()
     want = _reference(2)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst < 1e-6, worst
+
+
+def test_deepspeeds_leaf_modules_call_is_zeroplanes() -> None:
+    from worker.leaves import set_z3_leaf_modules
+
+    assert deepspeed.utils.set_z3_leaf_modules is set_z3_leaf_modules
 
 
 def test_initialize_names_what_is_missing() -> None:

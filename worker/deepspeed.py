@@ -22,6 +22,8 @@ takes those calls as they are and answers them from a zeroplane engine
   (``zeroplane run``, torchrun) when nobody has, so a script's own
   ``torch.distributed`` calls before ``initialize`` work; the engine then trains
   on that group (an attached job: worker/placement.py).
+- ``deepspeed.comm`` is ``torch.distributed``, and ``deepspeed.utils.set_z3_leaf_modules``
+  zeroplane's own (worker/leaves.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import types
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -41,8 +44,21 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from worker import ds_sections
 from worker.engine import ZeroEngine
 from worker.entry import initialize as _initialize
+from worker.leaves import set_z3_leaf_modules
 
-__all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize"]
+__all__ = [
+    "DeepSpeedEngine",
+    "add_config_arguments",
+    "comm",
+    "init_distributed",
+    "initialize",
+    "utils",
+]
+
+# ``deepspeed.comm``: torch.distributed's calls under DeepSpeed's names (the same ones)
+comm = dist
+# ``deepspeed.utils.set_z3_leaf_modules``: blocks gathered whole at stage 3
+utils = types.SimpleNamespace(set_z3_leaf_modules=set_z3_leaf_modules)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
