@@ -446,7 +446,7 @@ def test_launcher_and_commands_do_not_import_torch():
 
 
 class ScalingJob:
-    """What ``_wait_scaling`` uses of a LocalJob: three running workers, one of which
+    """What ``wait_scaling`` uses of a LocalJob: three running workers, one of which
     has already handed over (the coordinator no longer has it) but not yet exited."""
 
     stopping = False
@@ -482,11 +482,11 @@ def test_a_retirement_counts_members_not_processes(departed, retired, capsys):
     the three has handed over already (still exiting): then the job is at 2 members."""
     from argparse import Namespace
 
-    from coordinator.commands.keeping import wait_scaling as _wait_scaling
+    from coordinator.commands.keeping import wait_scaling
 
     job = ScalingJob()
     args = Namespace(nproc=3, min_workers=2, max_workers=4)
-    assert _wait_scaling(job, args, lambda: departed) == "done"
+    assert wait_scaling(job, args, lambda: departed) == "done"
     assert job.retired == retired
     assert ("already at 2 workers" in capsys.readouterr().err) == (not retired)
 
@@ -579,7 +579,7 @@ def test_an_elastic_job_whose_every_worker_failed_restarts_them(tmp_path):
 
 
 class LeftJob:
-    """What ``_keep_minimum`` uses of a LocalJob: workers 0-2 started, worker 0 exited
+    """What ``keep_minimum`` uses of a LocalJob: workers 0-2 started, worker 0 exited
     0 without being asked; ``restarts`` replacements allowed."""
 
     stopping = False
@@ -627,10 +627,10 @@ class LeftJob:
 def test_a_worker_leaving_from_outside_is_replaced_only_below_the_minimum(
     running, restarts, finished, replaced, abandoned
 ):
-    from coordinator.commands.keeping import keep_minimum as _keep_minimum
+    from coordinator.commands.keeping import keep_minimum
 
     job = LeftJob(running, restarts)
-    _keep_minimum(job, 2, lambda: {"w0"}, lambda: finished)
+    keep_minimum(job, 2, lambda: {"w0"}, lambda: finished)
     assert job.replaced == replaced
     assert (job.abandoned is not None) == abandoned
     if abandoned:
@@ -640,13 +640,13 @@ def test_a_worker_leaving_from_outside_is_replaced_only_below_the_minimum(
 def test_members_count_as_whole_groups_place_them():
     """Two workers remain, but the coordinator can place neither in a whole group (both
     at one tp position): the leaver is replaced, not taken for a scale-down."""
-    from coordinator.commands.keeping import keep_minimum as _keep_minimum
+    from coordinator.commands.keeping import keep_minimum
 
     job = LeftJob([1, 2], 3)
-    _keep_minimum(job, 2, lambda: {"w0"}, lambda: False, lambda workers: 0)
+    keep_minimum(job, 2, lambda: {"w0"}, lambda: False, lambda workers: 0)
     assert job.replaced == [0]
     job = LeftJob([1, 2], 3)
-    _keep_minimum(job, 2, lambda: {"w0"}, lambda: False, len)
+    keep_minimum(job, 2, lambda: {"w0"}, lambda: False, len)
     assert job.replaced == []
 
 
@@ -663,10 +663,10 @@ def test_members_count_as_whole_groups_place_them():
     ],
 )
 def test_a_retirement_takes_a_whole_group_or_workers_nobody_places(placed, fits, chosen):
-    from coordinator.commands.keeping import retirees as _retirees
+    from coordinator.commands.keeping import retirees
 
     job = LeftJob([0, 1, 2, 3, 4, 5], 0)
-    got = _retirees(job, 2, 2, set, lambda rest: 4 if fits else 0, lambda: placed)
+    got = retirees(job, 2, 2, set, lambda rest: 4 if fits else 0, lambda: placed)
     assert got == chosen
 
 
@@ -693,8 +693,8 @@ def test_a_leaver_still_running_is_replaced_ahead_when_whole_groups_need_it():
 def test_a_script_that_never_joined_the_coordinator_is_not_a_leaver():
     """Under `zeroplane run` a plain script ends without registering: its exit 0
     while the others still run is not a leave, whatever the minimum."""
-    from coordinator.commands.keeping import keep_minimum as _keep_minimum
+    from coordinator.commands.keeping import keep_minimum
 
     job = LeftJob([1], 3)
-    _keep_minimum(job, 2, set, lambda: False)
+    keep_minimum(job, 2, set, lambda: False)
     assert job.replaced == [] and job.abandoned is None

@@ -149,8 +149,8 @@ def test_the_coordinator_forms_whole_groups_and_stands_a_broken_ones_survivor_by
 
 
 def test_only_workers_whole_groups_can_hold_count_towards_the_minimum() -> None:
-    """What the launcher counts against --min-nproc (coordinator/commands/run.py
-    ``_keep_minimum``): two survivors at one tp position make no group; at
+    """What the launcher counts against --min-nproc (coordinator/commands/keeping.py
+    ``keep_minimum``): two survivors at one tp position make no group; at
     complementary positions they make one; a worker not registered yet fills a gap."""
     m = _membership(2, 4, ["w0", "w1", "w2", "w3"], (2, 1))
     gen = m.maybe_form()

@@ -89,7 +89,7 @@ class Arrangement:
     def placeable(self, ms: MembershipView, workers: Collection[str]) -> int:
         """How many of ``workers`` (members, standbys, workers not registered yet) a
         generation of them alone could hold: what a launcher counts against its
-        minimum (coordinator/commands/run.py ``_keep_minimum``)."""
+        minimum (coordinator/commands/keeping.py ``keep_minimum``)."""
         return len(workers)
 
 

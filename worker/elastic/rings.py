@@ -297,7 +297,7 @@ def _leavers_now(engine: MeshEngine, ring: int, asked: bool) -> set[int]:
     position; it leaves at the first boundary after that, its ring then restored
     from the newcomer's replica like any leave. The launcher replaces the other
     leavers (no whole group remains without the deferred rank: coordinator/commands/
-    run.py ``_keep_minimum``), and a newcomer completes a group with a standby of the
+    keeping.py ``keep_minimum``), and a newcomer completes a group with a standby of the
     broken ones. A job whose every rank was asked (a launcher stopping it) leaves at
     once, as before; so does the only rank of a ring at dp = 1 asked alone: a
     newcomer could take its position only with a whole group, which nobody starts
@@ -308,7 +308,8 @@ def _leavers_now(engine: MeshEngine, ring: int, asked: bool) -> set[int]:
     # per rank: its ring, and 0 (stays), 1 (asked to leave) or 2 (asked, and deferred
     # at an earlier boundary: it keeps the last copy whatever the ring's width now)
     table = torch.zeros(world, 2, dtype=torch.int64, device=engine.device)
-    table[me] = torch.tensor([ring, 2 if asked and _deferred else int(asked)])
+    table[me, 0] = ring
+    table[me, 1] = 2 if asked and _deferred else int(asked)
     Collectives(None).all_reduce(table, op="sum", control=True)
     rows = [(int(r), int(a)) for r, a in table.tolist()]
     asked_ranks = {rank for rank, (_, a) in enumerate(rows) if a}

@@ -234,7 +234,7 @@ class ElasticSession(FinalReport):
         """Rank ``leaving``'s block (its ep or cp group) is the whole world while the
         job goes on (not everyone was asked): nobody could take its shards, so the
         leave waits until a newcomer's block joins (a launcher below its minimum
-        starts one; coordinator/commands/run.py ``_keep_minimum``), like the last
+        starts one; coordinator/commands/keeping.py ``keep_minimum``), like the last
         copy of a mesh's ring (worker/elastic/rings.py [Note: the last copy of a
         ring])."""
         deferred = len(blocks.leaving_group(engine, leaving)) >= engine.world_size > 1
