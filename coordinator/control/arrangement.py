@@ -135,6 +135,12 @@ class FixedArrangement(Arrangement):
 class MeshArrangement(Arrangement):
     """Whole model-parallel groups of ``tp * pp`` ranks ([Note: arrangements])."""
 
+    # at each position, staying members and those holding state first: a mesh's
+    # leaver goes alone (its peers stand by). Not for blocks: an ep or cp group
+    # leaves whole, with partners nobody flagged, so blocks keep their completeness
+    # order (worker/elastic/blocks.py)
+    keeps_holders = True
+
     def __init__(self, tp: int, pp: int) -> None:
         self.tp, self.pp = tp, pp
 
@@ -157,10 +163,12 @@ class MeshArrangement(Arrangement):
         bound = ms.roster.standby()
         joiners = [wid for wid in ms.roster.waiting() if wid not in bound]
         joiners.sort(key=lambda wid: (ms.roster.live[wid].info.host, wid))  # a group on one host
-        # the newcomers of the current generation may hold nothing yet (that
-        # generation may have been replaced before it formed); members before it do
-        holders = set(survivors) - ms.admitted_last
-        leaving = {w for w in survivors if (e := ms.roster.live.get(w)) and e.leaving}
+        holders, leaving = None, set()
+        if self.keeps_holders:
+            # the newcomers of the current generation may hold nothing yet (that
+            # generation may have been replaced before it formed); members before it do
+            holders = set(survivors) - ms.admitted_last
+            leaving = {w for w in survivors if (e := ms.roster.live.get(w)) and e.leaving}
         arranged = arrange_groups(
             tp=self.tp,
             pp=self.pp,
@@ -207,6 +215,8 @@ class BlockArrangement(MeshArrangement):
     """Whole blocks of ``size`` consecutive ranks (ep or cp groups), each survivor at
     its place ([Note: arrangements]): a mesh arrangement whose group is a block, the
     place standing for the tp index."""
+
+    keeps_holders = False
 
     def __init__(self, size: int) -> None:
         super().__init__(tp=size, pp=1)
