@@ -88,6 +88,19 @@ logger = logging.getLogger(__name__)
 MAX_LAST_REPORTS = 4096
 
 
+def _row(w: WorkerEntry, state: str, rank: int | None, now: float) -> WorkerStatus:
+    """A worker's row of the status (``state``: member, standby, left, lost)."""
+    return WorkerStatus(
+        info=w.info,
+        state=state,
+        rank=rank,
+        lease_remaining_s=w.deadline - now,
+        report=w.report,
+        metrics_url=w.metrics_url,
+        leaving=w.leaving and state in ("member", "standby"),
+    )
+
+
 def _mesh_words(mesh: tuple[int, int] | None) -> str:
     if mesh is None:
         return "no mesh (data parallel only)"
@@ -681,33 +694,10 @@ class Membership:
         gen = self.generation
         for m in () if gen is None else gen.members:
             gone = self.roster.gone.get(m.worker_id)
-            w = gone or self.roster.live[m.worker_id]
             # a member that left (a hand-over, the end of training) is not lost
             state = "member" if gone is None else gone.state.value
-            rows.append(
-                WorkerStatus(
-                    info=w.info,
-                    state=state,
-                    rank=m.rank,
-                    lease_remaining_s=w.deadline - now,
-                    report=w.report,
-                    metrics_url=w.metrics_url,
-                    leaving=w.leaving and not gone,
-                )
-            )
-        for wid in self.roster.waiting():
-            w = self.roster.live[wid]
-            rows.append(
-                WorkerStatus(
-                    info=w.info,
-                    state="standby",
-                    rank=None,
-                    lease_remaining_s=w.deadline - now,
-                    report=w.report,
-                    metrics_url=w.metrics_url,
-                    leaving=w.leaving,
-                )
-            )
+            rows.append(_row(gone or self.roster.live[m.worker_id], state, m.rank, now))
+        rows += [_row(self.roster.live[wid], "standby", None, now) for wid in self.roster.waiting()]
         reason = self.waiting_reason()
         if self.finished:
             phase = "finished"  # (a finished job is neither waiting nor running)
