@@ -68,9 +68,10 @@ def _reference(epochs: int) -> dict[str, torch.Tensor]:
 def test_a_deepspeed_script_trains_as_torch_with_only_its_import_changed(
     tmp_path: Path, monkeypatch
 ) -> None:
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
+    # (set through monkeypatch, so that what init_distributed reads is undone after)
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in {**env, "MASTER_PORT": str(find_free_port())}.items():
+        monkeypatch.setenv(name, value)
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(CONFIG))
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())

@@ -9,7 +9,7 @@ of the uninterrupted reference.
 
 Each job takes ``SEQUENCES`` sequences of three events one after another (a
 later sequence starts on whatever the earlier left: replacements still joining,
-replicas just refreshed), so the default seeds run 8 sequences in 4 jobs
+replicas just refreshed), so the default seeds run 6 sequences in 3 jobs
 (tests/test_mesh_chaos.py runs the meshes').
 
 Seeded and replayable: ZEROPLANE_CHAOS_SEEDS=7,8 runs those seeds (the events
@@ -29,7 +29,7 @@ import pytest
 
 from tests.test_elastic_e2e import LauncherRun, assert_matches_reference
 
-SEEDS = [int(s) for s in os.environ.get("ZEROPLANE_CHAOS_SEEDS", "0,1,2,4").split(",")]
+SEEDS = [int(s) for s in os.environ.get("ZEROPLANE_CHAOS_SEEDS", "0,1,2").split(",")]
 SEQUENCES = 2
 EVENTS = ("kill", "term", "scale_down", "scale_up")
 # the learning rate warms up, then decays: every worker, newcomers and survivors of

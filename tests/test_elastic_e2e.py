@@ -753,13 +753,14 @@ def test_worker_restarted_under_its_old_name_rejoins(job_factory) -> None:
 def test_a_worker_leaving_from_outside_below_the_minimum_is_replaced(tmp_path: Path) -> None:
     """A SIGTERM sent to a worker, not to the launcher, at --min-nproc: it hands over
     and exits 0, and the survivor cannot re-form without it. The launcher starts a
-    worker in its place and the job ends as the reference (before: the survivor
-    waited for a generation that never formed)."""
+    worker in its place, as soon as the worker says it leaves or at its exit
+    (coordinator/commands/keeping.py), and the job ends as the reference (before: the
+    survivor waited for a generation that never formed)."""
     run = LauncherRun(tmp_path, "--nproc", "2", "--min-nproc", "2", "--max-nproc", "3")
     try:
         run.wait_for("step 10 loss")
         os.kill(run.workers()[1], signal.SIGTERM)
-        run.wait_for("left the job without being asked")
+        run.wait_for("in its place")
     finally:
         code = run.wait(timeout=180)
     assert code == 0, run.story()
