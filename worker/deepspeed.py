@@ -29,7 +29,6 @@ takes those calls as they are and answers them from a zeroplane engine
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import types
 from collections.abc import Iterable, Mapping
@@ -45,6 +44,7 @@ from worker import ds_sections
 from worker.engine import ZeroEngine
 from worker.entry import initialize as _initialize
 from worker.leaves import set_z3_leaf_modules
+from worker.spec import read_deepspeed_config
 
 __all__ = [
     "DeepSpeedEngine",
@@ -131,7 +131,7 @@ def initialize(
         raise ValueError(
             "deepspeed.initialize: no config (config=, config_params= or args.deepspeed_config)"
         )
-    raw = _raw_config(config)
+    raw = read_deepspeed_config(config)
     if optimizer is None and model_parameters is not None and "optimizer" in raw:
         # the config's optimizer over the script's param groups, as DeepSpeed builds it
         groups = list(model_parameters)
@@ -227,17 +227,3 @@ class DeepSpeedEngine:
 
     def get_global_grad_norm(self) -> float | None:
         return self.engine.last_grad_norm
-
-
-def _raw_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
-    """The DeepSpeed config as a dict (read from its file)."""
-    if isinstance(config, Mapping):
-        return dict(config)
-    try:
-        with open(config, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read the DeepSpeed config {config}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"a DeepSpeed config is a JSON object, got {type(raw).__name__}")
-    return raw

@@ -255,6 +255,19 @@ def _mesh_auto_from_env() -> bool:
     return True
 
 
+def read_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """A DeepSpeed config as a dict: the mapping given, or its JSON file read."""
+    if isinstance(config, str | os.PathLike):
+        path = Path(config)
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read the DeepSpeed config {path}: {exc}") from exc
+    if not isinstance(config, Mapping):
+        raise ValueError(f"a DeepSpeed config is a JSON object, got {type(config).__name__}")
+    return dict(config)
+
+
 def resolve_config(
     config: ConfigArg | None,
     optimizer: OptimizerArg | None,
@@ -269,17 +282,7 @@ def resolve_config(
                 "'optimizer' section"
             )
         return config or ZeroConfig(), optimizer, lr_scheduler
-    if isinstance(config, str | os.PathLike):
-        path = Path(config)
-        try:
-            ds = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read the DeepSpeed config {path}: {exc}") from exc
-    else:
-        ds = config
-    if not isinstance(ds, Mapping):
-        raise ValueError(f"a DeepSpeed config is a JSON object, got {type(ds).__name__}")
-    ds = dict(ds)
+    ds = read_deepspeed_config(config)
     optimizer_section, scheduler_section = ds.pop("optimizer", None), ds.pop("scheduler", None)
     for given, section, what in (
         (optimizer, optimizer_section, "optimizer"),
