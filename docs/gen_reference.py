@@ -641,8 +641,11 @@ ENV_DOCS: dict[str, str] = {
     "generation's rendezvous store there). Default: 127.0.0.1 when the coordinator is "
     "local, else the hostname. The Kubernetes manifests set the pod's DNS name.",
     "ZEROPLANE_METRICS_PORT": "Serve the worker's `/metrics` on this port when "
-    "`ZeroConfig.metrics_port` is None (0: a free port; unset: no endpoint). Launchers "
-    "set it.",
+    "`ZeroConfig.metrics_port` is None (0: a free port; `FIRST-LAST`: local rank i takes "
+    "FIRST + i, a free port beyond the range; unset: no endpoint). Launchers set it.",
+    "ZEROPLANE_HEALTH_PORT": "`zeroplane run` serves `/healthz` on this port (200 while "
+    "its loop over the workers turns, 503 after 30 s without; unset: nothing). The "
+    "Kubernetes manifests set 9399, the workers' liveness probe.",
     "ZEROPLANE_METRICS_HOST": "The interface the worker's `/metrics` binds (default all, "
     "`0.0.0.0`); `zeroplane run` sets 127.0.0.1, and with `--coordinator` at an address "
     "beyond loopback 0.0.0.0 (that coordinator lists it for a Prometheus elsewhere).",

@@ -27,18 +27,14 @@ import yaml
 
 from coordinator.cli import COMMANDS, build_parser
 from coordinator.launchers.jobspec import FORMATS, JobSpecError, load_job_spec, parse_job_spec
-from coordinator.launchers.k8s import (
-    KUBERNETES_VERSIONS,
-    find_dashboard,
-    kustomize_tree,
-    render,
-    worker_objects,
-)
+from coordinator.launchers.k8s import KUBERNETES_VERSIONS, find_dashboard, render, worker_objects
+from coordinator.launchers.k8s_files import kustomize_tree
 from tests.k8s_local import DOCKERFILE, dockerfile_instructions, read_image
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "job.yaml"
 TOKEN = "0123456789abcdef0123456789abcdef"
+DIGEST = "sha256:" + "0123456789abcdef" * 4
 ZEROPLANE = [sys.executable, "-m", "coordinator.cli"]
 KUBEFLOW_SCHEMAS = REPO / "tests" / "data" / "kubeflow"
 # The API groups of a cluster with no CRDs installed (what kubernetes-validate knows).
@@ -86,6 +82,9 @@ def all_variants() -> list[list[dict[str, Any]]]:
             checkpoint_storage="100Gi",
             checkpoint_storage_class="nfs",
             monitoring="prometheus-operator",
+            deadline_s=86400,
+            metrics_from="monitoring",
+            image_digests={"cpu": DIGEST, "cuda": DIGEST.replace("0", "1")},
         )
     )
     dashboard = find_dashboard()
@@ -225,10 +224,10 @@ def test_manifests_pass_strict_schema_validation(version: str) -> None:
                 continue
             kubernetes_validate.validate(obj, f"{version}.0", strict=True)
             checked += 1
-    # Secret, PVC, Service, Deployment, NetworkPolicy, PodDisruptionBudget in each of
-    # seven sets; the Job and its headless Service in three; the dashboard ConfigMap
-    # once and the checkpoint claim in three
-    assert checked == 7 * 6 + 3 * 2 + 1 + 3
+    # Secret, PVC, Service, Deployment, two NetworkPolicies, PodDisruptionBudget in
+    # each of seven sets; the Job and its headless Service in three; the dashboard
+    # ConfigMap once and the checkpoint claim in three
+    assert checked == 7 * 7 + 3 * 2 + 1 + 3
     assert templates == 4  # TrainingRuntime and PyTorchJob, twice each
     # the check has teeth: a misspelt field fails
     job = copy.deepcopy(by_key(all_variants()[0])[("Job", "gpt-worker")])
@@ -356,10 +355,18 @@ def test_wiring_between_objects() -> None:
         env = {e["name"]: e for e in worker["env"]}
         grpc_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
         assert env["ZEROPLANE_COORDINATOR"]["value"] == f"{name}-coordinator:{grpc_port}"
-        # the token: one Secret, read by both
-        for c in (coordinator, worker):
-            ref = {e["name"]: e for e in c["env"]}["ZEROPLANE_TOKEN"]["valueFrom"]
-            assert ref["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "token"}
+        # the token: one Secret, read by both as a mounted file, never an env variable
+        for c, template in ((coordinator, deploy["spec"]["template"]), (worker, worker_pod)):
+            named = {e["name"]: e for e in c["env"]}
+            assert "ZEROPLANE_TOKEN" not in named
+            assert not [e for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+            path = Path(named["ZEROPLANE_TOKEN_FILE"]["value"])
+            (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(path.parent)]
+            assert mount["readOnly"] is True
+            (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == mount["name"]]
+            assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+            assert volume["secret"]["items"] == [{"key": "token", "path": path.name}]
+            assert volume["secret"]["defaultMode"] == 0o440
         # Kubernetes expands $(VAR) only for variables defined earlier in the list
         defined: set[str] = set()
         for e in worker["env"]:
@@ -392,17 +399,28 @@ def test_wiring_between_objects() -> None:
         assert deploy["spec"]["strategy"]["type"] == "Recreate"
         assert deploy["spec"]["replicas"] == 1
         # only the job's workers reach the coordinator's gRPC port
-        (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
-        grpc_rules = [r for r in policy["spec"]["ingress"] if r.get("from")]
+        policy = objs[("NetworkPolicy", f"{name}-coordinator")]
+        grpc = {"protocol": "TCP", "port": "grpc"}
+        grpc_rules = [r for r in policy["spec"]["ingress"] if grpc in r["ports"]]
         ((peer,),) = [r["from"] for r in grpc_rules]
         assert peer["podSelector"]["matchLabels"].items() <= worker_labels.items()
         assert grpc_rules[0]["ports"] == [{"protocol": "TCP", "port": "grpc"}]
-        assert all(
-            p["port"] != "grpc"
-            for r in policy["spec"]["ingress"]
-            if not r.get("from")
-            for p in r["ports"]
-        )
+        assert [p for r in policy["spec"]["ingress"] for p in r["ports"]].count(
+            {"protocol": "TCP", "port": "grpc"}
+        ) == 1
+        # the workers' ports: their own for gloo, NCCL and the store; metrics for anyone
+        policy = objs[("NetworkPolicy", f"{name}-worker")]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= worker_labels.items()
+        (peers, scrape) = policy["spec"]["ingress"]
+        assert "ports" not in peers  # every port, but only from the job's workers
+        ((peer,),) = [peers["from"]]
+        assert peer["podSelector"]["matchLabels"].items() <= worker_labels.items()
+        # from anywhere, or from Prometheus' namespace (metrics_from)
+        assert all(list(f) == ["namespaceSelector"] for f in scrape.get("from", []))
+        metrics_ports = [p["containerPort"] for p in worker["ports"] if p["name"] != "health"]
+        (opened,) = scrape["ports"]
+        low, high = opened["port"], opened.get("endPort", opened["port"])
+        assert sorted(metrics_ports) == list(range(low, high + 1))
         # the PodMonitor, where asked for, selects both kinds of pod on a port they have
         for monitor in (o for o in objects if o["kind"] == "PodMonitor"):
             port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
@@ -410,6 +428,18 @@ def test_wiring_between_objects() -> None:
             for c, pod_labels in ((coordinator, labels), (worker, worker_labels)):
                 assert port in {p["name"] for p in c["ports"]}
                 assert selector <= pod_labels.items()
+        # the workers' liveness: the launcher's /healthz on a port they have
+        probe = worker["livenessProbe"]["httpGet"]
+        assert probe["path"] == "/healthz"
+        health = {p["name"]: p["containerPort"] for p in worker["ports"]}[probe["port"]]
+        assert {e["name"]: e.get("value") for e in worker["env"]}["ZEROPLANE_HEALTH_PORT"] == str(
+            health
+        )
+        # scratch space has limits
+        for template in templates:
+            for volume in template["spec"]["volumes"]:
+                if "emptyDir" in volume:
+                    assert volume["emptyDir"]["sizeLimit"], volume
         pdb = objs[("PodDisruptionBudget", f"{name}-worker")]
         assert pdb["spec"]["selector"]["matchLabels"].items() <= worker_labels.items()
         # non-root, read-only root filesystem, no privilege escalation
@@ -472,7 +502,15 @@ def test_spec_fields_reach_the_manifests() -> None:
     assert cargs[cargs.index("--max-workers") + 1] == "8"
     assert cargs[cargs.index("--stage") + 1] == "2"
     assert objs[("PodDisruptionBudget", "gpt-worker")]["spec"]["minAvailable"] == 2
-    assert "ZEROPLANE_METRICS_PORT" in env and env["ZEROPLANE_METRICS_PORT"] == "0"
+    # local rank i serves /metrics on the pod's i-th named metrics port
+    ports = [p for p in worker["ports"] if p["name"].startswith("metrics")]
+    assert [p["name"] for p in ports] == ["metrics", "metrics-1"]
+    assert (
+        env["ZEROPLANE_METRICS_PORT"] == f"{ports[0]['containerPort']}-{ports[1]['containerPort']}"
+    )
+    policy = objs[("NetworkPolicy", "gpt-worker")]
+    port = policy["spec"]["ingress"][1]["ports"][0]
+    assert (port["port"], port["endPort"]) == (ports[0]["containerPort"], ports[1]["containerPort"])
     assert not [o for o in objs if o[1] == "gpt-checkpoints"]
 
 
@@ -589,7 +627,9 @@ def committed_tree() -> dict[str, str]:
     return {
         str(p.relative_to(root)): p.read_text()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and p.parts[len(root.parts)] in ("base", "overlays") and p.name != "token"
+        if p.is_file()
+        and p.parts[len(root.parts)] in ("base", "overlays", "rbac")
+        and p.name != "token"
     }
 
 
@@ -866,8 +906,12 @@ def test_a_tls_job_mounts_the_secret_and_passes_schema_validation(fmt: str) -> N
     coordinator = by_key(objects)[("Deployment", "gpt-coordinator")]
     pod = coordinator["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["args"][-4:] == ["--tls-cert", "/tls/tls.crt", "--tls-key", "/tls/tls.key"]
-    assert "httpGet" in container["readinessProbe"]  # the kubelet's gRPC probe has no TLS
+    tls_args = ["--tls-cert", "/tls/tls.crt", "--tls-key", "/tls/tls.key"]
+    # the status page, /sd and /metrics over HTTPS and behind the token
+    assert container["args"][-6:] == [*tls_args, "--http-tls", "--http-auth"]
+    # the kubelet's gRPC probe has no TLS: /healthz, the one path without a token
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
     volume = {"name": "tls", "secret": {"secretName": "gpt-tls", "defaultMode": 0o440}}
     assert volume in pod["volumes"]
     (template,) = [
@@ -886,3 +930,176 @@ def test_a_tls_job_mounts_the_secret_and_passes_schema_validation(fmt: str) -> N
         for t in pod_templates(obj) if obj["apiVersion"] not in BUILT_IN else ():
             wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"}}
             kubernetes_validate.validate({**wrapped, "template": t}, "1.33.0", strict=True)
+
+
+# ---- a cluster admin's checklist ----------------------------------------------------------
+
+
+def test_the_supported_range_is_validated_at_both_ends_and_stated_once() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    low, high = KUBERNETES_VERSIONS[0], KUBERNETES_VERSIONS[-1]
+    # the floor is real: the release before it has no podReplacementPolicy
+    (job,) = worker_objects(load_job_spec(EXAMPLE))
+    with pytest.raises(kubernetes_validate.ValidationError, match="podReplacementPolicy"):
+        kubernetes_validate.validate(job, "1.27.0", strict=True)
+    # the docs name this one range, and no other
+    stated = f"Kubernetes {low}–{high}"
+    pages = [REPO / "k8s" / "README.md", *sorted((REPO / "docs").rglob("*.md")), REPO / "README.md"]
+    text = {p: p.read_text() for p in pages}
+    assert any(stated in t for t in text.values())
+    for page, t in text.items():
+        for other in re.findall(r"Kubernetes (?:≥ ?|>= ?)?1\.\d+(?:[–-]1\.\d+)?", t):
+            assert other == stated, f"{page.relative_to(REPO)} states {other!r}, not {stated!r}"
+
+
+def test_lifetimes_scratch_limits_and_digests_reach_every_format() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    data = spec_with(
+        ttl_after_finished_s=3600,
+        deadline_s=7200,
+        tmp_size="20Gi",
+        shm_size="2Gi",
+        image_digests={"cpu": DIGEST},
+    )
+    for fmt in FORMATS:
+        spec = parse_job_spec({**data, "format": fmt})
+        objs = by_key(render(spec, token=TOKEN))
+        worker = worker_container(list(objs.values()))
+        assert worker["image"] == f"zeroplane:0.1.0-cpu@{DIGEST}"
+        coordinator = objs[("Deployment", "gpt-coordinator")]["spec"]["template"]["spec"]
+        assert coordinator["containers"][0]["image"] == f"zeroplane:0.1.0-cpu@{DIGEST}"
+        # the gpu variant has no digest given: its tag, as before
+        gpu = worker_container(render(spec.for_device("cuda"), token=TOKEN))
+        assert gpu["image"] == "zeroplane:0.1.0-cuda"
+        (pod,) = [t for o in objs.values() for t in pod_templates(o) if _component(t) == "worker"]
+        sizes = {v["name"]: v["emptyDir"] for v in pod["spec"]["volumes"] if "emptyDir" in v}
+        assert sizes == {
+            "tmp": {"sizeLimit": "20Gi"},
+            "dshm": {"medium": "Memory", "sizeLimit": "2Gi"},
+        }
+        if fmt == "job":
+            job = objs[("Job", "gpt-worker")]["spec"]
+            assert (job["ttlSecondsAfterFinished"], job["activeDeadlineSeconds"]) == (3600, 7200)
+            kubernetes_validate.validate(objs[("Job", "gpt-worker")], "1.29.0", strict=True)
+        elif fmt == "pytorchjob":
+            run = objs[("PyTorchJob", "gpt")]["spec"]["runPolicy"]
+            assert run == {"activeDeadlineSeconds": 7200, "ttlSecondsAfterFinished": 3600}
+        else:
+            runtime = objs[("TrainingRuntime", "gpt")]["spec"]["template"]["spec"]
+            assert runtime["ttlSecondsAfterFinished"] == 3600
+            assert objs[("TrainJob", "gpt")]["spec"]["activeDeadlineSeconds"] == 7200
+    # by default: a week, then cleaned up; no deadline
+    job = worker_objects(parse_job_spec(GOOD))[0]["spec"]
+    assert job["ttlSecondsAfterFinished"] == 7 * 24 * 3600
+    assert "activeDeadlineSeconds" not in job
+    kept = worker_objects(parse_job_spec({**GOOD, "ttl_after_finished_s": None}))[0]["spec"]
+    assert "ttlSecondsAfterFinished" not in kept
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"shm_size": "4Gi"}, "shm_size"),  # the pod's whole memory limit
+        ({"tmp_size": "lots"}, "tmp_size"),
+        ({"deadline_s": 0}, "deadline_s"),
+        ({"ttl_after_finished_s": -1}, "ttl_after_finished_s"),
+        ({"image_digests": {"cpu": "sha256:abc"}}, "image_digests.cpu"),
+        ({"image_digests": {"tpu": DIGEST}}, "image_digests.tpu"),
+        ({"image": f"zeroplane:0.1.0-cpu@{DIGEST}", "image_digests": {"cpu": DIGEST}}, "image"),
+        ({"metrics_from": "Monitoring"}, "metrics_from"),
+    ],
+)
+def test_a_bad_checklist_field_is_named(change: dict[str, Any], field: str) -> None:
+    with pytest.raises(JobSpecError, match=f"field '{re.escape(field)}'"):
+        parse_job_spec(spec_with(**change))
+
+
+def test_metrics_from_limits_who_reaches_the_metrics_ports() -> None:
+    objs = by_key(render(parse_job_spec(spec_with(metrics_from="monitoring")), token=TOKEN))
+    prometheus = {"kubernetes.io/metadata.name": "monitoring"}
+    for name in ("gpt-coordinator", "gpt-worker"):
+        (scrape,) = [r for r in objs[("NetworkPolicy", name)]["spec"]["ingress"] if "ports" in r][
+            -1:
+        ]
+        assert scrape["from"] == [{"namespaceSelector": {"matchLabels": prometheus}}]
+
+
+def test_a_tls_job_scrapes_its_coordinator_over_https_with_the_token() -> None:
+    spec = parse_job_spec(spec_with(tls_secret="gpt-tls", monitoring="prometheus-operator"))
+    objs = by_key(render(spec, token=TOKEN))
+    workers, coordinator = objs[("PodMonitor", "gpt")], objs[("PodMonitor", "gpt-coordinator")]
+    assert workers["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+    assert "scheme" not in workers["spec"]["podMetricsEndpoints"][0]  # plain /metrics
+    (endpoint,) = coordinator["spec"]["podMetricsEndpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["authorization"]["credentials"] == {"name": "gpt-token", "key": "token"}
+    assert endpoint["tlsConfig"]["serverName"] == "gpt-coordinator"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "gpt-tls", "key": "ca.crt"}
+
+
+def test_the_submitter_role_covers_every_kind_a_job_renders() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    from coordinator.launchers.k8s_files import submitter_role
+
+    for fmt in FORMATS:
+        spec = parse_job_spec(spec_with(format=fmt, monitoring="prometheus-operator"))
+        role = submitter_role(spec)
+        kubernetes_validate.validate(role, f"{KUBERNETES_VERSIONS[-1]}.0", strict=True)
+        allowed = {
+            (group, resource, verb)
+            for rule in role["rules"]
+            for group in rule["apiGroups"]
+            for resource in rule["resources"]
+            for verb in rule["verbs"]
+        }
+        for kind in OVERLAYS_KINDS:
+            for obj in render(spec.for_device(kind), token=TOKEN):
+                group = obj["apiVersion"].rpartition("/")[0]
+                resource = obj["kind"].lower() + ("es" if obj["kind"].endswith("s") else "s")
+                resource = resource.replace("policys", "policies")
+                for verb in ("get", "create", "patch", "delete"):
+                    assert (group, resource, verb) in allowed, (obj["kind"], verb)
+        assert ("", "pods/log", "get") in allowed
+        assert ("", "pods/portforward", "create") in allowed
+        # nothing cluster-wide, nothing it does not render
+        assert role["kind"] == "Role"
+        assert ("", "nodes", "get") not in allowed
+
+
+OVERLAYS_KINDS = ("cpu", "cuda")
+
+
+def test_launcher_healthz_answers_while_its_loop_turns() -> None:
+    import time
+    import urllib.error
+    import urllib.request
+
+    from coordinator.launchers.health import serve_health
+    from coordinator.launchers.local import find_free_port
+
+    port = find_free_port("0.0.0.0")
+    url = f"http://127.0.0.1:{port}/healthz"
+    with serve_health(port, stale_s=0.5) as health:
+        assert urllib.request.urlopen(url, timeout=5).status == 200
+        time.sleep(0.6)  # the loop stopped turning
+        with pytest.raises(urllib.error.HTTPError) as stale:
+            urllib.request.urlopen(url, timeout=5)
+        assert stale.value.code == 503
+        health.beat()
+        assert urllib.request.urlopen(url, timeout=5).status == 200
+    with serve_health(None) as health:  # no port: nothing served
+        health.beat()
+    with pytest.raises(ValueError, match="health port"), serve_health("http"):
+        pass
+
+
+def test_a_pods_local_ranks_take_the_named_metrics_ports() -> None:
+    from worker.metrics import env_metrics_port
+
+    assert env_metrics_port("9400", 3) == 9400  # one port: every rank (a single process)
+    assert env_metrics_port("0", 1) == 0
+    assert [env_metrics_port("9400-9403", r) for r in range(4)] == [9400, 9401, 9402, 9403]
+    assert env_metrics_port("9400-9401", 2) == 0  # a rank the launcher added: a free port
+    for bad in ("http", "9401-9400", "0-3", "70000"):
+        with pytest.raises(ValueError, match="ZEROPLANE_METRICS_PORT"):
+            env_metrics_port(bad, 0)

@@ -75,14 +75,53 @@ def wait_complete(
     cluster.wait_for(complete, timeout, "the Job's Complete condition", others)
 
 
-def scrape(cluster: LocalCluster, pod: Pod) -> str:
-    """GET the pod's metrics as the PodMonitor's endpoint names them (port name, path)."""
-    (endpoint,) = cluster.get("PodMonitor", "e2e")["spec"]["podMetricsEndpoints"]
+def scrape(cluster: LocalCluster, pod: Pod, ca: Path | None = None) -> str:
+    """GET the pod's metrics as the PodMonitor that selects it says: port name, path,
+    scheme, the bearer token from its Secret and the server name (``ca``: the authority
+    its tlsConfig names, as a file)."""
+    (monitor,) = [
+        m
+        for m in cluster._objects("PodMonitor")
+        if m["spec"]["selector"]["matchLabels"].items() <= pod.labels.items()
+    ]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     (port,) = [p for p in pod.container["ports"] if p["name"] == endpoint["port"]]
-    url = f"http://{pod.ip}:{port['containerPort']}{endpoint['path']}"
-    get = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())"
-    result = cluster.node_run([sys.executable, "-c", get, url])
-    assert result.returncode == 0, f"{url}: {result.stderr}"
+    https = endpoint.get("scheme", "http") == "https"
+    headers = {}
+    if "authorization" in endpoint:
+        credentials = endpoint["authorization"]["credentials"]
+        token = cluster._secret(credentials["name"], credentials["key"])
+        headers["Authorization"] = f"Bearer {token}"
+    # Prometheus connects to the pod's address and verifies the certificate for the
+    # endpoint's serverName against the authority its tlsConfig names
+    get = (
+        "import http.client, json, socket, ssl, sys\n"
+        "ip, port, path, headers, ca, name = sys.argv[1:]\n"
+        "if ca:\n"
+        "    context = ssl.create_default_context(cafile=ca)\n"
+        "    sock = context.wrap_socket(socket.create_connection((ip, int(port))),"
+        " server_hostname=name)\n"
+        "    conn = http.client.HTTPConnection(ip, int(port))\n"
+        "    conn.sock = sock\n"
+        "else:\n"
+        "    conn = http.client.HTTPConnection(ip, int(port))\n"
+        "conn.request('GET', path, headers=json.loads(headers))\n"
+        "response = conn.getresponse()\n"
+        "assert response.status == 200, response.status\n"
+        "print(response.read().decode())\n"
+    )
+    server_name = endpoint.get("tlsConfig", {}).get("serverName", "")
+    args = [
+        pod.ip,
+        str(port["containerPort"]),
+        endpoint["path"],
+        json.dumps(headers),
+        str(ca) if https and ca else "",
+        server_name,
+    ]
+    assert not https or ca, "an HTTPS endpoint needs the authority to trust"
+    result = cluster.node_run([sys.executable, "-c", get, *args])
+    assert result.returncode == 0, f"{args}: {result.stderr}"
     return result.stdout
 
 
@@ -107,9 +146,17 @@ def test_manifests_run_as_written_train_and_complete(tmp_path: Path) -> None:
             [coordinator],
         )
         assert cluster.probe(coordinator, "livenessProbe")
-        assert 'zeroplane_coordinator_info{job_name="e2e"' in scrape(cluster, coordinator)
+        # HTTPS and the token, as the coordinator's PodMonitor scrapes it
+        assert 'zeroplane_coordinator_info{job_name="e2e"' in scrape(cluster, coordinator, ca)
 
         workers = [cluster.start("Job", "e2e-worker", i) for i in range(2)]
+        # the launcher's /healthz answers the workers' liveness probe
+        cluster.wait_for(
+            lambda: all(cluster.probe(w, "livenessProbe") for w in workers),
+            60,
+            "the workers' liveness probes",
+            [coordinator, *workers],
+        )
         wait_complete(cluster, workers, [coordinator], 180)
         report = status(cluster, token, ca)
         generations = [e for e in report["events"] if e["kind"] == "generation"]

@@ -509,12 +509,36 @@ def start_metrics(config: ZeroConfig, board: SnapshotBoard) -> MetricsServer | N
         value = os.environ.get(METRICS_PORT_ENV, "").strip()
         if not value:
             return None
-        try:
-            port = int(value)
-        except ValueError:
-            raise ValueError(f"${METRICS_PORT_ENV} must be a port number, got {value!r}") from None
+        port = env_metrics_port(value, int(os.environ.get("LOCAL_RANK") or 0))
     server, _ = serve_metrics(board, port, host=os.environ.get(METRICS_HOST_ENV) or "0.0.0.0")
     return server
+
+
+def env_metrics_port(value: str, local_rank: int) -> int:
+    """The port ``$ZEROPLANE_METRICS_PORT`` gives this process: a port (0: a free
+    one), or ``FIRST-LAST``, from which local rank i takes FIRST + i (a pod of
+    several processes whose ports its manifests name); a local rank beyond the
+    range (a process the launcher added) takes a free port, which /sd still lists."""
+    first, dash, last = value.partition("-")
+    try:
+        low, high = int(first), int(last if dash else first)
+    except ValueError:
+        raise ValueError(
+            f"${METRICS_PORT_ENV} must be a port number or a range FIRST-LAST, got {value!r}"
+        ) from None
+    if not 0 <= low <= high <= 65535 or (dash and low == 0):
+        raise ValueError(f"${METRICS_PORT_ENV}={value!r} is not a port or a range of ports")
+    if not dash:
+        return low
+    if low + local_rank > high:
+        logger.warning(
+            "$%s=%s has no port for local rank %d: serving /metrics on a free port",
+            METRICS_PORT_ENV,
+            value,
+            local_rank,
+        )
+        return 0
+    return low + local_rank
 
 
 def serve_metrics(

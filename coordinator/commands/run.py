@@ -49,12 +49,14 @@ from coordinator.core.meshplan import (
 from coordinator.core.messages import StatusReport, WorkerReport
 from coordinator.core.settings import (
     ADDRESS_ENV,
+    HEALTH_PORT_ENV,
     METRICS_HOST_ENV,
     METRICS_PORT_ENV,
     TOKEN_ENV,
     TOKEN_FILE_ENV,
     load_token,
 )
+from coordinator.launchers.health import serve_health
 from coordinator.launchers.local import (
     STAGE_CHOICES,
     LaunchSpec,
@@ -413,7 +415,8 @@ def run(args: argparse.Namespace) -> int:
     )
     started = time.monotonic()
     page = None
-    with forward_signals(job), job:
+    health = serve_health(os.environ.get(HEALTH_PORT_ENV))
+    with health as alive, forward_signals(job), job:
         for service in services:
             http = service.server.http_address if service.server else None
             if http:
@@ -431,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
                 over=lambda: over(services),
                 placeable=lambda workers: placeable(services, workers),
                 groups=lambda: member_groups(services, group_size(args)),
-                tick=lambda: (kill_dropped(job, services), tick()),
+                tick=lambda: (kill_dropped(job, services), tick(), alive.beat()),
                 expect=lambda count: expect_more(services, count),
             )
         # read before the embedded coordinator stops with the job

@@ -12,15 +12,8 @@ from pathlib import Path
 
 from coordinator.core.settings import write_private
 from coordinator.launchers.jobspec import FORMATS, JobSpec, JobSpecError, load_job_spec
-from coordinator.launchers.k8s import (
-    COORDINATOR_PORT,
-    GENERATED,
-    dump_yaml,
-    find_dashboard,
-    kustomize_tree,
-    overlay_for,
-    render,
-)
+from coordinator.launchers.k8s import COORDINATOR_PORT, find_dashboard, render
+from coordinator.launchers.k8s_files import GENERATED, dump_yaml, kustomize_tree, overlay_for
 
 __all__ = ["add_parser", "submit", "write_tree"]
 
@@ -72,7 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def write_tree(spec: JobSpec, out: Path, *, dashboard: str | None) -> list[Path]:
     """Write the kustomize tree; generated files it no longer makes are removed."""
     files = kustomize_tree(spec, dashboard=dashboard)
-    for sub in ("base", "overlays/cpu", "overlays/gpu"):
+    for sub in ("base", "overlays/cpu", "overlays/gpu", "rbac"):
         directory = out / sub
         if directory.is_dir():
             for old in directory.glob("*.yaml"):
@@ -115,6 +108,12 @@ def submit(args: argparse.Namespace) -> int:
         return 2
     if args.format is not None:
         spec = dataclasses.replace(spec, format=args.format)
+    if "@" not in spec.worker_image:
+        print(
+            f"zeroplane submit: warning: image {spec.worker_image} is pinned by tag only (a "
+            f"registry can move a tag): give image_digests.{spec.device.kind} in the job spec",
+            file=sys.stderr,
+        )
     dashboard = find_dashboard()
     out = args.out or Path(f"zeroplane-{spec.name}")
     token_path = out / "base" / "token"

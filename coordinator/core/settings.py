@@ -23,6 +23,7 @@ from coordinator.core.planner import PlanConfig
 
 __all__ = [
     "ADDRESS_ENV",
+    "HEALTH_PORT_ENV",
     "METRICS_HOST_ENV",
     "METRICS_PORT_ENV",
     "TOKEN_ENV",
@@ -44,8 +45,11 @@ TOKEN_ENV = "ZEROPLANE_TOKEN"
 TOKEN_FILE_ENV = "ZEROPLANE_TOKEN_FILE"
 # The worker's name at the coordinator (default: HOST-LOCAL_RANK, or HOST-PID).
 WORKER_ID_ENV = "ZEROPLANE_WORKER_ID"
-# Where workers serve /metrics: a port (0: a free one) and the address to bind.
+# Where workers serve /metrics: a port (0: a free one; FIRST-LAST: local rank i takes
+# FIRST + i) and the address to bind.
 METRICS_PORT_ENV = "ZEROPLANE_METRICS_PORT"
+# Where ``zeroplane run`` serves /healthz for a liveness probe (unset: nowhere).
+HEALTH_PORT_ENV = "ZEROPLANE_HEALTH_PORT"
 METRICS_HOST_ENV = "ZEROPLANE_METRICS_HOST"
 # How clients reach a TLS coordinator: the PEM roots they trust ("system": the
 # system's), the name its certificate carries when it is not the address's host,

@@ -18,9 +18,11 @@
     format: job                            # or trainjob, pytorchjob (Kubeflow)
     monitoring: none                       # or prometheus-operator (adds a PodMonitor)
 
-and optionally ``namespace``, ``coordinator_image``, ``grace_period_s``,
-``state_storage``, ``storage_class``, ``checkpoint_storage``,
-``checkpoint_storage_class`` and ``env`` (see :class:`JobSpec`).
+and optionally ``namespace``, ``coordinator_image``, ``image_digests``,
+``grace_period_s``, ``ttl_after_finished_s``, ``deadline_s``, ``tmp_size``,
+``shm_size``, ``state_storage``, ``storage_class``, ``checkpoint_storage``,
+``checkpoint_storage_class``, ``metrics_from``, ``tls_secret`` and ``env`` (see
+:class:`JobSpec`).
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ import yaml
 from coordinator.core.meshplan import PP_ENV, TP_ENV
 from coordinator.core.settings import (
     ADDRESS_ENV,
+    HEALTH_PORT_ENV,
     METRICS_PORT_ENV,
     TLS_ROOT_CERT_ENV,
     TOKEN_ENV,
+    TOKEN_FILE_ENV,
     WORKER_ID_ENV,
 )
 
@@ -74,6 +78,8 @@ RESERVED_ENV = frozenset(
     {
         ADDRESS_ENV,
         TOKEN_ENV,
+        TOKEN_FILE_ENV,
+        HEALTH_PORT_ENV,
         HOST_ENV,
         WORKER_ID_ENV,
         COMPRESSION_ENV,
@@ -90,6 +96,7 @@ RESERVED_ENV = frozenset(
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|Ei|M|G|T|P|E)?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 # Names get "-coordinator-state" appended; 63 is the DNS label limit.
 MAX_NAME = 40
 
@@ -146,6 +153,10 @@ class JobSpec:
     image: the worker image for ``device.kind`` (``zeroplane:<version>-cpu`` or ``-cuda``).
     coordinator_image: default: ``image`` with a ``-cuda`` tag suffix made ``-cpu``
         (the coordinator needs no GPU and no torch).
+    image_digests: ``{cpu: sha256:..., cuda: sha256:...}``, the digest of each
+        variant's image: the manifests then name ``<image>@<digest>``, which a
+        registry cannot move as it can a tag (``zeroplane submit`` warns about an
+        image pinned by tag only). The coordinator's image is the cpu variant's.
     script / args: each worker process runs ``python SCRIPT ARGS`` in the image's
         working directory.
     stage: ``auto`` (the coordinator's planner picks) or 0-3.
@@ -158,11 +169,22 @@ class JobSpec:
     compression: gradient compression, ``$ZEROPLANE_COMPRESSION`` in the workers.
     grace_period_s: how long a worker pod gets between SIGTERM and SIGKILL to hand
         its shards over.
+    ttl_after_finished_s: seconds a finished workload (Job, TrainJob's JobSet,
+        PyTorchJob) is kept before Kubernetes deletes it and its pods (default 7
+        days; None: kept until deleted).
+    deadline_s: seconds the workload may run in all before Kubernetes stops it
+        (``activeDeadlineSeconds``; default None: no limit).
+    tmp_size / shm_size: the size limits of each worker pod's /tmp and /dev/shm
+        (``emptyDir.sizeLimit``; /dev/shm is memory, counted against the pod's memory
+        limit, which must hold it); the coordinator's /tmp is 256Mi.
     state_storage / storage_class: the coordinator's state claim.
     checkpoint_storage / checkpoint_storage_class: a ReadWriteMany claim mounted at
         /checkpoints in every worker (checkpoints need one directory all ranks share:
         pass ``--checkpoint /checkpoints`` to the script); None: no such volume.
     env: extra environment for the workers.
+    metrics_from: the namespace Prometheus scrapes from: the NetworkPolicies then let
+        only that namespace reach the metrics ports (and the coordinator's status
+        page); None: any namespace may.
     format: how the workers run: ``job`` (an Indexed Job: completes when training
         does, scaled by patching its completions and parallelism), ``trainjob`` (a
         Kubeflow Trainer v2 TrainJob with its own TrainingRuntime) or ``pytorchjob``
@@ -173,7 +195,9 @@ class JobSpec:
     tls_secret: a ``kubernetes.io/tls`` Secret (``tls.crt``, ``tls.key``, ``ca.crt``:
         what cert-manager's Certificate writes) for the coordinator's name
         ``<name>-coordinator``: the coordinator serves TLS with it, the workers trust
-        its ``ca.crt`` (and see nothing else of it). None: plaintext.
+        its ``ca.crt`` (and see nothing else of it), and its HTTP port (status page,
+        ``/api/status``, ``/sd``, ``/metrics``) serves HTTPS and asks for the job's
+        token (``/healthz`` excepted). None: plaintext.
     """
 
     name: str
@@ -182,6 +206,7 @@ class JobSpec:
     args: tuple[str, ...] = ()
     namespace: str | None = None
     coordinator_image: str | None = None
+    image_digests: Mapping[str, str] = field(default_factory=dict)
     workers: Workers = field(default_factory=Workers)
     stage: str = "auto"
     tensor_parallel: int = 1
@@ -190,11 +215,16 @@ class JobSpec:
     resources: Mapping[str, str] = field(default_factory=lambda: {"cpu": "1", "memory": "2Gi"})
     compression: str = "none"
     grace_period_s: int = 120
+    ttl_after_finished_s: int | None = 7 * 24 * 3600
+    deadline_s: int | None = None
+    tmp_size: str = "4Gi"
+    shm_size: str = "1Gi"
     state_storage: str = "1Gi"
     storage_class: str | None = None
     checkpoint_storage: str | None = None
     checkpoint_storage_class: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    metrics_from: str | None = None
     format: Literal["job", "trainjob", "pytorchjob"] = "job"
     monitoring: Literal["none", "prometheus-operator"] = "none"
     tls_secret: str | None = None
@@ -222,6 +252,27 @@ class JobSpec:
         if self.coordinator_image is None:
             object.__setattr__(self, "coordinator_image", _variant_image(self.image, "cpu"))
         _check_image("coordinator_image", self.coordinator_image)
+        _check(
+            isinstance(self.image_digests, Mapping),
+            "image_digests",
+            "a mapping of cpu/cuda to sha256:<64 hex digits>",
+            self.image_digests,
+        )
+        for kind, digest in self.image_digests.items():
+            _check(kind in DEVICE_KINDS, f"image_digests.{kind}", "cpu or cuda", kind)
+            _check(
+                isinstance(digest, str) and _DIGEST.fullmatch(digest) is not None,
+                f"image_digests.{kind}",
+                "sha256:<64 lowercase hex digits>",
+                digest,
+            )
+        _check(
+            not self.image_digests or "@" not in self.image,
+            "image",
+            "a reference without a digest where image_digests gives them",
+            self.image,
+        )
+        object.__setattr__(self, "image_digests", dict(self.image_digests))
         _check(
             isinstance(self.script, str) and self.script.strip() != "",
             "script",
@@ -275,9 +326,17 @@ class JobSpec:
             "an integer number of seconds in [10, 3600]",
             self.grace_period_s,
         )
-        for name in ("state_storage", "checkpoint_storage"):
+        for name in ("ttl_after_finished_s", "deadline_s"):
             value = getattr(self, name)
-            if value is not None or name == "state_storage":
+            _check(
+                value is None or (_is_int(value) and value >= (1 if name == "deadline_s" else 0)),
+                name,
+                "a whole number of seconds" + (" >= 1" if name == "deadline_s" else " >= 0"),
+                value,
+            )
+        for name in ("state_storage", "checkpoint_storage", "tmp_size", "shm_size"):
+            value = getattr(self, name)
+            if value is not None or name != "checkpoint_storage":
                 _check(
                     isinstance(value, str) and _QUANTITY.fullmatch(value),
                     name,
@@ -299,6 +358,23 @@ class JobSpec:
             _check(key not in RESERVED_ENV, f"env.{key}", "a name the manifests do not set", key)
             _check(isinstance(value, str), f"env.{key}", "a string (quote numbers)", value)
         object.__setattr__(self, "env", dict(self.env))
+        memory = self.resources.get("memory")
+        if memory is not None and _QUANTITY.fullmatch(self.shm_size):
+            _check(
+                quantity_bytes(self.shm_size) < quantity_bytes(memory),
+                "shm_size",
+                f"less than resources.memory ({memory}): /dev/shm is the pod's memory",
+                self.shm_size,
+            )
+        if self.metrics_from is not None:
+            _check(
+                isinstance(self.metrics_from, str)
+                and _NAME.fullmatch(self.metrics_from) is not None
+                and len(self.metrics_from) <= 63,
+                "metrics_from",
+                "a namespace's name (a lowercase DNS label)",
+                self.metrics_from,
+            )
         _check(self.format in FORMATS, "format", ", ".join(FORMATS), self.format)
         _check(
             self.monitoring in MONITORING, "monitoring", " or ".join(MONITORING), self.monitoring
@@ -350,6 +426,21 @@ class JobSpec:
     @property
     def max_processes(self) -> int:
         return self.workers.max * self.device.count
+
+    @property
+    def worker_image(self) -> str:
+        """The workers' image as the manifests name it: with its digest, if given."""
+        return _pinned(self.image, self.image_digests.get(self.device.kind))
+
+    @property
+    def coordinator_image_ref(self) -> str:
+        """The coordinator's image as the manifests name it (the cpu variant's digest,
+        where the coordinator runs the cpu variant of ``image``)."""
+        image = self.coordinator_image
+        assert image is not None  # set in __post_init__
+        if image == _variant_image(self.image, "cpu"):
+            return _pinned(image, self.image_digests.get("cpu"))
+        return image
 
     def for_device(self, kind: str) -> JobSpec:
         """This job on ``kind``: the image's ``-cpu``/``-cuda`` tag suffix follows."""
@@ -444,6 +535,28 @@ def _check_image(name: str, image: Any) -> None:
     tail = image.rsplit("/", 1)[-1]
     pinned = "@sha256:" in image or (":" in tail and not tail.endswith(":latest"))
     _check(pinned, name, "pinned to a tag other than latest, or to a digest", image)
+
+
+# Binary and decimal suffixes of a Kubernetes quantity; "m" is thousandths.
+_UNITS = {
+    **{u: 1024 ** (i + 1) for i, u in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{u: 1000 ** (i + 1) for i, u in enumerate(("k", "M", "G", "T", "P", "E"))},
+    "m": 1e-3,
+    "": 1,
+}
+
+
+def quantity_bytes(quantity: str) -> float:
+    """A Kubernetes quantity as a number (``"1Gi"`` -> 1073741824)."""
+    match = _QUANTITY.fullmatch(quantity)
+    if match is None:
+        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
+    unit = match.group(2) or ""
+    return float(quantity[: len(quantity) - len(unit)]) * _UNITS[unit]
+
+
+def _pinned(image: str, digest: str | None) -> str:
+    return image if digest is None else f"{image}@{digest}"
 
 
 def _variant_image(image: str, kind: str) -> str:

@@ -10,9 +10,9 @@ depend on the device (the coordinator, the workers' Services, the
 PodDisruptionBudget, NetworkPolicy, the dashboard ConfigMap and, when asked
 for, the PodMonitor); ``worker_objects`` is the workers' workload for one
 device kind (image, resources, GPU tolerations) in the spec's ``format``.
-``render`` is the two together; ``kustomize_tree`` writes the first as a
-kustomize base and the second, for each device kind, as the ``cpu`` and
-``gpu`` overlays. ``k8s/`` in the repository is ``kustomize_tree`` of
+``render`` is the two together; ``kustomize_tree`` (k8s_files.py) writes the
+first as a kustomize base and the second, for each device kind, as the ``cpu``
+and ``gpu`` overlays. ``k8s/`` in the repository is ``kustomize_tree`` of
 ``examples/job.yaml``, written by ``zeroplane submit --out k8s --no-apply``;
 tests check that it has not drifted, and that ``kubectl kustomize`` of each
 overlay equals ``render`` of that device kind.
@@ -59,29 +59,30 @@ import base64
 import hashlib
 import json
 import logging
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from coordinator.core.meshplan import PP_ENV, TP_ENV
-from coordinator.core.settings import ADDRESS_ENV, METRICS_PORT_ENV, TLS_ROOT_CERT_ENV, TOKEN_ENV
+from coordinator.core.settings import (
+    ADDRESS_ENV,
+    HEALTH_PORT_ENV,
+    METRICS_PORT_ENV,
+    TLS_ROOT_CERT_ENV,
+    TOKEN_FILE_ENV,
+)
 from coordinator.launchers.jobspec import COMPRESSION_ENV, HOST_ENV, WORKER_ID_ENV, JobSpec
 
 __all__ = [
     "COORDINATOR_PORT",
     "KUBERNETES_VERSIONS",
-    "OVERLAYS",
     "base_objects",
     "coordinator_args",
     "dashboard_uid",
-    "dump_yaml",
     "find_dashboard",
     "job_dashboard",
-    "kustomize_tree",
-    "overlay_for",
+    "metrics_port_names",
+    "object_meta",
     "render",
     "token_secret",
     "worker_args",
@@ -91,11 +92,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # The Kubernetes versions the manifests are validated against (tests/test_k8s.py).
-KUBERNETES_VERSIONS = ("1.29", "1.30", "1.31", "1.32", "1.33")
+# One range, validated at both ends: podReplacementPolicy is on by default from 1.29
+# (beta; GA in 1.34), and 1.37 is the newest schema kubernetes-validate ships.
+KUBERNETES_VERSIONS = ("1.29", "1.37")
 
 COORDINATOR_PORT = 50051
 # /metrics of every pod (the coordinator's HTTP port also serves its status page).
 METRICS_PORT = 9400
+# /healthz of ``zeroplane run`` in each worker pod (the workers' liveness probe).
+HEALTH_PORT = 9399
+# The bearer token, a file of the token Secret (never an environment variable).
+TOKEN_DIR = "/var/run/secrets/zeroplane"
 STATE_DIR = "/var/lib/zeroplane"
 CHECKPOINT_DIR = "/checkpoints"
 # where JobSpec.tls_secret is mounted: the coordinator's certificate and key, the
@@ -123,7 +130,7 @@ def _labels(spec: JobSpec, component: str | None = None) -> dict[str, str]:
     return labels
 
 
-def _meta(spec: JobSpec, name: str, component: str | None = None) -> dict[str, Any]:
+def object_meta(spec: JobSpec, name: str, component: str | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name}
     if spec.namespace is not None:
         meta["namespace"] = spec.namespace
@@ -173,10 +180,43 @@ def _pod_security() -> dict[str, Any]:
     }
 
 
-def _token_env(spec: JobSpec) -> dict[str, Any]:
+def _token_env() -> dict[str, Any]:
+    return {"name": TOKEN_FILE_ENV, "value": f"{TOKEN_DIR}/token"}
+
+
+def _token_volume(spec: JobSpec) -> dict[str, Any]:
+    """The token Secret as a file (0440: the pod's group, which fsGroup makes the
+    non-root user's); what a process reads, not what ``kubectl describe`` shows."""
+    secret = {"secretName": spec.token_secret, "defaultMode": 0o440}
+    return {"name": "token", "secret": {**secret, "items": [{"key": "token", "path": "token"}]}}
+
+
+_TOKEN_MOUNT = {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}
+
+
+def _scratch(name: str, size: str, **kind: Any) -> dict[str, Any]:
+    """An emptyDir with a size limit: a runaway writer is evicted, not the node's disk filled."""
+    return {"name": name, "emptyDir": {**kind, "sizeLimit": size}}
+
+
+def _from_scrapers(spec: JobSpec) -> dict[str, Any]:
+    """Who may reach a metrics port: Prometheus' namespace, or any namespace."""
+    if spec.metrics_from is None:
+        return {}
+    labels = {"kubernetes.io/metadata.name": spec.metrics_from}
+    return {"from": [{"namespaceSelector": {"matchLabels": labels}}]}
+
+
+def _network_policy(spec: JobSpec, component: str, ingress: list[Any]) -> dict[str, Any]:
     return {
-        "name": TOKEN_ENV,
-        "valueFrom": {"secretKeyRef": {"name": spec.token_secret, "key": "token"}},
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": object_meta(spec, f"{spec.name}-{component}", component),
+        "spec": {
+            "podSelector": {"matchLabels": _labels(spec, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
     }
 
 
@@ -203,7 +243,15 @@ def coordinator_args(spec: JobSpec) -> list[str]:
         "--job-name",
         spec.name,
         *(
-            ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
+            # the status page and /sd name every worker: HTTPS, and the job's token
+            [
+                "--tls-cert",
+                f"{TLS_DIR}/tls.crt",
+                "--tls-key",
+                f"{TLS_DIR}/tls.key",
+                "--http-tls",
+                "--http-auth",
+            ]
             if spec.tls_secret is not None
             else []
         ),
@@ -249,13 +297,15 @@ def _coordinator_objects(spec: JobSpec) -> list[dict[str, Any]]:
     readiness: dict[str, Any] = {"grpc": {"port": COORDINATOR_PORT, "service": SERVICE_NAME}}
     liveness: dict[str, Any] = {"grpc": {"port": COORDINATOR_PORT}}
     if spec.tls_secret is not None:
-        # the kubelet's gRPC probe speaks no TLS: the status page's /healthz instead
-        readiness = liveness = {"httpGet": {"path": "/healthz", "port": "metrics"}}
+        # the kubelet's gRPC probe speaks no TLS: /healthz over HTTPS (which the kubelet
+        # does not verify) instead, the one path that asks for no token
+        get = {"path": "/healthz", "port": "metrics", "scheme": "HTTPS"}
+        readiness = liveness = {"httpGet": get}
     container = {
         "name": "coordinator",
-        "image": spec.coordinator_image,
+        "image": spec.coordinator_image_ref,
         "args": coordinator_args(spec),
-        "env": [_token_env(spec), {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": [_token_env(), {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "ports": [
             {"name": "grpc", "containerPort": COORDINATOR_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
@@ -276,6 +326,7 @@ def _coordinator_objects(spec: JobSpec) -> list[dict[str, Any]]:
         "volumeMounts": [
             {"name": "state", "mountPath": STATE_DIR},
             {"name": "tmp", "mountPath": TMP_DIR},
+            _TOKEN_MOUNT,
             *([{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if spec.tls_secret else []),
         ],
     }
@@ -283,13 +334,13 @@ def _coordinator_objects(spec: JobSpec) -> list[dict[str, Any]]:
         {
             "apiVersion": "v1",
             "kind": "PersistentVolumeClaim",
-            "metadata": _meta(spec, spec.state_claim, "coordinator"),
+            "metadata": object_meta(spec, spec.state_claim, "coordinator"),
             "spec": claim,
         },
         {
             "apiVersion": "v1",
             "kind": "Service",
-            "metadata": _meta(spec, spec.coordinator, "coordinator"),
+            "metadata": object_meta(spec, spec.coordinator, "coordinator"),
             "spec": {
                 "selector": selector,
                 "ports": [
@@ -313,7 +364,7 @@ def _coordinator_objects(spec: JobSpec) -> list[dict[str, Any]]:
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
-            "metadata": _meta(spec, spec.coordinator, "coordinator"),
+            "metadata": object_meta(spec, spec.coordinator, "coordinator"),
             "spec": {
                 "replicas": 1,
                 # One writer of the state volume (ReadWriteOnce): the old pod goes first.
@@ -327,32 +378,28 @@ def _coordinator_objects(spec: JobSpec) -> list[dict[str, Any]]:
                             "name": "state",
                             "persistentVolumeClaim": {"claimName": spec.state_claim},
                         },
-                        {"name": "tmp", "emptyDir": {}},
+                        _scratch("tmp", "256Mi"),
+                        _token_volume(spec),
                         *([_tls_volume(spec)] if spec.tls_secret is not None else []),
                     ],
                     grace_period_s=30,
                 ),
             },
         },
-        {
-            "apiVersion": "networking.k8s.io/v1",
-            "kind": "NetworkPolicy",
-            "metadata": _meta(spec, spec.coordinator, "coordinator"),
-            "spec": {
-                "podSelector": {"matchLabels": selector},
-                "policyTypes": ["Ingress"],
-                "ingress": [
-                    # The control plane: this job's workers only. (kubectl port-forward
-                    # and the kubelet's probes do not pass through NetworkPolicy.)
-                    {
-                        "from": [{"podSelector": {"matchLabels": _labels(spec, "worker")}}],
-                        "ports": [{"protocol": "TCP", "port": "grpc"}],
-                    },
-                    # Metrics and the status page: Prometheus may run in any namespace.
-                    {"ports": [{"protocol": "TCP", "port": "metrics"}]},
-                ],
-            },
-        },
+        _network_policy(
+            spec,
+            "coordinator",
+            [
+                # The control plane: this job's workers only. (kubectl port-forward
+                # and the kubelet's probes do not pass through NetworkPolicy.)
+                {
+                    "from": [{"podSelector": {"matchLabels": _labels(spec, "worker")}}],
+                    "ports": [{"protocol": "TCP", "port": "grpc"}],
+                },
+                # Metrics, /sd and the status page: Prometheus' namespace (metrics_from).
+                {**_from_scrapers(spec), "ports": [{"protocol": "TCP", "port": "metrics"}]},
+            ],
+        ),
     ]
 
 
@@ -385,7 +432,7 @@ def _worker_env(spec: JobSpec) -> list[dict[str, Any]]:
         pod, host = "$(POD_NAME)", "$(POD_IP)"
     env += [
         {"name": ADDRESS_ENV, "value": f"{spec.coordinator}:{COORDINATOR_PORT}"},
-        _token_env(spec),
+        _token_env(),
         {"name": HOST_ENV, "value": host},
     ]
     if spec.tls_secret is not None:
@@ -394,10 +441,12 @@ def _worker_env(spec: JobSpec) -> list[dict[str, Any]]:
         # Several processes per pod fall back to <hostname>-<local rank>; one process
         # is named after its pod alone.
         env.append({"name": WORKER_ID_ENV, "value": pod})
-    # One process serves /metrics on the pod's named port; several take free ports
-    # and register them with the coordinator, whose /sd lists them for Prometheus.
-    metrics_port = METRICS_PORT if spec.device.count == 1 else 0
-    env.append({"name": METRICS_PORT_ENV, "value": str(metrics_port)})
+    # Local rank i serves /metrics on METRICS_PORT + i, the pod's named ports
+    # (metrics, metrics-1, ...), which the NetworkPolicy and the PodMonitor name.
+    last = METRICS_PORT + spec.device.count - 1
+    metrics_ports = str(METRICS_PORT) if last == METRICS_PORT else f"{METRICS_PORT}-{last}"
+    env.append({"name": METRICS_PORT_ENV, "value": metrics_ports})
+    env.append({"name": HEALTH_PORT_ENV, "value": str(HEALTH_PORT)})
     env.append({"name": COMPRESSION_ENV, "value": spec.compression})
     if spec.tensor_parallel * spec.pipeline_parallel > 1:
         env.append({"name": TP_ENV, "value": str(spec.tensor_parallel)})
@@ -418,16 +467,23 @@ def _worker_resources(spec: JobSpec) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
+def metrics_port_names(spec: JobSpec) -> list[str]:
+    """The worker pod's named metrics ports, one per local rank."""
+    return ["metrics", *(f"metrics-{i}" for i in range(1, spec.device.count))]
+
+
 def _worker_pod(spec: JobSpec, **pod: Any) -> dict[str, Any]:
     """The pod template of a worker in the spec's format and device kind."""
     mounts = [
         {"name": "tmp", "mountPath": TMP_DIR},
         # NCCL and DataLoader workers need more shared memory than a container's 64 MiB.
         {"name": "dshm", "mountPath": "/dev/shm"},
+        _TOKEN_MOUNT,
     ]
     volumes: list[dict[str, Any]] = [
-        {"name": "tmp", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        _scratch("tmp", spec.tmp_size),
+        _scratch("dshm", spec.shm_size, medium="Memory"),
+        _token_volume(spec),
     ]
     if spec.checkpoint_storage is not None:
         mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
@@ -441,12 +497,26 @@ def _worker_pod(spec: JobSpec, **pod: Any) -> dict[str, Any]:
     if spec.device.kind == "cuda":
         # GPU nodes are commonly tainted so that only GPU workloads land there.
         pod["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    ports = [
+        {"name": name, "containerPort": METRICS_PORT + i, "protocol": "TCP"}
+        for i, name in enumerate(metrics_port_names(spec))
+    ]
     container = {
         "name": CONTAINER_NAMES[spec.format],
-        "image": spec.image,
+        "image": spec.worker_image,
         "args": worker_args(spec),
         "env": _worker_env(spec),
-        "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        "ports": [*ports, {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}],
+        # ``zeroplane run``'s /healthz answers while its loop over the workers turns
+        # (coordinator/launchers/health.py); a hung collective is the coordinator's
+        # to find, so that no probe restarts a pod the job could still carry.
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "health"},
+            "initialDelaySeconds": 5,
+            "periodSeconds": 15,
+            "timeoutSeconds": 5,
+            "failureThreshold": 4,
+        },
         "resources": _worker_resources(spec),
         "securityContext": _CONTAINER_SECURITY,
         "volumeMounts": mounts,
@@ -472,7 +542,7 @@ def _worker_base_objects(spec: JobSpec) -> list[dict[str, Any]]:
             {
                 "apiVersion": "v1",
                 "kind": "PersistentVolumeClaim",
-                "metadata": _meta(spec, spec.checkpoint_claim, "worker"),
+                "metadata": object_meta(spec, spec.checkpoint_claim, "worker"),
                 "spec": claim,
             }
         )
@@ -482,7 +552,7 @@ def _worker_base_objects(spec: JobSpec) -> list[dict[str, Any]]:
             {
                 "apiVersion": "v1",
                 "kind": "Service",
-                "metadata": _meta(spec, spec.workers_service, "worker"),
+                "metadata": object_meta(spec, spec.workers_service, "worker"),
                 "spec": {
                     "clusterIP": "None",
                     "publishNotReadyAddresses": True,
@@ -490,11 +560,27 @@ def _worker_base_objects(spec: JobSpec) -> list[dict[str, Any]]:
                 },
             }
         )
+    last = METRICS_PORT + spec.device.count - 1
+    metrics: dict[str, Any] = {"protocol": "TCP", "port": METRICS_PORT}
+    if last > METRICS_PORT:
+        metrics["endPort"] = last
+    objects.append(
+        _network_policy(
+            spec,
+            "worker",
+            [
+                # gloo, NCCL and the rendezvous store listen on ports of their own
+                # choosing, unauthenticated: this job's workers, and no one else.
+                {"from": [{"podSelector": {"matchLabels": selector}}]},
+                {**_from_scrapers(spec), "ports": [metrics]},
+            ],
+        )
+    )
     objects.append(
         {
             "apiVersion": "policy/v1",
             "kind": "PodDisruptionBudget",
-            "metadata": _meta(spec, spec.worker, "worker"),
+            "metadata": object_meta(spec, spec.worker, "worker"),
             "spec": {
                 # Voluntary evictions (node drains) may take the job down to its minimum.
                 "minAvailable": spec.workers.min,
@@ -514,12 +600,13 @@ def worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
             {
                 "apiVersion": TRAINER_API,
                 "kind": "TrainingRuntime",
-                "metadata": _meta(spec, spec.name, "worker"),
+                "metadata": object_meta(spec, spec.name, "worker"),
                 "spec": {
                     # No torch policy: zeroplane, not torchrun, forms the process group.
                     "mlPolicy": {"numNodes": replicas},
                     "template": {
                         "spec": {
+                            **_ttl(spec),
                             "replicatedJobs": [
                                 {
                                     "name": "node",
@@ -528,7 +615,7 @@ def worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
                                         "spec": {"template": pod},
                                     },
                                 }
-                            ]
+                            ],
                         }
                     },
                 },
@@ -536,15 +623,16 @@ def worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
             {
                 "apiVersion": TRAINER_API,
                 "kind": "TrainJob",
-                "metadata": _meta(spec, spec.name, "worker"),
+                "metadata": object_meta(spec, spec.name, "worker"),
                 "spec": {
                     "runtimeRef": {
                         "apiGroup": TRAINER_GROUP,
                         "kind": "TrainingRuntime",
                         "name": spec.name,
                     },
+                    **_deadline(spec),
                     "trainer": {
-                        "image": spec.image,
+                        "image": spec.worker_image,
                         "args": worker_args(spec),
                         "numNodes": replicas,
                         "resourcesPerNode": _worker_resources(spec),
@@ -562,16 +650,19 @@ def worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
             {
                 "apiVersion": PYTORCHJOB_API,
                 "kind": "PyTorchJob",
-                "metadata": _meta(spec, spec.name, "worker"),
+                "metadata": object_meta(spec, spec.name, "worker"),
                 # Workers only: zeroplane's coordinator, not a master pod, forms the group.
-                "spec": {"pytorchReplicaSpecs": {"Worker": replica}},
+                "spec": {
+                    "pytorchReplicaSpecs": {"Worker": replica},
+                    **({"runPolicy": run} if (run := {**_deadline(spec), **_ttl(spec)}) else {}),
+                },
             }
         ]
     return [
         {
             "apiVersion": "batch/v1",
             "kind": "Job",
-            "metadata": _meta(spec, spec.worker, "worker"),
+            "metadata": object_meta(spec, spec.worker, "worker"),
             "spec": {
                 # Elastic: completions and parallelism move together (see [Note: completion ...]).
                 "completionMode": "Indexed",
@@ -579,6 +670,8 @@ def worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
                 "parallelism": replicas,
                 # One pod per index at a time: a replacement registers under the same name.
                 "podReplacementPolicy": "Failed",
+                **_deadline(spec),
+                **_ttl(spec),
                 "podFailurePolicy": {
                     "rules": [
                         {
@@ -593,6 +686,16 @@ def worker_objects(spec: JobSpec) -> list[dict[str, Any]]:
             },
         }
     ]
+
+
+def _ttl(spec: JobSpec) -> dict[str, int]:
+    if spec.ttl_after_finished_s is None:
+        return {}
+    return {"ttlSecondsAfterFinished": spec.ttl_after_finished_s}
+
+
+def _deadline(spec: JobSpec) -> dict[str, int]:
+    return {} if spec.deadline_s is None else {"activeDeadlineSeconds": spec.deadline_s}
 
 
 def dashboard_uid(spec: JobSpec) -> str:
@@ -618,28 +721,52 @@ def job_dashboard(spec: JobSpec, dashboard: str) -> str:
 def _monitoring_objects(spec: JobSpec, dashboard: str | None) -> list[dict[str, Any]]:
     objects: list[dict[str, Any]] = []
     if spec.monitoring == "prometheus-operator":
-        objects.append(
-            {
-                "apiVersion": "monitoring.coreos.com/v1",
-                "kind": "PodMonitor",
-                "metadata": _meta(spec, spec.name),
-                "spec": {
-                    # Prometheus' job label becomes the zeroplane job's name.
-                    "jobLabel": "app.kubernetes.io/instance",
-                    "selector": {"matchLabels": _labels(spec)},
-                    "podMetricsEndpoints": [
-                        {"port": "metrics", "path": "/metrics", "interval": "15s"}
-                    ],
-                },
-            }
-        )
+        objects += _pod_monitors(spec)
     if dashboard is not None:
-        meta = _meta(spec, spec.dashboard)
+        meta = object_meta(spec, spec.dashboard)
         meta["labels"]["grafana_dashboard"] = "1"
         # Grafana's sidecar writes each key to a file: one file per job.
         data = {f"{dashboard_uid(spec)}.json": job_dashboard(spec, dashboard)}
         objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
     return objects
+
+
+def _pod_monitors(spec: JobSpec) -> list[dict[str, Any]]:
+    """The PodMonitor of the job's pods; with TLS, the coordinator's HTTPS and token
+    in a second one (the workers' metrics stay plain HTTP)."""
+
+    def monitor(name: str, selector: dict[str, str], ports: list[str], **endpoint: Any) -> Any:
+        return {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "PodMonitor",
+            "metadata": object_meta(spec, name),
+            "spec": {
+                # Prometheus' job label becomes the zeroplane job's name.
+                "jobLabel": "app.kubernetes.io/instance",
+                "selector": {"matchLabels": selector},
+                "podMetricsEndpoints": [
+                    {"port": port, "path": "/metrics", "interval": "15s", **endpoint}
+                    for port in ports
+                ],
+            },
+        }
+
+    ports = metrics_port_names(spec)
+    if spec.tls_secret is None:
+        return [monitor(spec.name, _labels(spec), ports)]
+    token = {"name": spec.token_secret, "key": "token"}
+    secure = {
+        "scheme": "https",
+        "authorization": {"type": "Bearer", "credentials": token},
+        "tlsConfig": {
+            "ca": {"secret": {"name": spec.tls_secret, "key": "ca.crt"}},
+            "serverName": spec.coordinator,
+        },
+    }
+    return [
+        monitor(spec.name, _labels(spec, "worker"), ports),
+        monitor(spec.coordinator, _labels(spec, "coordinator"), ["metrics"], **secure),
+    ]
 
 
 def token_secret(spec: JobSpec, token: str) -> dict[str, Any]:
@@ -649,7 +776,7 @@ def token_secret(spec: JobSpec, token: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(spec, spec.token_secret),
+        "metadata": object_meta(spec, spec.token_secret),
         "type": "Opaque",
         "data": {"token": base64.b64encode(token.encode()).decode()},
     }
@@ -684,95 +811,3 @@ def render(
     if token is not None:
         objects.insert(0, token_secret(spec, token))
     return objects
-
-
-# ---- files --------------------------------------------------------------------------------
-
-GENERATED = (
-    "# Generated by `zeroplane submit` from a job spec (see coordinator/launchers/k8s.py); "
-    "edit the spec, not this file.\n"
-)
-OVERLAYS = {"cpu": "cpu", "gpu": "cuda"}
-
-
-class _Dumper(yaml.SafeDumper):
-    # Objects share dicts (a selector is also the template's labels); write them out
-    # in full rather than as YAML anchors, which kubectl reads but people trip over.
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-def _str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
-    # Multi-line text (the dashboard JSON) as a literal block, readable in a diff.
-    style = "|" if "\n" in data else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
-
-
-_Dumper.add_representer(str, _str)
-
-
-def dump_yaml(objects: Sequence[Mapping[str, Any]]) -> str:
-    """Objects as a multi-document YAML stream (block style, keys in the order built)."""
-    return "---\n".join(
-        yaml.dump(dict(o), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
-        for o in objects
-    )
-
-
-def _file_name(obj: Mapping[str, Any]) -> str:
-    kind = re.sub(r"(?<!^)(?=[A-Z])", "-", obj["kind"]).lower()
-    return f"{obj['metadata']['name']}.{kind}.yaml"
-
-
-def kustomize_tree(spec: JobSpec, *, dashboard: str | None = None) -> dict[str, str]:
-    """``base/`` and ``overlays/{cpu,gpu}/`` as {relative path: file text}.
-
-    The base holds ``base_objects``; each overlay adds ``worker_objects`` for its
-    device kind. The token Secret comes from a ``secretGenerator`` reading
-    ``base/token``, which is not part of the tree (``base/.gitignore`` keeps it
-    out of git).
-    """
-    files: dict[str, str] = {}
-    resources = []
-    for obj in base_objects(spec, dashboard=dashboard):
-        name = _file_name(obj)
-        files[f"base/{name}"] = GENERATED + dump_yaml([obj])
-        resources.append(name)
-    secret_meta = token_secret(spec, "x")["metadata"]
-    base: dict[str, Any] = {
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "resources": resources,
-        "secretGenerator": [
-            {
-                "name": spec.token_secret,
-                **({"namespace": spec.namespace} if spec.namespace else {}),
-                "files": ["token"],
-                "type": "Opaque",
-                "options": {"labels": secret_meta["labels"]},
-            }
-        ],
-        # A fixed Secret name: the workers' env refers to it, and a new token must
-        # not roll the coordinator behind their back.
-        "generatorOptions": {"disableNameSuffixHash": True},
-    }
-    files["base/kustomization.yaml"] = GENERATED + dump_yaml([base])
-    files["base/.gitignore"] = "# the bearer token: `openssl rand -hex 32 > token`\ntoken\n"
-    for overlay, kind in OVERLAYS.items():
-        workers = []
-        for obj in worker_objects(spec.for_device(kind)):
-            name = _file_name(obj)
-            files[f"overlays/{overlay}/{name}"] = GENERATED + dump_yaml([obj])
-            workers.append(name)
-        kustomization = {
-            "apiVersion": "kustomize.config.k8s.io/v1beta1",
-            "kind": "Kustomization",
-            "resources": ["../../base", *workers],
-        }
-        files[f"overlays/{overlay}/kustomization.yaml"] = GENERATED + dump_yaml([kustomization])
-    return files
-
-
-def overlay_for(spec: JobSpec) -> str:
-    """The overlay directory name for the spec's device kind."""
-    return next(o for o, k in OVERLAYS.items() if k == spec.device.kind)
