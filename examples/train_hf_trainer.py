@@ -4,6 +4,10 @@
     # then: transformers.AutoModelForCausalLM.from_pretrained("out/hf-model")
 
     zeroplane run --nproc 2 examples/train_hf_trainer.py --config ds_config.json
+    zeroplane run --nproc 2 examples/train_hf_trainer.py --lora --save-dir out/adapters \
+        --merged-dir out/merged
+    # then: peft.PeftModel.from_pretrained(base, "out/adapters"), or
+    #       transformers.AutoModelForCausalLM.from_pretrained("out/merged")
     torchrun --nproc-per-node 2 examples/train_hf_trainer.py
     python examples/train_hf_trainer.py
 
@@ -16,7 +20,11 @@ samples a step), clipping, the optimizer and the LR schedule, as it would for
 ``--config`` takes a DeepSpeed JSON config, Hugging Face's "auto" values
 included; without it the stage is ``--stage`` (``zeroplane run --stage``).
 ``--save-dir`` gets ``trainer.save_model()``; ``--out FILE`` the final fp32
-parameters by name.
+parameters by name. ``--lora`` trains LoRA adapters (PEFT) on the attention's
+query and value projections and a trained copy of the output head, the base
+frozen: ``save_model`` then writes the adapters as PEFT does, and
+``--merged-dir`` gets the model with them merged
+(``engine.save_pretrained(dir, merged=True)``).
 """
 
 from __future__ import annotations
@@ -49,6 +57,21 @@ CONFIG = LlamaConfig(
 def build(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     return LlamaForCausalLM(CONFIG)
+
+
+def build_lora(seed: int = 0) -> torch.nn.Module:
+    """The model with LoRA adapters (r=4) on q_proj and v_proj and a trained copy of
+    lm_head, everything else frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["lm_head"],
+    )
+    return get_peft_model(build(seed), config)
 
 
 def dataset(limit: int = 512) -> list[dict[str, torch.Tensor]]:
@@ -90,6 +113,8 @@ def main() -> None:
     p.add_argument("--output-dir", type=Path, default=Path("out/hf-trainer"))
     p.add_argument("--save-dir", type=Path, help="trainer.save_model() writes here")
     p.add_argument("--out", type=Path, help="the final fp32 parameters by name (torch.save)")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft)")
+    p.add_argument("--merged-dir", type=Path, help="with --lora: the model, adapters merged")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -98,7 +123,7 @@ def main() -> None:
     # layers pass the default threshold on their own)
     config = args.config or worker.ZeroConfig(stage=args.stage, stage3_min_unit_numel=0)
     trainer = ZeroplaneTrainer(
-        model=build(),
+        model=build_lora() if args.lora else build(),
         args=training_arguments(args.output_dir, args.steps),
         train_dataset=dataset(),
         zeroplane_config=config,
@@ -106,6 +131,8 @@ def main() -> None:
     trainer.train()
     if args.save_dir:
         trainer.save_model(str(args.save_dir))
+    if args.merged_dir:
+        trainer.engine.save_pretrained(args.merged_dir, merged=True)
     state = trainer.engine.full_state_dict()  # a collective: every rank
     if trainer.is_world_process_zero() and args.out:
         torch.save(state, args.out)

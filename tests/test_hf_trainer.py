@@ -295,3 +295,41 @@ def test_bad_trainer_inputs_say_what_is_wrong(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="give one of them"):
         trainer.train()
+
+
+@pytest.mark.timeout(180)
+def test_lora_saves_as_peft_does_and_merged(tmp_path: Path) -> None:
+    """LoRA (PEFT) on the tiny Llama at stage 3 over two ranks: ``save_model`` writes
+    the adapters as PEFT does (``PeftModel.from_pretrained`` loads them onto a fresh
+    base model equal to one-process PEFT training), the merged model loads strictly
+    and equals PEFT's own ``merge_and_unload``, and neither directory passes for the
+    other's kind: loading one where the other belongs is an error, not random weights."""
+    peft = pytest.importorskip("peft")
+    save, merged, out = tmp_path / "adapters", tmp_path / "merged", tmp_path / "final.pt"
+    script = [str(EXAMPLE), "--lora", "--steps", str(STEPS), "--out", str(out)]
+    script += ["--output-dir", str(tmp_path / "run"), "--save-dir", str(save)]
+    script += ["--merged-dir", str(merged)]
+    cmd = [sys.executable, "-m", "coordinator.cli", "run", "--nproc", "2", "--stage", "3"]
+    proc = subprocess.run([*cmd, *script], cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+    trained = ex.build_lora()
+    want = reference(trained, STEPS, GLOBAL_BATCH, decay_all=False)
+    assert worst(torch.load(out, weights_only=True), want) < 1e-5
+    # the adapters, as PEFT writes them: its config, its names, no base weights
+    assert sorted(p.name for p in save.iterdir() if p.suffix != ".md") == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "training_args.bin",
+    ]
+    loaded = peft.PeftModel.from_pretrained(ex.build(), save)
+    got = {n: p.detach() for n, p in loaded.named_parameters()}
+    assert worst(got, want) < 1e-5
+    # the merged model: what merge_and_unload would save, loaded strictly
+    assert worst(load_strictly(merged), dict(trained.merge_and_unload().named_parameters())) < 1e-5
+    # an adapter directory where a model belongs: an error naming it, not random weights
+    from worker.hf import from_pretrained
+    from worker.pretrained import WeightsError
+
+    with pytest.raises(WeightsError, match="PEFT adapters"):
+        from_pretrained(save)

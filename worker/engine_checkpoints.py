@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from worker import checkpoint, pretrained
+from worker import adapters, checkpoint, pretrained
 from worker.collectives import CollectiveError
 from worker.whereabouts import TRACKER
 
@@ -109,10 +109,39 @@ class Checkpointing:
             self.membership.after_load(self)
         self.after_restore()
 
-    def save_pretrained(self, out: str | os.PathLike, **options: Any) -> list[Path]:
+    def save_pretrained(
+        self, out: str | os.PathLike, *, merged: bool = False, **options: Any
+    ) -> list[Path]:
         """The weights in the directory ``out`` as ``save_pretrained`` writes them, a
         bucket at a time (worker/pretrained.py :func:`save_weights`, its ``dtype`` and
-        ``max_shard_bytes``). Every rank calls it; rank 0 writes."""
+        ``max_shard_bytes``). Every rank calls it; rank 0 writes.
+
+        A PEFT model (at the root or inside the module): its adapters as PEFT writes
+        them, ``adapter_config.json`` included; ``merged=True``: the base model with
+        the adapters merged, as ``merge_and_unload().save_pretrained`` writes it
+        (worker/adapters.py)."""
+        found = adapters.find_peft(self.module)
+        if found is not None:
+            if self._full_export() is not None or self.experts is not None:
+                raise ValueError(
+                    "save_pretrained of a PEFT model is supported on a data-parallel "
+                    "engine (stages 0-3), not yet beside tensor or expert parallelism: "
+                    "save a checkpoint (engine.save_checkpoint), which loads at any layout"
+                )
+            prefix, peft_model = found
+            if merged:
+                return adapters.save_merged(self, out, peft_model=peft_model, **options)
+            if options:
+                raise ValueError(
+                    f"save_pretrained({', '.join(sorted(options))}=...) does not apply to "
+                    "PEFT adapters, which PEFT writes as trained (merged=True takes them)"
+                )
+            return adapters.save_adapters(self, out, prefix=prefix, peft_model=peft_model)
+        if merged:
+            raise ValueError(
+                "save_pretrained(merged=True) merges PEFT adapters into their base model, "
+                "and this model holds no PEFT model"
+            )
         return pretrained.save_weights(
             self.state, self.module, out, full=self._full_export(), experts=self.experts,
             **options,

@@ -36,7 +36,7 @@ from torch import nn
 from worker.birth import meta_parameters, skip_init
 from worker.engine import OptimizerArg, ZeroEngine
 from worker.entry import initialize
-from worker.pretrained import WeightsError
+from worker.pretrained import ADAPTER_CONFIG, WeightsError, adapter_directory
 
 if TYPE_CHECKING:
     from worker.mesh import MeshEngine, ParallelConfig
@@ -55,6 +55,8 @@ def build_on_meta(path: str | os.PathLike, model_class: Any = None) -> nn.Module
             "worker.from_pretrained needs transformers: pip install transformers"
         ) from None
     directory = Path(path)
+    if (directory / ADAPTER_CONFIG).is_file() and not (directory / "config.json").is_file():
+        raise WeightsError(adapter_directory(directory))
     if not (directory / "config.json").is_file():
         raise WeightsError(
             f"{directory} has no config.json: give the local directory save_pretrained "

@@ -57,6 +57,19 @@ _TORCH_INDEX = "pytorch_model.bin.index.json"
 _TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_directory(path: Path) -> str:
+    """What to say of a PEFT adapter directory given where a model's weights belong."""
+    return (
+        f"{path} holds PEFT adapters ({ADAPTER_CONFIG}), not a model's weights: build "
+        "the base model, load its own weights, then peft.PeftModel.from_pretrained(base, "
+        f"{str(path)!r}) (or save with engine.save_pretrained(dir, merged=True) for one "
+        "model with the adapters merged)"
+    )
+
+
 class WeightsError(ValueError):
     """Pretrained weights that do not fit the model: names, shapes or files."""
 
@@ -178,6 +191,8 @@ class WeightFiles:
         for single in ("model.safetensors", "pytorch_model.bin"):
             if (path / single).is_file():
                 return [path / single]
+        if (path / ADAPTER_CONFIG).is_file():
+            raise WeightsError(adapter_directory(path))
         found = sorted(path.glob("*.safetensors"))
         if found:
             return found
