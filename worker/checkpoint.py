@@ -89,13 +89,14 @@ __all__ = [
     "persistent_buffers",
     "resolve",
     "save_checkpoint",
+    "sha256_of",
     "write_safetensors_shards",
 ]
 
 logger = logging.getLogger(__name__)
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -154,7 +155,7 @@ def save_checkpoint(
     _write_durably(file, lambda f: torch.save(payload, f))
     info = {
         "bytes": file.stat().st_size,
-        "sha256": _sha256(file),
+        "sha256": sha256_of(file),
         "ranges": [[r.name, r.start, r.stop] for r in ranges],
     }
     _write_durably(tmp / f"rank{rank:05d}.json", lambda f: f.write(json.dumps(info).encode()))
@@ -345,7 +346,7 @@ def _read_files(
         size = path.stat().st_size
         if size != info["bytes"]:
             raise CheckpointError(f"{path} has {size} bytes, the manifest says {info['bytes']}")
-        if _sha256(path) != info["sha256"]:
+        if sha256_of(path) != info["sha256"]:
             raise CheckpointError(
                 f"{path} does not match its SHA-256 in the manifest (altered or corrupt)"
             )

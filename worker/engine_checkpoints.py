@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from worker import adapters, checkpoint, pretrained
+from worker import adapters, checkpoint, ds_checkpoint, pretrained
 from worker.collectives import CollectiveError
 from worker.whereabouts import TRACKER
 
@@ -90,9 +90,19 @@ class Checkpointing:
         return saved
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Load a checkpoint saved at any world size and stage; returns its client_state."""
+        """Load a checkpoint saved at any world size and stage; returns its client_state.
+
+        A DeepSpeed ZeRO checkpoint directory (stages 1-3, any world size) loads as
+        it is, optimizer state included (worker/ds_checkpoint.py: each rank reads it
+        whole; ``zeroplane checkpoint convert`` does that once, ahead of time)."""
+        view = self._checkpoint_view()
         with TRACKER.state("checkpoint"):
-            state = checkpoint.load_checkpoint(self._checkpoint_view(), path, self._extras)
+            if ds_checkpoint.is_deepspeed_checkpoint(path):
+                optimizer = type(view.user_optimizer).__name__
+                with ds_checkpoint.converted(path, optimizer=optimizer) as step_dir:
+                    state = checkpoint.load_checkpoint(view, step_dir, self._extras)
+            else:
+                state = checkpoint.load_checkpoint(view, path, self._extras)
         self._saved_at = self.global_steps
         self.last_checkpoint = Path(path)
         if self.membership is not None:

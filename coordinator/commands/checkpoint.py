@@ -1,4 +1,5 @@
-"""``zeroplane checkpoint inspect|export``: look inside a checkpoint, or consolidate it."""
+"""``zeroplane checkpoint inspect|export|convert``: look inside a checkpoint, consolidate
+it, or convert DeepSpeed's into one."""
 
 from __future__ import annotations
 
@@ -50,6 +51,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="largest output file before splitting: 5GB, 500MB, 2GiB, ... (default 5GB)",
     )
     export.set_defaults(func=_export, needs="torch")
+    convert = sub.add_parser(
+        "convert",
+        help="a DeepSpeed ZeRO checkpoint (stages 1-3, any world size) as a zeroplane one",
+        description=(
+            "Reads DeepSpeed's save_checkpoint directory (or one of its tags) whole: fp32 "
+            "masters, optimizer state, frozen parameters, buffers, steps and client state; "
+            "writes them as a zeroplane checkpoint that loads at any world size and stage. "
+            "engine.load_checkpoint reads DeepSpeed's directory as it is too; converting "
+            "once spares every rank reading it whole."
+        ),
+    )
+    convert.add_argument("path", type=Path, help="DeepSpeed checkpoint directory (or its tag)")
+    convert.add_argument("out", type=Path, help="the zeroplane checkpoint directory to write")
+    convert.add_argument(
+        "--optimizer",
+        required=True,
+        metavar="NAME",
+        help="the class name of the optimizer that will load it (torch's: AdamW, Adam, SGD)",
+    )
+    convert.set_defaults(func=_convert, needs="torch")
     return parser
 
 
@@ -111,4 +132,16 @@ def _export(args: argparse.Namespace) -> int:
         return 2
     where = args.out if len(files) == 1 else f"{len(files) - 1} files, index {files[-1]}"
     print(f"wrote {count} tensors to {where}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from worker.ds_checkpoint import convert_deepspeed
+
+    try:
+        step_dir = convert_deepspeed(args.path, args.out, optimizer=args.optimizer)
+    except (CheckpointError, OSError) as exc:
+        print(f"zeroplane checkpoint convert: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {step_dir} (load it with engine.load_checkpoint({str(args.out)!r}))")
     return 0

@@ -22,15 +22,19 @@ takes those calls as they are and answers them from a zeroplane engine
   (``zeroplane run``, torchrun) when nobody has, so a script's own
   ``torch.distributed`` calls before ``initialize`` work; the engine then trains
   on that group (an attached job: worker/placement.py).
-- ``deepspeed.comm`` is ``torch.distributed``, and ``deepspeed.utils.set_z3_leaf_modules``
-  zeroplane's own (worker/leaves.py).
+- the package mirrors DeepSpeed's modules a script imports from, so that
+  ``from deepspeed.X import Y`` becomes ``from worker.deepspeed.X import Y``:
+  ``comm`` (``torch.distributed`` under DeepSpeed's names), ``utils``
+  (``set_z3_leaf_modules``, zeroplane's own: worker/leaves.py; ``logger``,
+  ``log_dist``), ``accelerator`` (``get_accelerator()``), ``zero`` (``Init``: the
+  model built on the meta device and born sharded; ``GatheredParameters``) and
+  ``moe.utils`` (``split_params_into_different_moe_groups_for_optimizer``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import types
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -41,24 +45,22 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from worker import ds_sections
+from worker.deepspeed import accelerator, comm, moe, utils, zero
 from worker.engine import ZeroEngine
 from worker.entry import initialize as _initialize
-from worker.leaves import set_z3_leaf_modules
 from worker.spec import read_deepspeed_config
 
 __all__ = [
     "DeepSpeedEngine",
+    "accelerator",
     "add_config_arguments",
     "comm",
     "init_distributed",
     "initialize",
+    "moe",
     "utils",
+    "zero",
 ]
-
-# ``deepspeed.comm``: torch.distributed's calls under DeepSpeed's names (the same ones)
-comm = dist
-# ``deepspeed.utils.set_z3_leaf_modules``: blocks gathered whole at stage 3
-utils = types.SimpleNamespace(set_z3_leaf_modules=set_z3_leaf_modules)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -138,6 +140,7 @@ def initialize(
         optimizer = ds_sections.optimizer_from_deepspeed(raw.pop("optimizer"), groups)
         config = raw
     engine = _initialize(model, optimizer, config=config, lr_scheduler=lr_scheduler)
+    zero.ENGINES.add(engine)  # zero.GatheredParameters finds a parameter's engine here
     ds = DeepSpeedEngine(engine, raw)
     loader = None
     if training_data is not None:
@@ -175,6 +178,39 @@ class DeepSpeedEngine:
         if after != before:  # an accumulation boundary: applied, or skipped (fp16)
             self._applied = after[0] != before[0]
         return out
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike,
+        tag: Any = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's signature: a zeroplane checkpoint in ``save_dir`` (its step
+        folder is named by the step; a ``tag`` is not used), True once written."""
+        self.engine.save_checkpoint(save_dir, client_state=dict(client_state or {}))
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str, dict]:
+        """DeepSpeed's return value, ``(the path loaded, its client state)``, from a
+        zeroplane checkpoint or a DeepSpeed ZeRO one (worker/ds_checkpoint.py)."""
+        if not (load_module_strict and load_optimizer_states) or load_module_only:
+            raise ValueError(
+                "load_checkpoint loads the whole state (module strictly, optimizer and "
+                "schedule); for the weights alone use engine.load_weights"
+            )
+        path = os.fspath(load_dir) if tag is None else os.path.join(load_dir, str(tag))
+        return path, self.engine.load_checkpoint(path)
 
     @property
     def local_rank(self) -> int:

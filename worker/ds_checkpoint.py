@@ -1,0 +1,412 @@
+"""DeepSpeed ZeRO checkpoints, read into zeroplane's form.
+
+    engine.load_checkpoint("ds_run/")                    # DeepSpeed's directory, as it is
+    zeroplane checkpoint convert ds_run/ zp_run/         # or once, ahead of time
+    convert_deepspeed("ds_run/", "zp_run/", optimizer="AdamW")
+
+[Note: reading DeepSpeed's checkpoints]
+A DeepSpeed ``save_checkpoint`` directory holds ``latest`` (the tag) and the tag's
+folder: ``mp_rank_00_model_states.pt`` (stages 1-2) or one
+``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank (stage 3), and one
+``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per data-parallel rank R of the W
+that saved it. The fp32 masters and the optimizer's per-element state are flat
+partitions, laid out as DeepSpeed's own ``zero_to_fp32.py`` reads them back:
+
+- stages 1-2: per param group, the group's parameters flattened one after the
+  other (in ``param_shapes`` order), padded at the end, split into W equal
+  contiguous parts: rank R's ``single_partition_of_fp32_groups[g]`` and the base
+  optimizer's ``state[g]`` tensors. Concatenating the W parts gives the group back.
+- stage 3: each parameter split on its own into W parts of ceil(numel / W)
+  (the last padded); rank R's flat holds its part of every parameter, in order,
+  across the groups' (sub-)groups: ``fp32_flat_groups`` and the base optimizer's
+  state alike. A parameter is rank 0's part, rank 1's, ... cut to its numel.
+
+Frozen parameters are in the module state dict (stages 1-2) or as flat fragments
+of each rank (``frozen_param_fragments``, stage 3); buffers in the module state
+dict; the client state is the model states' keys DeepSpeed does not use itself.
+The result is a zeroplane checkpoint of world size 1 (each trainable parameter's
+whole range in one file), which then loads at any world size and stage as every
+zeroplane checkpoint does, all or nothing ([Note: loading all or nothing] in
+worker/checkpoint.py). The files are read with ``torch.load(weights_only=True)``:
+the few DeepSpeed classes in them (its loss scaler, stage enum, fragment
+addresses) are allow-listed stand-ins here, so nothing of DeepSpeed is imported
+and no other code can run. Refused, with what to do: tensor- or pipeline-parallel
+checkpoints (``mp_rank_01``, ``layer_*``), and the bf16 optimizer's
+(``bf16_zero_pp_rank_*``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coordinator.core.manifest import FORMAT, CheckpointError, manifest_checksum, rank_file
+from coordinator.core.ranges import Range
+from worker.checkpoint import sha256_of
+from worker.inventory import dtype_name
+
+__all__ = [
+    "DeepSpeedCheckpoint",
+    "convert_deepspeed",
+    "converted",
+    "is_deepspeed_checkpoint",
+    "read_deepspeed",
+]
+
+_OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+# what DeepSpeed keeps in its model states itself; any other key is the client's
+_DS_KEYS = frozenset(
+    {
+        "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+        "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler",
+        "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_steps",
+        "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+        "checkpoint_parallel_dimensions", "ds_checkpoint_version",
+    }
+)  # fmt: skip
+# param-group hyperparameters torch's optimizers keep (the rest is DeepSpeed's)
+_HYPER = frozenset(
+    {
+        "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum",
+        "dampening", "nesterov", "alpha", "centered", "lr_decay", "initial_lr",
+        "decoupled_weight_decay",
+    }
+)  # fmt: skip
+
+
+def _stand_in(module: str, name: str, base: type = object) -> type:
+    """A class named as DeepSpeed's ``module.name`` that keeps whatever state it is given."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self: Any, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+    body: dict[str, Any] = {"__module__": module, "__qualname__": name}
+    if base is object:
+        body |= {"__init__": __init__, "__setstate__": __setstate__}
+    return type(name, (base,), body)
+
+
+# The DeepSpeed classes its checkpoints pickle (0.14-0.19), as allow-listed stand-ins.
+_STAND_INS = [
+    _stand_in("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    _stand_in("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    _stand_in("deepspeed.runtime.zero.config", "ZeroStageEnum", int),
+    _stand_in("deepspeed.utils.tensor_fragment", "fragment_address"),
+    _stand_in("deepspeed.checkpoint.constants", "ZeroStageEnum", int),
+]
+
+
+def _load(path: Path) -> Any:
+    try:
+        with torch.serialization.safe_globals(_STAND_INS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: cannot read it ({type(exc).__name__}: {first})") from None
+
+
+def _step_dir(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if any(_OPTIM.fullmatch(f.name) for f in p.glob("*_optim_states.pt")):
+        return p
+    latest = p / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if tag and any(_OPTIM.fullmatch(f.name) for f in (p / tag).glob("*_optim_states.pt")):
+            return p / tag
+    raise CheckpointError(
+        f"{p} is not a DeepSpeed checkpoint: no *_optim_states.pt and no 'latest' naming a tag"
+    )
+
+
+def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a DeepSpeed checkpoint directory (or one of its tags)."""
+    try:
+        _step_dir(path)
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    """Everything a DeepSpeed ZeRO checkpoint holds that zeroplane keeps, whole."""
+
+    path: Path
+    stage: int
+    world_size: int
+    global_steps: int
+    skipped_steps: int
+    micro_steps: int
+    groups: list[list[str]]
+    shapes: dict[str, torch.Size]
+    master: dict[str, torch.Tensor]  # by name, in the parameter's shape
+    state: dict[str, dict[str, Any]]  # by name: flat per-element tensors, scalars
+    param_groups: list[dict[str, Any]]
+    frozen: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    loss_scale: float = 1.0
+    client_state: dict[str, Any] = field(default_factory=dict)
+
+
+def read_deepspeed(path: str | os.PathLike) -> DeepSpeedCheckpoint:
+    """Read a DeepSpeed ZeRO (stages 1-3) checkpoint whole ([Note: reading DeepSpeed's
+    checkpoints]); CheckpointError names what does not fit."""
+    step_dir = _step_dir(path)
+    if list(step_dir.glob("layer_*-model_states.pt")):
+        raise CheckpointError(
+            f"{step_dir} is a DeepSpeed pipeline checkpoint (layer_*-model_states.pt): "
+            "not read here; export its weights with DeepSpeed and load them with "
+            "engine.load_weights"
+        )
+    optim: dict[int, Path] = {}
+    for f in step_dir.glob("*_optim_states.pt"):
+        match = _OPTIM.fullmatch(f.name)
+        if match is None:
+            continue
+        if match[1]:
+            raise CheckpointError(
+                f"{f.name}: DeepSpeed's bf16 optimizer checkpoint is not read here; "
+                "load the weights (DeepSpeed's zero_to_fp32.py, then engine.load_weights)"
+            )
+        if int(match[3]) != 0:
+            raise CheckpointError(
+                f"{f.name}: a tensor-parallel DeepSpeed checkpoint (mp_rank "
+                f"{int(match[3])}) is not read here"
+            )
+        optim[int(match[2])] = f
+    world = len(optim)
+    if world == 0 or sorted(optim) != list(range(world)):
+        raise CheckpointError(f"{step_dir}: optimizer states of ranks {sorted(optim)}, not 0..N-1")
+    states = [_load(optim[r])["optimizer_state_dict"] for r in range(world)]
+    stage = int(states[0]["zero_stage"])
+    if stage == 3:
+        models = [
+            _load(step_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(world)
+        ]
+    else:
+        models = [_load(step_dir / "mp_rank_00_model_states.pt")]
+    model = models[0]
+    if int(model.get("dp_world_size", world)) != world:
+        raise CheckpointError(
+            f"{step_dir}: saved by {model['dp_world_size']} ranks but holds {world} "
+            "optimizer states"
+        )
+    shapes_by_group = [dict(g) for g in model["param_shapes"]]
+    groups = [list(g) for g in shapes_by_group]
+    shapes = {n: torch.Size(s) for g in shapes_by_group for n, s in g.items()}
+    if stage == 3:
+        base = [s["optimizer_state_dict"] for s in states]
+        master, state = _stage3(states, base, groups, shapes, world, step_dir)
+    else:
+        base = [s["base_optimizer_state"] for s in states]
+        master, state = _stage12(states, base, groups, shapes, step_dir)
+    ds_config = model.get("ds_config") or {}
+    accumulation = int(ds_config.get("gradient_accumulation_steps", 1) or 1)
+    global_steps = int(model["global_steps"])
+    scaler = states[0].get("loss_scaler")
+    return DeepSpeedCheckpoint(
+        path=step_dir,
+        stage=stage,
+        world_size=world,
+        global_steps=global_steps,
+        skipped_steps=int(model.get("skipped_steps", 0)),
+        micro_steps=global_steps * accumulation,
+        groups=groups,
+        shapes=shapes,
+        master=master,
+        state=state,
+        param_groups=_hyperparameters(base[0]["param_groups"], len(groups), step_dir),
+        frozen=_frozen(models, stage, set(shapes)),
+        buffers={n: model["module"][n] for n in model.get("buffer_names", [])},
+        loss_scale=float(getattr(scaler, "cur_scale", 1.0)),
+        client_state={k: v for k, v in model.items() if k not in _DS_KEYS},
+    )
+
+
+def _split(held: dict, numel: int) -> tuple[list[str], dict[str, Any]]:
+    """The optimizer state of a flat partition of ``numel`` elements: the keys of its
+    per-element tensors, and its scalars (``step``) as tensors, as torch keeps them."""
+    per = [k for k, v in held.items() if isinstance(v, torch.Tensor) and v.numel() == numel > 1]
+    scalars = {
+        k: v.clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+        for k, v in held.items()
+        if k not in per
+    }
+    return per, scalars
+
+
+def _stage12(
+    states: list[dict], base: list[dict], groups: list[list[str]], shapes: dict, where: Path
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    master: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for g, names in enumerate(groups):
+        parts = [s["single_partition_of_fp32_groups"][g].float() for s in states]
+        flat = torch.cat(parts)
+        held = [b["state"].get(g, {}) for b in base]
+        keys, scalars = _split(held[0], parts[0].numel())
+        per = {k: torch.cat([h[k].float() for h in held]) for k in keys}
+        offset = 0
+        for name in names:
+            n = math.prod(shapes[name])
+            if offset + n > flat.numel():
+                raise CheckpointError(f"{where}: param group {g} is shorter than its shapes")
+            master[name] = flat[offset : offset + n].clone().reshape(shapes[name])
+            state[name] = {k: v[offset : offset + n].clone() for k, v in per.items()} | scalars
+            offset += n
+    return master, state
+
+
+def _stage3(
+    states: list[dict],
+    base: list[dict],
+    groups: list[list[str]],
+    shapes: dict,
+    world: int,
+    where: Path,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    flat_groups = [s["fp32_flat_groups"] for s in states]
+    flats = [torch.cat([t.float() for t in f]) for f in flat_groups]
+    subgroups = range(len(flat_groups[0]))
+    per_keys, scalars = _split(base[0]["state"].get(0, {}), flat_groups[0][0].numel())
+    per = [
+        {k: torch.cat([b["state"][s][k].float() for s in subgroups]) for k in per_keys}
+        for b in base
+    ]
+    master: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    offset = 0
+    for names in groups:
+        for name in names:
+            n = math.prod(shapes[name])
+            part = math.ceil(n / world)
+            if offset + part > flats[0].numel():
+                raise CheckpointError(f"{where}: the flat partitions are shorter than the shapes")
+            whole = torch.cat([f[offset : offset + part] for f in flats])[:n]
+            master[name] = whole.clone().reshape(shapes[name])
+            state[name] = {
+                k: torch.cat([p[k][offset : offset + part] for p in per])[:n].clone()
+                for k in per_keys
+            } | scalars
+            offset += part
+    if offset != flats[0].numel():
+        raise CheckpointError(
+            f"{where}: the flat partitions hold {flats[0].numel()} elements a rank, the "
+            f"shapes {offset}"
+        )
+    return master, state
+
+
+def _hyperparameters(saved: list[dict], count: int, where: Path) -> list[dict[str, Any]]:
+    """One dict of hyperparameters per param group (stage 3's sub-groups folded back,
+    which DeepSpeed makes from a group with the group's hyperparameters)."""
+    groups = [{k: v for k, v in g.items() if k in _HYPER} for g in saved]
+    if len(groups) == count:
+        return groups
+    distinct = [g for i, g in enumerate(groups) if g not in groups[:i]]
+    if len(distinct) == 1:
+        return distinct * count
+    raise CheckpointError(
+        f"{where}: {len(groups)} optimizer sub-groups with different hyperparameters for "
+        f"{count} param groups; cannot tell which is which"
+    )
+
+
+def _frozen(models: list[dict], stage: int, trainable: set[str]) -> dict[str, torch.Tensor]:
+    shapes = models[0].get("frozen_param_shapes") or {}
+    if stage != 3:
+        # stage 1 records no frozen shapes: what the module holds besides the rest
+        buffers = set(models[0].get("buffer_names", []))
+        names = shapes or [n for n in models[0]["module"] if n not in trainable | buffers]
+        return {n: models[0]["module"][n] for n in names}
+    out = {}
+    for name, shape in shapes.items():
+        pieces = [m["frozen_param_fragments"][name].reshape(-1) for m in models]
+        out[name] = torch.cat(pieces)[: math.prod(shape)].reshape(shape).clone()
+    return out
+
+
+def convert_deepspeed(path: str | os.PathLike, out: str | os.PathLike, *, optimizer: str) -> Path:
+    """Write the DeepSpeed checkpoint ``path`` as a zeroplane checkpoint in ``out``
+    (``out/step-N`` and ``out/latest``), for an engine whose optimizer class is
+    named ``optimizer``; returns the step folder."""
+    ds = read_deepspeed(path)
+    root = Path(out)
+    step_dir = root / f"step-{ds.global_steps:08d}"
+    step_dir.mkdir(parents=True, exist_ok=True)
+    entries = {
+        Range(name, 0, t.numel()).key: {"master": t.reshape(-1), "state": ds.state[name]}
+        for name, t in ds.master.items()
+    }
+    unsharded = {
+        "frozen": ds.frozen,
+        "buffers": ds.buffers,
+        "param_groups": ds.param_groups,
+        "micro_steps": ds.micro_steps,
+        "skipped_steps": ds.skipped_steps,
+        "loss_scaler": [0, 0],
+        "client_state": ds.client_state,
+        "extras": {},
+    }
+    file = step_dir / rank_file(0)
+    torch.save({"entries": entries, "unsharded": unsharded}, file)
+
+    params = {}
+    for g, names in enumerate(ds.groups):
+        for name in names:
+            shape = list(ds.shapes[name])
+            params[name] = {"shape": shape, "dtype": "float32", "requires_grad": True, "group": g}
+    for name, t in ds.frozen.items():
+        params[name] = {
+            "shape": list(t.shape), "dtype": dtype_name(t.dtype), "requires_grad": False, "group": 0
+        }  # fmt: skip
+    manifest = {
+        "format": FORMAT,
+        "global_steps": ds.global_steps,
+        "world_size": 1,
+        "stage": ds.stage,
+        "dtype": "fp32",
+        "optimizer": optimizer,
+        "loss_scale": ds.loss_scale,
+        "params": params,
+        "aliases": {},
+        "files": {
+            rank_file(0): {
+                "bytes": file.stat().st_size,
+                "sha256": sha256_of(file),
+                "ranges": [[n, 0, t.numel()] for n, t in ds.master.items()],
+            }
+        },
+        "converted_from": f"deepspeed {ds.path.name}, {ds.world_size} ranks, stage {ds.stage}",
+    }
+    manifest["checksum"] = manifest_checksum(manifest)
+    (step_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    (root / "latest").write_text(step_dir.name)
+    return step_dir
+
+
+@contextlib.contextmanager
+def converted(path: str | os.PathLike, *, optimizer: str) -> Iterator[Path]:
+    """The DeepSpeed checkpoint ``path`` converted into a temporary zeroplane checkpoint,
+    removed after the block."""
+    scratch = Path(tempfile.mkdtemp(prefix="zeroplane-from-deepspeed-"))
+    try:
+        yield convert_deepspeed(path, scratch, optimizer=optimizer)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
