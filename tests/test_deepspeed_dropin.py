@@ -122,3 +122,47 @@ def test_initialize_names_what_is_missing() -> None:
         deepspeed.initialize(model=_model())
     with pytest.raises(ValueError, match="mpu=/mesh_param="):
         deepspeed.initialize(model=_model(), config=CONFIG, mpu=object())
+
+
+def test_zero_init_builds_on_meta_and_the_engine_brings_the_same_values() -> None:
+    torch.manual_seed(3)
+    ordinary = _model()
+    with deepspeed.zero.Init(config_dict_or_path=CONFIG):
+        torch.manual_seed(3)
+        model = _model()
+    assert all(p.is_meta for p in model.parameters())
+    gather = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with pytest.raises(RuntimeError, match="meta device"), gather:
+        pass
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=_groups(model),
+        config={**CONFIG, "zero_optimization": {"stage": 3}},
+    )
+    full = engine.full_state_dict()
+    assert all(torch.equal(full[n], p) for n, p in ordinary.named_parameters())
+    engine.close()
+
+
+def test_the_accelerator_and_moe_helpers_answer_as_deepspeeds() -> None:
+    from worker.deepspeed.accelerator import get_accelerator
+    from worker.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    accel = get_accelerator()
+    want = "cuda:1" if torch.cuda.is_available() else "cpu"
+    assert accel.device_name(1) == want
+    assert accel.communication_backend_name() == ("nccl" if torch.cuda.is_available() else "gloo")
+    with pytest.raises(AttributeError, match="not in zeroplane's DeepSpeed drop-in"):
+        accel.create_graph()
+    model = _model()
+    expert = model[2].weight
+    expert.allreduce, expert.group_name = False, "ep_size_2"
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "parameters", "lr": 0.1}
+    )
+    assert [len(g["params"]) for g in groups] == [3, 1]
+    assert groups[1]["moe"] is True and groups[1]["lr"] == 0.1 and groups[1]["params"][0] is expert
+    plain = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(_model().parameters())}
+    )
+    assert len(plain) == 1 and len(plain[0]["params"]) == 4

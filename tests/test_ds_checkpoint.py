@@ -33,15 +33,21 @@ _spec.loader.exec_module(ds_train)
 SAVED_AT = 5  # the fixtures' step
 
 
-def reference(phases: list[tuple[int, int]]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def reference(
+    phases: list[tuple[int, int]], halve_head_at: int = -1
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """One process, torch alone: ``(world, steps)`` phases of the script's global batches
-    (the mean over the ranks' micro-batches), clipped at 1, AdamW over its two groups."""
+    (the mean over the ranks' micro-batches), clipped at 1, AdamW over its two groups;
+    the head's weight halved before step ``halve_head_at``."""
     model = ds_train.build()
     opt = torch.optim.AdamW(ds_train.groups(model), lr=ds_train.LR)
     step = 0
     micro = ds_train.MICRO
     for world, steps in phases:
         for _ in range(steps):
+            if step == halve_head_at:
+                with torch.no_grad():
+                    model.head.weight.mul_(0.5)
             x, y = ds_train.batch(step, world)
             parts = [slice(r * micro, (r + 1) * micro) for r in range(world)]
             loss = sum(torch.nn.functional.mse_loss(model(x[p]), y[p]) for p in parts) / world
@@ -115,14 +121,16 @@ def test_training_goes_on_from_a_deepspeed_checkpoint(saved: int, stage: int) ->
 @pytest.mark.timeout(120)
 def test_two_ranks_go_on_from_it_through_the_drop_in(tmp_path: Path) -> None:
     """The script itself under ``zeroplane run``, ``import worker.deepspeed as deepspeed``
-    its only difference from DeepSpeed's run: stage 3 checkpoint, stage 2 continuation."""
+    its only difference from DeepSpeed's run: stage 3 checkpoint, stage 3 continuation,
+    and rank 0's write in ``zero.GatheredParameters(modifier_rank=0)`` kept on both
+    ranks' shards (rank 1's discarded)."""
     out = tmp_path / "final.pt"
-    cmd = [sys.executable, "-m", "coordinator.cli", "run", "--nproc", "2", "--stage", "2"]
-    cmd += [str(SCRIPT), "--system", "zeroplane", "--stage", "2", "--steps", "10"]
-    cmd += ["--load", str(FIXTURES / "stage3"), "--out", str(out)]
+    cmd = [sys.executable, "-m", "coordinator.cli", "run", "--nproc", "2", "--stage", "3"]
+    cmd += [str(SCRIPT), "--system", "zeroplane", "--stage", "3", "--steps", "10"]
+    cmd += ["--load", str(FIXTURES / "stage3"), "--out", str(out), "--halve-head-at", "7"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    model, _ = reference([(2, 2 * SAVED_AT)])
+    model, _ = reference([(2, 2 * SAVED_AT)], halve_head_at=7)
     assert worst(torch.load(out, weights_only=True), dict(model.named_parameters())) < 1e-5
 
 

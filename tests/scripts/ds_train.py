@@ -13,7 +13,9 @@ gradient clipping, ``train_micro_batch_size_per_gpu`` samples a rank each step: 
 global batch of step s is ``batch(s, world)``, each rank its slice, so that one
 process with torch on the whole batch takes the same steps (tests/test_ds_checkpoint.py).
 ``--out``: the full parameters by name after training, read through
-``deepspeed.zero.GatheredParameters`` (at any stage).
+``deepspeed.zero.GatheredParameters`` (at any stage); ``--halve-head-at S``: before
+step S rank 0 halves the head's weight in ``GatheredParameters(modifier_rank=0)``
+(the other ranks' writes there are discarded).
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ def main() -> None:
     p.add_argument("--save", help="engine.save_checkpoint(DIR) after the last step")
     p.add_argument("--load", help="engine.load_checkpoint(DIR) before the first")
     p.add_argument("--out", help="the full parameters by name (torch.save), rank 0")
+    p.add_argument(
+        "--halve-head-at",
+        type=int,
+        default=-1,
+        help="rank 0 halves head.weight before this step (GatheredParameters, modifier_rank=0)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -100,6 +108,13 @@ def main() -> None:
         start = engine.global_steps
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(start, args.steps):
+        if step == args.halve_head_at:
+            head = model.head.weight
+            with deepspeed.zero.GatheredParameters([head], modifier_rank=0), torch.no_grad():
+                if rank == 0:
+                    head.mul_(0.5)
+                else:
+                    head.zero_()  # not the modifier: discarded
         x, y = batch(step, world)
         mine = slice(rank * MICRO, (rank + 1) * MICRO)
         loss = nn.functional.mse_loss(engine(x[mine]), y[mine])
