@@ -24,45 +24,30 @@ partitions, laid out as DeepSpeed's own ``zero_to_fp32.py`` reads them back:
 Frozen parameters are in the module state dict (stages 1-2) or as flat fragments
 of each rank (``frozen_param_fragments``, stage 3); buffers in the module state
 dict; the client state is the model states' keys DeepSpeed does not use itself.
-The result is a zeroplane checkpoint of world size 1 (each trainable parameter's
-whole range in one file), which then loads at any world size and stage as every
-zeroplane checkpoint does, all or nothing ([Note: loading all or nothing] in
-worker/checkpoint.py). The files are read with ``torch.load(weights_only=True)``:
-the few DeepSpeed classes in them (its loss scaler, stage enum, fragment
-addresses) are allow-listed stand-ins here, so nothing of DeepSpeed is imported
-and no other code can run. Refused, with what to do: tensor- or pipeline-parallel
-checkpoints (``mp_rank_01``, ``layer_*``), and the bf16 optimizer's
-(``bf16_zero_pp_rank_*``).
+The result is a :class:`~worker.foreign.WholeCheckpoint`, written as a zeroplane
+checkpoint of world size 1 (worker/foreign.py), which then loads at any world size
+and stage as every zeroplane checkpoint does, all or nothing. The files are read
+with ``torch.load(weights_only=True)``: the few DeepSpeed classes in them (its loss
+scaler, stage enum, fragment addresses) are allow-listed stand-ins here, so nothing
+of DeepSpeed is imported and no other code can run. Refused, with what to do:
+tensor- or pipeline-parallel checkpoints (``mp_rank_01``, ``layer_*``), and the bf16
+optimizer's (``bf16_zero_pp_rank_*``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import os
 import re
-import shutil
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from coordinator.core.manifest import FORMAT, CheckpointError, manifest_checksum, rank_file
-from coordinator.core.ranges import Range
-from worker.checkpoint import sha256_of
-from worker.inventory import dtype_name
+from coordinator.core.manifest import CheckpointError
+from worker.foreign import HYPERPARAMETERS, WholeCheckpoint, write_whole
 
-__all__ = [
-    "DeepSpeedCheckpoint",
-    "convert_deepspeed",
-    "converted",
-    "is_deepspeed_checkpoint",
-    "read_deepspeed",
-]
+__all__ = ["convert_deepspeed", "is_deepspeed_checkpoint", "read_deepspeed"]
 
 _OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 # what DeepSpeed keeps in its model states itself; any other key is the client's
@@ -73,14 +58,6 @@ _DS_KEYS = frozenset(
         "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_steps",
         "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
         "checkpoint_parallel_dimensions", "ds_checkpoint_version",
-    }
-)  # fmt: skip
-# param-group hyperparameters torch's optimizers keep (the rest is DeepSpeed's)
-_HYPER = frozenset(
-    {
-        "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum",
-        "dampening", "nesterov", "alpha", "centered", "lr_decay", "initial_lr",
-        "decoupled_weight_decay",
     }
 )  # fmt: skip
 
@@ -143,28 +120,7 @@ def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
     return True
 
 
-@dataclass
-class DeepSpeedCheckpoint:
-    """Everything a DeepSpeed ZeRO checkpoint holds that zeroplane keeps, whole."""
-
-    path: Path
-    stage: int
-    world_size: int
-    global_steps: int
-    skipped_steps: int
-    micro_steps: int
-    groups: list[list[str]]
-    shapes: dict[str, torch.Size]
-    master: dict[str, torch.Tensor]  # by name, in the parameter's shape
-    state: dict[str, dict[str, Any]]  # by name: flat per-element tensors, scalars
-    param_groups: list[dict[str, Any]]
-    frozen: dict[str, torch.Tensor] = field(default_factory=dict)
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    loss_scale: float = 1.0
-    client_state: dict[str, Any] = field(default_factory=dict)
-
-
-def read_deepspeed(path: str | os.PathLike) -> DeepSpeedCheckpoint:
+def read_deepspeed(path: str | os.PathLike) -> WholeCheckpoint:
     """Read a DeepSpeed ZeRO (stages 1-3) checkpoint whole ([Note: reading DeepSpeed's
     checkpoints]); CheckpointError names what does not fit."""
     step_dir = _step_dir(path)
@@ -220,10 +176,9 @@ def read_deepspeed(path: str | os.PathLike) -> DeepSpeedCheckpoint:
     accumulation = int(ds_config.get("gradient_accumulation_steps", 1) or 1)
     global_steps = int(model["global_steps"])
     scaler = states[0].get("loss_scaler")
-    return DeepSpeedCheckpoint(
-        path=step_dir,
+    return WholeCheckpoint(
+        source=f"deepspeed {step_dir.name}, {world} ranks, stage {stage}",
         stage=stage,
-        world_size=world,
         global_steps=global_steps,
         skipped_steps=int(model.get("skipped_steps", 0)),
         micro_steps=global_steps * accumulation,
@@ -316,7 +271,7 @@ def _stage3(
 def _hyperparameters(saved: list[dict], count: int, where: Path) -> list[dict[str, Any]]:
     """One dict of hyperparameters per param group (stage 3's sub-groups folded back,
     which DeepSpeed makes from a group with the group's hyperparameters)."""
-    groups = [{k: v for k, v in g.items() if k in _HYPER} for g in saved]
+    groups = [{k: v for k, v in g.items() if k in HYPERPARAMETERS} for g in saved]
     if len(groups) == count:
         return groups
     distinct = [g for i, g in enumerate(groups) if g not in groups[:i]]
@@ -346,67 +301,4 @@ def convert_deepspeed(path: str | os.PathLike, out: str | os.PathLike, *, optimi
     """Write the DeepSpeed checkpoint ``path`` as a zeroplane checkpoint in ``out``
     (``out/step-N`` and ``out/latest``), for an engine whose optimizer class is
     named ``optimizer``; returns the step folder."""
-    ds = read_deepspeed(path)
-    root = Path(out)
-    step_dir = root / f"step-{ds.global_steps:08d}"
-    step_dir.mkdir(parents=True, exist_ok=True)
-    entries = {
-        Range(name, 0, t.numel()).key: {"master": t.reshape(-1), "state": ds.state[name]}
-        for name, t in ds.master.items()
-    }
-    unsharded = {
-        "frozen": ds.frozen,
-        "buffers": ds.buffers,
-        "param_groups": ds.param_groups,
-        "micro_steps": ds.micro_steps,
-        "skipped_steps": ds.skipped_steps,
-        "loss_scaler": [0, 0],
-        "client_state": ds.client_state,
-        "extras": {},
-    }
-    file = step_dir / rank_file(0)
-    torch.save({"entries": entries, "unsharded": unsharded}, file)
-
-    params = {}
-    for g, names in enumerate(ds.groups):
-        for name in names:
-            shape = list(ds.shapes[name])
-            params[name] = {"shape": shape, "dtype": "float32", "requires_grad": True, "group": g}
-    for name, t in ds.frozen.items():
-        params[name] = {
-            "shape": list(t.shape), "dtype": dtype_name(t.dtype), "requires_grad": False, "group": 0
-        }  # fmt: skip
-    manifest = {
-        "format": FORMAT,
-        "global_steps": ds.global_steps,
-        "world_size": 1,
-        "stage": ds.stage,
-        "dtype": "fp32",
-        "optimizer": optimizer,
-        "loss_scale": ds.loss_scale,
-        "params": params,
-        "aliases": {},
-        "files": {
-            rank_file(0): {
-                "bytes": file.stat().st_size,
-                "sha256": sha256_of(file),
-                "ranges": [[n, 0, t.numel()] for n, t in ds.master.items()],
-            }
-        },
-        "converted_from": f"deepspeed {ds.path.name}, {ds.world_size} ranks, stage {ds.stage}",
-    }
-    manifest["checksum"] = manifest_checksum(manifest)
-    (step_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    (root / "latest").write_text(step_dir.name)
-    return step_dir
-
-
-@contextlib.contextmanager
-def converted(path: str | os.PathLike, *, optimizer: str) -> Iterator[Path]:
-    """The DeepSpeed checkpoint ``path`` converted into a temporary zeroplane checkpoint,
-    removed after the block."""
-    scratch = Path(tempfile.mkdtemp(prefix="zeroplane-from-deepspeed-"))
-    try:
-        yield convert_deepspeed(path, scratch, optimizer=optimizer)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    return write_whole(read_deepspeed(path), out, optimizer=optimizer)

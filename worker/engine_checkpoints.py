@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from worker import adapters, checkpoint, ds_checkpoint, pretrained
+from worker import adapters, checkpoint, dcp_checkpoint, foreign, pretrained
 from worker.collectives import CollectiveError
 from worker.whereabouts import TRACKER
 
@@ -92,14 +92,16 @@ class Checkpointing:
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Load a checkpoint saved at any world size and stage; returns its client_state.
 
-        A DeepSpeed ZeRO checkpoint directory (stages 1-3, any world size) loads as
-        it is, optimizer state included (worker/ds_checkpoint.py: each rank reads it
-        whole; ``zeroplane checkpoint convert`` does that once, ahead of time)."""
+        A DeepSpeed ZeRO checkpoint directory (stages 1-3, any world size) and a torch
+        DCP one (FSDP2's, torchtitan's) load as they are, optimizer state included
+        (worker/foreign.py: each rank reads it whole; ``zeroplane checkpoint convert``
+        does that once, ahead of time, for DeepSpeed's)."""
         view = self._checkpoint_view()
         with TRACKER.state("checkpoint"):
-            if ds_checkpoint.is_deepspeed_checkpoint(path):
+            if foreign.foreign_kind(path) is not None:
                 optimizer = type(view.user_optimizer).__name__
-                with ds_checkpoint.converted(path, optimizer=optimizer) as step_dir:
+                layout = dcp_checkpoint.layout_of(view)
+                with foreign.converted(path, optimizer=optimizer, layout=layout) as step_dir:
                     state = checkpoint.load_checkpoint(view, step_dir, self._extras)
             else:
                 state = checkpoint.load_checkpoint(view, path, self._extras)
@@ -118,6 +120,13 @@ class Checkpointing:
         if self.membership is not None:
             self.membership.after_load(self)
         self.after_restore()
+
+    def save_dcp(self, path: str | os.PathLike) -> Path:
+        """The training state as a torch Distributed Checkpoint in FSDP2's form
+        (``{"model": ..., "optimizer": ...}``, whole tensors: ``dcp.load`` reshards
+        them), which an FSDP2 or torchtitan job loads at any world size
+        (worker/dcp_checkpoint.py). Every rank calls it; rank 0 gathers and writes."""
+        return dcp_checkpoint.save_dcp(self._checkpoint_view(), path)
 
     def save_pretrained(
         self, out: str | os.PathLike, *, merged: bool = False, **options: Any

@@ -1,0 +1,92 @@
+"""torch Distributed Checkpoint directories across the switch (worker/dcp_checkpoint.py
+[Note: DCP checkpoints]): an FSDP2 job's (torchtitan's flattened optimizer keys) loads
+into a zeroplane engine at another world size and trains on; a zeroplane engine's
+``save_dcp`` loads into an FSDP2 job that trains on; each equal to one uninterrupted
+torch run (tests/test_ds_checkpoint.py's model, batches and reference)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import worker
+from coordinator.core.manifest import CheckpointError
+from coordinator.launchers.local import find_free_port
+from tests.test_ds_checkpoint import ds_train, reference, trained, trained_of, worst
+
+ROOT = Path(__file__).resolve().parents[1]
+FSDP2 = ROOT / "tests" / "scripts" / "fsdp2_train.py"
+HALF = 5
+
+
+def fsdp2(*args: str) -> None:
+    """tests/scripts/fsdp2_train.py on two ranks (torchrun)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(find_free_port()), str(FSDP2), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def engine(stage: int) -> worker.ZeroEngine:
+    model = ds_train.build()
+    optimizer = torch.optim.AdamW(ds_train.groups(model), lr=ds_train.LR)
+    config = worker.ZeroConfig(stage=stage, gradient_clipping=1.0)
+    return worker.initialize(model, optimizer, config=config)
+
+
+def train(e: worker.ZeroEngine, start: int, stop: int) -> None:
+    for step in range(start, stop):
+        x, y = ds_train.batch(step, 1)
+        e.backward(torch.nn.functional.mse_loss(e(x), y))
+        e.step()
+
+
+@pytest.mark.timeout(180)
+def test_an_fsdp2_checkpoint_goes_on_in_zeroplane(tmp_path: Path) -> None:
+    saved = tmp_path / "dcp"
+    fsdp2("--steps", str(HALF), "--save", str(saved), "--flatten")  # torchtitan's keys
+    e = engine(3)
+    e.load_checkpoint(saved)
+    assert e.global_steps == HALF
+    train(e, HALF, 2 * HALF)
+    model, _ = reference([(2, HALF), (1, HALF)])
+    assert worst(trained_of(e), trained(model)) < 1e-5
+    e.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_zeroplane_dcp_save_goes_on_in_fsdp2(tmp_path: Path) -> None:
+    e = engine(2)
+    train(e, 0, HALF)
+    e.save_dcp(tmp_path / "dcp")
+    # read back here first: the nested form, whole
+    again = engine(1)
+    again.load_checkpoint(tmp_path / "dcp")
+    assert worst(trained_of(again), trained_of(e)) == 0.0
+    e.close()
+    again.close()
+    out = tmp_path / "final.pt"
+    fsdp2("--load", str(tmp_path / "dcp"), "--steps", str(2 * HALF), "--out", str(out))
+    model, _ = reference([(1, HALF), (2, HALF)])
+    got = torch.load(out, weights_only=True)
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    assert worst(got, want) < 1e-5
+
+
+def test_param_groups_that_differ_are_refused(tmp_path: Path) -> None:
+    e = engine(2)
+    train(e, 0, 1)
+    e.save_dcp(tmp_path / "dcp")
+    e.close()
+    model = ds_train.build()
+    one_group = [p for p in model.parameters() if p.requires_grad]
+    other = worker.initialize(model, torch.optim.AdamW(one_group, lr=ds_train.LR))
+    before = other.full_state_dict()
+    with pytest.raises(CheckpointError, match="param group 0"):
+        other.load_checkpoint(tmp_path / "dcp")
+    assert worst(other.full_state_dict(), before) == 0.0
+    other.close()
