@@ -45,36 +45,34 @@ def train(e: worker.ZeroEngine, start: int, stop: int) -> None:
         e.step()
 
 
-@pytest.mark.timeout(180)
-def test_an_fsdp2_checkpoint_goes_on_in_zeroplane(tmp_path: Path) -> None:
-    saved = tmp_path / "dcp"
-    fsdp2("--steps", str(HALF), "--save", str(saved), "--flatten")  # torchtitan's keys
-    e = engine(3)
-    e.load_checkpoint(saved)
-    assert e.global_steps == HALF
-    train(e, HALF, 2 * HALF)
-    model, _ = reference([(2, HALF), (1, HALF)])
-    assert worst(trained_of(e), trained(model)) < 1e-5
-    e.close()
-
-
-@pytest.mark.timeout(180)
-def test_a_zeroplane_dcp_save_goes_on_in_fsdp2(tmp_path: Path) -> None:
+@pytest.mark.timeout(240)
+def test_zeroplane_to_fsdp2_and_back_goes_on_as_one_run(tmp_path: Path) -> None:
+    """zeroplane (one process) trains, ``save_dcp``; an FSDP2 job of two ranks loads it,
+    trains on and saves with torchtitan's flattened optimizer keys; zeroplane loads
+    that and trains on: equal to one torch run of the three parts."""
     e = engine(2)
     train(e, 0, HALF)
-    e.save_dcp(tmp_path / "dcp")
-    # read back here first: the nested form, whole
-    again = engine(1)
-    again.load_checkpoint(tmp_path / "dcp")
+    e.save_dcp(tmp_path / "zp")
+    again = engine(1)  # read back here first: the nested form, whole
+    again.load_checkpoint(tmp_path / "zp")
     assert worst(trained_of(again), trained_of(e)) == 0.0
     e.close()
     again.close()
-    out = tmp_path / "final.pt"
-    fsdp2("--load", str(tmp_path / "dcp"), "--steps", str(2 * HALF), "--out", str(out))
+    out = tmp_path / "fsdp2.pt"
+    fsdp2(
+        *("--load", str(tmp_path / "zp"), "--steps", str(2 * HALF), "--out", str(out)),
+        *("--save", str(tmp_path / "fsdp2"), "--flatten"),
+    )
     model, _ = reference([(1, HALF), (2, HALF)])
-    got = torch.load(out, weights_only=True)
     want = {n: p.detach() for n, p in model.named_parameters()}
-    assert worst(got, want) < 1e-5
+    assert worst(torch.load(out, weights_only=True), want) < 1e-5
+    last = engine(3)
+    last.load_checkpoint(tmp_path / "fsdp2")
+    assert last.global_steps == 2 * HALF
+    train(last, 2 * HALF, 3 * HALF)
+    model, _ = reference([(1, HALF), (2, HALF), (1, HALF)])
+    assert worst(trained_of(last), trained(model)) < 1e-5
+    last.close()
 
 
 def test_param_groups_that_differ_are_refused(tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ saved or resumed with torch Distributed Checkpoint, as FSDP2 users hold their st
     torchrun --nproc-per-node 2 tests/scripts/fsdp2_train.py --load dcp/ --steps 10 --out f.pt
 
 ``--save``/``--load``: ``dcp.save``/``dcp.load`` of ``{"model": get_model_state_dict,
-"optimizer": get_optimizer_state_dict}`` (``--flatten``: the optimizer's keys
-flattened, as torchtitan saves them); the step is ``optimizer.state[...]["step"]``.
+"optimizer": get_optimizer_state_dict}`` (``--flatten``: saved with the optimizer's
+keys flattened, as torchtitan saves them); the step is ``optimizer.state[...]["step"]``.
 """
 
 from __future__ import annotations
@@ -55,16 +55,15 @@ def main() -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(ds_train.groups(model), lr=ds_train.LR)
-    options = StateDictOptions(flatten_optimizer_state_dict=args.flatten)
     start = 0
     if args.load:
         state = {
             "model": get_model_state_dict(model),
-            "optimizer": get_optimizer_state_dict(model, opt, options=options),
+            "optimizer": get_optimizer_state_dict(model, opt),
         }
         dcp.load(state, checkpoint_id=args.load)
         set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, opt, state["optimizer"], options=options)
+        set_optimizer_state_dict(model, opt, state["optimizer"])
         start = int(next(iter(opt.state.values()))["step"])
     micro = ds_train.MICRO
     for step in range(start, args.steps):
@@ -75,6 +74,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
     if args.save:
+        options = StateDictOptions(flatten_optimizer_state_dict=args.flatten)
         state = {
             "model": get_model_state_dict(model),
             "optimizer": get_optimizer_state_dict(model, opt, options=options),
