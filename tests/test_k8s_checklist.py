@@ -83,8 +83,10 @@ def test_lifetimes_scratch_limits_and_digests_reach_every_format() -> None:
             runtime = objs[("TrainingRuntime", "gpt")]["spec"]["template"]["spec"]
             assert runtime["ttlSecondsAfterFinished"] == 3600
             assert objs[("TrainJob", "gpt")]["spec"]["activeDeadlineSeconds"] == 7200
-    # by default: a week, then cleaned up; no deadline
+    # by default: a week, then cleaned up; no deadline; /dev/shm half the pod's memory
     job = worker_objects(parse_job_spec(GOOD))[0]["spec"]
+    (shm,) = [v for v in job["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["sizeLimit"] == "2048Mi"  # resources.memory: 4Gi
     assert job["ttlSecondsAfterFinished"] == 7 * 24 * 3600
     assert "activeDeadlineSeconds" not in job
     kept = worker_objects(parse_job_spec({**GOOD, "ttl_after_finished_s": None}))[0]["spec"]

@@ -176,7 +176,8 @@ class JobSpec:
         (``activeDeadlineSeconds``; default None: no limit).
     tmp_size / shm_size: the size limits of each worker pod's /tmp and /dev/shm
         (``emptyDir.sizeLimit``; /dev/shm is memory, counted against the pod's memory
-        limit, which must hold it); the coordinator's /tmp is 256Mi.
+        limit, which must hold it: by default half of ``resources.memory``, or 1Gi
+        without one); the coordinator's /tmp is 256Mi.
     state_storage / storage_class: the coordinator's state claim.
     checkpoint_storage / checkpoint_storage_class: a ReadWriteMany claim mounted at
         /checkpoints in every worker (checkpoints need one directory all ranks share:
@@ -218,7 +219,7 @@ class JobSpec:
     ttl_after_finished_s: int | None = 7 * 24 * 3600
     deadline_s: int | None = None
     tmp_size: str = "4Gi"
-    shm_size: str = "1Gi"
+    shm_size: str | None = None
     state_storage: str = "1Gi"
     storage_class: str | None = None
     checkpoint_storage: str | None = None
@@ -336,7 +337,7 @@ class JobSpec:
             )
         for name in ("state_storage", "checkpoint_storage", "tmp_size", "shm_size"):
             value = getattr(self, name)
-            if value is not None or name != "checkpoint_storage":
+            if value is not None or name not in ("checkpoint_storage", "shm_size"):
                 _check(
                     isinstance(value, str) and _QUANTITY.fullmatch(value),
                     name,
@@ -359,7 +360,7 @@ class JobSpec:
             _check(isinstance(value, str), f"env.{key}", "a string (quote numbers)", value)
         object.__setattr__(self, "env", dict(self.env))
         memory = self.resources.get("memory")
-        if memory is not None and _QUANTITY.fullmatch(self.shm_size):
+        if memory is not None and self.shm_size is not None:
             _check(
                 quantity_bytes(self.shm_size) < quantity_bytes(memory),
                 "shm_size",
@@ -426,6 +427,16 @@ class JobSpec:
     @property
     def max_processes(self) -> int:
         return self.workers.max * self.device.count
+
+    @property
+    def shm_limit(self) -> str:
+        """/dev/shm's size limit: ``shm_size``, else half the pod's memory, else 1Gi."""
+        if self.shm_size is not None:
+            return self.shm_size
+        memory = self.resources.get("memory")
+        if memory is None:
+            return "1Gi"
+        return f"{max(int(quantity_bytes(memory) / 2 / 2**20), 1)}Mi"
 
     @property
     def worker_image(self) -> str:

@@ -482,7 +482,7 @@ def _worker_pod(spec: JobSpec, **pod: Any) -> dict[str, Any]:
     ]
     volumes: list[dict[str, Any]] = [
         _scratch("tmp", spec.tmp_size),
-        _scratch("dshm", spec.shm_size, medium="Memory"),
+        _scratch("dshm", spec.shm_limit, medium="Memory"),
         _token_volume(spec),
     ]
     if spec.checkpoint_storage is not None:
