@@ -17,6 +17,8 @@ import worker
 from coordinator.core.manifest import CheckpointError
 from coordinator.launchers.local import find_free_port
 from tests.test_ds_checkpoint import ds_train, reference, trained, trained_of, worst
+from tests.test_ds_checkpoint import zp_engine as engine
+from tests.test_ds_checkpoint import zp_train as train
 
 ROOT = Path(__file__).resolve().parents[1]
 FSDP2 = ROOT / "tests" / "scripts" / "fsdp2_train.py"
@@ -29,20 +31,6 @@ def fsdp2(*args: str) -> None:
     cmd += ["--master-port", str(find_free_port()), str(FSDP2), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-def engine(stage: int) -> worker.ZeroEngine:
-    model = ds_train.build()
-    optimizer = torch.optim.AdamW(ds_train.groups(model), lr=ds_train.LR)
-    config = worker.ZeroConfig(stage=stage, gradient_clipping=1.0)
-    return worker.initialize(model, optimizer, config=config)
-
-
-def train(e: worker.ZeroEngine, start: int, stop: int) -> None:
-    for step in range(start, stop):
-        x, y = ds_train.batch(step, 1)
-        e.backward(torch.nn.functional.mse_loss(e(x), y))
-        e.step()
 
 
 @pytest.mark.timeout(240)

@@ -93,14 +93,14 @@ def test_a_deepspeed_checkpoint_reads_as_one_process_holds_it(stage: int) -> Non
     assert [g["weight_decay"] for g in ds.param_groups] == [0.1, 0.0]
 
 
-def _engine(stage: int) -> worker.ZeroEngine:
+def zp_engine(stage: int) -> worker.ZeroEngine:
     model = ds_train.build()
     optimizer = torch.optim.AdamW(ds_train.groups(model), lr=ds_train.LR)
     config = worker.ZeroConfig(stage=stage, gradient_clipping=1.0)
     return worker.initialize(model, optimizer, config=config)
 
 
-def _train(engine: worker.ZeroEngine, start: int, stop: int) -> None:
+def zp_train(engine: worker.ZeroEngine, start: int, stop: int) -> None:
     for step in range(start, stop):
         x, y = ds_train.batch(step, 1)
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
@@ -110,10 +110,10 @@ def _train(engine: worker.ZeroEngine, start: int, stop: int) -> None:
 @pytest.mark.parametrize(("saved", "stage"), [(2, 1), (3, 3)])
 def test_training_goes_on_from_a_deepspeed_checkpoint(saved: int, stage: int) -> None:
     # saved by two DeepSpeed ranks, loaded by one zeroplane process at another stage
-    engine = _engine(stage)
+    engine = zp_engine(stage)
     assert engine.load_checkpoint(FIXTURES / f"stage{saved}") == {}
     assert engine.global_steps == SAVED_AT
-    _train(engine, SAVED_AT, 2 * SAVED_AT)
+    zp_train(engine, SAVED_AT, 2 * SAVED_AT)
     model, _ = reference([(2, SAVED_AT), (1, SAVED_AT)])
     assert worst(trained_of(engine), trained(model)) < 1e-5
     engine.close()
@@ -149,7 +149,7 @@ def test_convert_ahead_of_time_then_load(tmp_path: Path) -> None:
         [*cli, "inspect", str(out)], capture_output=True, text=True, timeout=60
     )  # the converted checkpoint is an ordinary one
     assert shown.returncode == 0, shown.stderr
-    engine = _engine(2)
+    engine = zp_engine(2)
     engine.load_checkpoint(out)
     model, _ = reference([(2, SAVED_AT)])
     assert worst(trained_of(engine), trained(model)) < 1e-6
@@ -206,9 +206,9 @@ def _deepspeed_run(tmp_path: Path, stage: int) -> Path:
 def test_a_fresh_deepspeed_checkpoint_goes_on_in_zeroplane(tmp_path: Path, stage: int) -> None:
     pytest.importorskip("deepspeed")
     saved = _deepspeed_run(tmp_path, stage)
-    engine = _engine(3 if stage < 3 else 1)
+    engine = zp_engine(3 if stage < 3 else 1)
     engine.load_checkpoint(saved)
-    _train(engine, SAVED_AT, 2 * SAVED_AT)
+    zp_train(engine, SAVED_AT, 2 * SAVED_AT)
     model, _ = reference([(2, SAVED_AT), (1, SAVED_AT)])
     assert worst(trained_of(engine), trained(model)) < 1e-5
     engine.close()
