@@ -1,4 +1,4 @@
-"""``import worker.deepspeed as deepspeed`` (worker/deepspeed.py [Note: a drop-in for
+"""``import worker.deepspeed as deepspeed`` (worker/deepspeed/__init__.py [Note: a drop-in for
 DeepSpeed scripts]): a DeepSpeed-shaped script, its arguments, ``init_distributed``,
 ``initialize``'s 4-tuple with param groups and a training set, and the engine members
 DeepSpeed scripts call, trained against one process with torch alone."""

@@ -92,7 +92,7 @@ def test_the_worker_import_graph_has_no_cycle() -> None:
 
 
 # worker/'s subpackages; every other module of worker/ is a unit of its own
-WORKER_PACKAGES = ("elastic", "live", "data", "moe", "context")
+WORKER_PACKAGES = ("elastic", "live", "data", "moe", "context", "deepspeed")
 
 
 def test_worker_packages_form_no_cycle_and_nothing_under_the_engine_imports_the_sessions() -> None:

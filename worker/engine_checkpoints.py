@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from worker import adapters, checkpoint, dcp_checkpoint, foreign, pretrained
+from worker import adapters, checkpoint, converted, dcp_checkpoint, pretrained
 from worker.collectives import CollectiveError
 from worker.whereabouts import TRACKER
 
@@ -98,10 +98,10 @@ class Checkpointing:
         does that once, ahead of time, for DeepSpeed's)."""
         view = self._checkpoint_view()
         with TRACKER.state("checkpoint"):
-            if foreign.foreign_kind(path) is not None:
+            if converted.foreign_kind(path) is not None:
                 optimizer = type(view.user_optimizer).__name__
                 layout = dcp_checkpoint.layout_of(view)
-                with foreign.converted(path, optimizer=optimizer, layout=layout) as step_dir:
+                with converted.converted(path, optimizer=optimizer, layout=layout) as step_dir:
                     state = checkpoint.load_checkpoint(view, step_dir, self._extras)
             else:
                 state = checkpoint.load_checkpoint(view, path, self._extras)

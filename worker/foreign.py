@@ -1,7 +1,6 @@
 """Checkpoints of other systems, held whole and written as zeroplane's.
 
-    with converted("ds_or_dcp_dir/", optimizer="AdamW") as step_dir:
-        checkpoint.load_checkpoint(state, step_dir)     # what engine.load_checkpoint does
+    write_whole(read_deepspeed("ds_dir/"), "zp_dir/", optimizer="AdamW")
 
 A reader (worker/ds_checkpoint.py for DeepSpeed's ZeRO directories,
 worker/dcp_checkpoint.py for torch Distributed Checkpoint's) assembles every
@@ -16,24 +15,20 @@ ones every checkpoint meets.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from coordinator.core.manifest import FORMAT, CheckpointError, manifest_checksum, rank_file
+from coordinator.core.manifest import FORMAT, manifest_checksum, rank_file
 from coordinator.core.ranges import Range
 from worker.checkpoint import sha256_of
 from worker.inventory import dtype_name
 
-__all__ = ["HYPERPARAMETERS", "WholeCheckpoint", "converted", "foreign_kind", "write_whole"]
+__all__ = ["HYPERPARAMETERS", "WholeCheckpoint", "write_whole"]
 
 # param-group hyperparameters torch's optimizers keep (the rest is DeepSpeed's)
 HYPERPARAMETERS = frozenset(
@@ -119,36 +114,3 @@ def write_whole(whole: WholeCheckpoint, out: str | os.PathLike, *, optimizer: st
     (step_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     (root / "latest").write_text(step_dir.name)
     return step_dir
-
-
-def foreign_kind(path: str | os.PathLike) -> str | None:
-    """``"deepspeed"`` or ``"dcp"`` for another system's checkpoint directory, else None."""
-    from worker import dcp_checkpoint, ds_checkpoint
-
-    if ds_checkpoint.is_deepspeed_checkpoint(path):
-        return "deepspeed"
-    if dcp_checkpoint.is_dcp_checkpoint(path):
-        return "dcp"
-    return None
-
-
-@contextlib.contextmanager
-def converted(path: str | os.PathLike, *, optimizer: str, layout: Any = None) -> Iterator[Path]:
-    """Another system's checkpoint ``path`` as a temporary zeroplane checkpoint, removed
-    after the block. ``layout``: the loading model's (worker/dcp_checkpoint.py
-    ``ModelLayout``: what a DCP checkpoint, keyed by name, is matched against)."""
-    from worker import dcp_checkpoint, ds_checkpoint
-
-    kind = foreign_kind(path)
-    if kind is None:
-        raise CheckpointError(f"{path} is neither a DeepSpeed nor a torch DCP checkpoint")
-    whole = (
-        ds_checkpoint.read_deepspeed(path)
-        if kind == "deepspeed"
-        else dcp_checkpoint.read_dcp(path, layout=layout)
-    )
-    scratch = Path(tempfile.mkdtemp(prefix=f"zeroplane-from-{kind}-"))
-    try:
-        yield write_whole(whole, scratch, optimizer=optimizer)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)

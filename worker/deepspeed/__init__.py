@@ -36,16 +36,15 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from worker import ds_sections
 from worker.deepspeed import accelerator, comm, moe, utils, zero
+from worker.deepspeed.comm import init_distributed
 from worker.engine import ZeroEngine
 from worker.entry import initialize as _initialize
 from worker.spec import read_deepspeed_config
@@ -72,34 +71,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser
-
-
-def init_distributed(
-    dist_backend: str | None = None,
-    auto_mpi_discovery: bool = True,
-    distributed_port: int = 29500,
-    verbose: bool = True,
-    timeout: timedelta | None = None,
-    init_method: str | None = None,
-    dist_init_required: bool | None = None,
-    config: Any = None,
-    rank: int = -1,
-    world_size: int = -1,
-) -> None:
-    """Form the default process group from the launcher's environment (``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); one process alone without
-    one. Nothing where a group exists."""
-    if dist.is_initialized() or dist_init_required is False:
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    os.environ.setdefault("RANK", "0" if rank < 0 else str(rank))
-    os.environ.setdefault("WORLD_SIZE", "1" if world_size < 0 else str(world_size))
-    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(
-        backend, init_method=init_method or "env://", timeout=timeout or timedelta(minutes=30)
-    )
 
 
 def initialize(
