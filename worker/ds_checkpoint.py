@@ -103,8 +103,13 @@ def _step_dir(path: str | os.PathLike) -> Path:
         return p
     latest = p / "latest"
     if latest.is_file():
-        tag = latest.read_text().strip()
-        if tag and any(_OPTIM.fullmatch(f.name) for f in (p / tag).glob("*_optim_states.pt")):
+        tag = latest.read_bytes().decode(errors="replace").strip()
+        if (
+            tag
+            and "/" not in tag
+            and "\ufffd" not in tag
+            and any(_OPTIM.fullmatch(f.name) for f in (p / tag).glob("*_optim_states.pt"))
+        ):
             return p / tag
     raise CheckpointError(
         f"{p} is not a DeepSpeed checkpoint: no *_optim_states.pt and no 'latest' naming a tag"
