@@ -328,7 +328,9 @@ class PipelineEngine(MeshEngine):
         view.inventory = Inventory(specs, view.inventory.params, aliases, {})
         return view
 
-    def save_pretrained(self, out: str | os.PathLike, **options: Any) -> list[Path]:
+    def save_pretrained(
+        self, out: str | os.PathLike, *, merged: bool = False, **options: Any
+    ) -> list[Path]:
         """The whole model's weights in the directory ``out`` as ``save_pretrained``
         writes them (``model.safetensors``, or shards and their index), fp32 masters
         cast to ``dtype`` if given; rank 0 writes; a collective over the mesh. Unlike
@@ -336,7 +338,13 @@ class PipelineEngine(MeshEngine):
         time, this gathers the whole model on every rank first (:meth:`full_state_dict`):
         the stages' buckets are not on one rank to be walked in turn.
         :meth:`load_weights` (inherited) reads such a directory by range. ``options``:
-        ``dtype`` and ``max_shard_bytes``, as :meth:`ZeroEngine.save_pretrained`'s."""
+        ``dtype`` and ``max_shard_bytes``, as :meth:`ZeroEngine.save_pretrained`'s;
+        ``merged`` (PEFT adapters merged into their base) is not for a pipeline."""
+        if merged:
+            raise ValueError(
+                "save_pretrained(merged=True) merges PEFT adapters, which a pipeline's "
+                "stages do not hold as one model: save a checkpoint"
+            )
         dtype: torch.dtype | None = options.pop("dtype", None)
         max_shard_bytes: int = options.pop("max_shard_bytes", DEFAULT_SHARD_BYTES)
         if options:

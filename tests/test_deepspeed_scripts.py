@@ -1,0 +1,189 @@
+"""DeepSpeed scripts as they are, under ``zeroplane run`` (worker/deepspeed [Note: a
+drop-in for DeepSpeed scripts]): tests/scripts/ds_cifar.py, a CIFAR-10 script in the
+shape of DeepSpeedExamples' (its import the only difference between the systems), with
+the config of that example at its own stage (0) and at stage 3 over two ranks, equal to
+one process training the same batches with torch alone; where DeepSpeed is installed,
+the same script under DeepSpeed 0.19 (torchrun) ends equal to it under zeroplane, and
+so does tests/scripts/ds_train.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from coordinator.launchers.local import find_free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+CIFAR = ROOT / "tests" / "scripts" / "ds_cifar.py"
+BERT = ROOT / "tests" / "scripts" / "ds_bert.py"
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ds_cifar = _load(CIFAR)
+WORLD, GLOBAL_BATCH, EPOCHS, WARMUP = 2, 16, 2, 1000
+LR, BETAS, EPS, DECAY = 1e-3, (0.8, 0.999), 1e-8, 3e-7
+
+
+def config(stage: int) -> dict:
+    """The CIFAR example's DeepSpeed config, at ``stage``."""
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "steps_per_print": 2000,
+        "optimizer": {
+            "type": "Adam",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": DECAY},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0, "warmup_max_lr": LR, "warmup_num_steps": WARMUP},
+        },
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+        "wall_clock_breakdown": False,
+        "zero_optimization": {
+            "stage": stage,
+            "allgather_partitions": True,
+            "reduce_scatter": True,
+            "allgather_bucket_size": 50000000,
+            "reduce_bucket_size": 50000000,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "cpu_offload": False,
+        },
+    }
+
+
+def reference() -> dict[str, torch.Tensor]:
+    """One process, torch alone: each step the two ranks' micro-batches (their
+    DistributedSampler's order, the epoch never set, as the script leaves it), the mean
+    of their losses, clipped at 1; DeepSpeed's "Adam" (decoupled decay: AdamW) and its
+    WarmupLR, logarithmic from 0 to LR over WARMUP steps: step k at DeepSpeed's
+    iteration k - 1 (-1 before the first: the minimum), log(it + 1) / log(WARMUP)."""
+    model = ds_cifar.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+    warm = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: 0.0 if k == 0 else min(math.log(k) / math.log(WARMUP), 1.0)
+    )
+    data = ds_cifar.images(ds_cifar.SAMPLES, seed=7)
+    orders = [list(DistributedSampler(data, num_replicas=WORLD, rank=r)) for r in range(WORLD)]
+    micro = GLOBAL_BATCH // WORLD
+    for _ in range(EPOCHS):
+        for start in range(0, len(orders[0]), micro):
+            losses = []
+            for order in orders:
+                x, y = data[order[start : start + micro]]
+                losses.append(torch.nn.functional.cross_entropy(model(x), y))
+            (sum(losses) / WORLD).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            warm.step()
+            opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def run(system: str, stage: int, tmp_path: Path) -> dict:
+    ds_config = tmp_path / f"ds_config_{stage}.json"
+    ds_config.write_text(json.dumps(config(stage)))
+    out = tmp_path / f"{system}-{stage}.pt"
+    script = [str(CIFAR), "--system", system, "--deepspeed", "--deepspeed_config", str(ds_config)]
+    launch(system, [*script, "--out", str(out)])
+    return torch.load(out, weights_only=True)
+
+
+def launch(system: str, script: list[str]) -> None:
+    """``script`` on two ranks: ``zeroplane run``, or torchrun for DeepSpeed."""
+    if system == "zeroplane":
+        cmd = [sys.executable, "-m", "coordinator.cli", "run", "--nproc", str(WORLD), *script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
+        cmd += ["--master-port", str(find_free_port()), *script]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
+def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert got.keys() == want.keys()
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_cifar_script_trains_as_torch_under_zeroplane(tmp_path: Path, stage: int) -> None:
+    got = run("zeroplane", stage, tmp_path)
+    want = reference()
+    assert worst(got["params"], want) < 1e-5
+    # the net evaluated by itself after training, as the script does
+    model = ds_cifar.build()
+    model.load_state_dict(want)
+    with torch.no_grad():
+        expected = model(ds_cifar.images(8, seed=8).tensors[0]).argmax(1)
+    assert torch.equal(got["predicted"], expected)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_cifar_script_ends_as_under_deepspeed(tmp_path: Path, stage: int) -> None:
+    pytest.importorskip("deepspeed")
+    theirs = run("deepspeed", stage, tmp_path)
+    ours = run("zeroplane", stage, tmp_path)
+    assert worst(ours["params"], theirs["params"]) < 1e-5
+    assert torch.equal(ours["predicted"], theirs["predicted"])
+
+
+def bert_reference(steps: int) -> dict[str, torch.Tensor]:
+    """One process, torch alone: the mean of the two ranks' masked-LM losses a step,
+    AdamW as the config names it."""
+    ds_bert = _load(BERT)
+    model = ds_bert.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    model.train()
+    for step in range(steps):
+        losses = [model(**ds_bert.batch(step, r)).loss for r in range(WORLD)]
+        (sum(losses) / WORLD).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+def test_the_bert_script_saves_and_resumes_as_torch_under_zeroplane(tmp_path: Path) -> None:
+    """Three steps at stage 3 and a checkpoint with its client state; the script run
+    again resumes from it at stage 1 (``_, client_state = load_checkpoint(dir)``)."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "final.pt"
+    common = [str(BERT), "--system", "zeroplane", "--checkpoint-dir", str(ckpt)]
+    launch("zeroplane", [*common, "--stage", "3", "--steps", "3"])
+    launch("zeroplane", [*common, "--stage", "1", "--steps", "6", "--out", str(out)])
+    assert worst(torch.load(out, weights_only=True), bert_reference(6)) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_bert_script_goes_on_in_zeroplane_from_deepspeeds_checkpoint(tmp_path: Path) -> None:
+    """The script's first half under DeepSpeed (its checkpoint, tied weights and all),
+    its second under zeroplane from that directory."""
+    pytest.importorskip("deepspeed")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "final.pt"
+    launch("deepspeed", [str(BERT), "--system", "deepspeed", "--stage", "2", "--steps", "3",
+                         "--checkpoint-dir", str(ckpt)])  # fmt: skip
+    launch("zeroplane", [str(BERT), "--system", "zeroplane", "--stage", "3", "--steps", "6",
+                         "--checkpoint-dir", str(ckpt), "--out", str(out)])  # fmt: skip
+    assert worst(torch.load(out, weights_only=True), bert_reference(6)) < 1e-5
