@@ -63,7 +63,6 @@ CPU, counts one process per group member).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -85,6 +84,7 @@ from worker.config import ZeroConfig, stage_from_env
 from worker.data import LoaderConfig, StepLoader
 from worker.engine import ZeroEngine
 from worker.hf import build_on_meta
+from worker.spec import read_deepspeed_config
 
 __all__ = ["ZeroplaneTrainer", "resolve_zeroplane_config"]
 
@@ -110,17 +110,6 @@ def _hidden_size(model: nn.Module) -> int | None:
     if sizes:
         return max(sizes)
     return size if isinstance(size, int) else None
-
-
-def _read_json(config: str | os.PathLike) -> dict[str, Any]:
-    path = Path(config)
-    try:
-        ds = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"zeroplane_config: cannot read the JSON config {path}: {exc}") from exc
-    if not isinstance(ds, dict):
-        raise ValueError(f"zeroplane_config: {path} holds a {type(ds).__name__}, not a JSON object")
-    return ds
 
 
 def _agree(ds: Mapping[str, Any], key: str, want: Any, arg: str) -> None:
@@ -209,10 +198,11 @@ def resolve_zeroplane_config(
                     "(TrainingArguments sets it) or make them agree"
                 )
         return config.replace(**mine), None, None
-    if isinstance(config, str | os.PathLike):
-        ds = _read_json(config)
-    elif isinstance(config, Mapping):
-        ds = dict(config)
+    if isinstance(config, str | os.PathLike | Mapping):
+        try:
+            ds = read_deepspeed_config(config)
+        except ValueError as exc:
+            raise ValueError(f"zeroplane_config: {exc}") from exc
     else:
         raise TypeError(
             "zeroplane_config must be a ZeroConfig, a DeepSpeed config dict or the path of its "

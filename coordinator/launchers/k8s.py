@@ -443,7 +443,7 @@ def _worker_env(spec: JobSpec) -> list[dict[str, Any]]:
         env.append({"name": WORKER_ID_ENV, "value": pod})
     # Local rank i serves /metrics on METRICS_PORT + i, the pod's named ports
     # (metrics, metrics-1, ...), which the NetworkPolicy and the PodMonitor name.
-    last = METRICS_PORT + spec.device.count - 1
+    last = _last_metrics_port(spec)
     metrics_ports = str(METRICS_PORT) if last == METRICS_PORT else f"{METRICS_PORT}-{last}"
     env.append({"name": METRICS_PORT_ENV, "value": metrics_ports})
     env.append({"name": HEALTH_PORT_ENV, "value": str(HEALTH_PORT)})
@@ -468,8 +468,13 @@ def _worker_resources(spec: JobSpec) -> dict[str, Any]:
 
 
 def metrics_port_names(spec: JobSpec) -> list[str]:
-    """The worker pod's named metrics ports, one per local rank."""
+    """The worker pod's named metrics ports, one per local rank (METRICS_PORT + i)."""
     return ["metrics", *(f"metrics-{i}" for i in range(1, spec.device.count))]
+
+
+def _last_metrics_port(spec: JobSpec) -> int:
+    """The last of the worker pod's metrics ports, METRICS_PORT the first."""
+    return METRICS_PORT + spec.device.count - 1
 
 
 def _worker_pod(spec: JobSpec, **pod: Any) -> dict[str, Any]:
@@ -560,7 +565,7 @@ def _worker_base_objects(spec: JobSpec) -> list[dict[str, Any]]:
                 },
             }
         )
-    last = METRICS_PORT + spec.device.count - 1
+    last = _last_metrics_port(spec)
     metrics: dict[str, Any] = {"protocol": "TCP", "port": METRICS_PORT}
     if last > METRICS_PORT:
         metrics["endPort"] = last
