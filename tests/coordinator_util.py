@@ -1,8 +1,9 @@
 """Shared pieces of the coordinator tests: a small inventory, a live server, a polling wait,
-a health probe."""
+a health probe, a launcher's worker processes."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from coordinator.core.conversions import param_to_proto
 from coordinator.core.layout import ParamSpec
 from coordinator.core.messages import WorkerInfo
 from coordinator.core.settings import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
+from coordinator.launchers.spawner import SERVER_MODULE
 
 T = TypeVar("T")
 
@@ -190,3 +192,24 @@ def formed_on_hosts(clock: Clock | None = None) -> Membership:
             m.register(WorkerInfo(worker_id=wid, host=host, free_ports=(3000,)), inventory())
     assert m.maybe_form() is not None
     return m
+
+
+def launched_workers(launcher_pid: int) -> list[int]:
+    """A ``zeroplane run`` launcher's worker processes, oldest first: its children, and
+    the children of its fork server in its place (coordinator/launchers/spawner.py)."""
+
+    def children(pid: int) -> list[int]:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            listed = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+            return [int(c) for c in listed.split()]
+        return []
+
+    def is_fork_server(pid: int) -> bool:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            return SERVER_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return False
+
+    found = []
+    for pid in children(launcher_pid):
+        found += children(pid) if is_fork_server(pid) else [pid]
+    return sorted(found)

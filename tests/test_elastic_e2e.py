@@ -16,7 +16,6 @@ fewer steps.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -33,7 +32,7 @@ import torch
 
 from coordinator.control.server import CoordinatorServer, create_server
 from coordinator.core.settings import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
-from coordinator.launchers.spawner import SERVER_MODULE
+from tests.coordinator_util import launched_workers
 from tests.test_run_e2e import EXAMPLE, ROOT, reference
 
 STEPS = 60
@@ -563,24 +562,8 @@ class LauncherRun:
             time.sleep(0.1)
 
     def workers(self) -> list[int]:
-        """The launcher's worker processes, oldest first: its children, and the
-        children of its fork server in its place (coordinator/launchers/spawner.py)."""
-
-        def children(pid: int) -> list[int]:
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                listed = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-                return [int(c) for c in listed.split()]
-            return []
-
-        def is_fork_server(pid: int) -> bool:
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                return SERVER_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-            return False
-
-        found = []
-        for pid in children(self.proc.pid):
-            found += children(pid) if is_fork_server(pid) else [pid]
-        return sorted(found)
+        """The launcher's worker processes, oldest first."""
+        return launched_workers(self.proc.pid)
 
     def wait(self, timeout: float = 120, *, hurry: bool = True) -> int:
         """The launcher's exit code; with ``hurry`` the steps left run at full speed."""

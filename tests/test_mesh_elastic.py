@@ -27,7 +27,7 @@ from coordinator.core.meshplan import MeshCoords, MeshShape, arrange_groups
 from coordinator.core.messages import Generation
 from coordinator.core.settings import MembershipConfig, PlanConfig
 from coordinator.launchers.local import find_free_port
-from tests.coordinator_util import Clock, worker
+from tests.coordinator_util import Clock, launched_workers, worker
 from tests.scripts.mesh_elastic_train import batches, build
 from worker.live.restore_plan import (
     Holding,
@@ -291,7 +291,7 @@ class MeshRun:
         self.tmp, self.port = tmp, find_free_port()
         cmd = [
             sys.executable, "-m", "coordinator.cli", "run", *mesh, *flags,
-            "--no-fork-server", "--progress", "off", "--http-port", str(self.port),
+            "--progress", "off", "--http-port", str(self.port),
             str(script), str(tmp), "--steps", str(steps), "--stage", str(stage),
             "--step-sleep", str(step_sleep), *script_flags,
         ]  # fmt: skip
@@ -335,11 +335,8 @@ class MeshRun:
             time.sleep(0.1)
 
     def workers(self) -> list[int]:
-        """The launcher's worker processes (its children), oldest first."""
-        out = subprocess.run(
-            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
-        )
-        return sorted(int(p) for p in out.stdout.split())
+        """The launcher's worker processes, oldest first."""
+        return launched_workers(self.proc.pid)
 
     def finish(self, timeout: float = 180) -> str:
         (self.tmp / "hurry").touch()

@@ -19,7 +19,10 @@ Liveness stays per rank, within the same bound as a rank's own heartbeats:
   its agent listed before and leaves out now (a rank that left is gone already);
 * a rank still connected but silent (a hung process) is left out once its newest
   beat is older than its lease less one agent interval, so the coordinator drops it
-  no later than its own lease would have lapsed;
+  no later than its own lease would have lapsed; until then each beat the agent
+  lists carries its age (``RankBeat.age_s``), and the coordinator dates the rank's
+  lease from when the rank sent it, so a stall's diagnosis sees the rank silent
+  (coordinator/control/stalls.py) as it would without an agent;
 * a silent agent (the launcher gone) stops renewing every lease on the host, and
   they lapse together; a worker that cannot reach its agent heartbeats the
   coordinator itself.
@@ -296,8 +299,10 @@ class HostAgent:
             for rank in self._ranks.values():
                 if rank.beat is None:
                     continue
-                if now - rank.received_at > max(rank.lease_s - interval, interval):
+                age = now - rank.received_at
+                if age > max(rank.lease_s - interval, interval):
                     continue
+                rank.beat.age_s = age  # the coordinator dates the lease from the rank's beat
                 out.append((rank, rank.beat, rank.seq))
         return out
 

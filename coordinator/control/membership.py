@@ -331,10 +331,12 @@ class Membership:
         free_ports: tuple[int, ...] = (),
         peer: str = "",
         leaving: bool = False,
+        age_s: float = 0.0,
     ) -> float:
         """Renew the lease; returns the seconds it now has left. ``peer``: the IP address
         the heartbeat came from; ``leaving``: the worker was asked to leave and hands
-        over at its next step boundary (kept even from a stale heartbeat)."""
+        over at its next step boundary (kept even from a stale heartbeat); ``age_s``: how
+        long ago the worker sent it (a beat its host agent relays), the lease dated from then."""
         worker = self.roster.get(worker_id)
         if worker is None:
             if worker_id in self._fenced:
@@ -345,7 +347,8 @@ class Membership:
             self._event("leaving", worker_id, "asked to leave; it goes at its next step boundary")
         if generation_id != self.generation_id:
             raise StaleGeneration(generation_id, self.generation_id)
-        worker.deadline = self._clock() + self.config.lease_timeout_s
+        lease = self.config.lease_timeout_s
+        worker.deadline = max(worker.deadline, self._clock() + lease - min(age_s, lease))
         if report is not None:
             worker.report = report
             self._last_reports.pop(worker_id, None)  # newest last, oldest evicted first
@@ -356,7 +359,7 @@ class Membership:
             worker.free_ports = free_ports
         if peer:
             worker.peer = peer
-        return self.config.lease_timeout_s
+        return worker.deadline - self._clock()
 
     # [Note: host heartbeats]
     # At 100,000 ranks one heartbeat per rank is 100,000 RPCs a second, beyond
@@ -390,7 +393,7 @@ class Membership:
         for b in beats:
             try:
                 remaining = self.heartbeat(
-                    b.worker_id, b.generation_id, b.report, b.free_ports, peer, b.leaving
+                    b.worker_id, b.generation_id, b.report, b.free_ports, peer, b.leaving, b.age_s
                 )
             except MembershipError as exc:
                 out.append((b.worker_id, exc))

@@ -499,12 +499,16 @@ def _rank_beat(msg: pb.HeartbeatRequest | pb.RankBeat, what: str) -> RankBeat:
     report = None
     if msg.HasField("report"):
         report = _valid("report", report_from_proto, msg.report)
+    age_s = msg.age_s if isinstance(msg, pb.RankBeat) else 0.0
+    if not 0.0 <= age_s < 1e6:  # NaN fails both
+        raise InvalidRequest(f"age_s: {age_s}, not a number of seconds in [0, 1e6)")
     return RankBeat(
         worker_id=worker_id,
         generation_id=generation_id,
         report=report,
         free_ports=ports,
         leaving=msg.leaving,
+        age_s=age_s,
     )
 
 

@@ -252,6 +252,8 @@ class RankBeat:
     report: WorkerReport | None = None
     free_ports: tuple[int, ...] = ()
     leaving: bool = False
+    # how long ago the rank's agent received this beat (0: the rank sent it just now)
+    age_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -193,18 +193,20 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, generation_id: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., job_finished: _Optional[bool] = ..., stalled: _Optional[str] = ...) -> None: ...
 
 class RankBeat(_message.Message):
-    __slots__ = ("worker_id", "generation_id", "report", "free_ports", "leaving")
+    __slots__ = ("worker_id", "generation_id", "report", "free_ports", "leaving", "age_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     generation_id: int
     report: WorkerReport
     free_ports: _containers.RepeatedScalarFieldContainer[int]
     leaving: bool
-    def __init__(self, worker_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    age_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., leaving: _Optional[bool] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class HostHeartbeatRequest(_message.Message):
     __slots__ = ("host_id", "ranks")
