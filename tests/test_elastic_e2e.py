@@ -32,6 +32,7 @@ import torch
 
 from coordinator.control.server import CoordinatorServer, create_server
 from coordinator.core.settings import CoordinatorConfig, MembershipConfig, PlanConfig, ServerConfig
+from coordinator.launchers.spawner import ForkedProcess, ForkServer
 from tests.coordinator_util import launched_workers
 from tests.test_run_e2e import EXAMPLE, ROOT, reference
 
@@ -48,13 +49,14 @@ class Job:
         self,
         tmp: Path,
         stage: int,
+        fork_server: ForkServer,
         *,
         max_workers: int = 4,
         join_window_s: float = 0.5,
         lease_s: float = 3.0,
         disconnect_grace_s: float | None = None,
     ) -> None:
-        self.tmp = tmp
+        self.tmp, self.fork_server = tmp, fork_server
         self.token = secrets.token_urlsafe(16)
         self.config = config = CoordinatorConfig(
             server=ServerConfig(token=self.token, state_file=tmp / "coordinator.state"),
@@ -71,9 +73,9 @@ class Job:
         self.server: CoordinatorServer
         self.server, _ = create_server(config)
         self.server.start()
-        self.workers: dict[str, subprocess.Popen] = {}
+        self.workers: dict[str, ForkedProcess] = {}
 
-    def spawn(self, name: str, *extra: str, script: Path = EXAMPLE) -> subprocess.Popen:
+    def spawn(self, name: str, *extra: str, script: Path = EXAMPLE) -> ForkedProcess:
         env = {
             **os.environ,
             "ZEROPLANE_COORDINATOR": self.server.address,
@@ -97,8 +99,8 @@ class Job:
             str(self.tmp / HURRY),
             *extra,
         ]
-        log = (self.tmp / f"{name}.log").open("w")
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        with (self.tmp / f"{name}.log").open("w") as log:
+            proc = self.fork_server.fork(cmd, env, cwd=ROOT, output=log)
         self.workers[name] = proc
         return proc
 
@@ -157,11 +159,11 @@ class Job:
 
 
 @pytest.fixture
-def job_factory(tmp_path: Path) -> Iterator[Callable[..., Job]]:
+def job_factory(tmp_path: Path, fork_server: ForkServer) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
     def make(stage: int, **kw) -> Job:
-        jobs.append(Job(tmp_path, stage, **kw))
+        jobs.append(Job(tmp_path, stage, fork_server, **kw))
         return jobs[-1]
 
     yield make

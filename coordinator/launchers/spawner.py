@@ -94,7 +94,7 @@ def forkable(command: Sequence[str]) -> bool:
 class ForkedProcess:
     """A worker forked by the server: what LocalJob uses of ``subprocess.Popen``."""
 
-    def __init__(self, pid: int, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
         self.pid = pid
         self.stdout: IO[bytes] | None = stdout
         self.stderr: IO[bytes] | None = stderr
@@ -115,6 +115,18 @@ class ForkedProcess:
         assert self.returncode is not None
         return self.returncode
 
+    def send_signal(self, signum: int) -> None:
+        """Signal the worker (not its process group), unless it has exited."""
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
 
 class ForkServer:
     """One server process that forks workers (see [Note: fork server]).
@@ -132,10 +144,13 @@ class ForkServer:
         *,
         launch_prefix: Sequence[str] = (),
         ready_timeout_s: float = 300.0,
+        subreaper: bool = True,
     ) -> None:
         # its children become this process's if it dies ([Note: workers outlive the
-        # fork server])
-        become_subreaper()
+        # fork server]); ``subreaper=False`` for a process that waits for no one else's
+        # orphans (they would stay zombies), its forked children reported lost instead
+        if subreaper:
+            become_subreaper()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         self._ready_timeout_s = ready_timeout_s
@@ -175,14 +190,25 @@ class ForkServer:
         return not self._gone
 
     def fork(
-        self, command: Sequence[str], env: Mapping[str, str], cwd: str | None = None
+        self,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | os.PathLike[str] | None = None,
+        *,
+        output: IO[Any] | None = None,
     ) -> ForkedProcess:
-        """Fork a worker running ``command`` (see :func:`forkable`) with ``env``."""
+        """Fork a worker running ``command`` (see :func:`forkable`) with ``env``; its
+        stdout and stderr on pipes (the process's ``stdout`` and ``stderr``), or both
+        written to the open file ``output`` (then those are None)."""
         if not forkable(command):
             raise ValueError(f"the fork server cannot run {list(command)!r}")
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        request = {"argv": list(command[1:]), "env": dict(env), "cwd": cwd or os.getcwd()}
+        if output is None:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+        else:  # duplicates, closed below as the pipes' ends are
+            out_r = err_r = -1
+            out_w, err_w = os.dup(output.fileno()), os.dup(output.fileno())
+        request = {"argv": list(command[1:]), "env": dict(env), "cwd": str(cwd or os.getcwd())}
         try:
             with self._lock:
                 with self._replied:
@@ -194,7 +220,11 @@ class ForkServer:
                 if "pid" not in reply:
                     raise OSError(f"the fork server could not fork: {reply.get('error')}")
                 pid = int(reply["pid"])
-                child = ForkedProcess(pid, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+                child = ForkedProcess(
+                    pid,
+                    None if out_r < 0 else os.fdopen(out_r, "rb"),
+                    None if err_r < 0 else os.fdopen(err_r, "rb"),
+                )
                 out_r = err_r = -1
                 with self._replied:
                     self._children[pid] = child
