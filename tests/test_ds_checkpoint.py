@@ -156,6 +156,35 @@ def test_convert_ahead_of_time_then_load(tmp_path: Path) -> None:
     engine.close()
 
 
+def test_a_tied_parameter_loads_under_both_names(tmp_path: Path) -> None:
+    """DeepSpeed saves a tied parameter (an output layer sharing the embedding's weight)
+    under each of its names in the module state dict, and maps the later name to the
+    first in ``shared_params``: the later one is an alias, not a frozen parameter the
+    model lacks (HF BERT's ``cls.predictions.decoder.weight`` was refused so)."""
+    from worker.ds_checkpoint import _load
+
+    ckpt = _copy(tmp_path, 2)
+    states = ckpt / "global_step5" / "mp_rank_00_model_states.pt"
+    saved = _load(states)
+    saved["module"]["tied.weight"] = saved["module"]["head.weight"]
+    saved["shared_params"] = {"tied.weight": "head.weight"}
+    torch.save(saved, states)
+
+    model = ds_train.build()
+    holder = torch.nn.Module()
+    holder.weight = model.head.weight  # a second name for the head's weight
+    model.tied = holder
+    optimizer = torch.optim.AdamW(ds_train.groups(model), lr=ds_train.LR)
+    engine = worker.initialize(
+        model, optimizer, config=worker.ZeroConfig(stage=2, gradient_clipping=1.0)
+    )
+    engine.load_checkpoint(ckpt)
+    zp_train(engine, SAVED_AT, 2 * SAVED_AT)
+    want, _ = reference([(2, SAVED_AT), (1, SAVED_AT)])
+    assert worst(trained_of(engine), trained(want)) < 1e-5
+    engine.close()
+
+
 def _copy(tmp_path: Path, stage: int) -> Path:
     return Path(shutil.copytree(FIXTURES / f"stage{stage}", tmp_path / f"stage{stage}"))
 

@@ -23,7 +23,10 @@ partitions, laid out as DeepSpeed's own ``zero_to_fp32.py`` reads them back:
 
 Frozen parameters are in the module state dict (stages 1-2) or as flat fragments
 of each rank (``frozen_param_fragments``, stage 3); buffers in the module state
-dict; the client state is the model states' keys DeepSpeed does not use itself.
+dict; tied parameters (an output layer sharing the embedding's weight) under each
+of their names in the module state dict, ``shared_params`` mapping each later name
+to the first, which become the checkpoint's aliases; the client state is the model
+states' keys DeepSpeed does not use itself.
 The result is a :class:`~worker.foreign.WholeCheckpoint`, written as a zeroplane
 checkpoint of world size 1 (worker/foreign.py), which then loads at any world size
 and stage as every zeroplane checkpoint does, all or nothing. The files are read
@@ -181,6 +184,7 @@ def read_deepspeed(path: str | os.PathLike) -> WholeCheckpoint:
     accumulation = int(ds_config.get("gradient_accumulation_steps", 1) or 1)
     global_steps = int(model["global_steps"])
     scaler = states[0].get("loss_scaler")
+    shared = {str(a): str(n) for a, n in (model.get("shared_params") or {}).items()}
     return WholeCheckpoint(
         source=f"deepspeed {step_dir.name}, {world} ranks, stage {stage}",
         stage=stage,
@@ -192,7 +196,8 @@ def read_deepspeed(path: str | os.PathLike) -> WholeCheckpoint:
         master=master,
         state=state,
         param_groups=_hyperparameters(base[0]["param_groups"], len(groups), step_dir),
-        frozen=_frozen(models, stage, set(shapes)),
+        frozen=_frozen(models, stage, set(shapes) | set(shared)),
+        aliases=shared,
         buffers={n: model["module"][n] for n in model.get("buffer_names", [])},
         loss_scale=float(getattr(scaler, "cur_scale", 1.0)),
         client_state={k: v for k, v in model.items() if k not in _DS_KEYS},

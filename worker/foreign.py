@@ -56,6 +56,8 @@ class WholeCheckpoint:
     param_groups: list[dict[str, Any]]  # each group's hyperparameters
     frozen: dict[str, torch.Tensor] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # a tied parameter's later names, each to the name it is held under
+    aliases: dict[str, str] = field(default_factory=dict)
     loss_scale: float = 1.0
     client_state: dict[str, Any] = field(default_factory=dict)
 
@@ -100,7 +102,7 @@ def write_whole(whole: WholeCheckpoint, out: str | os.PathLike, *, optimizer: st
         "optimizer": optimizer,
         "loss_scale": whole.loss_scale,
         "params": params,
-        "aliases": {},
+        "aliases": dict(whole.aliases),
         "files": {
             rank_file(0): {
                 "bytes": file.stat().st_size,
