@@ -40,15 +40,27 @@ def _serve(rank: int, world_size: int, store_path: str, tasks: mp.Queue, results
         world_size=world_size,
         timeout=timedelta(seconds=60),
     )
+    from torch.distributed.distributed_c10d import _world
+
     while True:
         task = tasks.get()
         if task is None:
             break
         fn, args, kwargs = task
+        before = set(_world.pg_map)
         try:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # report everything, including assertion failures
             results.put((rank, False, traceback.format_exc()))
+        # the groups the task made (subgroups, meshes) go with it: each gloo group
+        # keeps a polling thread, and the suite's tasks made ~60 of them a rank
+        made = set(_world.pg_map) - before
+        for group in made:
+            dist.destroy_process_group(group)
+        if made:  # DTensor's caches would hand back meshes of the destroyed groups
+            from worker.compat import forget_meshes
+
+            forget_meshes()
     dist.destroy_process_group()
 
 

@@ -22,22 +22,29 @@ SCRIPT = ROOT / "tests" / "scripts" / "context_elastic_train.py"
 
 
 @pytest.mark.timeout(300)
-def test_the_long_sequence_example_under_zeroplane_run_trains_like_torch(tmp_path) -> None:
+@pytest.mark.parametrize("tp", [1, 2], ids=["cp", "tp-x-cp"])
+def test_the_long_sequence_example_under_zeroplane_run_trains_like_torch(tmp_path, tp) -> None:
+    """At tp = 2 a cp group is two dp indices at one tp position: the job's four ranks
+    are one data-parallel share (the Llama's 4 query and 2 key/value heads split by tp,
+    each rank's sequence shard by the ring)."""
     from examples.train_long import batch, build_model
 
     out, steps, world, cp = tmp_path / "final.pt", 3, 4, 2
     cmd = [
         sys.executable, "-m", "coordinator.cli", "run", "--nproc", str(world), "--cp", str(cp),
-        "--cp-kind", "ring", "--no-http", str(EXAMPLE), "--steps", str(steps), "--out", str(out),
+        "--tp", str(tp), "--cp-kind", "ring", "--no-http", str(EXAMPLE), "--steps", str(steps),
+        "--out", str(out),
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "context parallel: cp=2 (ring)" in done.stdout + done.stderr
+    if tp > 1:
+        assert "mesh pp=1 dp=2 tp=2" in done.stdout + done.stderr
 
     ref = build_model()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for step in range(steps):
-        parts = [batch(step, share) for share in range(world // cp)]
+        parts = [batch(step, share) for share in range(world // (cp * tp))]
         whole = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         ref(**whole).loss.backward()
         opt.step()
@@ -51,7 +58,12 @@ def test_run_refuses_a_cp_that_does_not_divide_the_job() -> None:
 
     assert main(["run", "--nproc", "3", "--cp", "2", str(EXAMPLE)]) == 2
     assert main(["run", "--nproc", "4", "--cp", "2", "--max-nproc", "5", str(EXAMPLE)]) == 2
-    assert main(["run", "--nproc", "4", "--cp", "2", "--tp", "2", str(EXAMPLE)]) == 2
+    assert main(["run", "--nproc", "6", "--cp", "2", "--tp", "2", str(EXAMPLE)]) == 2
+    assert (
+        main(["run", "--nproc", "4", "--cp", "2", "--tp", "2", "--max-nproc", "8", str(EXAMPLE)])
+        == 2
+    )
+    assert main(["run", "--nproc", "4", "--cp", "2", "--pp", "2", str(EXAMPLE)]) == 2
     assert main(["run", "--nproc", "4", "--cp", "2", "--ep", "2", str(EXAMPLE)]) == 2
 
 

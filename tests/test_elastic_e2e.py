@@ -725,8 +725,8 @@ def test_worker_restarted_under_its_old_name_rejoins(job_factory) -> None:
     job.spawn("w1", "--checkpoint", ckpt, "--save-every", "5")
     codes = job.finish(timeout=180)
     assert first.returncode == -signal.SIGKILL
-    assert set(codes.values()) == {0}, codes
     logs = "".join(job.log(n) for n in job.workers)
+    assert set(codes.values()) == {0}, f"{codes}\n{logs[-6000:]}"
     assert logs.count("recovered as rank") == 3, logs[-3000:]
     assert_matches_reference(job.tmp / "final.pt")
 

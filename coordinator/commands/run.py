@@ -512,10 +512,22 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
     if ep > 1 and cp > 1:
         raise ValueError("--ep with --cp is not supported yet")
     flag, size, what = ("--ep", ep, "ep") if ep > 1 else ("--cp", cp, "cp")
-    if args.tp != 1 or args.pp != 1 or getattr(args, "mesh", None) == "auto":
-        raise ValueError(
-            f"{flag} runs over data parallelism only for now: not with --tp/--pp/--mesh"
-        )
+    with_tp = cp > 1 and args.tp > 1
+    if (ep > 1 and args.tp != 1) or args.pp != 1 or getattr(args, "mesh", None) == "auto":
+        others = "--pp/--mesh" if cp > 1 else "--tp/--pp/--mesh"
+        raise ValueError(f"{flag} runs over data parallelism only for now: not with {others}")
+    if with_tp:
+        # a cp group is cp consecutive dp indices at one tp position (worker/factory.py
+        # _context_parallel): the job runs whole tp x cp blocks, at one size for now
+        size, what = cp * args.tp, "tp x cp"
+        flag = f"--tp {args.tp} x --cp"
+        for count in ("min_workers", "max_workers"):
+            n = getattr(args, count)
+            if n is not None and n != args.nproc:
+                raise ValueError(
+                    f"--{count.replace('_', '-')} {n}: a job with --cp and --tp runs at "
+                    f"--nproc {args.nproc} only for now (not elastic)"
+                )
     for count in ("nproc", "min_workers", "max_workers"):
         n = getattr(args, count)
         if n is not None and (n < size or n % size):
@@ -526,7 +538,10 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
             )
     if ep > 1:
         return {EP_ENV: str(ep)}
-    return {CP_ENV: str(cp), CP_KIND_ENV: getattr(args, "cp_kind", "ulysses")}
+    env = {CP_ENV: str(cp), CP_KIND_ENV: getattr(args, "cp_kind", "ulysses")}
+    if with_tp:
+        env |= _tp_pp_env(args)
+    return env
 
 
 def _tp_pp_env(args: argparse.Namespace) -> dict[str, str]:
