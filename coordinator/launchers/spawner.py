@@ -49,9 +49,12 @@ starts the next workers from a new one.
 
 :class:`ForkServer` starts the server and forks; :class:`ForkedProcess` is the
 ``subprocess.Popen`` subset :class:`coordinator.launchers.local.LocalJob` uses (``pid``,
-``poll``, ``wait``, ``returncode``, ``stdout``, ``stderr``). The wire format is one
-JSON object per ``SOCK_SEQPACKET`` message over a socketpair; a fork request
-carries the child's stdout and stderr pipes as file descriptors.
+``poll``, ``wait``, ``returncode``, ``stdout``, ``stderr``), with ``send_signal``,
+``terminate`` and ``kill``. The wire format is one JSON object per ``SOCK_SEQPACKET``
+message over a socketpair; a fork request carries the child's stdout and stderr
+pipes (or one open file for both) as file descriptors. The test suite forks its
+elastic jobs' workers from one such server (tests/conftest.py ``fork_server``,
+``subreaper=False``: pytest reaps no one else's orphans).
 """
 
 from __future__ import annotations
