@@ -1,14 +1,11 @@
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.harness import WorkerPool
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Pools:
@@ -43,10 +40,9 @@ def fork_server():
     as ``python script.py`` would start it, without importing torch again (1.5-2 s of
     CPU per worker on this machine's two cores)."""
     from coordinator.launchers.spawner import ForkServer
+    from tests.test_mesh_elastic import _env
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    server = ForkServer(env, subreaper=False)
+    server = ForkServer({**_env(), "OMP_NUM_THREADS": "1"}, subreaper=False)
     yield server
     server.close()
 

@@ -347,8 +347,8 @@ class Membership:
             self._event("leaving", worker_id, "asked to leave; it goes at its next step boundary")
         if generation_id != self.generation_id:
             raise StaleGeneration(generation_id, self.generation_id)
-        lease = self.config.lease_timeout_s
-        worker.deadline = max(worker.deadline, self._clock() + lease - min(age_s, lease))
+        now, lease = self._clock(), self.config.lease_timeout_s
+        worker.deadline = max(worker.deadline, now + lease - min(age_s, lease))
         if report is not None:
             worker.report = report
             self._last_reports.pop(worker_id, None)  # newest last, oldest evicted first
@@ -359,7 +359,7 @@ class Membership:
             worker.free_ports = free_ports
         if peer:
             worker.peer = peer
-        return worker.deadline - self._clock()
+        return worker.deadline - now
 
     # [Note: host heartbeats]
     # At 100,000 ranks one heartbeat per rank is 100,000 RPCs a second, beyond
