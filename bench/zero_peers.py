@@ -44,6 +44,7 @@ number in the table means.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -548,6 +549,7 @@ def _quiet_libraries() -> None:
 
 def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     world = args.world
+    use_gpt(args.gpt_layers, args.gpt_vocab)  # a spawned process starts from the defaults
     # DeepSpeed reads these even when the process group already exists.
     os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
@@ -753,6 +755,8 @@ def to_json(results: list[Result], args: argparse.Namespace) -> dict[str, Any]:
         "threads_per_rank": 1,
         "micro_batch": MICRO_BATCH,
         "seq_len": SEQ_LEN,
+        "gpt_layers": GPT_CFG.n_layer,
+        "gpt_vocab": GPT_CFG.vocab_size,
         "warmup": args.warmup,
         "steps": args.steps,
         "rounds": args.rounds,
@@ -786,6 +790,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "busy machine)",
     )
     p.add_argument("--world", type=int, default=2)
+    p.add_argument(
+        "--gpt-layers", type=int, default=GPT_CFG.n_layer, help="the GPT's blocks (d=256)"
+    )
+    p.add_argument("--gpt-vocab", type=int, default=GPT_CFG.vocab_size, help="the GPT's vocabulary")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     p.add_argument(
@@ -798,11 +806,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or args.world < 1:
         p.error("--steps and --rounds must be >= 1, --warmup >= 0, --world >= 1")
     args.models = ["gpt", "mlp"] if args.model == "both" else [args.model]
+    use_gpt(args.gpt_layers, args.gpt_vocab)
     return args
+
+
+def use_gpt(layers: int, vocab: int) -> None:
+    """The GPT every system builds: ``--gpt-layers`` blocks, a ``--gpt-vocab`` vocabulary
+    (the held-out peer check's smaller units: 8 layers, 4096 tokens, 7.4M parameters)."""
+    global GPT_CFG
+    GPT_CFG = dataclasses.replace(GPT_CFG, n_layer=layers, vocab_size=vocab)
 
 
 def table_from_json(path: str) -> str:
     data = json.loads(Path(path).read_text())
+    use_gpt(data.get("gpt_layers", GPT_CFG.n_layer), data.get("gpt_vocab", GPT_CFG.vocab_size))
     names = {f.name for f in fields(Result)}
     results = [Result(**{k: v for k, v in row.items() if k in names}) for row in data["results"]]
     args = argparse.Namespace(

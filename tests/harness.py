@@ -10,6 +10,7 @@ wedged mid-collective); the next test gets a fresh one.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -61,6 +62,9 @@ def _serve(rank: int, world_size: int, store_path: str, tasks: mp.Queue, results
             from worker.compat import forget_meshes
 
             forget_meshes()
+            # a group's threads stop when its last reference goes, and a task's engines
+            # hold theirs in reference cycles (hooks, weak back-references)
+            gc.collect()
     dist.destroy_process_group()
 
 

@@ -226,7 +226,7 @@ class LocalCluster:
         # ClusterIP Services: a stable virtual address each, served by a TCP proxy on the
         # node that forwards to a current backend pod (what kube-proxy does).
         self._vips: dict[str, str] = {}
-        self._proxies: list[subprocess.Popen[bytes]] = []
+        self._proxies: list[subprocess.Popen] = []
 
     # ---- network -------------------------------------------------------------------------
 
@@ -572,6 +572,25 @@ class LocalCluster:
             timeout=timeout,
         )
 
+    def status_reader(self, address: str, token: str) -> StatusReader:
+        """``zeroplane status --json`` from the node, as :meth:`node_run` would run it,
+        from one client process kept for the cluster's life: a poll costs an RPC, not
+        a Python start and gRPC's import (about a core-second on this machine)."""
+        self._write_hosts()
+        proc = subprocess.Popen(
+            [
+                *("ip", "netns", "exec", self.node, sys.executable),
+                *("-m", "tests.k8s_local", "status", address),
+            ],
+            env={**os.environ, "ZEROPLANE_TOKEN": token},
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._proxies.append(proc)  # killed with the cluster
+        return StatusReader(proc)
+
     def probe(self, pod: Pod, kind: str) -> bool:
         """Run the container's ``readinessProbe`` or ``livenessProbe`` once, as the kubelet does."""
         spec = pod.container[kind]
@@ -643,6 +662,44 @@ def _container_port(pod: Pod, target: int | str) -> int:
     raise KeyError(f"pod {pod.name} has no port named {target!r}")
 
 
+@dataclass
+class StatusReader:
+    """One status client on the node: each :meth:`read` is a fresh connection's
+    ``status`` RPC (a replaced coordinator behind its Service is found at once),
+    answered as ``zeroplane status --json`` prints it."""
+
+    proc: subprocess.Popen[str]
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the status client exited with {self.proc.poll()}"
+        answer = json.loads(line)
+        assert "error" not in answer, answer["error"]
+        return answer
+
+
+def _serve_status(address: str) -> None:
+    """The node's status client (:meth:`LocalCluster.status_reader`): a line in, the
+    coordinator's status out as one JSON line (an error as ``{"error": ...}``)."""
+    import dataclasses
+
+    from coordinator.control.client import ClientConfig, CoordinatorClient, CoordinatorError
+
+    config = ClientConfig(address=address, token=os.environ["ZEROPLANE_TOKEN"])
+    for _ in sys.stdin:
+        client = CoordinatorClient(config)
+        try:
+            answer = dataclasses.asdict(client.status())
+        except CoordinatorError as exc:
+            answer = {"error": str(exc)}
+        finally:
+            client.close()
+        print(json.dumps(answer, default=str), flush=True)
+
+
 async def _proxy(host: str, port: int, backend_file: Path) -> None:
     """Forward connections to host:port to the address in ``backend_file`` (read per
     connection, so a replaced pod is picked up); no backend: the connection closes."""
@@ -678,3 +735,5 @@ async def _proxy(host: str, port: int, backend_file: Path) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["proxy"]:
     asyncio.run(_proxy(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])))
+if __name__ == "__main__" and sys.argv[1:2] == ["status"]:
+    _serve_status(sys.argv[2])

@@ -20,7 +20,7 @@ import torch
 
 from coordinator.launchers.jobspec import JobSpec, Workers
 from coordinator.launchers.k8s import render
-from tests.k8s_local import LocalCluster, Pod, available
+from tests.k8s_local import LocalCluster, Pod, StatusReader, available
 from tests.test_mesh_elastic import reference as mesh_reference
 from tests.test_run_e2e import reference
 from tests.test_tls import tls_secret
@@ -182,9 +182,9 @@ def test_manifests_run_as_written_train_and_complete(tmp_path: Path) -> None:
         assert cluster.stop(coordinator) == 0, coordinator.output()[-2000:]
 
 
-def steps(cluster: LocalCluster, token: str) -> tuple[int, int]:
+def steps(reader: StatusReader) -> tuple[int, int]:
     """(world size, the slowest member's step) as the coordinator reports them."""
-    report = status(cluster, token)
+    report = reader.read()
     members = [w for w in report["workers"] if w["state"] == "member"]
     done = [(w["report"] or {}).get("step", 0) for w in members]
     return report["world_size"], min(done, default=0)
@@ -211,16 +211,22 @@ def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Pat
     with LocalCluster(objects, tmp_path) as cluster:
         first = cluster.start("Deployment", "e2e-coordinator")
         cluster.wait_for(lambda: cluster.probe(first, "readinessProbe"), 60, "ready", [first])
+        polls = cluster.status_reader("e2e-coordinator:50051", token)
         workers = [cluster.start("Job", "e2e-worker", i) for i in range(2)]
         all_pods = [first, *workers]
-        cluster.wait_for(lambda: steps(cluster, token)[1] >= 2, 120, "training", all_pods)
+        cluster.wait_for(lambda: steps(polls)[1] >= 2, 120, "training", all_pods)
         for pod in workers:  # each worker serves /metrics where the PodMonitor looks
             assert "zeroplane_model_state_bytes{" in scrape(cluster, pod)
 
         # kubectl patch job/e2e-worker to completions = parallelism = 3: index 2 joins
         (third,) = cluster.scale_job("e2e-worker", 3)
+        # three members, the newcomer among them past a step of its own: what the
+        # restarted coordinator must hear again below
         cluster.wait_for(
-            lambda: steps(cluster, token)[0] == 3, 120, "three ranks", [*all_pods, third]
+            lambda: (s := steps(polls))[0] == 3 and s[1] > 0,
+            120,
+            "three ranks training",
+            [*all_pods, third],
         )
 
         # the coordinator's pod is replaced (Recreate: the old one goes first); the new
@@ -232,7 +238,7 @@ def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Pat
         cluster.wait_for(lambda: cluster.probe(second, "readinessProbe"), 60, "ready", [second])
         live = [second, *workers, third]
         cluster.wait_for(
-            lambda: steps(cluster, token)[0] == 3 and steps(cluster, token)[1] > 0,
+            lambda: (s := steps(polls))[0] == 3 and s[1] > 0,
             60,
             "the workers' heartbeats in the restarted coordinator",
             live,
@@ -242,7 +248,7 @@ def test_scaling_and_a_coordinator_restart_keep_the_training_exact(tmp_path: Pat
 
         # back to 2: the pod of index 2 gets SIGTERM and hands over; stopped before the
         # end, it exits 128+15, never a completed index (an evicted pod is started again)
-        assert steps(cluster, token)[1] < total - 10, "the job is too fast to scale it down"
+        assert steps(polls)[1] < total - 10, "the job is too fast to scale it down"
         assert cluster.scale_job("e2e-worker", 2) == []
         assert "handed over" in third.output(), third.output()[-3000:]
         assert third.exit_code == 128 + signal.SIGTERM
@@ -283,13 +289,14 @@ def test_a_mesh_job_scales_by_whole_groups_of_pods(tmp_path: Path) -> None:
         cluster.wait_for(
             lambda: cluster.probe(coordinator, "readinessProbe"), 60, "ready", [coordinator]
         )
+        polls = cluster.status_reader("e2e-coordinator:50051", token)
         workers = [cluster.start("Job", "e2e-worker", i) for i in range(2)]
         first = [coordinator, *workers]
-        cluster.wait_for(lambda: steps(cluster, token)[1] >= 2, 120, "training", first)
+        cluster.wait_for(lambda: steps(polls)[1] >= 2, 120, "training", first)
 
         new = cluster.scale_job("e2e-worker", 4)
         assert len(new) == 2
-        cluster.wait_for(lambda: steps(cluster, token)[0] == 4, 120, "four ranks", first + new)
+        cluster.wait_for(lambda: steps(polls)[0] == 4, 120, "four ranks", first + new)
         report = status(cluster, token)
         assert report["mesh"] == {"pp": 1, "dp": 2, "tp": 2}
         # rank = dp * tp + tp_index at pp=1 (coordinator/core/meshplan.py [Note: mesh rank order])
@@ -298,7 +305,7 @@ def test_a_mesh_job_scales_by_whole_groups_of_pods(tmp_path: Path) -> None:
         assert sorted(coords[p.hostname] for p in workers) == [(0, 0), (0, 1)], coords
         assert sorted(coords[p.hostname] for p in new) == [(1, 0), (1, 1)], coords
 
-        assert steps(cluster, token)[1] < total - 10, "the job is too fast to scale it down"
+        assert steps(polls)[1] < total - 10, "the job is too fast to scale it down"
         assert cluster.scale_job("e2e-worker", 2) == []
         for pod in new:
             assert pod.exit_code == 128 + signal.SIGTERM, pod.output()[-3000:]

@@ -150,7 +150,9 @@ class Job:
         return len(ranks) == NPROC and all(r.get("steps", 0) >= min_steps for r in ranks)
 
 
-def start_job(tmp: Path, stage: int, http_port: int, seconds: float) -> Job:
+def start_job(
+    tmp: Path, stage: int, http_port: int, seconds: float, stop_file: Path | None = None
+) -> Job:
     log = tmp / f"stage{stage}.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
@@ -172,6 +174,7 @@ def start_job(tmp: Path, stage: int, http_port: int, seconds: float) -> Job:
             str(seconds),
             "--rate",
             "4",
+            *(("--stop-file", str(stop_file)) if stop_file else ()),
         ],
         cwd=ROOT,
         env=env,
@@ -203,18 +206,28 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
         if binary is not None:
             prom = Prometheus(binary, tmp / "prometheus", f"127.0.0.1:{http_port}")
             stack.callback(prom.stop)
-            # Stage 0 first, to compare stages in Prometheus: scraped until it ends.
-            job0 = start_job(tmp, 0, http_port, seconds=12)
+            # Stage 0 first, to compare stages in Prometheus: scraped until it ends,
+            # which it does once Prometheus has what the tests read of it.
+            stop0 = tmp / "stop-stage0"
+            job0 = start_job(tmp, 0, http_port, seconds=60, stop_file=stop0)
             stack.callback(stop_process, job0.proc)
+            # what the tests read of stage 0: the recording rules over its samples
             wait_for(
-                "Prometheus to scrape the stage-0 workers a few times",
+                "Prometheus to record the stage-0 workers' rates",
                 lambda: (
-                    len(prom.values('count_over_time(zeroplane_steps_total{stage="0"}[1m]) >= 5'))
+                    len(
+                        prom.values(
+                            "rank_op:zeroplane_collective_bandwidth_bytes_per_second:rate1m"
+                            '{stage="0", op="all_reduce"}'
+                            " > 0 and on (rank, stage) rank:zeroplane_model_state_saving:ratio"
+                        )
+                    )
                     == NPROC
                 ),
                 40,
                 prom.log,
             )
+            stop0.touch()
             assert job0.proc.wait(60) == 0, job0.log.read_text()[-3000:]
         job = start_job(tmp, 2, http_port, seconds=60)
         stack.callback(stop_process, job.proc)
@@ -224,7 +237,7 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
                 lambda: (
                     len(
                         prom.values(
-                            'count_over_time(zeroplane_steps_total{stage="2"}[1m]) >= 6 and on '
+                            'count_over_time(zeroplane_steps_total{stage="2"}[1m]) >= 4 and on '
                             '(rank, stage) rank:zeroplane_step_duration_seconds:mean1m{stage="2"}'
                         )
                     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,9 @@ MODEL = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument(
+        "--stop-file", type=Path, help="stop at the first step boundary after this file exists"
+    )
     p.add_argument("--rate", type=float, default=4.0, help="optimizer steps per second")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
@@ -41,7 +45,7 @@ def main() -> None:
     t = MODEL.block_size
     end = time.monotonic() + args.seconds
     next_step = time.monotonic()
-    while time.monotonic() < end:
+    while time.monotonic() < end and not (args.stop_file and args.stop_file.exists()):
         starts = torch.randint(0, len(data) - t - 1, (args.batch,), generator=gen)
         rows = torch.stack([data[s : s + t + 1] for s in starts.tolist()]).long()
         loss = engine(rows[:, :-1], rows[:, 1:])
