@@ -549,7 +549,8 @@ def _quiet_libraries() -> None:
 
 def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     world = args.world
-    use_gpt(args.gpt_layers, args.gpt_vocab)  # a spawned process starts from the defaults
+    # a spawned process starts from the module's defaults
+    use_gpt(args.gpt_layers, args.gpt_vocab, args.micro_batch)
     # DeepSpeed reads these even when the process group already exists.
     os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
@@ -794,6 +795,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gpt-layers", type=int, default=GPT_CFG.n_layer, help="the GPT's blocks (d=256)"
     )
     p.add_argument("--gpt-vocab", type=int, default=GPT_CFG.vocab_size, help="the GPT's vocabulary")
+    p.add_argument(
+        "--micro-batch", type=int, default=MICRO_BATCH, help="sequences (GPT) per rank per step"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     p.add_argument(
@@ -806,20 +810,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or args.world < 1:
         p.error("--steps and --rounds must be >= 1, --warmup >= 0, --world >= 1")
     args.models = ["gpt", "mlp"] if args.model == "both" else [args.model]
-    use_gpt(args.gpt_layers, args.gpt_vocab)
+    use_gpt(args.gpt_layers, args.gpt_vocab, args.micro_batch)
     return args
 
 
-def use_gpt(layers: int, vocab: int) -> None:
+def use_gpt(layers: int, vocab: int, micro_batch: int = MICRO_BATCH) -> None:
     """The GPT every system builds: ``--gpt-layers`` blocks, a ``--gpt-vocab`` vocabulary
     (the held-out peer check's smaller units: 8 layers, 4096 tokens, 7.4M parameters)."""
-    global GPT_CFG
+    global GPT_CFG, MICRO_BATCH
     GPT_CFG = dataclasses.replace(GPT_CFG, n_layer=layers, vocab_size=vocab)
+    MICRO_BATCH = micro_batch
 
 
 def table_from_json(path: str) -> str:
     data = json.loads(Path(path).read_text())
-    use_gpt(data.get("gpt_layers", GPT_CFG.n_layer), data.get("gpt_vocab", GPT_CFG.vocab_size))
+    use_gpt(
+        data.get("gpt_layers", GPT_CFG.n_layer),
+        data.get("gpt_vocab", GPT_CFG.vocab_size),
+        data.get("micro_batch", MICRO_BATCH),
+    )
     names = {f.name for f in fields(Result)}
     results = [Result(**{k: v for k, v in row.items() if k in names}) for row in data["results"]]
     args = argparse.Namespace(

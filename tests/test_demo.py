@@ -232,7 +232,7 @@ def test_a_stage_listed_twice_runs_twice(monkeypatch) -> None:
     demo = demo_cmd
     ran = []
 
-    def fake_stage(options, stage, out, on_progress, on_line):
+    def fake_stage(options, stage, out, on_progress, on_line, fork_server=None):
         out.mkdir()  # what the real one does first
         ran.append((stage, out.name))
         return stage

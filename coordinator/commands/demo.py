@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import logging
 import statistics
@@ -36,8 +37,10 @@ from coordinator.launchers.local import (
     LocalJob,
     forward_signals,
     prefix_lines,
+    shared_fork_server,
 )
 from coordinator.launchers.progress import ProgressDisplay, ProgressSample, ProgressTracker
+from coordinator.launchers.spawner import ForkServer
 
 __all__ = [
     "DemoError",
@@ -196,27 +199,32 @@ def _collect(options: DemoOptions, stage: int, out: Path, wall_s: float) -> Stag
     )
 
 
-def _run_stage(
-    options: DemoOptions,
-    stage: int,
-    out: Path,
-    on_progress: ProgressHandler | None,
-    on_line: Callable[[int, str, str], None],
-) -> StageResult:
-    out.mkdir()
-    spec = LaunchSpec(
+def _spec(options: DemoOptions, stage: int, out: Path) -> LaunchSpec:
+    return LaunchSpec(
         command=_worker_command(options, stage, out),
         nproc=options.nproc,
         stage=str(stage),
         grace_s=options.grace_s,
         fork_server=True,
     )
+
+
+def _run_stage(
+    options: DemoOptions,
+    stage: int,
+    out: Path,
+    on_progress: ProgressHandler | None,
+    on_line: Callable[[int, str, str], None],
+    fork_server: ForkServer | None = None,
+) -> StageResult:
+    out.mkdir()
+    spec = _spec(options, stage, out)
     t0 = time.monotonic()
     # imported here: the gRPC server is only needed when this process hosts it
     from coordinator.control.embedded import EmbeddedCoordinator
 
     coordinator = EmbeddedCoordinator.for_local_job(options.nproc, stage)
-    job = LocalJob(spec, on_line=on_line, services=(coordinator,))
+    job = LocalJob(spec, on_line=on_line, services=(coordinator,), fork_server=fork_server)
     tracker = ProgressTracker(f"stage {stage}")
 
     def show() -> None:
@@ -266,12 +274,22 @@ def run_demo(
         tail.append(f"[rank{rank}] {line}")
 
     results: list[StageResult] = []
-    with tempfile.TemporaryDirectory(prefix="zeroplane-demo-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="zeroplane-demo-"))
+        # every stage's workers fork from one server: torch imported once, not per stage
+        server = shared_fork_server(_spec(options, options.stages[0], Path(tmp)))
+        if server is not None:
+            stack.callback(server.close)
         for i, stage in enumerate(options.stages):
             try:
                 # (a stage may be listed twice: 3,0,3 runs it again, in a directory of its own)
                 result = _run_stage(
-                    options, stage, Path(tmp) / f"{i}-stage{stage}", on_progress, on_line or keep
+                    options,
+                    stage,
+                    Path(tmp) / f"{i}-stage{stage}",
+                    on_progress,
+                    on_line or keep,
+                    server,
                 )
             except DemoError as exc:
                 exc.output = list(tail)

@@ -231,6 +231,27 @@ def _describe(returncode: int) -> str:
     return f"failed with exit code {returncode}"
 
 
+def _base_env(spec: LaunchSpec) -> dict[str, str]:
+    """The environment every worker of ``spec`` shares (before its rank's variables)."""
+    env = dict(os.environ)
+    # Lines should reach the launcher as they are printed, not at exit.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # torchrun's default: N processes each with all cores oversubscribe the machine.
+    if spec.nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(spec.env)
+    return env
+
+
+def shared_fork_server(spec: LaunchSpec) -> ForkServer | None:
+    """One fork server for several jobs of ``spec``'s command, one after another (pass
+    it to each :class:`LocalJob`; the caller closes it): torch is imported once for
+    all of them. None where ``spec`` forks no workers."""
+    if not (spec.fork_server and forkable(spec.command) and sys.platform.startswith("linux")):
+        return None
+    return ForkServer(_base_env(spec), launch_prefix=LocalJob._trampoline())
+
+
 class LocalJob:
     """``nproc`` local workers of one command, from start to cleanup.
 
@@ -254,8 +275,12 @@ class LocalJob:
         training_over: Callable[[], bool] | None = None,
         halted: Callable[[], str] | None = None,
         started: Callable[[int], None] | None = None,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self.spec = spec
+        # a fork server the caller keeps for several jobs (``zeroplane demo``'s stages):
+        # used while alive, never closed here; None: the job starts its own (spec.fork_server)
+        self._shared_fork_server = fork_server
         # told how many workers a replacement started (the coordinator then admits them
         # as soon as they register)
         self._started = started or (lambda count: None)
@@ -318,7 +343,9 @@ class LocalJob:
                 extra_env.update(service.start())
                 self._started_services.append(service)
             self._extra_env = extra_env
-            if spec.fork_server and forkable(spec.command) and sys.platform.startswith("linux"):
+            if self._shared_fork_server is not None and self._shared_fork_server.alive:
+                self._fork_server = self._shared_fork_server
+            elif spec.fork_server and forkable(spec.command) and sys.platform.startswith("linux"):
                 self._fork_server = self._new_fork_server()
             for rank in range(spec.nproc):
                 self._spawn(rank, self._worker_env(rank, extra_env))
@@ -588,13 +615,7 @@ class LocalJob:
 
     def _worker_env(self, rank: int, extra: Mapping[str, str]) -> dict[str, str]:
         spec = self.spec
-        env = dict(os.environ)
-        # Lines should reach the launcher as they are printed, not at exit.
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        # torchrun's default: N processes each with all cores oversubscribe the machine.
-        if spec.nproc > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")
-        env.update(spec.env)
+        env = _base_env(spec)
         env.update(extra)
         n = str(spec.nproc)
         env.update(
@@ -738,9 +759,9 @@ class LocalJob:
     def _finish_cleanup(self) -> None:
         # Leftovers a worker started and did not wait for die with the job.
         self._kill_all(signal.SIGKILL)
-        if self._fork_server is not None:
+        if self._fork_server is not None and self._fork_server is not self._shared_fork_server:
             self._fork_server.close()
-            self._fork_server = None
+        self._fork_server = None
         for reader in self._readers:
             reader.join(timeout=1.0)
         while self._started_services:
