@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import subprocess
 import sys
@@ -24,6 +25,13 @@ def load_example():
 def reference(
     steps: int, global_batch: int, optimizer: str = "adamw", warmup: int = 0
 ) -> dict[str, torch.Tensor]:
+    """examples/train_gpt.py's parameters after ``steps`` steps in one torch process
+    (trained once per arguments in a session: the tests only read them)."""
+    return dict(_reference(steps, global_batch, optimizer, warmup))
+
+
+@functools.cache
+def _reference(steps: int, global_batch: int, optimizer: str, warmup: int) -> dict:
     ex = load_example()
     from worker.demo import load_corpus
 
