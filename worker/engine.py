@@ -54,6 +54,7 @@ from worker.birth import Init, default_device, place_module
 from worker.clipping import NormScope, clip_or_skip
 from worker.collectives import CollectiveError, Collectives, Handle
 from worker.compat import compile_disabled
+from worker.compile_report import CompileReport, CompileWatch
 from worker.config import ZeroConfig
 from worker.engine_checkpoints import Checkpointing, guarded
 from worker.flat import FlatBucket, GatherUnit
@@ -228,6 +229,8 @@ class ZeroEngine(Checkpointing):
         self.membership: Membership | None = None
         self.stats = StepStats()
         self.last_grad_norm: float | None = None
+        # what torch.compile made of the model from here on (worker/compile_report.py)
+        self.compiled = CompileWatch()
         self.last_checkpoint: Path | None = None
         self._saved_at = -1  # the step of the last checkpoint saved or loaded
         self._extras: dict[str, checkpoint.Stateful] = {}  # saved with every checkpoint
@@ -593,6 +596,7 @@ class ZeroEngine(Checkpointing):
             st.whole = True
             if self._schedule is not None:
                 self._schedule.step()
+            self.compiled.poll()
             if failed is not None:  # stepped, not published: whole, for the recovery
                 raise failed
         else:
@@ -629,6 +633,11 @@ class ZeroEngine(Checkpointing):
         if self.experts is not None:
             full.update(self.experts.full_state_dict())
         return full
+
+    def compile_report(self) -> CompileReport:
+        """The graphs ``torch.compile`` captured since this engine was built, and its
+        graph breaks by reason (worker/compile_report.py [Note: the compile report])."""
+        return self.compiled.report()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds, by kind (padding included)."""
