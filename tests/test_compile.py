@@ -22,13 +22,30 @@ def batch(step: int, rank: int) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(10 * step + rank))  # fmt: skip
 
 
-def compiled_against_eager_torch(stage: int, how: str) -> None:
+def build(name: str) -> torch.nn.Module:
+    """The built-in GPT, or a two-layer Hugging Face Llama (grouped-query attention)."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        return GPT(CFG)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
+        LlamaConfig(vocab_size=CFG.vocab_size, hidden_size=16, intermediate_size=32,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=CFG.block_size)
+    )  # fmt: skip
+
+
+def loss_of(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, GPT) or isinstance(getattr(model, "module", None), GPT):
+        return model(idx, idx)
+    return model(input_ids=idx, labels=idx).loss
+
+
+def compiled_against_eager_torch(stage: int, how: str, name: str = "gpt") -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch._dynamo.reset()  # the pool's processes are reused: compile afresh
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    torch.manual_seed(0)
-    ref = GPT(CFG)
+    model, ref = build(name), build(name)
     # SGD with momentum: compiled kernels round differently from eager ones (about
     # 1e-7 here), which Adam's normalisation would blow up on near-zero gradients
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -43,11 +60,11 @@ def compiled_against_eager_torch(stage: int, how: str) -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         idx = batch(step, rank)
-        engine.backward(engine(idx, idx))
+        engine.backward(loss_of(engine, idx))
         engine.step()
         for r in range(world):
             idx = batch(step, r)
-            (ref(idx, idx) / world).backward()
+            (loss_of(ref, idx) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
     # it did compile, and not one break: at stage 3 a unit's gather and release run
@@ -62,10 +79,12 @@ def compiled_against_eager_torch(stage: int, how: str) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("stage", "how"), [(1, "whole"), (3, "whole"), (3, "blocks"), (2, "config")]
-)
-def test_compiled_training_equals_eager_torch(pools, stage: int, how: str) -> None:
-    pools(2).run(compiled_against_eager_torch, stage, how)
+    ("stage", "how", "name"),
+    [(1, "whole", "gpt"), (3, "whole", "gpt"), (3, "blocks", "gpt"), (2, "config", "gpt"),
+     (3, "config", "llama")],
+)  # fmt: skip
+def test_compiled_training_equals_eager_torch(pools, stage: int, how: str, name: str) -> None:
+    pools(2).run(compiled_against_eager_torch, stage, how, name)
 
 
 class Breaking(torch.nn.Module):
