@@ -25,6 +25,7 @@ a unit's gather and release run in its forward hooks, outside its graph
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 __all__ = ["CompileReport", "CompileWatch"]
 
 logger = logging.getLogger(__name__)
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,9 @@ class CompileReport:
 
 
 def _summary(reason: str) -> str:
-    """A break's reason in one line: its first line, and dynamo's explanation."""
+    """A break's reason in one line: its first line, and dynamo's explanation (objects'
+    addresses left out: one hook on many modules is one reason)."""
+    reason = _ADDRESS.sub("", reason)
     lines = [line.strip() for line in reason.splitlines() if line.strip()]
     if not lines:
         return "(no reason given)"

@@ -105,7 +105,7 @@ class MeshEngine(ZeroEngine):
         self.tp = tp
         self._place(mesh, shape, coords)
         if tp is not None:
-            tp.activate()
+            tp.activate(sharded=self.state.params.sharded)
 
     def _place(self, mesh: DeviceMesh, shape: MeshShape, coords: MeshCoords) -> None:
         """This rank's mesh, its shape and coordinates, and what depends on them."""

@@ -73,7 +73,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from worker.collectives import Collectives
-from worker.compat import forget_meshes, parallelize_local, rebind_hook_mesh
+from worker.compat import eager, forget_meshes, parallelize_local, rebind_hook_mesh
 
 __all__ = [
     "Conv1DColwiseParallel",
@@ -370,6 +370,7 @@ class TensorParallel:
         self._views: dict[nn.Module, list[tuple[str, tuple]]] = {}
         self._names: dict[nn.Module, str] = {}
         self._hooks: list = []
+        self._sharded = False  # (activate)
         # the input and output hooks torch's styles put on each planned module
         # (closures over the mesh), for :meth:`rebind`
         self._torch_hooks: list[Callable] = []
@@ -431,13 +432,21 @@ class TensorParallel:
         if self._hooks:
             self.activate()
 
-    def activate(self) -> None:
-        """Install the DTensor-view hooks (after the engine's: see the module note)."""
+    def activate(self, *, sharded: bool | None = None) -> None:
+        """Install the DTensor-view hooks (after the engine's: see the module note).
+        ``sharded``: the engine holds its parameters sharded (stage 3; None: as at
+        the last activation). Then the hooks stay out of compiled graphs, as the
+        engine's own do (worker/factory.py [Note: compiling at stage 3]): dynamo
+        would read the parameters while tracing, before a gather; at stages 0-2 it
+        traces them, and a compiled model keeps its graphs whole."""
+        if sharded is not None:
+            self._sharded = sharded
         self.deactivate()
+        wrap = eager if self._sharded else (lambda hook: hook)
         for module, views in self._views.items():
             self._hooks += [
-                module.register_forward_pre_hook(self._pre(views)),
-                module.register_forward_hook(self._post(views), always_call=True),
+                module.register_forward_pre_hook(wrap(self._pre(views))),
+                module.register_forward_hook(wrap(self._post(views)), always_call=True),
             ]
 
     def deactivate(self) -> None:
