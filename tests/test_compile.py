@@ -42,7 +42,9 @@ def loss_of(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
     return model(input_ids=idx, labels=idx).loss
 
 
-def compiled_against_eager_torch(stage: int, how: str, name: str = "gpt") -> None:
+def compiled_against_eager_torch(
+    stage: int, how: str, name: str = "gpt", checkpointing: str = "none"
+) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch._dynamo.reset()  # the pool's processes are reused: compile afresh
     model, ref = build(name), build(name)
@@ -52,8 +54,11 @@ def compiled_against_eager_torch(stage: int, how: str, name: str = "gpt") -> Non
     if how == "whole":
         model = torch.compile(model)
     # "config": the engine compiles it (ZeroConfig.compile, DeepSpeed's compile.deepcompile)
-    config = worker.ZeroConfig(stage=stage, compile=how == "config")
+    config = worker.ZeroConfig(
+        stage=stage, compile=how == "config", activation_checkpointing=checkpointing
+    )
     engine = worker.initialize(model, opt, config=config)
+    assert checkpointing == "none" or engine.checkpointed, "the policy chose no module"
     if how == "blocks":
         for block in engine.module.blocks:
             block.compile()
@@ -79,12 +84,16 @@ def compiled_against_eager_torch(stage: int, how: str, name: str = "gpt") -> Non
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("stage", "how", "name"),
-    [(1, "whole", "gpt"), (3, "whole", "gpt"), (3, "blocks", "gpt"), (2, "config", "gpt"),
-     (3, "config", "llama")],
+    ("stage", "how", "name", "checkpointing"),
+    [(1, "whole", "gpt", "none"), (3, "whole", "gpt", "none"), (3, "blocks", "gpt", "none"),
+     (2, "config", "gpt", "none"), (3, "config", "llama", "none"),
+     # every block recomputed in backward, its gather kept for the recomputation
+     (3, "config", "gpt", "units")],
 )  # fmt: skip
-def test_compiled_training_equals_eager_torch(pools, stage: int, how: str, name: str) -> None:
-    pools(2).run(compiled_against_eager_torch, stage, how, name)
+def test_compiled_training_equals_eager_torch(
+    pools, stage: int, how: str, name: str, checkpointing: str
+) -> None:
+    pools(2).run(compiled_against_eager_torch, stage, how, name, checkpointing)
 
 
 class Breaking(torch.nn.Module):
