@@ -83,6 +83,7 @@ class CompileWatch:
     def __init__(self) -> None:
         self._graphs, self._breaks = _counts()
         self._logged: set[str] = set()
+        self._polled: tuple[int, int] | None = None  # dynamo's raw break counts, last poll
 
     def report(self) -> CompileReport:
         graphs, breaks = _counts()
@@ -96,9 +97,16 @@ class CompileWatch:
         )
 
     def poll(self) -> None:
-        """Log each reason for a graph break not logged yet (once per reason)."""
-        if "torch._dynamo.utils" not in sys.modules:
+        """Log each reason for a graph break not logged yet (once per reason). Runs at
+        every optimizer step: it summarizes the reasons only when dynamo's counts moved."""
+        utils = sys.modules.get("torch._dynamo.utils")
+        if utils is None:
             return
+        raw = utils.counters.get("graph_break", {})
+        counts = (sum(raw.values()), len(raw))
+        if counts == self._polled:
+            return
+        self._polled = counts
         report = self.report()
         fresh = [r for r in report.reasons if r not in self._logged]
         for reason in fresh:
