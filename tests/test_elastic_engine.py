@@ -652,6 +652,22 @@ def test_a_member_lost_needs_its_state_from_elsewhere() -> None:
     assert (plan.source, plan.checkpoint) == ("checkpoint", "/c")
 
 
+def test_a_lost_block_is_covered_by_replicas_a_block_away() -> None:
+    """worker/elastic/blocks.py [Note: a lost block]: blocks of 2 in a world of 6, the
+    block of ranks 2 and 3 gone. Each rank keeps the replica of the rank a block to its
+    left, so ranks 4 and 5 hold 2's and 3's; with neighbours one rank away, 3 would
+    hold 2's and nobody 3's."""
+    survivors = [held(live=(5, r, 6), replica=(5, r, 6), checkpoint="/c") for r in (0, 1, 4, 5)]
+    plan = plan_restore(survivors, stride=2)
+    assert (plan.source, plan.step, plan.lost) == ("replica", 0, frozenset({2, 3}))
+    assert plan_restore(survivors).source == "checkpoint"
+    # the block's other rank survived and is here: only the lost one comes from a replica
+    five = [*survivors, held(live=(5, 2, 6), replica=(5, 2, 6), checkpoint="/c")]
+    assert plan_restore(five, stride=2).lost == {3}
+    # two blocks lost, one a block left of the other: 0's replica went with rank 2
+    assert plan_restore(survivors[2:], stride=2).source == "checkpoint"
+
+
 def forward_holding(rank: int, step: int = 12, log=(3, 10, 12), replica_at: int = 10) -> Holding:
     """Rank ``rank`` of generation 3 (3 ranks), whole at ``step``, with replicas of
     ``replica_at`` and its left neighbour's gradient log ``log``."""

@@ -87,3 +87,23 @@ def test_a_worker_asked_to_leave_takes_its_ep_group_out(mesh_job) -> None:
     assert "leaving with rank" in text and "with its group, ranks [0, 1]" in text, text[-4000:]
     assert "recovered" not in text
     assert_matches_reference(job.tmp)
+
+
+@pytest.mark.timeout(300)
+def test_a_sigkilled_rank_of_an_ep_job_recovers_from_replicas(mesh_job) -> None:
+    """A rank lost: its ep peer stands by (their block is broken), the other block
+    trains on from the replicas (each rank keeps a copy of the rank one block to its
+    left: the same place, so the same experts), and the launcher's replacement
+    completes the block again with the peer, which takes its shards as a newcomer."""
+    job = mesh_job(
+        "--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=3, mesh=EP, script=SCRIPT
+    )
+    job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 4)
+    job.pace(2.0)  # while the replacement starts
+    os.kill(job.workers()[1], signal.SIGKILL)
+    job.wait_until("the recovery", lambda: "recovered as" in job.text())
+    job.wait_until("four ranks again", lambda: "rejoined as rank" in job.text())
+    job.pace(0.4)
+    text = job.finish()
+    assert "(from in-memory replicas" in text, text[-4000:]
+    assert_matches_reference(job.tmp)

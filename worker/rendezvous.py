@@ -490,15 +490,22 @@ class ControlPlane:
         except CoordinatorError as exc:
             return f"(no status: {exc})"
 
-    def move_to(self, generation: Generation, *, broken: bool = False) -> None:
+    def move_to(
+        self,
+        generation: Generation,
+        *,
+        broken: bool = False,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
         """Leave the current process group and form ``generation``'s; ``broken``: a
-        peer died, so abort the old group rather than wait on it."""
+        peer died, so abort the old group rather than wait on it; ``ready`` as for
+        :meth:`init_process_group`."""
         if broken:
             abort_default_group(self.timeout)
         elif dist.is_initialized():
             dist.destroy_process_group()
         self.generation = generation
-        self.init_process_group()
+        self.init_process_group(ready=ready)
 
     def report_due(self) -> bool:
         """Heartbeats carry the latest report every interval; refresh it no more

@@ -224,6 +224,16 @@ class BlockArrangement(MeshArrangement):
     def coords(self, generation: Generation, rank: int) -> MeshCoords | None:
         return MeshCoords(pp=0, dp=rank // self.tp, tp=rank % self.tp)
 
+    def sizes(self, ms: MembershipView) -> tuple[int, int]:
+        """As a mesh's, but newcomers (a standby among them) wait for a recovery under
+        way, as in a data-parallel job: a block job's members restore in the
+        generation that replaced a lost rank, and a newcomer joins the one after it
+        (worker/elastic/blocks.py [Note: a lost block])."""
+        survivors, admitted = super().sizes(ms)
+        if admitted and survivors >= ms.config.min_workers and ms.recovering():
+            return survivors, 0
+        return survivors, admitted
+
 
 def arrangement_for(info: WorkerInfo) -> Arrangement:
     """The arrangement of a job whose first worker registered with ``info``."""

@@ -42,7 +42,7 @@ def main() -> None:
     engine = worker.initialize(
         model,
         torch.optim.SGD(model.parameters(), lr=LR),
-        config=worker.ZeroConfig(stage=args.stage),
+        config=worker.ZeroConfig(stage=args.stage, replica_interval=1),
         parallel=ParallelConfig.from_env(),
     )
 

@@ -88,7 +88,10 @@ def main() -> None:
     data = batches(args.steps)
     model, opt = build()
     engine = worker.initialize(
-        model, opt, config=worker.ZeroConfig(stage=args.stage), parallel=ParallelConfig.from_env()
+        model,
+        opt,
+        config=worker.ZeroConfig(stage=args.stage, replica_interval=1),
+        parallel=ParallelConfig.from_env(),
     )
 
     def step(s: int, share: int, shares: int) -> None:

@@ -39,10 +39,37 @@ sharding changes:
 A rank asked to leave takes its whole ep group with it: its peers' experts are
 one group's share of every layer, which nobody else holds. The group's ranks
 hand their shards over to the survivors over the old group, as a leaver does in
-a data-parallel job, and exit 0. A lost rank (a crash) leaves its ring's shards
-nowhere: the job stops with a message to restart from its last checkpoint, which
-loads at any ep and world size (in-memory replicas hold the engine's own state
-only).
+a data-parallel job, and exit 0.
+
+[Note: a lost block]
+A rank lost (a crash) breaks its block: the coordinator forms the next
+generation from whole blocks (``BlockArrangement``, as a mesh's whole groups), so
+unless a replacement completes the block at once (a job at its minimum waits for
+one), the lost rank's block peers stand by, alive, holding shards nobody can ask
+them for. The survivors restore without the whole block from the in-memory
+replicas (worker/live/replicas.py [Note: in-memory replicas]), which is why a
+rank of a job of blocks keeps the replica of the rank one block to its left
+(``stride`` = the block's size) rather than of its left neighbour, who is in its
+own block and lost with it: every rank of the lost block has its copy in another
+block, and, the holder being at the same place, an expert-parallel rank's copy
+holds the same experts' shards, kept in the same replica beside the engine's own
+(``ReplicaKeeper.refresh(also=...)``). The restore re-shards the engine's state
+over the world and the experts' ring by ring (:func:`exchange`), as a membership
+change does, rolled back to the replicas' step (a block job keeps no gradient
+log: [Note: rolling a lost rank forward] brings one rank forward, not a block).
+
+A rank that stands by aborts its broken group at once (a peer may still wait on
+it there), waits for a generation that places it, and joins as a newcomer does,
+holding nothing: where that generation only grows the job, the members hand it
+its shards; where it replaces lost ranks too, it restores with them
+(worker/elastic/recovery.py ``_rejoin``). So that the members of a recovery restore
+in its generation before a newcomer joins, the coordinator admits newcomers (a
+standby among them) to a block job only once every member has applied it, as in a
+data-parallel job (``BlockArrangement.sizes``). Two blocks lost together, one a
+block to the left of the other, leave a gap: the job falls back to its last
+checkpoint, which loads at any ep, cp and world size. A loss in the step right
+after a membership change does too: the new membership's replicas are confirmed
+at its first step boundary.
 """
 
 from __future__ import annotations
@@ -58,10 +85,10 @@ from worker.moe.dispatch import ExpertGroups
 from worker.moe.shards import ExpertShards
 from worker.state import Counters
 
-__all__ = ["adopt", "exchange", "leaving_group", "regroup"]
+__all__ = ["adopt", "exchange", "leaving_group", "regroup", "size"]
 
 
-def _block(engine: ZeroEngine) -> int:
+def size(engine: ZeroEngine) -> int:
     """Ranks per block: the ep or cp degree, or the least multiple of both (1: a
     data-parallel job)."""
     ep = 1 if engine.experts is None else engine.experts.groups.size
@@ -71,17 +98,17 @@ def _block(engine: ZeroEngine) -> int:
 
 def leaving_group(engine: ZeroEngine, leaving: int) -> list[int]:
     """The ranks that leave with rank ``leaving``: its block ([Note: elastic blocks])."""
-    size = _block(engine)
-    first = leaving - leaving % size
-    return list(range(first, first + size))
+    n = size(engine)
+    first = leaving - leaving % n
+    return list(range(first, first + n))
 
 
 def regroup(engine: ZeroEngine) -> None:
     """Form the blocks' groups over the new default group (a collective of every rank
     of it): the experts modules and the context move onto theirs."""
     if engine.experts is not None:
-        size = engine.experts.groups.size
-        engine.experts.regroup(ExpertGroups.form(Collectives(None), size))
+        ep = engine.experts.groups.size
+        engine.experts.regroup(ExpertGroups.form(Collectives(None), ep))
     if engine.context is not None:
         engine.context.regroup(Collectives(None))
 

@@ -153,14 +153,7 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
     survivors = [r for r in range(engine.world_size) if r not in going]
     if engine.rank in going:
         session._to(Phase.LEAVING)
-    handover = live.exchange(
-        engine.state, holds_state=True, via=None, new_members=survivors, buffers=wire
-    )
-    handed = (
-        None
-        if engine.experts is None
-        else blocks.exchange(engine.experts, holds_state=True, new_members=survivors)
-    )
+    handover, handed = _exchange(engine, holds_state=True, new_members=survivors, wire=wire)
     if engine.rank in going:
         engine.state.release()
         dist.destroy_process_group()
@@ -193,7 +186,7 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
         # the survivors were just handed (they run the join exchange). Should a
         # newcomer die meanwhile, that hand-over is whole: recovery starts from it.
         me = survivors.index(engine.rank)
-        session.held.handed = Handed((gen.id, me, len(survivors)), handover)
+        session.held.handed = Handed((gen.id, me, len(survivors)), handover, handed)
         everyone = list(range(gen.world_size))
         handover = live.exchange(
             engine.state,
@@ -225,6 +218,68 @@ def hand_over(session: Session, engine: ZeroEngine, leaving: int) -> None:
         engine.world_size,
         "" if wire is None else " (prepared ahead)",
     )
+
+
+def take_shards(
+    session: Session,
+    engine: ZeroEngine,
+    gen: Generation,
+    *,
+    comm: Collectives | None,
+    wire: live.ExchangeBuffers | None = None,
+) -> None:
+    """A rank that holds nothing joins the running job ``gen`` (the members grow to it,
+    :func:`grow_to`): they hand it its shards, its experts' too, over ``gen``'s group.
+    ``comm``: the group to rebuild its state for (None: built for it already);
+    ``wire``: buffers written ahead to receive into."""
+    everyone = list(range(gen.world_size))
+    handover, held = _exchange(engine, holds_state=False, new_members=everyone, wire=wire)
+    if handover.nobody_held:
+        # the generation this worker was admitted to superseded the job's first
+        # before it formed: nobody trained yet, every rank starts from the module
+        engine.state.build_from_kept_module(Collectives(None))
+        if engine.experts is not None:
+            engine.experts.state.build_from_kept_module(engine.experts.groups.edp)
+        engine.publish_snapshot()
+        logger.info("the job starts in generation %d as rank %d", gen.id, engine.rank)
+    else:
+        session._adopt(engine, handover, comm)
+        if engine.experts is not None:
+            blocks.adopt(engine.experts, held)
+        engine.saved_at = engine.global_steps  # [Note: no save at a join]
+        logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
+    session._refresh_replica(engine)  # as the members do after the exchange
+
+
+def _exchange(
+    engine: ZeroEngine,
+    *,
+    holds_state: bool,
+    new_members: list[int],
+    wire: live.ExchangeBuffers | None,
+) -> tuple[live.Handover, live.Handover | None]:
+    """The engine's state sent to its owners among ``new_members`` (ranks of the
+    default group, in new-rank order) and this rank's received, then its experts'
+    (None without experts: worker/elastic/blocks.py)."""
+    handover = live.exchange(
+        engine.state, holds_state=holds_state, via=None, new_members=new_members, buffers=wire
+    )
+    if engine.experts is None:
+        return handover, None
+    experts = blocks.exchange(engine.experts, holds_state=holds_state, new_members=new_members)
+    return handover, experts
+
+
+def exit_job(session: Session, why: str) -> NoReturn:
+    """Leave the job and end this process with 0: what it held is the others' now
+    (a rank that stood by, or waited to re-form while the job ended)."""
+    control = admitted(session)
+    session._forget_exit()  # not a finish: the job goes on without this rank
+    control.final_report()
+    control.close(leave=True)
+    session.phase = Phase.LEFT
+    logger.info("left the job: %s", why)
+    raise SystemExit(0)
 
 
 def leave_holding_state(
@@ -270,14 +325,7 @@ def grow_to(session: Session, engine: ZeroEngine, gen: Generation) -> None:
     everyone = list(range(gen.world_size))
     blocks.regroup(engine)  # (before the exchange, as a newcomer forms them)
     # the exchange exports from the old layout and rank, which the state still holds
-    handover = live.exchange(
-        engine.state, holds_state=True, via=None, new_members=everyone, buffers=wire
-    )
-    handed = (
-        None
-        if engine.experts is None
-        else blocks.exchange(engine.experts, holds_state=True, new_members=everyone)
-    )
+    handover, handed = _exchange(engine, holds_state=True, new_members=everyone, wire=wire)
     session._adopt(engine, handover, Collectives(None))
     if engine.experts is not None:
         blocks.adopt(engine.experts, handed)

@@ -13,8 +13,7 @@ from typing import NoReturn
 from coordinator.core.messages import Generation
 from worker import live
 from worker.collectives import Collectives
-from worker.elastic import blocks
-from worker.elastic.change import after_loss
+from worker.elastic.change import after_loss, take_shards
 from worker.elastic.phases import Phase, Session
 from worker.elastic.recovery import restore
 from worker.engine import (
@@ -150,36 +149,7 @@ def join(session: Session, spec: EngineSpec) -> ZeroEngine:
         session._to(Phase.RECOVERING)
         restore(session, engine, gen, holds_state=False)
     elif newcomer:
-        # joining a running job: the members hand this rank its shards
-        handover = live.exchange(
-            engine.state,
-            holds_state=False,
-            via=None,
-            new_members=list(range(gen.world_size)),
-            buffers=wire[0] if wire else None,
-        )
-        held = (
-            None
-            if engine.experts is None
-            else blocks.exchange(
-                engine.experts, holds_state=False, new_members=range(gen.world_size)
-            )
-        )
-        if handover.nobody_held:
-            # the generation this worker was admitted to superseded the job's first
-            # before it formed: nobody trained yet, every rank starts from the module
-            engine.state.build_from_kept_module(Collectives(None))
-            if engine.experts is not None:
-                engine.experts.state.build_from_kept_module(engine.experts.groups.edp)
-            engine.publish_snapshot()
-            logger.info("the job starts in generation %d as rank %d", gen.id, engine.rank)
-        else:
-            session._adopt(engine, handover, None)
-            if engine.experts is not None:
-                blocks.adopt(engine.experts, held)
-            engine.saved_at = engine.global_steps  # [Note: no save at a join]
-            logger.info("joined at step %d as rank %d", engine.global_steps, engine.rank)
-        session._refresh_replica(engine)  # as the members do after the exchange
+        take_shards(session, engine, gen, comm=None, wire=wire[0] if wire else None)
     session.held.generation = gen.id
     engine.state.drop_module_values()
     if engine.experts is not None:

@@ -131,6 +131,8 @@ class Handed:
 
     ident: live.StateId
     handover: live.Handover
+    # an expert-parallel rank's experts, handed over beside it
+    experts: live.Handover | None = None
 
 
 @dataclasses.dataclass

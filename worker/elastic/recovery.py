@@ -20,10 +20,21 @@ import torch.distributed as dist
 from coordinator.core.messages import Generation
 from worker import live
 from worker.collectives import CollectiveError, Collectives, StepAborted
-from worker.elastic.change import NO_GENERATION, join_ahead, leave_holding_state
+from worker.compat import abort_default_group
+from worker.elastic import blocks
+from worker.elastic.change import (
+    NO_GENERATION,
+    after_loss,
+    exit_job,
+    join_ahead,
+    leave_holding_state,
+    take_shards,
+)
 from worker.elastic.phases import Phase, RecoveryTiming, Session, admitted
 from worker.engine import ZeroEngine
 from worker.entries import Entries
+from worker.live.restore_plan import current_rings
+from worker.rendezvous import JobFinished
 from worker.reporting import report
 from worker.state import Counters
 
@@ -43,20 +54,60 @@ def recover(session: Session, engine: ZeroEngine, exc: CollectiveError) -> NoRet
         # failed, if they arrived before the loss
         session.keeper.log.commit(engine.global_steps)
     logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
+    if blocks.size(engine) > 1:
+        # this rank may stand by (its block broken) for as long as the others train
+        # on: whoever still waits on it in the broken group must not wait that long
+        abort_default_group(control.timeout)
     start = time.perf_counter()
     gen = control.wait_to_re_form(stop=lambda: session.leave_requested)
     if gen is None:
         leave_holding_state(session, engine, NO_GENERATION, broken=True)
     heard = time.perf_counter()
-    control.move_to(gen, broken=True)
+    try:
+        # ready at once: a rank that stood by joins a scale-up of the others, who
+        # wait for its ranks to be ready ([Note: meeting ahead] in worker/rendezvous.py)
+        control.move_to(gen, broken=True, ready=lambda: True)
+    except JobFinished:  # (the others ended training while this rank stood by)
+        exit_job(session, "the job ended while this rank waited to re-form")
     timing = RecoveryTiming(heard - start, time.perf_counter() - heard)
-    restore(session, engine, control.generation, holds_state=True, timing=timing)
+    if _stood_by(engine, control.generation, control.rank):
+        _rejoin(session, engine, control.generation)
+    else:
+        restore(session, engine, control.generation, holds_state=True, timing=timing)
     engine.stats.record_pause("crash", time.perf_counter() - start)
     session._to(Phase.MEMBER)
     engine.publish_snapshot()
     raise StepAborted(
         f"step abandoned after a lost peer; resume at step {engine.global_steps}"
     ) from exc
+
+
+def _stood_by(engine: ZeroEngine, gen: Generation, rank: int) -> bool:
+    """Whether this rank of a job of blocks was left out of the generations since the
+    one it held state in: it waited while its block was broken (worker/elastic/blocks.py
+    [Note: a lost block]), and what it holds is not the job's any more."""
+    return (
+        blocks.size(engine) > 1
+        and gen.reshard is not None
+        and (gen.members[rank].previous_rank is None)
+    )
+
+
+def _rejoin(session: Session, engine: ZeroEngine, gen: Generation) -> None:
+    """A rank that stood by joins ``gen`` as a newcomer does: holding nothing, its
+    block's groups formed again, it restores with the others where ``gen`` replaces
+    lost ranks, else takes its shards from the members (who grow to ``gen``)."""
+    keeper = session.keeper
+    keeper.retire(keeper.replicas)  # of the job as it was before it stood by
+    keeper.replicas = []
+    blocks.regroup(engine)
+    if after_loss(gen):
+        restore(session, engine, gen, holds_state=False)
+        return
+    take_shards(session, engine, gen, comm=Collectives(None))
+    session.held.generation = gen.id
+    report(admitted(session), engine)
+    logger.warning("rejoined as rank %d of %d after standing by", engine.rank, engine.world_size)
 
 
 def recover_in_formed(session: Session, engine: ZeroEngine, intended: Generation) -> NoReturn:
@@ -106,6 +157,8 @@ def restore(
     keeper = session.keeper
     started = time.perf_counter()
     reached = engine.global_steps
+    if holds_state:  # (a newcomer formed its blocks' groups as it built its engine)
+        blocks.regroup(engine)
     replicas, keeper.replicas = (keeper.replicas if holds_state else []), []
     log, keeper.log = keeper.log, live.GradientLog()
     live_id = _live(session, engine) if holds_state else None
@@ -122,7 +175,10 @@ def restore(
     comm = Collectives(None)
     comm.all_reduce(table, op="sum", control=True)
     holdings = [live.Holding.decode(row) for row in table.cpu()]
-    plan = live.plan_restore(holdings)
+    stride = blocks.size(engine)
+    if stride > 1:  # a rank that stood by holds an older generation's state: not the job's
+        (holdings,) = current_rings([holdings])
+    plan = live.plan_restore(holdings, stride=stride)
     logger.info(
         "recovery plan %s (generation %s, step %s, lost %s) from %s",
         plan.source, plan.generation, plan.step, sorted(plan.lost),
@@ -214,6 +270,13 @@ def _from_live(ctx: Restoring) -> str:
         counters=counters,
     )
     ctx.session._adopt(engine, handover, ctx.comm)
+    experts = None if not sends or handed is None else handed.experts
+    _experts_from(
+        ctx,
+        holds_state=sends,
+        entries=None if experts is None else experts.entries,
+        counters=None if experts is None else experts.counters,
+    )
     return "live state, nothing rolled back"
 
 
@@ -259,20 +322,44 @@ def _from_replica(ctx: Restoring) -> str:
         entries = dict(replica.own)
         if replica.neighbour_rank in ctx.lost:
             entries.update(replica.neighbour)
+    holds, counters = ctx.holds_state and replica is not None, getattr(replica, "counters", None)
     handover = live.exchange(
         engine.state,
-        holds_state=ctx.holds_state and replica is not None,
+        holds_state=holds,
         via=ctx.via,
         new_members=ctx.members,
         entries=entries,
-        counters=None if replica is None else replica.counters,
+        counters=counters,
     )
     ctx.session._adopt(engine, handover, ctx.comm)
+    # an expert-parallel rank's replica holds its experts' entries too
+    _experts_from(ctx, holds_state=holds, entries=entries, counters=counters)
     return "in-memory replicas"
+
+
+def _experts_from(
+    ctx: Restoring, *, holds_state: bool, entries: Entries | None, counters: Counters | None
+) -> None:
+    """The experts' state of an expert-parallel engine, restored as the engine's own
+    just was: its entries (None: its live state) re-sharded place by place over the
+    new group (worker/elastic/blocks.py [Note: a lost block])."""
+    experts = ctx.engine.experts
+    if experts is None:
+        return
+    handover = blocks.exchange(
+        experts,
+        holds_state=holds_state,
+        new_members=ctx.members,
+        entries=entries if holds_state else {},
+        counters=counters,
+    )
+    blocks.adopt(experts, handover)
 
 
 def _from_module(ctx: Restoring) -> str:
     ctx.engine.state.build_from_kept_module(ctx.comm)
+    if (experts := ctx.engine.experts) is not None:
+        experts.state.build_from_kept_module(experts.groups.edp)
     ctx.engine.publish_snapshot()
     return "nothing: every holder of the job's state was lost, it starts again"
 
@@ -281,6 +368,8 @@ def _from_checkpoint(ctx: Restoring) -> str:
     engine = ctx.engine
     checkpoint_dir = Path(ctx.plan.checkpoint or "")
     engine.state.build(ctx.comm, from_module=False)  # torn until the checkpoint is in
+    if (experts := engine.experts) is not None:
+        experts.state.build(experts.groups.edp, from_module=False)
     engine.load_checkpoint(checkpoint_dir)
     engine.last_checkpoint = checkpoint_dir
     return str(checkpoint_dir)

@@ -64,6 +64,7 @@ from coordinator.core.messages import Generation
 from worker import live
 from worker.collectives import CollectiveError, Collectives, StepAborted
 from worker.compat import abort_default_group
+from worker.elastic.change import exit_job
 from worker.elastic.joining import left_before_admission, prepare
 from worker.elastic.phases import Phase, Session
 from worker.elastic.recovery import Restoring, restore_from
@@ -225,7 +226,7 @@ def recover(session: Session, engine: ZeroEngine, exc: CollectiveError) -> NoRet
     logger.warning("step abandoned (%s); waiting for the coordinator's next generation", exc)
     gen = _next_generation(session)
     if gen is None:
-        _exit(session, "the job ended while this rank waited to re-form")
+        exit_job(session, "the job ended while this rank waited to re-form")
     reached = engine.global_steps
     _switch(session, engine, gen, broken=True)
     engine.stats.record_pause("crash", time.perf_counter() - start)
@@ -272,11 +273,11 @@ def _leave_step(session: Session, engine: ZeroEngine) -> bool:
     if dist.get_rank() in now:
         session._to(Phase.LEAVING)
         report(control, engine)
-        _exit(session, "asked to leave")
+        exit_job(session, "asked to leave")
     start = time.perf_counter()
     gen = _next_generation(session)
     if gen is None:
-        _exit(session, "the job ended while this rank waited to re-form")
+        exit_job(session, "the job ended while this rank waited to re-form")
     _switch(session, engine, gen, broken=True)
     engine.stats.record_pause("scale_down", time.perf_counter() - start)
     return True
@@ -356,18 +357,6 @@ def _next_generation(session: Session) -> Generation | None:
             )
 
 
-def _exit(session: Session, why: str) -> NoReturn:
-    """Leave the job and end this process with 0: what it held is the others' now."""
-    control = session.control
-    assert control is not None
-    session._forget_exit()  # not a finish: the job goes on without this rank
-    control.final_report()
-    control.close(leave=True)
-    session.phase = Phase.LEFT
-    logger.info("left the job: %s", why)
-    raise SystemExit(0)
-
-
 def _switch(session: Session, engine: ZeroEngine, gen: Generation, *, broken: bool) -> None:
     """Move to ``gen``: re-form there, or stand by until a generation places this rank."""
     engine = cast("MeshEngine", engine)  # the engine of a mesh job (worker/factory.py)
@@ -387,7 +376,7 @@ def _switch(session: Session, engine: ZeroEngine, gen: Generation, *, broken: bo
         # it holds nothing now: asked to leave, it goes at once
         placed = control.wait_to_re_form(stop=lambda: True, give_up=lambda: session.leave_requested)
         if placed is None:
-            _exit(
+            exit_job(
                 session,
                 "asked to leave while it stood by"
                 if session.leave_requested

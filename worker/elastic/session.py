@@ -54,14 +54,6 @@ _ANNOUNCE_MAX_STEP_S = 2.0
 _LEAVE_PATIENCE_S = 4.0
 
 
-# [Note: elastic blocks] in worker/elastic/blocks.py
-_BLOCK_LOST = (
-    "a rank of this {what}-parallel job was lost at step {step}: its group's peers leave "
-    "with it, and what they hold is in no replica, so the job cannot re-form in memory; "
-    "restart it from its last checkpoint, which loads at any {what} and world size"
-)
-
-
 class ElasticSession(FinalReport):
     """One worker's membership in a coordinator's job (see the module notes)."""
 
@@ -167,6 +159,7 @@ class ElasticSession(FinalReport):
         st, config = engine.state, engine.config
         if not (
             not self.rings  # a lost rank of a mesh rolls its ring back to the replicas
+            and blocks.size(engine) == 1  # and a lost block (worker/elastic/blocks.py)
             and config.replica_interval
             and config.replica_gradient_log
             and st.stage.optimizer_sharded
@@ -254,9 +247,6 @@ class ElasticSession(FinalReport):
     def recover(self, engine: ZeroEngine, exc: CollectiveError) -> NoReturn:
         """A peer is gone: form the coordinator's next generation and restore
         (worker/elastic/recovery.py; on a mesh, ring by ring: worker/elastic/rings.py)."""
-        if engine.experts is not None or engine.context is not None:
-            what = "expert" if engine.experts is not None else "context"
-            raise RuntimeError(_BLOCK_LOST.format(what=what, step=engine.global_steps)) from exc
         if self.rings:
             rings.recover(self, engine, exc)
         recovery.recover(self, engine, exc)
@@ -285,7 +275,12 @@ class ElasticSession(FinalReport):
         in worker/live/replicas.py)."""
         if not engine.config.replica_interval:
             return
-        self.keeper.refresh(engine.state, admitted(self).generation.id)
+        self.keeper.refresh(
+            engine.state,
+            admitted(self).generation.id,
+            stride=blocks.size(engine),  # [Note: a lost block] in worker/elastic/blocks.py
+            also=() if engine.experts is None else (engine.experts.state,),
+        )
 
     def _confirm_refresh(self, engine: ZeroEngine) -> None:
         """Confirm the refresh in flight, if any (:meth:`ReplicaKeeper.confirm`)."""

@@ -41,12 +41,14 @@ class Replica:
     [Note: in-memory replicas]
     Every ``replica_interval`` optimizer steps each rank copies its own state
     ranges (as a checkpoint would write them) and sends a copy to its right
-    neighbour, ``(rank + 1) % N``. When a rank dies, its right neighbour holds
-    its state as of the last refresh; every survivor also holds its own state
-    as of that same step, so the whole job can roll back consistently to it
-    without touching the disk. Two adjacent ranks lost together leave a gap,
-    and recovery falls back to the last checkpoint. The cost is twice this
-    rank's share of the model state (reported as the ``replica`` kind).
+    neighbour, ``(rank + stride) % N`` (``stride`` 1; in a job of blocks, the
+    block's size: worker/elastic/blocks.py [Note: a lost block]). When a rank
+    dies, its right neighbour holds its state as of the last refresh; every
+    survivor also holds its own state as of that same step, so the whole job can
+    roll back consistently to it without touching the disk. Two adjacent ranks
+    lost together leave a gap, and recovery falls back to the last checkpoint.
+    The cost is twice this rank's share of the model state (reported as the
+    ``replica`` kind).
 
     A refresh is two-phase. The swap is one collective, and a peer lost in the
     middle of it leaves some survivors with the new copies and some without:
@@ -64,6 +66,8 @@ class Replica:
     # packed (pack_entries): one copy each, read as views when a recovery needs them
     own_packed: torch.Tensor
     neighbour_packed: torch.Tensor
+    # how far its neighbour is: it holds rank ``(rank - stride) % world_size``'s state
+    stride: int = 1
 
     @property
     def own(self) -> Entries:
@@ -75,7 +79,7 @@ class Replica:
 
     @property
     def neighbour_rank(self) -> int:
-        return (self.rank - 1) % self.world_size
+        return (self.rank - self.stride) % self.world_size
 
     @property
     def ident(self) -> ReplicaId:
@@ -108,13 +112,14 @@ class PendingRefresh:
     received: torch.Tensor  # the left neighbour's packed state, once the handle is done
     handle: Handle
     comm: Collectives  # the group it runs on
+    stride: int = 1
 
     def finish(self) -> Replica:
         """Wait for the swap (raises :class:`CollectiveError` if a peer was lost)."""
         self.handle.wait()
         return Replica(
             self.generation, self.world_size, self.rank, self.counters, self.own,
-            self.received.cpu(),
+            self.received.cpu(), self.stride,
         )  # fmt: skip
 
     def nbytes(self) -> int:
@@ -146,23 +151,35 @@ def buffer_of(replica: Replica) -> torch.Tensor:
 
 
 def start_refresh(
-    state: ShardState, generation: int, *, into: torch.Tensor | None = None
+    state: ShardState,
+    generation: int,
+    *,
+    into: torch.Tensor | None = None,
+    stride: int = 1,
+    also: Sequence[ShardState] = (),
 ) -> PendingRefresh:
     """Snapshot this rank's state and start swapping copies with the neighbours (a
     collective: the sizes go now, the bytes in the background). ``into``: a host
     buffer no replica uses any more, to snapshot into if it is large enough
-    ([Note: a snapshot into the last one's buffer])."""
+    ([Note: a snapshot into the last one's buffer]); ``stride``: how far the
+    neighbours are; ``also``: more states of this rank to keep with it (an
+    expert-parallel rank's experts: their entries' names are their own)."""
     comm = state.comm
     # The one copy of this rank's state: packed from views of the live state (the
     # optimizer does not step while this runs), and sent as it is.
-    own = pack_entries(state.export_ranges(copy=False), into=into)
+    entries = state.export_ranges(copy=False)
+    for more in also:
+        entries.update(more.export_ranges(copy=False))
+    own = pack_entries(entries, into=into)
     n = comm.world_size
     received, handle = own.new_empty(0), Handle(None, None, 0.0)
-    if n > 1:
-        sizes = [own.numel() if d == (comm.rank + 1) % n else 0 for d in range(n)]
+    if n > 1 and stride % n:
+        sizes = [own.numel() if d == (comm.rank + stride) % n else 0 for d in range(n)]
         parts, handle = _start_exchange(comm, own, sizes)
-        received = parts[(comm.rank - 1) % n]
-    return PendingRefresh(generation, n, comm.rank, state.counters(), own, received, handle, comm)
+        received = parts[(comm.rank - stride) % n]
+    return PendingRefresh(
+        generation, n, comm.rank, state.counters(), own, received, handle, comm, stride
+    )
 
 
 def refresh_replica(state: ShardState, generation: int) -> Replica:
@@ -372,12 +389,20 @@ class ReplicaKeeper:
         spare = 0 if self.spare is None else self.spare.numel()
         return sum(r.nbytes() for r in self.replicas) + self.log.nbytes() + pending + spare
 
-    def refresh(self, state: ShardState, generation: int) -> None:
-        """Confirm the refresh before (if any), then snapshot ``state`` and start
-        swapping it with the neighbours as ``generation``'s replica."""
+    def refresh(
+        self,
+        state: ShardState,
+        generation: int,
+        *,
+        stride: int = 1,
+        also: Sequence[ShardState] = (),
+    ) -> None:
+        """Confirm the refresh before (if any), then snapshot ``state`` (and ``also``)
+        and start swapping it with the neighbours ``stride`` ranks away as
+        ``generation``'s replica."""
         self.confirm()
         spare, self.spare = self.spare, None
-        self.refreshing = start_refresh(state, generation, into=spare)
+        self.refreshing = start_refresh(state, generation, into=spare, stride=stride, also=also)
         if self.log.generation != self.refreshing.generation:
             # a new generation: its log starts at the snapshot (a recovery uses it
             # only with a replica of this generation, i.e. once this one is confirmed)

@@ -141,10 +141,11 @@ class RestorePlan:
     lost: frozenset[int] = frozenset()
 
 
-def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
+def plan_restore(holdings: Sequence[Holding], *, stride: int = 1) -> RestorePlan:
     """Pick the recovery source every rank of a data-parallel job will use: its
-    state is one ring (:func:`plan_rings`)."""
-    return plan_rings([holdings])
+    state is one ring (:func:`plan_rings`). ``stride``: how far each rank's replica
+    holder is (a job of blocks keeps it a block away)."""
+    return plan_rings([holdings], stride=stride)
 
 
 def _complete_live(holdings: Sequence[Holding]) -> int | None:
@@ -163,7 +164,7 @@ def _complete_live(holdings: Sequence[Holding]) -> int | None:
 
 
 def _replica_candidates(
-    holdings: Sequence[Holding],
+    holdings: Sequence[Holding], stride: int = 1
 ) -> Iterator[tuple[int, int, frozenset[int]]]:
     """The (generation, step) replica sets that cover every rank of their
     generation, newest first, each with its ranks no member is (``lost``)."""
@@ -177,13 +178,13 @@ def _replica_candidates(
         world = ranks[0][1]
         present = {rank for rank, _ in ranks}
         lost = frozenset(set(range(world)) - present)
-        # each rank keeps its own state and its left neighbour's
-        covered = present | {(r - 1) % world for r in present if (r - 1) % world in lost}
+        # each rank keeps its own state and its left neighbour's (``stride`` ranks left)
+        covered = present | {(r - stride) % world for r in present}
         if usable and covered == set(range(world)):
             yield gen, step, lost
 
 
-def plan_rings(rings: Sequence[Sequence[Holding]]) -> RestorePlan:
+def plan_rings(rings: Sequence[Sequence[Holding]], *, stride: int = 1) -> RestorePlan:
     """Pick the recovery source every rank will use ([Note: recovery sources]), for
     a job whose state is one ring of dp ranks per (pp, tp) position (a data-parallel
     job is one ring): ``rings`` holds, for each, the holdings of the new group's
@@ -215,11 +216,11 @@ def plan_rings(rings: Sequence[Sequence[Holding]]) -> RestorePlan:
     if all(any(h.holds_state for h in ring) for ring in rings):
         common: set[tuple[int, int]] | None = None
         for ring in rings:
-            found = {(gen, step) for gen, step, _ in _replica_candidates(ring)}
+            found = {(gen, step) for gen, step, _ in _replica_candidates(ring, stride)}
             common = found if common is None else common & found
         if common:
             gen, step = max(common)
-            lost = ring_lost(rings[0], gen, step) if len(rings) == 1 else frozenset()
+            lost = ring_lost(rings[0], gen, step, stride) if len(rings) == 1 else frozenset()
             return RestorePlan(RestoreSource.REPLICA, generation=gen, step=step, lost=lost)
     everyone = [h for ring in rings for h in ring]
     return _last_resort(everyone)
@@ -246,9 +247,11 @@ def current_rings(rings: Sequence[Sequence[Holding]]) -> list[list[Holding]]:
     ]
 
 
-def ring_lost(ring: Sequence[Holding], generation: int, step: int) -> frozenset[int]:
+def ring_lost(
+    ring: Sequence[Holding], generation: int, step: int, stride: int = 1
+) -> frozenset[int]:
     """The ranks of one ring that no member holds the replica of (generation, step) of."""
-    for gen, at, lost in _replica_candidates(ring):
+    for gen, at, lost in _replica_candidates(ring, stride):
         if (gen, at) == (generation, step):
             return lost
     raise ValueError(f"no replica of generation {generation} at step {step} covers this ring")
