@@ -74,35 +74,31 @@ def test_an_ep_job_grows_by_an_ep_group_and_shrinks_back(mesh_job) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_worker_asked_to_leave_takes_its_ep_group_out(mesh_job) -> None:
+def test_a_leave_takes_its_ep_group_out_and_a_lost_rank_is_restored(mesh_job) -> None:
     """A SIGTERM from outside to one worker of the first ep group: it and its ep peer
-    hand their shards over and leave; the survivors, renumbered, keep their places."""
+    hand their shards over and leave; the survivors, renumbered, keep their places.
+    Then a rank SIGKILLed: its ep peer stands by (their group is broken), the other
+    group trains on from the replicas (each rank keeps a copy of the rank one group
+    to its left: the same place, so the same experts), and the launcher's
+    replacement completes the group again with the peer, which rejoins holding
+    nothing (worker/elastic/blocks.py [Note: a lost block])."""
     job = mesh_job(
-        "--nproc", "6", "--min-nproc", "4", "--max-nproc", "6", stage=1, mesh=EP, script=SCRIPT
+        "--nproc", "6", "--min-nproc", "2", "--max-nproc", "6", stage=1, mesh=EP, script=SCRIPT
     )
     job.wait_until("six ranks training", lambda: job.world() == 6 and job.step() >= 3)
     os.kill(job.workers()[0], signal.SIGTERM)
-    job.wait_until("two ep groups", lambda: job.world() == 4)
-    text = job.finish()
-    assert "leaving with rank" in text and "with its group, ranks [0, 1]" in text, text[-4000:]
-    assert "recovered" not in text
-    assert_matches_reference(job.tmp)
-
-
-@pytest.mark.timeout(300)
-def test_a_sigkilled_rank_of_an_ep_job_recovers_from_replicas(mesh_job) -> None:
-    """A rank lost: its ep peer stands by (their block is broken), the other block
-    trains on from the replicas (each rank keeps a copy of the rank one block to its
-    left: the same place, so the same experts), and the launcher's replacement
-    completes the block again with the peer, which takes its shards as a newcomer."""
-    job = mesh_job(
-        "--nproc", "4", "--min-nproc", "2", "--max-nproc", "4", stage=3, mesh=EP, script=SCRIPT
-    )
-    job.wait_until("four ranks training", lambda: job.world() == 4 and job.step() >= 4)
+    job.wait_until("two ep groups", lambda: "with its group, ranks [0, 1]" in job.text())
+    text = job.text()
+    assert "leaving with rank" in text and "recovered" not in text, text[-4000:]
+    # (a loss in the step after a change rolls back to a checkpoint: the replicas of
+    # the new membership are confirmed at its first step boundary)
+    left = job.step()
+    job.wait_until("four ranks training", lambda: job.step() >= left + 2)
+    assert job.step() < STEPS - 6, "the job is too fast for this test to kill a rank"
     job.pace(2.0)  # while the replacement starts
-    os.kill(job.workers()[1], signal.SIGKILL)
+    os.kill(job.workers()[-1], signal.SIGKILL)
     job.wait_until("the recovery", lambda: "recovered as" in job.text())
-    job.wait_until("four ranks again", lambda: "rejoined as rank" in job.text())
+    job.wait_until("the group whole again", lambda: "rejoined as rank" in job.text())
     job.pace(0.4)
     text = job.finish()
     assert "(from in-memory replicas" in text, text[-4000:]

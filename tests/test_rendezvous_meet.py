@@ -1,10 +1,13 @@
 """How ranks meet at a generation's store (worker/rendezvous.py `ControlPlane._meet`):
 a newcomer waiting for rank 0 to host the store keeps looking often
-([Note: a newcomer waits at the store])."""
+([Note: a newcomer waits at the store]); a group that never forms ends the process
+([Note: a group that never forms])."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from worker import rendezvous
-from worker.rendezvous import ControlPlane
+from worker.rendezvous import STUCK_FORMING_EXIT, ControlPlane
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -107,3 +112,25 @@ def test_a_served_store_listens_on_the_workers_address_alone() -> None:
     assert store.get("k") == b"v"
     # not 0.0.0.0: the store is unauthenticated (README, Security)
     assert _listening_on(port) == {"127.0.0.1"}
+
+
+def test_a_group_that_never_forms_ends_the_process_saying_why() -> None:
+    """worker/rendezvous.py [Note: a group that never forms]: a block that outlives
+    twice the timeout and the margin ends the process with its own status; one that
+    returns in time leaves it running."""
+    code = (
+        "import time, datetime, logging\n"
+        "import worker.rendezvous as r\n"
+        "logging.basicConfig()\n"
+        "r._FORM_MARGIN_S = 0.2\n"
+        "with r._exit_if_stuck(datetime.timedelta(seconds=0.05), 'forming generation 7'):\n"
+        "    pass\n"
+        "with r._exit_if_stuck(datetime.timedelta(seconds=0.05), 'forming generation 8'):\n"
+        "    time.sleep(30)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert done.returncode == STUCK_FORMING_EXIT, done.stderr
+    assert "forming generation 8 did not finish within 0s" in done.stderr
+    assert "generation 7" not in done.stderr

@@ -14,13 +14,15 @@ show them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import socket
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -87,6 +89,45 @@ _MEET_FIRST_POLL_S = 0.002
 _MEET_PROBE_S = 0.01
 _MEET_POLL_S = 0.1
 _EXCEPTHOOK = sys.excepthook  # as it was before any process group
+# a process group that has not formed this long after twice the collective timeout
+# never will ([Note: a group that never forms]); the exit status it leaves with
+_FORM_MARGIN_S = 30.0
+STUCK_FORMING_EXIT = 75
+
+
+@contextlib.contextmanager
+def _exit_if_stuck(timeout: timedelta, what: str) -> Iterator[None]:
+    """End this process if the block does not return in time.
+
+    [Note: a group that never forms]
+    The meeting at a generation's store proves every rank was alive when the group
+    began to form, not that it stays so: a peer killed in the second after, while
+    gloo connects every pair, can leave a rank waiting for that pair without end
+    (seen under chaos: a rank in ``init_process_group`` for over five minutes, a
+    60 s timeout given, while the others formed a newer generation without it).
+    A thread cannot interrupt that wait, so after twice the timeout and a margin
+    the process exits (status ``STUCK_FORMING_EXIT``) saying why: the coordinator
+    drops it as it would a crash, and its launcher starts it again, as a newcomer
+    that holds nothing. What it held is covered as a crash's is (replicas, a
+    checkpoint), which is better than the job waiting on it forever."""
+    limit = 2 * timeout.total_seconds() + _FORM_MARGIN_S
+
+    def stuck() -> None:
+        logger.error(
+            "%s did not finish within %.0fs: a peer vanished while it formed; this "
+            "worker exits for its launcher to start it again",
+            what,
+            limit,
+        )
+        os._exit(STUCK_FORMING_EXIT)
+
+    timer = threading.Timer(limit, stuck)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class LeftBeforeAdmission(Exception):
@@ -268,13 +309,14 @@ class ControlPlane:
                 # rank: one wrapper, with this generation's rank, not one per generation
                 sys.excepthook = _EXCEPTHOOK
                 TRACKER.forget_groups()  # the new group's collectives count from 1
-                dist.init_process_group(
-                    self.backend,
-                    store=dist.PrefixStore(f"zeroplane/{gen.id}", store),
-                    rank=self.rank,
-                    world_size=gen.world_size,
-                    timeout=self.timeout,
-                )
+                with _exit_if_stuck(self.timeout, f"forming generation {gen.id}'s group"):
+                    dist.init_process_group(
+                        self.backend,
+                        store=dist.PrefixStore(f"zeroplane/{gen.id}", store),
+                        rank=self.rank,
+                        world_size=gen.world_size,
+                        timeout=self.timeout,
+                    )
                 time_out_subgroups_as(self.timeout)
                 return
             except (RuntimeError, dist.DistError) as exc:

@@ -59,7 +59,11 @@ def recover(session: Session, engine: ZeroEngine, exc: CollectiveError) -> NoRet
         # on: whoever still waits on it in the broken group must not wait that long
         abort_default_group(control.timeout)
     start = time.perf_counter()
-    gen = control.wait_to_re_form(stop=lambda: session.leave_requested)
+    # (a rank that stands by waits while the others train on, and may see them finish)
+    finished = lambda: control.client.job_finished  # noqa: E731
+    gen = control.wait_to_re_form(stop=lambda: session.leave_requested, give_up=finished)
+    if gen is None and finished():
+        exit_job(session, "the job ended while this rank waited to re-form")
     if gen is None:
         leave_holding_state(session, engine, NO_GENERATION, broken=True)
     heard = time.perf_counter()
