@@ -767,6 +767,26 @@ def test_replicas_are_all_or_nothing() -> None:
     assert plan_restore(with_newcomer).source == "replica"
 
 
+def test_a_loss_right_after_a_change_rolls_back_to_the_replicas_before_it() -> None:
+    """Generation 4 grew generation 3 (3 ranks) by one; a member died before 4's first
+    replicas were confirmed. The members hold 3's, which still cover 3's ranks (the
+    lost one's in its right neighbour's copy); the newcomer holds none of 3's and
+    takes its state from the others. After a leave, the leaver's state is in its right
+    neighbour's copy too, unless that neighbour is the one lost."""
+    members = [held(live=(4, r, 4), replica=(3, r, 3), checkpoint=None) for r in (0, 1)]
+    newcomer = held(live=(4, 3, 4), replica=None, checkpoint=None)
+    plan = plan_restore([*members, newcomer])
+    assert (plan.source, plan.generation, plan.lost) == ("replica", 3, frozenset({2}))
+    # rank 1 left in the change (its state handed over) and rank 2 was lost after:
+    # rank 0 holds 2's copy, but 1's was with rank 2
+    left = [held(live=(4, 0, 2), replica=(3, 0, 3), checkpoint="/c")]
+    assert plan_restore(left).source == "checkpoint"
+    # a member holding another step of that generation still forbids it
+    ahead = held(live=(4, 1, 4), replica=(3, 1, 3), steps=(5,), checkpoint=None)
+    with pytest.raises(RuntimeError, match="replica_interval or save checkpoints"):
+        plan_restore([members[0], ahead, newcomer])
+
+
 def test_the_plan_reads_what_is_lost_from_the_holdings() -> None:
     """A group formed after a superseded rendezvous: the ranks of the replicas'
     generation that nobody holds are the lost ones, whatever the schedule said."""

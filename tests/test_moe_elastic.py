@@ -90,8 +90,9 @@ def test_a_leave_takes_its_ep_group_out_and_a_lost_rank_is_restored(mesh_job) ->
     job.wait_until("two ep groups", lambda: "with its group, ranks [0, 1]" in job.text())
     text = job.text()
     assert "leaving with rank" in text and "recovered" not in text, text[-4000:]
-    # (a loss in the step after a change rolls back to a checkpoint: the replicas of
-    # the new membership are confirmed at its first step boundary)
+    # (a loss in the step after a leave may find no replica of the leavers: those of
+    # the new membership are confirmed at its first step boundary; worker/elastic/
+    # blocks.py [Note: a lost block])
     left = job.step()
     job.wait_until("four ranks training", lambda: job.step() >= left + 2)
     assert job.step() < STEPS - 6, "the job is too fast for this test to kill a rank"

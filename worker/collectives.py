@@ -209,6 +209,14 @@ class Collectives:
         """Whether this is the default process group (or a stand-in for one)."""
         return self.group is None or self.group is dist.group.WORLD
 
+    @staticmethod
+    def gloo_world() -> Collectives:
+        """A new gloo group of every rank of the default group (a collective of them
+        all): a peer lost while it forms raises :class:`CollectiveError`, as a
+        collective does, so that the job re-forms rather than the rank exiting."""
+        with _translated("new_group"):
+            return Collectives(dist.new_group(backend="gloo"))
+
     @functools.cached_property
     def _tag(self) -> GroupTag:
         """This group as worker/whereabouts.py names it."""

@@ -43,7 +43,6 @@ runs unchecked.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from worker.collectives import Collectives
@@ -87,7 +86,7 @@ class GatherAgreement:
             return
         if self.group is None:  # formed at the first check, where every rank is
             if self.comm.on_default_group:
-                self.group = Collectives(dist.new_group(backend="gloo"))
+                self.group = Collectives.gloo_world()
             else:  # a gloo subgroup: checked on the gathers' own group
                 self.group = self.comm
         # one MAX of (code, -code): the ranks agree when it gives (code, -code) back

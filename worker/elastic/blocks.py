@@ -68,8 +68,11 @@ standby among them) to a block job only once every member has applied it, as in 
 data-parallel job (``BlockArrangement.sizes``). Two blocks lost together, one a
 block to the left of the other, leave a gap: the job falls back to its last
 checkpoint, which loads at any ep, cp and world size. A loss in the step right
-after a membership change does too: the new membership's replicas are confirmed
-at its first step boundary.
+after a membership change, before the new membership's replicas are confirmed at
+its first step boundary, rolls back to the replicas from before the change where
+they cover every rank it had (worker/live/restore_plan.py ``_replica_candidates``:
+after a scale-up they do; after a leave, unless the rank lost held a leaver's
+copy), else to the checkpoint.
 """
 
 from __future__ import annotations

@@ -168,11 +168,16 @@ def _replica_candidates(
 ) -> Iterator[tuple[int, int, frozenset[int]]]:
     """The (generation, step) replica sets that cover every rank of their
     generation, newest first, each with its ranks no member is (``lost``)."""
-    # newest first; a member without a replica of that (generation, step) would
-    # restore ahead of (or behind) the others: replicas are all or nothing
+    # newest first; a member with replicas of that generation but not of that step
+    # would restore ahead of (or behind) the others: replicas are all or nothing. A
+    # member with none of that generation joined after it (the loss came before its
+    # first replica was confirmed: [Note: a refresh overlaps a step]) and takes its
+    # state from the others, as a rank holding nothing does
     for gen, step in sorted({r[:2] for h in holdings for r in h.replicas}, reverse=True):
         usable = all(
-            any(r[:2] == (gen, step) for r in h.replicas) for h in holdings if h.holds_state
+            any(r[:2] == (gen, step) for r in h.replicas)
+            for h in holdings
+            if h.holds_state and any(r[0] == gen for r in h.replicas)
         )
         ranks = [r[2:] for h in holdings for r in h.replicas if r[:2] == (gen, step)]
         world = ranks[0][1]
