@@ -142,3 +142,17 @@ def test_no_rank_aborts_at_exit_after_async_collectives(tmp_path) -> None:
             if proc.returncode != 0:
                 aborted.append(f"job {job} rank {r}: exit {proc.returncode}: {err[-300:]}")
     assert not aborted, "\n".join(aborted)
+
+
+def test_a_group_that_cannot_form_raises_a_collective_error(monkeypatch) -> None:
+    """A peer lost while a group forms (its store wait times out) fails as a lost peer
+    does, so that an elastic session re-forms the job (the stage-3 gather check forms
+    its group so, worker/gather_check.py), rather than ending the rank."""
+    from worker.collectives import CollectiveError, Collectives
+
+    def lost(*args, **kwargs):
+        raise dist.DistStoreError("wait timeout after 60000ms, keys: /zeroplane/2/0//6")
+
+    monkeypatch.setattr(dist, "new_group", lost)
+    with pytest.raises(CollectiveError, match="new_group failed: wait timeout"):
+        Collectives.gloo_world()
