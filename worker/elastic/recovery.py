@@ -93,7 +93,7 @@ def _stood_by(engine: ZeroEngine, gen: Generation, rank: int) -> bool:
     return (
         blocks.size(engine) > 1
         and gen.reshard is not None
-        and (gen.members[rank].previous_rank is None)
+        and gen.members[rank].previous_rank is None
     )
 
 
@@ -326,7 +326,8 @@ def _from_replica(ctx: Restoring) -> str:
         entries = dict(replica.own)
         if replica.neighbour_rank in ctx.lost:
             entries.update(replica.neighbour)
-    holds, counters = ctx.holds_state and replica is not None, getattr(replica, "counters", None)
+    holds = ctx.holds_state and replica is not None
+    counters = None if replica is None else replica.counters
     handover = live.exchange(
         engine.state,
         holds_state=holds,
