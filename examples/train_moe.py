@@ -66,8 +66,9 @@ def main() -> None:
         model, optimizer(model), config=worker.ZeroConfig(stage=args.stage), parallel=parallel
     )
     rank = dist.get_rank() if dist.is_initialized() else 0
+    share, _ = engine.data_rank  # the tp ranks of a data-parallel share (--tp) train its batch
     for step in range(args.steps):
-        ids = batch(step, rank)
+        ids = batch(step, share)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step(samples=ids.shape[0], tokens=ids.numel())
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):

@@ -135,10 +135,10 @@ def train_beside_torch(
 ) -> None:
     """``steps`` optimizer steps of ``engine`` on this rank's micro-batches
     ``batch(micro, rank)`` and of the one-process ``ref`` on every rank's, each
-    weighted 1/(world * accum), clipped to ``clip`` as the engine's config says."""
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(), dist.get_rank()
+    weighted 1/(world * accum), clipped to ``clip`` as the engine's config says;
+    ``rank`` and ``world`` are the engine's data-parallel share and shares (the tp
+    ranks of a share train the same batch)."""
+    rank, world = engine.data_rank
     for step in range(steps):
         for micro in range(step * accum, (step + 1) * accum):
             engine.backward(engine(*batch(micro, rank)))

@@ -26,23 +26,31 @@ def _example():
 
 
 @pytest.mark.timeout(300)
-def test_an_expert_parallel_job_under_zeroplane_run_trains_like_torch(tmp_path) -> None:
+@pytest.mark.parametrize("tp", [1, 2], ids=["ep", "tp-x-ep"])
+def test_an_expert_parallel_job_under_zeroplane_run_trains_like_torch(tmp_path, tp) -> None:
+    """At tp = 2 the attention, embedding and head split over tp (worker/tp.py
+    ``moe_plan``), the experts whole on each tp rank and split over the ep group of
+    two dp indices at its tp position."""
     out, steps, world = tmp_path / "final.pt", 3, 4
     cmd = [
         sys.executable, "-m", "coordinator.cli", "run", "--nproc", str(world), "--ep", "2",
-        "--no-http", str(EXAMPLE), "--steps", str(steps), "--stage", "3", "--out", str(out),
+        "--tp", str(tp), "--no-http", str(EXAMPLE), "--steps", str(steps), "--stage", "3",
+        "--out", str(out),
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "expert parallel: ep=2" in done.stdout + done.stderr
+    if tp > 1:
+        assert "mesh pp=1 dp=2 tp=2" in done.stdout + done.stderr
 
     example = _example()
     ref = example.build_model()
     opt = example.optimizer(ref)
+    shares = world // tp
     for step in range(steps):
-        for rank in range(world):
-            ids = example.batch(step, rank)
-            (ref(input_ids=ids, labels=ids).loss / world).backward()
+        for share in range(shares):
+            ids = example.batch(step, share)
+            (ref(input_ids=ids, labels=ids).loss / shares).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     got = torch.load(out, weights_only=True)
@@ -57,4 +65,8 @@ def test_run_refuses_an_ep_that_does_not_divide_the_job() -> None:
     # an elastic one grows and shrinks by whole ep groups (tests/test_moe_elastic.py)
     assert main(["run", "--nproc", "4", "--ep", "2", "--max-nproc", "5", str(EXAMPLE)]) == 2
     assert main(["run", "--nproc", "4", "--ep", "2", "--min-nproc", "3", str(EXAMPLE)]) == 2
-    assert main(["run", "--nproc", "4", "--ep", "2", "--tp", "2", str(EXAMPLE)]) == 2
+    # ep x tp runs whole tp x ep blocks, at one size for now
+    assert main(["run", "--nproc", "6", "--ep", "2", "--tp", "2", str(EXAMPLE)]) == 2
+    assert main(["run", "--nproc", "4", "--ep", "2", "--tp", "2", "--max-nproc", "8",
+                 str(EXAMPLE)]) == 2  # fmt: skip
+    assert main(["run", "--nproc", "4", "--ep", "2", "--pp", "2", str(EXAMPLE)]) == 2

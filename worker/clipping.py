@@ -23,9 +23,14 @@ __all__ = ["NormScope", "clip_or_skip"]
 class NormScope(Protocol):
     """The global gradient norm beyond the dp group (tensor/pipeline parallelism):
     each element's square counts ``weight(name)`` times on this rank (1/tp for a
-    parameter replicated over tp), and ``reduce`` sums over the other ranks."""
+    parameter replicated over tp), and ``reduce`` sums over the other ranks.
+    ``replica_weight``: the weight of a parameter whole on every tp rank outside
+    the engine's own state (an expert under expert parallelism)."""
 
     def weight(self, name: str) -> float: ...
+
+    @property
+    def replica_weight(self) -> float: ...
 
     def reduce(self, sumsq: torch.Tensor) -> None: ...
 
@@ -58,7 +63,8 @@ def clip_or_skip(
             sumsq += scope.weight(piece.name) * g.pow(2).sum()
     sharded = state.stage.optimizer_sharded
     if experts is not None:
-        sumsq += experts.sumsq(expert_grads, world_reduces=sharded)
+        weight = 1.0 if scope is None else scope.replica_weight
+        sumsq += weight * experts.sumsq(expert_grads, world_reduces=sharded)
     if sharded:
         state.comm.all_reduce(sumsq, control=True)
     if scope is not None:

@@ -23,6 +23,7 @@ from worker.collectives import Collectives
 from worker.config import ZeroConfig
 from worker.engine import OptimizerArg, ZeroEngine, module_device
 from worker.metrics import MetricsServer
+from worker.moe.dispatch import ExpertGroups, ExpertParallel
 from worker.parallel import ParallelConfig, build_mesh, check_combination, check_heads
 from worker.reporting import planned_config
 from worker.spec import EngineSpec, default_plan
@@ -160,8 +161,12 @@ def _construct(
             spec, config, parallel, mesh, shape, coords, metrics, initial_state
         )
     else:
+        optimizer = spec.optimizer
+        if parallel.expert_parallel > 1:
+            groups = _mesh_expert_groups(shape, mesh, parallel.expert_parallel)
+            optimizer = _expert_parallel(spec, parallel, groups)
         engine = _tp_engine(
-            MeshEngine, spec.model, spec.optimizer, spec.model, config, mesh, shape, coords,
+            MeshEngine, spec.model, optimizer, spec.model, config, mesh, shape, coords,
             spec.plan, spec.lr_scheduler, device=spec.device, init=spec.init, metrics=metrics,
             initial_state=initial_state, loss_fn=spec.loss_fn,
         )  # fmt: skip
@@ -174,11 +179,14 @@ def _construct(
     return engine
 
 
-def _expert_parallel(spec: EngineSpec, parallel: ParallelConfig) -> OptimizerArg:
-    """Split ``spec.model``'s experts over ep groups of the process group, this rank
-    keeping its share (worker/moe/dispatch.py [Note: expert parallelism]); returns
-    the optimizer over the parameters the model now holds."""
-    from worker.moe.dispatch import ExpertGroups, apply_expert_parallel
+def _expert_parallel(
+    spec: EngineSpec, parallel: ParallelConfig, groups: ExpertGroups | None = None
+) -> OptimizerArg:
+    """Split ``spec.model``'s experts over ep groups of the process group (or
+    ``groups``, a mesh's), this rank keeping its share (worker/moe/dispatch.py
+    [Note: expert parallelism]); returns the optimizer over the parameters the
+    model now holds."""
+    from worker.moe.dispatch import apply_expert_parallel
 
     before = dict(spec.model.named_parameters(remove_duplicate=False))
     if meta_names(spec.model) and spec.init is not skip_init:
@@ -188,7 +196,8 @@ def _expert_parallel(spec: EngineSpec, parallel: ParallelConfig) -> OptimizerArg
             "would not draw what the whole model's construction draws; build the model "
             "on the CPU, or load it"
         )
-    groups = ExpertGroups.form(Collectives(spec.group), parallel.expert_parallel)
+    if groups is None:
+        groups = ExpertGroups.form(Collectives(spec.group), parallel.expert_parallel)
     apply_expert_parallel(spec.model, groups, capacity_factor=parallel.capacity_factor)
     logger.info(
         "expert parallel: ep=%d, this rank holds place %d of its ep group; the experts' "
@@ -215,13 +224,7 @@ def _context_parallel(
 
     cp, within = parallel.context_parallel, None
     if shape is not None and mesh is not None:
-        if shape.dp % cp:
-            raise ValueError(f"context_parallel={cp} must divide the mesh's dp={shape.dp}")
-        split = init_device_mesh(
-            mesh.device_type, (shape.pp, shape.dp // cp, cp, shape.tp),
-            mesh_dim_names=("pp", "dp_outer", "cp", "tp"),
-        )  # fmt: skip
-        within = Collectives(split["cp"].get_group())
+        within = Collectives(_split_dp(shape, mesh, cp, "context_parallel")["inner"].get_group())
     context = ContextParallel(
         Collectives(spec.group), cp, parallel.context_parallel_kind, comm=within
     )
@@ -232,6 +235,33 @@ def _context_parallel(
         context.size, context.kind, context.rank, context.world.world_size,
     )  # fmt: skip
     return context
+
+
+def _split_dp(shape: MeshShape, mesh: DeviceMesh, k: int, what: str) -> DeviceMesh:
+    """``mesh`` with its dp dimension split in two, ``(pp, outer, inner, tp)``: an
+    inner group is ``k`` consecutive dp indices at one tp position (a cp or an ep
+    group), an outer one the dp indices at the same inner place (every rank
+    creates every group, as the mesh's own)."""
+    if shape.dp % k:
+        raise ValueError(f"{what}={k} must divide the mesh's dp={shape.dp}")
+    return init_device_mesh(
+        mesh.device_type, (shape.pp, shape.dp // k, k, shape.tp),
+        mesh_dim_names=("pp", "outer", "inner", "tp"),
+    )  # fmt: skip
+
+
+def _mesh_expert_groups(shape: MeshShape, mesh: DeviceMesh, ep: int) -> ExpertGroups:
+    """The ep groups of a mesh: ``ep`` consecutive dp indices at one tp position,
+    and the expert-data-parallel group of the dp indices at the same place; the
+    experts are whole on every tp rank (worker/moe/dispatch.py [Note: experts on a
+    tensor-parallel mesh])."""
+    split = _split_dp(shape, mesh, ep, "expert_parallel")
+    ep_comm = Collectives(split["inner"].get_group())
+    if ep == shape.dp:
+        edp = Collectives.ahead(0, 1, ep_comm.backend)
+    else:
+        edp = Collectives(split["outer"].get_group())
+    return ExpertGroups(ep=ep_comm, edp=edp, world=shape.dp)
 
 
 def _layout_of(asked: ParallelConfig | None, shape: MeshShape) -> ParallelConfig:
@@ -317,7 +347,8 @@ def _tp_engine(
         if module is not model:  # a pipeline stage: the plan's entries it holds
             chosen = stage_plan(chosen, module, model)
         check_heads(model, shape.tp)
-        tp = apply_tp(module, mesh["tp"], chosen)  # meta tensors stay meta
+        experts = tuple(n for n, m in module.named_modules() if isinstance(m, ExpertParallel))
+        tp = apply_tp(module, mesh["tp"], chosen, whole=experts)  # meta tensors stay meta
         optimizer = rebuild_optimizer(optimizer, before, module)
         if meta_names(module) and init is not skip_init:
             # each planned module initializes whole, keeps its slice

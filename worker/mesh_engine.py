@@ -43,7 +43,11 @@ class ModelParallelNorm:
     comms: list[Collectives]
 
     def weight(self, name: str) -> float:
-        return 1.0 / self.tp if name in self.replicated else 1.0
+        return self.replica_weight if name in self.replicated else 1.0
+
+    @property
+    def replica_weight(self) -> float:
+        return 1.0 / self.tp
 
     def reduce(self, sumsq: torch.Tensor) -> None:
         for comm in self.comms:
@@ -171,10 +175,15 @@ class MeshEngine(ZeroEngine):
             return local
         return gather_full(local, self.tp.slices, self.tp_comm)
 
-    def _checkpoint_view(self) -> FullView:
+    def _checkpoint_view(self) -> Any:
         # [Note: tensor-parallel checkpoints]: loads at any tp, dp and stage
         slices = self.tp.slices if self.tp is not None else {}
-        return FullView(self.state, slices, Collectives(None), self.coords.tp)
+        view = FullView(self.state, slices, Collectives(None), self.coords.tp)
+        if self.experts is None:
+            return view
+        from worker.moe.checkpoint import ExpertParallelView  # [Note: expert-parallel checkpoints]
+
+        return ExpertParallelView(view, self.experts, tp_rank=self.coords.tp)
 
     def _full_export(self) -> FullExport:
         return FullExport(

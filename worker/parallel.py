@@ -126,11 +126,10 @@ def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
             f"now, not with pipeline_parallel={pp} nor with tp and ep together "
             "(docs/guides/long-sequences.md)"
         )
-    if parallel.expert_parallel > 1 and (pp > 1 or parallel.tensor_parallel > 1):
+    if parallel.expert_parallel > 1 and pp > 1:
         raise ValueError(
-            f"expert_parallel={parallel.expert_parallel} runs over data parallelism only for "
-            f"now, not with tensor_parallel={parallel.tensor_parallel} or "
-            f"pipeline_parallel={pp} (docs/guides/moe.md)"
+            f"expert_parallel={parallel.expert_parallel} runs with data and tensor "
+            f"parallelism only for now, not with pipeline_parallel={pp} (docs/guides/moe.md)"
         )
     if pp > 1 and config.stage > 2:
         raise ValueError(

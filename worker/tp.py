@@ -261,18 +261,30 @@ def gpt2_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     }
 
 
-# the tested ones (tests/test_pretrained_mesh.py); a decoder laid out as Llama
-# (Mistral, Qwen2) takes plan=llama_plan
+def moe_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """A Hugging Face mixture-of-experts decoder laid out as Llama (Mixtral,
+    Qwen2-MoE, Qwen3-MoE): the attention, embedding and head as :func:`llama_plan`;
+    each MoE layer (router, experts, a shared expert) whole on every tp rank, its
+    experts split over ep instead (worker/moe/dispatch.py [Note: experts on a
+    tensor-parallel mesh])."""
+    return {k: v for k, v in llama_plan(model).items() if ".mlp." not in k}
+
+
+# the tested ones (tests/test_pretrained_mesh.py, tests/test_moe_job.py); a decoder
+# laid out as Llama (Mistral, Qwen2) takes plan=llama_plan
 _HF_PLANS: dict[str, Callable[[nn.Module], dict[str, ParallelStyle]]] = {
     "gpt2": gpt2_plan,
     "llama": llama_plan,
+    "mixtral": moe_plan,
+    "qwen2_moe": moe_plan,
+    "qwen3_moe": moe_plan,
 }
 
 
 def hf_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """The plan of a Hugging Face model by its ``config.model_type``: GPT-2
-    (:func:`gpt2_plan`) or Llama (:func:`llama_plan`); any other model needs a
-    plan of its own."""
+    (:func:`gpt2_plan`), Llama (:func:`llama_plan`), Mixtral or Qwen2/3-MoE
+    (:func:`moe_plan`); any other model needs a plan of its own."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in _HF_PLANS:
         raise ValueError(
@@ -494,12 +506,16 @@ def stage_plan(plan: Plan, stage: nn.Module, model: nn.Module) -> Plan:
     }
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> TensorParallel:
+def apply_tp(
+    model: nn.Module, mesh: DeviceMesh, plan: Plan, *, whole: tuple[str, ...] = ()
+) -> TensorParallel:
     """Parallelize ``model`` over the 1-D ``mesh`` with torch's ``parallelize_module``
     and ``plan`` (module name patterns, ``*`` per name atom, as torch's), then give
     each planned module plain local parameters ([Note: local parameters, DTensor
     forward]). Every plan entry must match a module; call before the optimizer
-    is built over ``model.parameters()`` (or let worker/mesh.py rebuild it)."""
+    is built over ``model.parameters()`` (or let worker/mesh.py rebuild it).
+    ``whole``: modules no entry may split, nor anything inside them (the experts
+    under expert parallelism)."""
     if mesh.ndim != 1:
         raise ValueError(f"apply_tp expects a 1-D tensor-parallel mesh, got {mesh.ndim}-D")
     tp = TensorParallel(mesh)
@@ -514,6 +530,13 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> TensorParallel:
             continue
         if len(styles) > 1:
             raise ValueError(f"module {name!r} matches {len(styles)} tensor-parallel plan entries")
+        kept = [w for w in whole if name == w or name.startswith(w + ".")]
+        if kept:
+            raise ValueError(
+                f"the tensor-parallel plan splits {name!r}, inside the experts module "
+                f"{kept[0]!r}, which expert parallelism keeps whole on every tp rank: "
+                "leave the experts out of the plan (docs/guides/moe.md)"
+            )
         module = by_module[name]
         hooks_before = {*module._forward_pre_hooks, *module._forward_hooks}
         parallelize_local(module, mesh, styles[0])

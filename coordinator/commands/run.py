@@ -123,7 +123,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="expert-parallel degree: $ZEROPLANE_EP for ParallelConfig.from_env (default 1): "
         "each mixture-of-experts layer's experts split over E ranks, tokens exchanged by "
         "all-to-all (docs/guides/moe.md); --nproc, --min-workers and --max-workers must be "
-        "multiples of E: an elastic job grows and shrinks by whole ep groups of E workers",
+        "multiples of E: an elastic job grows and shrinks by whole ep groups of E workers; "
+        "with --tp T, whole T x E blocks at --nproc only",
     )
     parser.add_argument(
         "--cp",
@@ -512,21 +513,21 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
     if ep > 1 and cp > 1:
         raise ValueError("--ep with --cp is not supported yet")
     flag, size, what = ("--ep", ep, "ep") if ep > 1 else ("--cp", cp, "cp")
-    with_tp = cp > 1 and args.tp > 1
-    if (ep > 1 and args.tp != 1) or args.pp != 1 or getattr(args, "mesh", None) == "auto":
-        others = "--pp/--mesh" if cp > 1 else "--tp/--pp/--mesh"
-        raise ValueError(f"{flag} runs over data parallelism only for now: not with {others}")
+    with_tp = args.tp > 1
+    if args.pp != 1 or getattr(args, "mesh", None) == "auto":
+        raise ValueError(f"{flag} runs over data parallelism only for now: not with --pp/--mesh")
     if with_tp:
-        # a cp group is cp consecutive dp indices at one tp position (worker/factory.py
-        # _context_parallel): the job runs whole tp x cp blocks, at one size for now
-        size, what = cp * args.tp, "tp x cp"
-        flag = f"--tp {args.tp} x --cp"
+        # an ep or cp group is that many consecutive dp indices at one tp position
+        # (worker/factory.py _split_dp): the job runs whole tp x ep (cp) blocks, at
+        # one size for now
+        size, what = size * args.tp, f"tp x {what}"
+        flag = f"--tp {args.tp} x {flag}"
         for count in ("min_workers", "max_workers"):
             n = getattr(args, count)
             if n is not None and n != args.nproc:
                 raise ValueError(
-                    f"--{count.replace('_', '-')} {n}: a job with --cp and --tp runs at "
-                    f"--nproc {args.nproc} only for now (not elastic)"
+                    f"--{count.replace('_', '-')} {n}: a job with {flag.split()[-1]} and "
+                    f"--tp runs at --nproc {args.nproc} only for now (not elastic)"
                 )
     for count in ("nproc", "min_workers", "max_workers"):
         n = getattr(args, count)
@@ -536,9 +537,11 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
                 f"--{count.replace('_', '-')} {n} is not a multiple of {flag} {size}: the "
                 f"job runs whole {what} groups"
             )
-    if ep > 1:
-        return {EP_ENV: str(ep)}
-    env = {CP_ENV: str(cp), CP_KIND_ENV: getattr(args, "cp_kind", "ulysses")}
+    env = (
+        {EP_ENV: str(ep)}
+        if ep > 1
+        else {CP_ENV: str(cp), CP_KIND_ENV: getattr(args, "cp_kind", "ulysses")}
+    )
     if with_tp:
         env |= _tp_pp_env(args)
     return env

@@ -58,8 +58,14 @@ class ExpertParallelView:
     skipped_steps = _counter("skipped_steps")
     micro_in_step = _counter("micro_in_step")
 
-    def __init__(self, dense: ShardState, experts: ExpertShards) -> None:
+    def __init__(
+        self, dense: ShardState | FullView, experts: ExpertShards, *, tp_rank: int = 0
+    ) -> None:
+        """``dense``: the engine's state, or on a tensor-parallel mesh its view by full
+        parameter; ``tp_rank``: this rank's tp index (the experts, whole on every tp
+        rank, are written by tp rank 0's)."""
         self.dense, self.expert_state = dense, experts.state
+        self.writes_experts = tp_rank == 0
         self.comm: Collectives = dense.comm
         local = {s.name: s for s in experts.inventory.specs}
         specs, params = list(dense.inventory.specs), dict(dense.inventory.params)
@@ -103,13 +109,15 @@ class ExpertParallelView:
         return self.comm.world_size
 
     def written_ranges(self) -> list[Range]:
-        return self.dense.written_ranges() + self.experts.written_ranges()
+        experts = self.experts.written_ranges() if self.writes_experts else []
+        return self.dense.written_ranges() + experts
 
     def owned(self) -> list[Range]:
         return self.dense.owned() + self.experts.owned()
 
     def export_ranges(self) -> Entries:
-        return {**self.dense.export_ranges(), **self.experts.export_ranges()}
+        experts = self.experts.export_ranges() if self.writes_experts else {}
+        return {**self.dense.export_ranges(), **experts}
 
     def import_ranges(self, entries: Entries, index: RangeIndex | None = None) -> None:
         index = index or RangeIndex.of_keys(entries)

@@ -29,6 +29,23 @@ A layer's call (worker/moe/routing.py [Note: routed experts]):
 Autograd runs the same exchanges backwards (:class:`_AllToAll`). The router's
 logits are computed by the dense part, every rank for its own tokens, so a
 load-balancing or z-loss on them is the model's own, untouched.
+
+[Note: experts on a tensor-parallel mesh]
+With tensor parallelism (``ParallelConfig(expert_parallel=k, tensor_parallel=t)``,
+``zeroplane run --ep k --tp t``) the plan splits the dense layers over tp and
+leaves every experts module whole (a plan entry inside one is refused,
+worker/tp.py ``apply_tp``; ``moe_plan`` for Hugging Face MoE decoders). The ep
+groups lie inside data parallelism, one set per tp position: ``k`` consecutive
+dp indices at one tp index, and the expert-data-parallel group the dp indices at
+the same place (worker/factory.py ``_split_dp``, as a cp group on a mesh). The tp
+ranks of a dp index hold the same tokens (a row-wise layer's output is made
+whole), so each runs the same exchange over its own ep group and computes the
+same expert gradients, as a parameter replicated over tp does ([Note: replicated
+parameters under TP]): the gradient norm counts an expert's square 1/tp times on
+each tp rank (worker/clipping.py ``replica_weight``), and a checkpoint writes the
+experts from tp rank 0's places only (worker/moe/checkpoint.py), so it is the
+whole model's and loads at any layout. Pipeline parallelism with experts is not
+composed yet.
 """
 
 from __future__ import annotations
