@@ -2,6 +2,8 @@
 
     zeroplane run --nproc 4 --ep 2 examples/train_moe.py --steps 20    # 4 of 8 experts a rank
     zeroplane run --nproc 4 --ep 4 examples/train_moe.py --stage 3     # 2 of 8, ZeRO-3 dense
+    zeroplane run --nproc 4 --ep 2 --tp 2 examples/train_moe.py        # attention split by tp
+    zeroplane run --nproc 4 --ep 2 --pp 2 examples/train_moe.py        # layers in 2 stages
     torchrun --nproc-per-node 2 examples/train_moe.py --ep 2           # torchrun, the same
 
 The model is transformers' ``MixtralForCausalLM`` as it comes (5.x: each layer's
@@ -10,8 +12,10 @@ experts are one fused module): ``worker.initialize`` reads ep from the launcher
 exchanges tokens with the other ranks of its ep group by all-to-all, and shards
 the experts' ZeRO state over the ranks holding the same experts and the rest over
 the whole job (docs/guides/moe.md). The batches are made from the step and the
-rank, so a one-process run can replay them (tests/test_moe_job.py). ``--out
-FILE`` writes the final fp32 parameters.
+rank, so a one-process run can replay them (tests/test_moe_job.py); each step
+trains the next-token loss through ``engine.train_batch``, which runs under every
+layout (a pipeline's schedule included). ``--out FILE`` writes the final fp32
+parameters.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.distributed as dist
 import worker
 from worker.config import stage_from_env
 from worker.parallel import ParallelConfig
+from worker.pipeline import lm_loss
 
 VOCAB, EXPERTS = 128, 8
 
@@ -63,14 +68,14 @@ def main() -> None:
     model = build_model()
     parallel = ParallelConfig.from_env(**({} if args.ep is None else {"expert_parallel": args.ep}))
     engine = worker.initialize(
-        model, optimizer(model), config=worker.ZeroConfig(stage=args.stage), parallel=parallel
-    )
+        model, optimizer(model), config=worker.ZeroConfig(stage=args.stage), parallel=parallel,
+        loss_fn=lm_loss,
+    )  # fmt: skip
     rank = dist.get_rank() if dist.is_initialized() else 0
-    share, _ = engine.data_rank  # the tp ranks of a data-parallel share (--tp) train its batch
+    share, _ = engine.data_rank  # the tp ranks and stages of a share (--tp, --pp) train its batch
     for step in range(args.steps):
         ids = batch(step, share)
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step(samples=ids.shape[0], tokens=ids.numel())
+        engine.train_batch([(ids[:, :-1], ids[:, 1:])])  # each token predicts the next
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step}: loss {engine.mean_loss():.4f}", flush=True)
     full = engine.full_state_dict()

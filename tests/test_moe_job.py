@@ -26,31 +26,38 @@ def _example():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tp", [1, 2], ids=["ep", "tp-x-ep"])
-def test_an_expert_parallel_job_under_zeroplane_run_trains_like_torch(tmp_path, tp) -> None:
+@pytest.mark.parametrize(
+    ("tp", "pp", "stage"), [(1, 1, 3), (2, 1, 3), (1, 2, 2)], ids=["ep", "tp-x-ep", "pp-x-ep"]
+)
+def test_an_expert_parallel_job_under_zeroplane_run_trains_like_torch(
+    tmp_path, tp: int, pp: int, stage: int
+) -> None:
     """At tp = 2 the attention, embedding and head split over tp (worker/tp.py
-    ``moe_plan``), the experts whole on each tp rank and split over the ep group of
-    two dp indices at its tp position."""
+    ``moe_plan``), the experts whole on each tp rank; at pp = 2 the layers in two
+    stages; either way each stage's experts split over the ep group of two dp
+    indices at its tp and pp position."""
     out, steps, world = tmp_path / "final.pt", 3, 4
     cmd = [
         sys.executable, "-m", "coordinator.cli", "run", "--nproc", str(world), "--ep", "2",
-        "--tp", str(tp), "--no-http", str(EXAMPLE), "--steps", str(steps), "--stage", "3",
-        "--out", str(out),
+        "--tp", str(tp), "--pp", str(pp), "--no-http", str(EXAMPLE), "--steps", str(steps),
+        "--stage", str(stage), "--out", str(out),
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "expert parallel: ep=2" in done.stdout + done.stderr
-    if tp > 1:
-        assert "mesh pp=1 dp=2 tp=2" in done.stdout + done.stderr
+    if tp * pp > 1:
+        assert f"mesh pp={pp} dp=2 tp={tp}" in done.stdout + done.stderr
+
+    from worker.pipeline import lm_loss
 
     example = _example()
     ref = example.build_model()
     opt = example.optimizer(ref)
-    shares = world // tp
+    shares = world // (tp * pp)
     for step in range(steps):
         for share in range(shares):
             ids = example.batch(step, share)
-            (ref(input_ids=ids, labels=ids).loss / shares).backward()
+            (lm_loss(ref(input_ids=ids[:, :-1]).logits, ids[:, 1:]) / shares).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     got = torch.load(out, weights_only=True)
@@ -69,4 +76,5 @@ def test_run_refuses_an_ep_that_does_not_divide_the_job() -> None:
     assert main(["run", "--nproc", "6", "--ep", "2", "--tp", "2", str(EXAMPLE)]) == 2
     assert main(["run", "--nproc", "4", "--ep", "2", "--tp", "2", "--max-nproc", "8",
                  str(EXAMPLE)]) == 2  # fmt: skip
-    assert main(["run", "--nproc", "4", "--ep", "2", "--pp", "2", str(EXAMPLE)]) == 2
+    assert main(["run", "--nproc", "6", "--ep", "2", "--pp", "2", str(EXAMPLE)]) == 2
+    assert main(["run", "--nproc", "4", "--ep", "2", "--mesh", "auto", str(EXAMPLE)]) == 2

@@ -254,7 +254,7 @@ def _mesh_expert_groups(shape: MeshShape, mesh: DeviceMesh, ep: int) -> ExpertGr
     """The ep groups of a mesh: ``ep`` consecutive dp indices at one tp position,
     and the expert-data-parallel group of the dp indices at the same place; the
     experts are whole on every tp rank (worker/moe/dispatch.py [Note: experts on a
-    tensor-parallel mesh])."""
+    mesh])."""
     split = _split_dp(shape, mesh, ep, "expert_parallel")
     ep_comm = Collectives(split["inner"].get_group())
     if ep == shape.dp:
@@ -294,6 +294,9 @@ def _stage_engine(
     from worker.pipeline_engine import PipelineEngine
 
     model, optimizer = spec.model, spec.optimizer
+    if parallel.expert_parallel > 1:  # each stage's experts split over its own ep groups
+        groups = _mesh_expert_groups(shape, mesh, parallel.expert_parallel)
+        optimizer = _expert_parallel(spec, parallel, groups)
     stage_module = split_for(model, spec.split)(model, coords.pp, shape.pp)
     kept = set(stage_module.parameters())
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -126,11 +126,6 @@ def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
             f"now, not with pipeline_parallel={pp} nor with tp and ep together "
             "(docs/guides/long-sequences.md)"
         )
-    if parallel.expert_parallel > 1 and pp > 1:
-        raise ValueError(
-            f"expert_parallel={parallel.expert_parallel} runs with data and tensor "
-            f"parallelism only for now, not with pipeline_parallel={pp} (docs/guides/moe.md)"
-        )
     if pp > 1 and config.stage > 2:
         raise ValueError(
             f"pipeline_parallel > 1 runs with ZeRO stages 0-2, got stage {config.stage}: "

@@ -266,7 +266,7 @@ def moe_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     Qwen2-MoE, Qwen3-MoE): the attention, embedding and head as :func:`llama_plan`;
     each MoE layer (router, experts, a shared expert) whole on every tp rank, its
     experts split over ep instead (worker/moe/dispatch.py [Note: experts on a
-    tensor-parallel mesh])."""
+    mesh])."""
     return {k: v for k, v in llama_plan(model).items() if ".mlp." not in k}
 
 

@@ -124,7 +124,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "each mixture-of-experts layer's experts split over E ranks, tokens exchanged by "
         "all-to-all (docs/guides/moe.md); --nproc, --min-workers and --max-workers must be "
         "multiples of E: an elastic job grows and shrinks by whole ep groups of E workers; "
-        "with --tp T, whole T x E blocks at --nproc only",
+        "with --tp T and --pp P, whole P x T x E blocks at --nproc only",
     )
     parser.add_argument(
         "--cp",
@@ -513,21 +513,24 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
     if ep > 1 and cp > 1:
         raise ValueError("--ep with --cp is not supported yet")
     flag, size, what = ("--ep", ep, "ep") if ep > 1 else ("--cp", cp, "cp")
-    with_tp = args.tp > 1
-    if args.pp != 1 or getattr(args, "mesh", None) == "auto":
-        raise ValueError(f"{flag} runs over data parallelism only for now: not with --pp/--mesh")
-    if with_tp:
-        # an ep or cp group is that many consecutive dp indices at one tp position
-        # (worker/factory.py _split_dp): the job runs whole tp x ep (cp) blocks, at
-        # one size for now
-        size, what = size * args.tp, f"tp x {what}"
-        flag = f"--tp {args.tp} x {flag}"
+    with_mesh = args.tp > 1 or args.pp > 1
+    if (cp > 1 and args.pp != 1) or getattr(args, "mesh", None) == "auto":
+        others = "--pp/--mesh" if cp > 1 else "--mesh"
+        raise ValueError(f"{flag} runs with --tp/--pp only for now: not with {others}")
+    if with_mesh:
+        # an ep or cp group is that many consecutive dp indices at one tp and pp
+        # position (worker/factory.py _split_dp): the job runs whole blocks of
+        # pp x tp x ep (cp) ranks, at one size for now
+        dims = [(d, n) for d, n in (("pp", args.pp), ("tp", args.tp)) if n > 1]
+        size *= args.tp * args.pp
+        what = " x ".join([d for d, _ in dims] + [what])
+        flag = " x ".join([f"--{d} {n}" for d, n in dims] + [flag])
         for count in ("min_workers", "max_workers"):
             n = getattr(args, count)
             if n is not None and n != args.nproc:
                 raise ValueError(
                     f"--{count.replace('_', '-')} {n}: a job with {flag.split()[-1]} and "
-                    f"--tp runs at --nproc {args.nproc} only for now (not elastic)"
+                    f"--tp/--pp runs at --nproc {args.nproc} only for now (not elastic)"
                 )
     for count in ("nproc", "min_workers", "max_workers"):
         n = getattr(args, count)
@@ -542,7 +545,7 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
         if ep > 1
         else {CP_ENV: str(cp), CP_KIND_ENV: getattr(args, "cp_kind", "ulysses")}
     )
-    if with_tp:
+    if with_mesh:
         env |= _tp_pp_env(args)
     return env
 

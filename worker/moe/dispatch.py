@@ -30,22 +30,26 @@ Autograd runs the same exchanges backwards (:class:`_AllToAll`). The router's
 logits are computed by the dense part, every rank for its own tokens, so a
 load-balancing or z-loss on them is the model's own, untouched.
 
-[Note: experts on a tensor-parallel mesh]
+[Note: experts on a mesh]
 With tensor parallelism (``ParallelConfig(expert_parallel=k, tensor_parallel=t)``,
 ``zeroplane run --ep k --tp t``) the plan splits the dense layers over tp and
 leaves every experts module whole (a plan entry inside one is refused,
-worker/tp.py ``apply_tp``; ``moe_plan`` for Hugging Face MoE decoders). The ep
-groups lie inside data parallelism, one set per tp position: ``k`` consecutive
-dp indices at one tp index, and the expert-data-parallel group the dp indices at
-the same place (worker/factory.py ``_split_dp``, as a cp group on a mesh). The tp
-ranks of a dp index hold the same tokens (a row-wise layer's output is made
-whole), so each runs the same exchange over its own ep group and computes the
-same expert gradients, as a parameter replicated over tp does ([Note: replicated
-parameters under TP]): the gradient norm counts an expert's square 1/tp times on
-each tp rank (worker/clipping.py ``replica_weight``), and a checkpoint writes the
-experts from tp rank 0's places only (worker/moe/checkpoint.py), so it is the
-whole model's and loads at any layout. Pipeline parallelism with experts is not
-composed yet.
+worker/tp.py ``apply_tp``; ``moe_plan`` for Hugging Face MoE decoders); with
+pipeline parallelism (``pipeline_parallel=p``, ``--pp p``) each stage holds its
+layers' experts. The ep groups lie inside data parallelism, one set per tp and
+pp position: ``k`` consecutive dp indices at one (pp, tp) index, and the
+expert-data-parallel group the dp indices at the same place (worker/factory.py
+``_split_dp``, as a cp group on a mesh). The tp ranks of a dp index hold the
+same tokens (a row-wise layer's output is made whole), so each runs the same
+exchange over its own ep group and computes the same expert gradients, as a
+parameter replicated over tp does ([Note: replicated parameters under TP]): the
+gradient norm counts an expert's square 1/tp times on each tp rank
+(worker/clipping.py ``replica_weight``) and sums over the stages, and a
+checkpoint writes the experts from tp rank 0's places only
+(worker/moe/checkpoint.py), so it is the whole model's and loads at any layout.
+A pipeline's schedule runs each micro-batch's exchanges on every dp rank of the
+stage in the same order; its shape inference on meta tensors (torch before 2.13)
+passes an experts layer through without an exchange.
 """
 
 from __future__ import annotations
@@ -159,6 +163,10 @@ class ExpertParallel(nn.Module):
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if hidden.is_meta:
+            # a pipeline stage's shape inference on meta tensors (torch before 2.13's
+            # PipelineStage): the layer's output has its input's shape, no exchange
+            return torch.empty_like(hidden)
         placed = self._zp_expert
         ep, local = placed.groups.ep, placed.num_experts // placed.groups.size
         routed = route(top_k_index, placed.num_experts, placed.capacity_factor)

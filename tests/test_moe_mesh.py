@@ -1,8 +1,9 @@
-"""Expert parallelism on a tensor-parallel mesh (worker/moe/dispatch.py [Note: experts
-on a tensor-parallel mesh]): the dense layers split over tp, the experts whole on every
-tp rank and split over ep groups inside dp. Each case trains against one-process torch
-on the union of the dp ranks' batches (the tp ranks of a dp rank see the same batch),
-under routing skewed so that a rank has no token for some experts."""
+"""Expert parallelism on a mesh (worker/moe/dispatch.py [Note: experts on a mesh]): the
+dense layers split over tp, or the layers over pipeline stages, the experts whole on
+every tp rank and split over ep groups inside dp at each tp and pp position. Each case
+trains against one-process torch on the union of the dp ranks' batches (the tp ranks
+of a dp rank see the same batch), under routing skewed so that a rank has no token for
+some experts."""
 
 from __future__ import annotations
 
@@ -135,3 +136,100 @@ def test_a_plan_that_splits_an_expert_is_refused_naming_it(pools):
     for message in pools(4).run(plan_splitting_an_expert):
         assert "splits 'blocks.0.experts." in message, message
         assert "inside the experts module 'blocks.0.experts'" in message, message
+
+
+def ep_pp_against_torch(
+    stage: int, clip: float, save: str | None = None
+) -> dict[str, torch.Tensor]:
+    """A transformers Mixtral cut into two stages by the built-in decoder split, each
+    stage's experts split over the ep group of the two dp ranks at its stage."""
+    from tests.test_moe_ep import tiny_mixtral
+    from worker.pipeline import lm_loss
+
+    model = tiny_mixtral()
+    engine = worker.initialize(
+        model, _opt(model),
+        config=worker.ZeroConfig(stage=stage, bucket_numel=300, gradient_clipping=clip),
+        parallel=ParallelConfig(expert_parallel=2, pipeline_parallel=2, microbatches=4),
+        loss_fn=lm_loss,
+    )  # fmt: skip
+    assert (engine.shape.pp, engine.shape.dp) == (2, 2)
+    # the stage's layers, each holding 2 of its 4 experts (a fused module's rows)
+    held = [p.shape[0] for n, p in engine.module.named_parameters() if ".experts." in n]
+    assert held and set(held) == {2}, held
+    dp, d = engine.shape.dp, engine.coords.dp
+    for step in range(STEPS):
+        idx, tgt = _lm_batch(step, 8)
+        rows = slice(8 // dp * d, 8 // dp * (d + 1))
+        engine.train_batch([(idx[rows], tgt[rows])])
+    full = engine.full_state_dict()
+    if save is not None:
+        engine.save_checkpoint(save)
+    engine.close()
+    return full
+
+
+def resume_without_pp(path: str) -> dict[str, torch.Tensor]:
+    """The pipeline's checkpoint at ep=2 over two ranks (no pp), stage 2, trained on."""
+    from tests.test_moe_ep import tiny_mixtral
+    from worker.pipeline import lm_loss
+
+    model = tiny_mixtral()
+    engine = worker.initialize(
+        model, _opt(model), config=worker.ZeroConfig(stage=2, bucket_numel=300),
+        parallel=ParallelConfig(expert_parallel=2),
+    )  # fmt: skip
+    engine.load_checkpoint(path)
+    d = dist.get_rank()
+    for step in range(STEPS, 2 * STEPS):
+        idx, tgt = _lm_batch(step, 8)
+        rows = slice(4 * d, 4 * (d + 1))
+        engine.backward(lm_loss(engine(input_ids=idx[rows]).logits, tgt[rows]))
+        engine.step()
+    full = engine.full_state_dict()
+    engine.close()
+    return full
+
+
+def _lm_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    idx = torch.randint(0, 64, (rows, 8), generator=g)
+    return idx, torch.roll(idx, 1, 1)
+
+
+def _mixtral_reference(steps: int, clip: float) -> list[dict[str, torch.Tensor]]:
+    """One-process torch on the whole batch of each step: the parameters after
+    ``STEPS`` steps and after ``steps``."""
+    from tests.test_moe_ep import tiny_mixtral
+    from worker.pipeline import lm_loss
+
+    ref = tiny_mixtral()
+    opt = _opt(ref)
+    out = []
+    for step in range(steps):
+        idx, tgt = _lm_batch(step, 8)
+        lm_loss(ref(input_ids=idx).logits, tgt).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if step + 1 in (STEPS, steps):
+            out.append({n: p.detach().clone() for n, p in ref.named_parameters()})
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("stage", "clip"), [(1, 0.05), (2, 0.0)])
+def test_experts_in_pipeline_stages_train_like_torch(pools, tmp_path, stage: int, clip: float):
+    """pp=2 x dp=2, ep=2: clipping spans the stages and counts each expert once;
+    at stage 2 the checkpoint it saves resumes at ep=2 without pp (the whole model's,
+    each expert written once) and trains on equal to the same torch run."""
+    after, later = _mixtral_reference(2 * STEPS, clip)
+    save = str(tmp_path) if not clip else None
+    for got in pools(4).run(ep_pp_against_torch, stage, clip, save):
+        diff, name = max_diff(got, after)
+        assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
+    if save is not None:
+        for got in pools(2).run(resume_without_pp, save):
+            diff, name = max_diff(got, later)
+            assert diff < 1e-5, f"{name} differs from torch by {diff:.3g} after the resume"
