@@ -166,3 +166,54 @@ def test_compiled_tp2_dp2_equals_eager_torch(pools) -> None:
     for params, report, breaks in pools(4).run(compiled_under_tp, 3):
         assert breaks == 0, report
         _compare(params, reference("gpt", 2))
+
+
+def compiled_experts_and_sequence_shards() -> list[str]:
+    """Expert parallelism (ep 2) compiled whole at stage 1 and block by block at stage
+    3, and context parallelism (cp 2) compiled by the engine at stages 1 and 3, each
+    against eager one-process torch; returns the ep runs' break reasons."""
+    from tests.reference import train_beside_torch
+    from tests.test_context import train_llama_against_torch
+    from tests.test_moe_ep import MoENet, skewed_batch
+    from worker.parallel import ParallelConfig
+
+    reasons: list[str] = []
+    for stage, how in ((1, "whole"), (3, "blocks")):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MoENet()
+        torch.manual_seed(0)
+        ref = MoENet()
+        opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+        if how == "whole":
+            model = torch.compile(model)
+        engine = worker.initialize(
+            model, opt(model), parallel=ParallelConfig(expert_parallel=2),
+            config=worker.ZeroConfig(stage=stage, bucket_numel=97, stage3_min_unit_numel=1),
+        )  # fmt: skip
+        if how == "blocks":
+            for block in engine.module.blocks:
+                block.compile()
+        train_beside_torch(engine, ref, opt(ref), skewed_batch, steps=STEPS)
+        report = engine.compile_report()
+        assert report.graphs >= 1, str(report)
+        reasons += list(report.reasons)
+        want = {n: p.detach() for n, p in ref.named_parameters()}
+        diff, name = max_diff(engine.full_state_dict(), want)
+        assert diff < 1e-5, f"{name} differs from eager torch by {diff:.3g} ({stage}, {how})"
+        engine.close()
+    for kind, stage in (("ulysses", 1), ("ring", 3)):
+        torch._dynamo.reset()
+        train_llama_against_torch(2, kind, stage, False, compile=True)  # asserts parity
+    return reasons
+
+
+@pytest.mark.timeout(300)
+def test_compiled_expert_and_context_parallel_training_equals_eager_torch(pools) -> None:
+    """An experts layer's call breaks the graph on each side (its exchanges' sizes
+    follow the routing), not inside: no other break (worker/moe/dispatch.py ``_Placed.call``)."""
+    for reasons in pools(2).run(compiled_experts_and_sequence_shards):
+        assert reasons, "the experts' call did not break the graph"
+        for reason in reasons:
+            assert "disable()`d function" in reason, reason
+            assert "_exchange_and_run" in reason or "_pre_forward_hook" in reason, reason

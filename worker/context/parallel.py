@@ -32,6 +32,7 @@ from torch import nn
 
 from worker.activations import without_kv_cache
 from worker.collectives import Collectives
+from worker.compat import eager
 from worker.context.ring import ring_attention
 from worker.context.shards import Kind, SequenceBatch, documents, shard_index
 from worker.context.ulysses import ulysses_attention
@@ -93,6 +94,7 @@ class ContextParallel:
         else:
             self.world, self.comm = world, comm
         self.batch: SequenceBatch | None = None
+        self._attend = eager(self._exchange_and_attend)
         _ACTIVE.append(self)
 
     def regroup(self, world: Collectives, size: int | None = None) -> None:
@@ -184,6 +186,17 @@ class ContextParallel:
     ) -> torch.Tensor:
         if self.batch is None:
             raise RuntimeError("context-parallel attention before any batch was split")
+        return self._attend(q, k, v, scale, window)
+
+    def _exchange_and_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+        window: int | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The attention's exchanges and kernels, which torch.compile runs as they
+        are, a graph break on each side (``self._attend``, worker/compat.py
+        ``eager``): their collectives go through the engine's counted
+        ``Collectives``, which dynamo would break inside of, many times a call."""
+        assert self.batch is not None
         run = ulysses_attention if self.kind == "ulysses" or self.size == 1 else ring_attention
         return run(q, k, v, self.comm, self.batch, scale, window)
 

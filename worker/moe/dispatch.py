@@ -54,6 +54,7 @@ passes an experts layer through without an exchange.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,7 @@ import torch
 from torch import nn
 
 from worker.collectives import Collectives
+from worker.compat import eager
 from worker.leaves import LEAF_ATTR
 from worker.moe.experts import expert_count, is_experts, keep_experts, run_rows
 from worker.moe.routing import combine, route
@@ -122,9 +124,14 @@ class _Placed:
     # module, and its full shape (checkpoints are of the whole model, worker/moe/checkpoint.py)
     full_shapes: dict[str, tuple[int, ...]]
     load: ExpertLoad = field(init=False)
+    # the layer's call, which torch.compile runs as it is (a graph break on each side):
+    # its exchanges' sizes depend on the routing, and its collectives go through the
+    # engine's counted Collectives (worker/compat.py ``eager``)
+    call: Callable[..., torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
         self.load = ExpertLoad(torch.zeros(self.num_experts // self.groups.size, dtype=torch.long))
+        self.call = eager(_exchange_and_run)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -163,37 +170,47 @@ class ExpertParallel(nn.Module):
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        if hidden.is_meta:
-            # a pipeline stage's shape inference on meta tensors (torch before 2.13's
-            # PipelineStage): the layer's output has its input's shape, no exchange
-            return torch.empty_like(hidden)
-        placed = self._zp_expert
-        ep, local = placed.groups.ep, placed.num_experts // placed.groups.size
-        routed = route(top_k_index, placed.num_experts, placed.capacity_factor)
-        # 2. how many rows each rank sends each of its experts, per expert (ep x local)
-        counts = routed.counts.view(ep.world_size, local).contiguous()
-        incoming = torch.empty_like(counts)
-        exchanged = ep.all_to_all(incoming, counts, as_op="control", async_op=True)
-        outgoing = hidden[routed.rows]  # while the counts travel
-        exchanged.wait()
-        send, recv = counts.sum(1).tolist(), incoming.sum(1).tolist()
-        # 3. dispatch
-        rows = _AllToAll.apply(outgoing, ep, send, recv, placed.load)
-        # 4. grouped by local expert, run, back to source order
-        by_expert = incoming.sum(0)
-        if local == 1:  # one expert here: the rows are its, in source order already
-            out = run_rows(self, placed.base, rows, by_expert)
-        else:
-            expert_of_row = torch.arange(local, device=rows.device).repeat(ep.world_size)
-            of_row = torch.repeat_interleave(expert_of_row, incoming.flatten())
-            order = torch.sort(of_row, stable=True).indices
-            grouped = run_rows(self, placed.base, rows[order], by_expert)
-            out = grouped.new_empty(grouped.shape).index_copy(0, order, grouped)
-        # 5. combine
-        back = _AllToAll.apply(out, ep, recv, send, placed.load)
-        placed.load.tokens += by_expert.to(placed.load.tokens.device)
-        placed.load.dropped += routed.dropped
-        return combine(back, routed, top_k_weights, hidden.shape[0])
+        return self._zp_expert.call(self, hidden, top_k_index, top_k_weights)
+
+
+def _exchange_and_run(
+    module: ExpertParallel,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """An experts module's call under expert parallelism ([Note: expert parallelism])."""
+    if hidden.is_meta:
+        # a pipeline stage's shape inference on meta tensors (torch before 2.13's
+        # PipelineStage): the layer's output has its input's shape, no exchange
+        return torch.empty_like(hidden)
+    placed = module._zp_expert
+    ep, local = placed.groups.ep, placed.num_experts // placed.groups.size
+    routed = route(top_k_index, placed.num_experts, placed.capacity_factor)
+    # 2. how many rows each rank sends each of its experts, per expert (ep x local)
+    counts = routed.counts.view(ep.world_size, local).contiguous()
+    incoming = torch.empty_like(counts)
+    exchanged = ep.all_to_all(incoming, counts, as_op="control", async_op=True)
+    outgoing = hidden[routed.rows]  # while the counts travel
+    exchanged.wait()
+    send, recv = counts.sum(1).tolist(), incoming.sum(1).tolist()
+    # 3. dispatch
+    rows = _AllToAll.apply(outgoing, ep, send, recv, placed.load)
+    # 4. grouped by local expert, run, back to source order
+    by_expert = incoming.sum(0)
+    if local == 1:  # one expert here: the rows are its, in source order already
+        out = run_rows(module, placed.base, rows, by_expert)
+    else:
+        expert_of_row = torch.arange(local, device=rows.device).repeat(ep.world_size)
+        of_row = torch.repeat_interleave(expert_of_row, incoming.flatten())
+        order = torch.sort(of_row, stable=True).indices
+        grouped = run_rows(module, placed.base, rows[order], by_expert)
+        out = grouped.new_empty(grouped.shape).index_copy(0, order, grouped)
+    # 5. combine
+    back = _AllToAll.apply(out, ep, recv, send, placed.load)
+    placed.load.tokens += by_expert.to(placed.load.tokens.device)
+    placed.load.dropped += routed.dropped
+    return combine(back, routed, top_k_weights, hidden.shape[0])
 
 
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
