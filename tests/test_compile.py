@@ -217,3 +217,44 @@ def test_compiled_expert_and_context_parallel_training_equals_eager_torch(pools)
         for reason in reasons:
             assert "disable()`d function" in reason, reason
             assert "_exchange_and_run" in reason or "_pre_forward_hook" in reason, reason
+
+
+def compiled_pipeline(stage: int, how: str) -> dict[str, torch.Tensor]:
+    """The built-in GPT in two pipeline stages x dp 2, compiled ``how``."""
+    from tests.test_mesh import STEPS as MESH_STEPS
+    from tests.test_mesh import _batch, _gpt, _opt
+    from worker.parallel import ParallelConfig
+    from worker.pipeline import lm_loss
+
+    torch._dynamo.reset()
+    model = _gpt(tie=False)
+    opt = _opt(model)
+    if how == "whole":
+        model = torch.compile(model)
+    engine = worker.initialize(
+        model, opt, config=worker.ZeroConfig(stage=stage, bucket_numel=300),
+        parallel=ParallelConfig(pipeline_parallel=2, microbatches=4), loss_fn=lm_loss,
+    )  # fmt: skip
+    if how == "blocks":  # a stage's blocks, by their names in the model
+        for block in engine.module.blocks.values():
+            block.compile()
+    dp, d = engine.shape.dp, engine.coords.dp
+    for step in range(MESH_STEPS):
+        idx, tgt = _batch(step, 4 * dp)
+        engine.train_batch([(idx[4 * d : 4 * (d + 1)], tgt[4 * d : 4 * (d + 1)])])
+    report = engine.compile_report()
+    assert report.graphs >= 1 and report.graph_breaks == 0, str(report)
+    full = engine.full_state_dict()
+    engine.close()
+    return full
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("stage", "how"), [(1, "whole"), (2, "blocks")])
+def test_a_compiled_pipeline_equals_eager_torch(pools, stage: int, how: str) -> None:
+    from tests.test_mesh import reference_untied
+
+    want = reference_untied(2)  # the whole global batch in one process, eager
+    for got in pools(4).run(compiled_pipeline, stage, how):
+        diff, name = max_diff(got, want)
+        assert diff < 1e-5, f"{name} differs from eager torch by {diff:.3g}"
