@@ -145,27 +145,29 @@ def test_graph_breaks_are_counted_and_named(pools) -> None:
         assert "graph break" in warned[0] and "graph_break" in warned[0], warned
 
 
-def compiled_under_tp(stage: int) -> tuple[dict[str, torch.Tensor], str, int]:
+def compiled_under_tp(stage: int, kind: str = "gpt") -> tuple[dict[str, torch.Tensor], str, int]:
     from tests.test_mesh import STEPS as MESH_STEPS  # what its reference trains
     from tests.test_mesh import _mesh_engine, _train
 
     torch._dynamo.reset()
-    engine = _mesh_engine("gpt", stage, 2, 0.0, compile=True)
-    _train(engine, "gpt", engine.shape.dp, engine.coords.dp, range(MESH_STEPS))
+    engine = _mesh_engine(kind, stage, 2, 0.0, compile=True)
+    _train(engine, kind, engine.shape.dp, engine.coords.dp, range(MESH_STEPS))
     report = engine.compile_report()
     return engine.full_state_dict(), str(report), report.graph_breaks
 
 
 @pytest.mark.timeout(300)
-def test_compiled_tp2_dp2_equals_eager_torch(pools) -> None:
-    """Stage 3 under tp = 2 x dp = 2, compiled by the engine: the tensor-parallel views'
-    hooks stay out of the graphs as the gathers do (worker/tp.py activate), and the
-    training equals one eager torch process without a graph break."""
+@pytest.mark.parametrize(("kind", "stage"), [("gpt", 3), ("llama", 2)])
+def test_compiled_tp2_dp2_equals_eager_torch(pools, kind: str, stage: int) -> None:
+    """Under tp = 2 x dp = 2, compiled by the engine: at stage 3 the tensor-parallel
+    views' hooks stay out of the graphs as the gathers do (worker/tp.py activate);
+    an HF Llama (its vocabulary-parallel embedding included) compiles whole at stage
+    2; each trains equal to one eager torch process without a graph break."""
     from tests.test_mesh import _compare, reference
 
-    for params, report, breaks in pools(4).run(compiled_under_tp, 3):
+    for params, report, breaks in pools(4).run(compiled_under_tp, stage, kind):
         assert breaks == 0, report
-        _compare(params, reference("gpt", 2))
+        _compare(params, reference(kind, 2))
 
 
 def compiled_experts_and_sequence_shards() -> list[str]:
