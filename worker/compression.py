@@ -89,6 +89,7 @@ from typing import Literal
 
 import torch
 
+from coordinator.core.layout import Bucket
 from worker.collectives import Collectives, Handle
 
 __all__ = [
@@ -147,6 +148,27 @@ class Codec:
         """Compression ratio against fp32 for a vector of ``numel`` elements."""
         return 4 * numel / self.wire_bytes(numel) if numel else 1.0
 
+    # A codec whose payload depends on the bucket and on whose shard it is (float8
+    # weights among other parameters, worker/float8.py) overrides these; the
+    # others encode every shard alike.
+
+    def bind(self, spec: Bucket, dtype: torch.dtype) -> Codec | None:
+        """The codec for parameter gathers of the bucket ``spec`` in ``dtype``; None:
+        the bucket gathers as it is."""
+        del spec, dtype
+        return self
+
+    def begin(self, comm: Collectives, x: torch.Tensor) -> None:
+        """Before encoding this rank's shard ``x`` of a gather (every rank calls it)."""
+
+    def encode_part(self, x: torch.Tensor, out: torch.Tensor, part: int) -> None:
+        """:meth:`encode` of rank ``part``'s shard."""
+        self.encode(x, out, nonfinite="nan")
+
+    def decode_part(self, payload: torch.Tensor, numel: int, part: int) -> torch.Tensor:
+        """:meth:`decode` of rank ``part``'s payload."""
+        return self.decode(payload, numel)
+
 
 @dataclass(frozen=True)
 class CastCodec(Codec):
@@ -185,7 +207,7 @@ class _Blockwise(Codec):
         raise NotImplementedError
 
     def wire_bytes(self, numel: int) -> int:
-        return _align4(4 * self._blocks(numel) + self._value_bytes(numel))
+        return align4(4 * self._blocks(numel) + self._value_bytes(numel))
 
     def _split(self, payload: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         nb = self._blocks(numel)
@@ -278,7 +300,7 @@ class OneBitCodec(_Blockwise):
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
-def _align4(nbytes: int) -> int:
+def align4(nbytes: int) -> int:
     """Payloads are concatenated per rank; keeping each 4-byte aligned lets the
     receiver view its fp32 scales in place."""
     return -(-nbytes // 4) * 4
@@ -474,7 +496,7 @@ class PendingAllGather:
                     if slot.data_ptr() != self.own.data_ptr():
                         slot.copy_(self.own.view(-1))
                     continue
-                slot.copy_(self.codec.decode(self.recv[r * wire : (r + 1) * wire], shard))
+                slot.copy_(self.codec.decode_part(self.recv[r * wire : (r + 1) * wire], shard, r))
         self.own = None
 
     def wait(self) -> None:
@@ -502,8 +524,12 @@ def start_all_gather(
     buffers = buffers or WireBuffers()
     send = buffers.get("ag_send", wire, x.device)
     recv = buffers.get("ag_recv", comm.world_size * wire, x.device)
+    codec.begin(comm, x)
     with comm.codec_time("encode"):
-        _encode_with_feedback(codec, x, send, residual)
+        if residual is None:
+            codec.encode_part(x, send, comm.rank)
+        else:
+            _encode_with_feedback(codec, x, send, residual)
     handle = comm.all_gather(
         recv, send, async_op=True, logical_bytes=out.numel() * out.element_size()
     )

@@ -116,7 +116,11 @@ class ZeroConfig:
             stages 1–2 the all-gather of the updated shards after the optimizer
             step, at stage 3 each unit's gathers. ``int8``: blockwise int8 with
             an fp32 scale per ``compression_block`` elements (≈0.25× fp32's
-            bytes); ``bf16``: 2 bytes an element; ``none``: the compute dtype.
+            bytes); ``bf16``: 2 bytes an element; ``float8``: the weights of
+            torchao's ``Float8Linear`` modules in e4m3 with each whole tensor's
+            scale, as the module casts them (FSDP2's float8 all-gather; the
+            other parameters in the compute dtype; worker/float8.py [Note:
+            float8 parameter gathers]); ``none``: the compute dtype.
             Only other ranks' slices of the compute parameters are rounded: the
             fp32 master weights and this rank's own slice stay exact (see
             worker/compression.py [Note: quantized parameter gathers]).
@@ -203,7 +207,7 @@ class ZeroConfig:
     compression_warmup_steps: int = 0
     error_feedback: bool = True
     hierarchical_reduce: int = 1
-    stage3_gather_compression: Literal["none", "bf16", "int8"] = "none"
+    stage3_gather_compression: Literal["none", "bf16", "int8", "float8"] = "none"
     hpz_partition_size: int = 1
     metrics_port: int | None = None
     replica_interval: int = 0

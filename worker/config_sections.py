@@ -175,7 +175,7 @@ class Stage3Section:
     stage3_max_live_parameters: int
     stage3_min_unit_numel: int
     stage3_check_gathers: bool | Literal["first"]
-    stage3_gather_compression: Literal["none", "bf16", "int8"]
+    stage3_gather_compression: Literal["none", "bf16", "int8", "float8"]
     hpz_partition_size: int
 
     def __post_init__(self) -> None:
@@ -190,8 +190,8 @@ class Stage3Section:
         _check_ints(self, 1, "hpz_partition_size")
         if self.stage3_check_gathers != "first":
             _check_bools(self, "stage3_check_gathers")
-        if not _one_of(self.stage3_gather_compression, ("none", "bf16", "int8")):
-            raise _bad(self, "stage3_gather_compression", "one of none, bf16, int8")
+        if not _one_of(self.stage3_gather_compression, ("none", "bf16", "int8", "float8")):
+            raise _bad(self, "stage3_gather_compression", "one of none, bf16, int8, float8")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -234,13 +234,12 @@ class GatherUnit:
             src = b.shard if self.fetch is None else self.fetch(b.shard)
             if src is not b.shard:
                 self.inbound.append(src)
-            if self.codec is None:
+            codec = None if self.codec is None else self.codec.bind(b.spec, b.full.dtype)
+            if codec is None:
                 self.handles.append(comm.all_gather(b.full, src, async_op=True))
             else:
                 self.handles.append(
-                    start_all_gather(
-                        comm, self.codec, src, b.full, buffers=self.wire[i], exact_own=True
-                    )
+                    start_all_gather(comm, codec, src, b.full, buffers=self.wire[i], exact_own=True)
                 )
         self.state = UnitState.GATHERING
 

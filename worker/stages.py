@@ -146,14 +146,15 @@ class ParamStorage:
                 src = b.master.to(device=b.full.device, dtype=self.dtype, non_blocking=True)
             else:
                 src = b.full[b.lo : b.hi]
-            if self.gather_codec is None or not comm.distributed:
+            codec = (
+                None if self.gather_codec is None else self.gather_codec.bind(b.spec, b.full.dtype)
+            )
+            if codec is None or not comm.distributed:
                 return comm.all_gather(b.full, src, async_op=True)
             # qwZ: this rank's slot keeps ``src`` exact (in fp32 it is the master)
             if b.gather_wire is None:
                 b.gather_wire = WireBuffers()
-            return start_all_gather(
-                comm, self.gather_codec, src, b.full, buffers=b.gather_wire, exact_own=True
-            )
+            return start_all_gather(comm, codec, src, b.full, buffers=b.gather_wire, exact_own=True)
 
     def nbytes(self, b: FlatBucket) -> int:
         return nbytes_of(b.full)

@@ -40,10 +40,11 @@ from coordinator.core.ranges import Range, RangeIndex, owned_ranges
 from worker import build_ahead
 from worker.birth import Birth, Init, materialize_empty, meta_names
 from worker.collectives import CollectiveError, Collectives, Handle
-from worker.compression import PendingAllGather, make_codec
+from worker.compression import Codec, PendingAllGather, make_codec
 from worker.config import ZeroConfig
 from worker.entries import Entries, check_covered, export_entries, import_entries, owned_by
 from worker.flat import BucketState, FlatBucket, GatherUnit, NodeGroup, Reserve
+from worker.float8 import float8_gather
 from worker.inventory import Inventory, persistent_buffers
 from worker.offload import HOST, Location, OffloadedGrads, Placement
 from worker.optim import Piece, ShardOptimizer
@@ -153,7 +154,10 @@ class ShardState:
     def _make_storage(self) -> ParamStorage:
         apart = self.placement.master_apart(self.config.mixed_precision)
         # qwZ at stages 1–3 (worker/compression.py [Note: quantized parameter gathers])
-        codec = make_codec(self.config.stage3_gather_compression, self.config.compression_block)
+        if self.config.stage3_gather_compression == "float8":  # worker/float8.py
+            codec: Codec | None = float8_gather(self.module)
+        else:
+            codec = make_codec(self.config.stage3_gather_compression, self.config.compression_block)
         if self.stage.params is ShardedParams:
             return ShardedParams(
                 self.dtype,
