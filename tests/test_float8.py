@@ -114,3 +114,38 @@ def test_a_weight_gathered_in_float8_casts_as_the_whole_weight_does(pools):
     for differ, scale in pools(2).run(cast_of_a_gathered_weight):
         assert differ == 0.0, f"{differ:.3%} of the float8 values differ from torchao's cast"
         assert scale < 1e-6, scale
+
+
+def test_a_bucket_of_odd_sized_weights_and_other_parameters_round_trips() -> None:
+    """A bucket whose shards cut float8 weights and fp32 parameters at odd offsets:
+    every rank's payload decodes to its shard, the weights as ``q / scale`` (what
+    torchao's cast makes of them) and the rest exactly."""
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
+    from coordinator.core.layout import Bucket, Slot
+    from worker.float8 import BucketFloat8
+
+    sizes = {"a.weight": 231, "a.bias": 7, "b.weight": 45, "b.bias": 5}
+    slots, at = [], 0
+    for name, n in sizes.items():
+        slots.append(Slot(name, at, n, (n,)))
+        at += n
+    world = 3
+    padded = -(-at // world) * world
+    spec = Bucket(0, 0, "float32", 0, tuple(slots), at, padded, world)
+    weights = [s for s in slots if s.name.endswith("weight")]
+    codec = BucketFloat8(spec, weights, torch.float32)
+    flat = torch.randn(padded, generator=torch.Generator().manual_seed(0))
+    want = flat.clone()
+    for i, s in enumerate(weights):
+        w = flat[s.offset : s.offset + s.numel]
+        codec.scales[i] = scale = amax_to_scale(w.abs().max(), torch.float8_e4m3fn)
+        q = to_fp8_saturated(w * scale, torch.float8_e4m3fn)
+        want[s.offset : s.offset + s.numel] = q.float() / scale
+    shard = spec.shard_numel
+    for r in range(world):
+        payload = torch.empty(codec.wire_bytes(shard), dtype=torch.uint8)
+        codec.encode_part(flat[r * shard : (r + 1) * shard], payload, r)
+        got = codec.decode_part(payload, shard, r)
+        assert torch.equal(got, want[r * shard : (r + 1) * shard]), r
+    assert codec.wire_bytes(shard) < 2 * shard  # most elements a byte, not four

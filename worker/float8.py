@@ -96,8 +96,9 @@ class BucketFloat8(Codec):
         self.dtype, self.size = dtype, torch.empty((), dtype=dtype).element_size()
         self.weight_index = {s.name: i for i, s in enumerate(slots)}
         shard = spec.shard_numel
-        # per rank: (start, stop, weight index or -1) runs covering its shard
-        self.runs: list[list[tuple[int, int, int]]] = []
+        # per rank, the runs covering its shard: (start, stop, weight index or -1,
+        # byte offset in the payload)
+        self.runs: list[list[tuple[int, int, int, int]]] = []
         for rank in range(spec.world_size):
             runs, at = [], 0
             for piece in spec.slot_shards(rank):
@@ -110,12 +111,26 @@ class BucketFloat8(Codec):
                 at = piece.shard_start + piece.numel
             if at < shard:
                 runs.append((at, shard, -1))
-            self.runs.append(runs)
-        self.wire = align4(max(self._bytes(runs) for runs in self.runs))
+            self.runs.append(self._placed(runs))
+        self.wire = align4(max(self._end(runs) for runs in self.runs))
         self.scales = torch.ones(len(slots))
 
-    def _bytes(self, runs: list[tuple[int, int, int]]) -> int:
-        return sum((b - a) * (1 if i >= 0 else self.size) for a, b, i in runs)
+    def _end(self, runs: list[tuple[int, int, int, int]]) -> int:
+        return max((p + (b - a) * self._width(i) for a, b, i, p in runs), default=0)
+
+    def _width(self, weight: int) -> int:
+        return 1 if weight >= 0 else self.size
+
+    def _placed(self, runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+        """Each run with its byte offset in the payload: a run in the compute dtype
+        starts at a multiple of its element size (so the payload can be viewed so)."""
+        placed, at = [], 0
+        for a, b, i in runs:
+            width = self._width(i)
+            at = -(-at // width) * width
+            placed.append((a, b, i, at))
+            at += (b - a) * width
+        return placed
 
     def wire_bytes(self, numel: int) -> int:
         return self.wire
@@ -123,7 +138,7 @@ class BucketFloat8(Codec):
     def begin(self, comm: Collectives, x: torch.Tensor) -> None:
         """The whole weights' scales from every rank's shard ``x`` (a collective)."""
         amax = torch.zeros(len(self.weight_index), dtype=torch.float32, device=x.device)
-        for a, b, i in self.runs[comm.rank]:
+        for a, b, i, _ in self.runs[comm.rank]:
             if i >= 0 and b > a:
                 amax[i] = torch.maximum(amax[i], x[a:b].abs().max().float())
         comm.all_reduce(amax, op="max", control=True)
@@ -131,29 +146,21 @@ class BucketFloat8(Codec):
         self.scales = (_MAX / amax.double().clamp(min=_EPS)).float()
 
     def encode_part(self, x: torch.Tensor, out: torch.Tensor, part: int) -> None:
-        at = 0
-        for a, b, i in self.runs[part]:
+        for a, b, i, at in self.runs[part]:
             if i >= 0:
                 q = (x[a:b].float() * self.scales[i].to(x.device)).clamp(-_MAX, _MAX)
                 out[at : at + b - a].view(E4M3).copy_(q.to(E4M3))
-                at += b - a
             else:
-                n = (b - a) * self.size
-                out[at : at + n].view(self.dtype).copy_(x[a:b])
-                at += n
+                out[at : at + (b - a) * self.size].view(self.dtype).copy_(x[a:b])
 
     def decode_part(self, payload: torch.Tensor, numel: int, part: int) -> torch.Tensor:
         out = torch.empty(numel, dtype=torch.float32, device=payload.device)
-        at = 0
-        for a, b, i in self.runs[part]:
+        for a, b, i, at in self.runs[part]:
             if i >= 0:
                 q = payload[at : at + b - a].view(E4M3).float()
                 out[a:b] = q / self.scales[i].to(q.device)
-                at += b - a
             else:
-                n = (b - a) * self.size
-                out[a:b] = payload[at : at + n].view(self.dtype).float()
-                at += n
+                out[a:b] = payload[at : at + (b - a) * self.size].view(self.dtype).float()
         return out
 
 
