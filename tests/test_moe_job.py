@@ -27,7 +27,10 @@ def _example():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("tp", "pp", "stage"), [(1, 1, 3), (2, 1, 3), (1, 2, 2)], ids=["ep", "tp-x-ep", "pp-x-ep"]
+    # ep beside tp runs the same launch path, tested from Python (tests/test_moe_mesh.py)
+    ("tp", "pp", "stage"),
+    [(1, 1, 3), (1, 2, 2)],
+    ids=["ep", "pp-x-ep"],
 )
 def test_an_expert_parallel_job_under_zeroplane_run_trains_like_torch(
     tmp_path, tp: int, pp: int, stage: int

@@ -61,9 +61,7 @@ def ep_tp_against_torch(ep: int, tp: int, stage: int, accum: int, clip: float) -
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    ("stage", "accum", "clip"), [(1, 2, 0.05), (2, 1, 0.05), (3, 2, 0.05), (0, 1, 0.05)]
-)
+@pytest.mark.parametrize(("stage", "accum", "clip"), [(1, 2, 0.05), (3, 2, 0.05), (0, 1, 0.05)])
 def test_experts_beside_tensor_parallel_dense_layers_train_like_torch(pools, stage, accum, clip):
     # 4 ranks: tp=2 x dp=2, one ep group of the two dp ranks at each tp position;
     # clipping counts each expert once, not once per tp rank
