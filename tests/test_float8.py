@@ -149,3 +149,11 @@ def test_a_bucket_of_odd_sized_weights_and_other_parameters_round_trips() -> Non
         got = codec.decode_part(payload, shard, r)
         assert torch.equal(got, want[r * shard : (r + 1) * shard]), r
     assert codec.wire_bytes(shard) < 2 * shard  # most elements a byte, not four
+
+
+def test_float8_gathers_of_a_model_without_float8_layers_are_refused() -> None:
+    torch.manual_seed(0)
+    model = GPT(CFG)  # not converted
+    config = worker.ZeroConfig(stage=3, stage3_gather_compression="float8")
+    with pytest.raises(ValueError, match=r"Float8Linear.*convert_to_float8_training"):
+        worker.initialize(model, _opt(model), config=config)

@@ -194,11 +194,11 @@ def test_every_sharded_stage_accepts_gather_compression() -> None:
         (
             {"stage": 2, "stage3_gather_compression": "int4"},
             r"ZeroConfig\.stage3_gather_compression must be one of none, bf16, int8, "
-            r"got 'int4'",
+            r"float8, got 'int4'",
         ),
         (
             {"stage": 2, "stage3_gather_compression": "onebit"},
-            r"must be one of none, bf16, int8, got 'onebit'",
+            r"must be one of none, bf16, int8, float8, got 'onebit'",
         ),
         (
             {"stage": 1, "stage3_gather_compression": "int8", "compression_block": 0},
