@@ -161,10 +161,7 @@ def _construct(
             spec, config, parallel, mesh, shape, coords, metrics, initial_state
         )
     else:
-        optimizer = spec.optimizer
-        if parallel.expert_parallel > 1:
-            groups = _mesh_expert_groups(shape, mesh, parallel.expert_parallel)
-            optimizer = _expert_parallel(spec, parallel, groups)
+        optimizer = _mesh_experts(spec, parallel, shape, mesh)
         engine = _tp_engine(
             MeshEngine, spec.model, optimizer, spec.model, config, mesh, shape, coords,
             spec.plan, spec.lr_scheduler, device=spec.device, init=spec.init, metrics=metrics,
@@ -250,18 +247,24 @@ def _split_dp(shape: MeshShape, mesh: DeviceMesh, k: int, what: str) -> DeviceMe
     )  # fmt: skip
 
 
-def _mesh_expert_groups(shape: MeshShape, mesh: DeviceMesh, ep: int) -> ExpertGroups:
-    """The ep groups of a mesh: ``ep`` consecutive dp indices at one tp position,
-    and the expert-data-parallel group of the dp indices at the same place; the
-    experts are whole on every tp rank (worker/moe/dispatch.py [Note: experts on a
-    mesh])."""
+def _mesh_experts(
+    spec: EngineSpec, parallel: ParallelConfig, shape: MeshShape, mesh: DeviceMesh
+) -> OptimizerArg:
+    """The script's optimizer, or with expert parallelism on a mesh the one over the
+    experts this rank keeps: its ep group is ``ep`` consecutive dp indices at one tp
+    and pp position, its expert-data-parallel group the dp indices at the same
+    place; the experts are whole on every tp rank (worker/moe/dispatch.py [Note:
+    experts on a mesh])."""
+    ep = parallel.expert_parallel
+    if ep == 1:
+        return spec.optimizer
     split = _split_dp(shape, mesh, ep, "expert_parallel")
     ep_comm = Collectives(split["inner"].get_group())
     if ep == shape.dp:
         edp = Collectives.ahead(0, 1, ep_comm.backend)
     else:
         edp = Collectives(split["outer"].get_group())
-    return ExpertGroups(ep=ep_comm, edp=edp, world=shape.dp)
+    return _expert_parallel(spec, parallel, ExpertGroups(ep=ep_comm, edp=edp, world=shape.dp))
 
 
 def _layout_of(asked: ParallelConfig | None, shape: MeshShape) -> ParallelConfig:
@@ -293,10 +296,8 @@ def _stage_engine(
     split for the model) on ``mesh`` at ``coords``."""
     from worker.pipeline_engine import PipelineEngine
 
-    model, optimizer = spec.model, spec.optimizer
-    if parallel.expert_parallel > 1:  # each stage's experts split over its own ep groups
-        groups = _mesh_expert_groups(shape, mesh, parallel.expert_parallel)
-        optimizer = _expert_parallel(spec, parallel, groups)
+    # each stage's experts split over the ep groups at its pp position
+    model, optimizer = spec.model, _mesh_experts(spec, parallel, shape, mesh)
     stage_module = split_for(model, spec.split)(model, coords.pp, shape.pp)
     kept = set(stage_module.parameters())
     if isinstance(optimizer, torch.optim.Optimizer):

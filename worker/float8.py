@@ -71,16 +71,20 @@ class Float8Gather(Codec):
     ``weights`` (it gathers as it is)."""
 
     weights: frozenset[str] = frozenset()
-    _bound: dict[tuple[int, int], BucketFloat8 | None] = field(
+    # by the spec's id, with the spec itself (an id is reused once its object is gone)
+    _bound: dict[int, tuple[Bucket, BucketFloat8 | None]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
     def bind(self, spec: Bucket, dtype: torch.dtype) -> Codec | None:
-        key = (id(spec), spec.world_size)
-        if key not in self._bound:
+        held = self._bound.get(id(spec))
+        if held is None or held[0] is not spec:
             slots = [s for s in spec.slots if s.name in self.weights]
-            self._bound[key] = BucketFloat8(spec, slots, dtype) if slots else None
-        return self._bound[key]
+            held = self._bound[id(spec)] = (
+                spec,
+                BucketFloat8(spec, slots, dtype) if slots else None,
+            )
+        return held[1]
 
 
 class BucketFloat8(Codec):

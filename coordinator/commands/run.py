@@ -512,7 +512,8 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
             raise ValueError(f"{flag} must be >= 1, got {n}")
     if ep > 1 and cp > 1:
         raise ValueError("--ep with --cp is not supported yet")
-    flag, size, what = ("--ep", ep, "ep") if ep > 1 else ("--cp", cp, "cp")
+    kind, size, what = ("--ep", ep, "ep") if ep > 1 else ("--cp", cp, "cp")
+    flag = kind
     with_mesh = args.tp > 1 or args.pp > 1
     if (cp > 1 and args.pp != 1) or getattr(args, "mesh", None) == "auto":
         others = "--pp/--mesh" if cp > 1 else "--mesh"
@@ -529,7 +530,7 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
             n = getattr(args, count)
             if n is not None and n != args.nproc:
                 raise ValueError(
-                    f"--{count.replace('_', '-')} {n}: a job with {flag.split()[-1]} and "
+                    f"--{count.replace('_', '-')} {n}: a job with {kind} and "
                     f"--tp/--pp runs at --nproc {args.nproc} only for now (not elastic)"
                 )
     for count in ("nproc", "min_workers", "max_workers"):
