@@ -8,6 +8,7 @@ so does tests/scripts/ds_train.py."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -20,6 +21,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+import worker.deepspeed as worker_deepspeed
 from coordinator.launchers.local import find_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,13 +72,19 @@ def config(stage: int) -> dict:
     }
 
 
-def reference() -> dict[str, torch.Tensor]:
+def reference(moe: list[str] | None = None) -> dict[str, torch.Tensor]:
     """One process, torch alone: each step the two ranks' micro-batches (their
     DistributedSampler's order, the epoch never set, as the script leaves it), the mean
     of their losses, clipped at 1; DeepSpeed's "Adam" (decoupled decay: AdamW) and its
     WarmupLR, logarithmic from 0 to LR over WARMUP steps: step k at DeepSpeed's
-    iteration k - 1 (-1 before the first: the minimum), log(it + 1) / log(WARMUP)."""
-    model = ds_cifar.build()
+    iteration k - 1 (-1 before the first: the minimum), log(it + 1) / log(WARMUP).
+
+    ``moe``: the script's MoE flags; the net then holds all the experts, and each
+    rank's micro-batch runs from the random state every rank has there (their gates
+    draw the same numbers: one seed), each epoch after the one number a DataLoader's
+    iterator draws."""
+    args = moe_args(moe or [])
+    model = ds_cifar.build(args, worker_deepspeed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
     warm = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: 0.0 if k == 0 else min(math.log(k) / math.log(WARMUP), 1.0)
@@ -85,10 +93,12 @@ def reference() -> dict[str, torch.Tensor]:
     orders = [list(DistributedSampler(data, num_replicas=WORLD, rank=r)) for r in range(WORLD)]
     micro = GLOBAL_BATCH // WORLD
     for _ in range(EPOCHS):
+        torch.empty((), dtype=torch.int64).random_()  # the loader's base seed
         for start in range(0, len(orders[0]), micro):
-            losses = []
+            losses, every_rank = [], torch.get_rng_state()
             for order in orders:
                 x, y = data[order[start : start + micro]]
+                torch.set_rng_state(every_rank)
                 losses.append(torch.nn.functional.cross_entropy(model(x), y))
             (sum(losses) / WORLD).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -98,13 +108,39 @@ def reference() -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def run(system: str, stage: int, tmp_path: Path) -> dict:
+def _after(names, prefix: str) -> list[str]:
+    return [n[len(prefix) :] for n in names if n.startswith(prefix)]
+
+
+def moe_args(flags: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    ds_cifar.add_moe_arguments(parser)
+    return parser.parse_args(flags)
+
+
+def run(system: str, stage: int, tmp_path: Path, moe: list[str] | None = None) -> dict:
+    """The script's parameters and predictions; with MoE flags asking ``--ep-world-size``
+    2, each rank's experts under their indices in the whole layer (DeepSpeed numbers a
+    rank's own from 0)."""
     ds_config = tmp_path / f"ds_config_{stage}.json"
     ds_config.write_text(json.dumps(config(stage)))
     out = tmp_path / f"{system}-{stage}.pt"
     script = [str(CIFAR), "--system", system, "--deepspeed", "--deepspeed_config", str(ds_config)]
-    launch(system, [*script, "--out", str(out)])
-    return torch.load(out, weights_only=True)
+    launch(system, [*script, "--out", str(out), *(moe or [])])
+    if moe_args(moe or []).ep_world_size == 1:
+        return torch.load(out, weights_only=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(WORLD)]
+    params: dict[str, torch.Tensor] = {}
+    for rank, held in enumerate(ranks):
+        for name, value in held["params"].items():
+            if system == "deepspeed" and ".deepspeed_experts." in name:
+                head, tail = name.split(".deepspeed_experts.")
+                index, rest = tail.split(".", 1)
+                prefix = f"{head}.deepspeed_experts."
+                mine = {k.split(".")[0] for k in _after(held["params"], prefix)}
+                name = f"{head}.deepspeed_experts.{rank * len(mine) + int(index)}.{rest}"
+            params[name] = value
+    return {"params": params, "predicted": ranks[0]["predicted"]}
 
 
 def launch(system: str, script: list[str]) -> None:
@@ -138,6 +174,23 @@ def test_the_cifar_script_trains_as_torch_under_zeroplane(tmp_path: Path, stage:
     assert torch.equal(got["predicted"], expected)
 
 
+# DeepSpeed's MoE layers as the example's flags build them: two layers of 2 and 4
+# experts over ep 2, top-1 with its random token selection and jittered gate input
+MOE = ["--moe", "--num-experts", "2", "4", "--ep-world-size", "2", "--min-capacity", "2",
+       "--noisy-gate-policy", "Jitter", "--moe-param-group"]  # fmt: skip
+
+
+@pytest.mark.timeout(200)
+def test_the_cifar_script_with_moe_layers_trains_as_torch_at_stage_3(tmp_path: Path) -> None:
+    """``deepspeed.moe.layer.MoE`` with ``ep_size=2`` under ``zeroplane run`` at stage
+    3 (which DeepSpeed refuses for its MoE): the experts split over the two ranks,
+    equal to one process holding every expert."""
+    got = run("zeroplane", 3, tmp_path, MOE)
+    want = reference(MOE)
+    assert worst(got["params"], want) < 1e-5
+    assert any(".deepspeed_experts.3." in name for name in got["params"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", [0, 3])
@@ -145,6 +198,23 @@ def test_the_cifar_script_ends_as_under_deepspeed(tmp_path: Path, stage: int) ->
     pytest.importorskip("deepspeed")
     theirs = run("deepspeed", stage, tmp_path)
     ours = run("zeroplane", stage, tmp_path)
+    assert worst(ours["params"], theirs["params"]) < 1e-5
+    assert torch.equal(ours["predicted"], theirs["predicted"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "flags", [MOE, ["--moe", "--num-experts", "4", "--top-k", "2", "--mlp-type", "residual"]]
+)
+def test_the_cifar_script_with_moe_layers_ends_as_under_deepspeed(
+    tmp_path: Path, flags: list[str]
+) -> None:
+    """The MoE layers under DeepSpeed 0.19 at stage 2 (it refuses its MoE at stage 3)
+    and under zeroplane at stage 2: the same gates, drops and experts."""
+    pytest.importorskip("deepspeed")
+    theirs = run("deepspeed", 2, tmp_path, flags)
+    ours = run("zeroplane", 2, tmp_path, flags)
     assert worst(ours["params"], theirs["params"]) < 1e-5
     assert torch.equal(ours["predicted"], theirs["predicted"])
 

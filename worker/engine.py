@@ -622,8 +622,13 @@ class ZeroEngine(Checkpointing):
         FSDP's ``summon_full_params``: at stage 3 its parameters are gathered on entry
         (a collective: every rank enters) and freed on exit; at stages 0-2 they are
         always whole and this does nothing. Read-only: writes are not kept, and a
-        tensor that views a parameter is freed with it (clone what you keep)."""
-        with self.state.params.gathered():
+        tensor that views a parameter is freed with it (clone what you keep). Under
+        expert parallelism, the experts this rank holds too (gathered over the ranks
+        holding the same experts)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.state.params.gathered())
+            if self.experts is not None:
+                stack.enter_context(self.experts.state.params.gathered())
             yield
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -30,25 +30,66 @@ SAMPLES = 64
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    """The example's net; with ``--moe`` its last layer's input goes through one
+    DeepSpeed MoE layer per ``--num-experts`` entry, each of copies of one linear
+    expert (``deepspeed`` is the module the script imported)."""
+
+    def __init__(self, moe: argparse.Namespace | None = None, deepspeed=None) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 6, 5)
         self.pool = nn.MaxPool2d(2, 2)
         self.conv2 = nn.Conv2d(6, 16, 5)
         self.fc1 = nn.Linear(16 * 5 * 5, 120)
         self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
+        self.moe = moe is not None and moe.moe
+        if self.moe:
+            fc3 = nn.Linear(84, 84)
+            layers = []
+            for n_e in moe.num_experts:
+                layers.append(
+                    deepspeed.moe.layer.MoE(
+                        hidden_size=84,
+                        expert=fc3,
+                        num_experts=n_e,
+                        ep_size=moe.ep_world_size,
+                        use_residual=moe.mlp_type == "residual",
+                        k=moe.top_k,
+                        min_capacity=moe.min_capacity,
+                        noisy_gate_policy=moe.noisy_gate_policy,
+                    )
+                )
+            self.moe_layer_list = nn.ModuleList(layers)
+            self.fc4 = nn.Linear(84, 10)
+        else:
+            self.fc3 = nn.Linear(84, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(F.relu(self.conv1(x)))
         x = self.pool(F.relu(self.conv2(x)))
         x = x.flatten(1)
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+        x = F.relu(self.fc2(F.relu(self.fc1(x))))
+        if not self.moe:
+            return self.fc3(x)
+        for layer in self.moe_layer_list:
+            x, _, _ = layer(x)
+        return self.fc4(x)
 
 
-def build() -> Net:
+def build(moe: argparse.Namespace | None = None, deepspeed=None) -> Net:
     torch.manual_seed(0)
-    return Net()
+    return Net(moe, deepspeed)
+
+
+def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The example's mixture-of-experts flags."""
+    parser.add_argument("--moe", default=False, action="store_true")
+    parser.add_argument("--ep-world-size", default=1, type=int)
+    parser.add_argument("--num-experts", type=int, nargs="+", default=[1])
+    parser.add_argument("--mlp-type", type=str, default="standard")
+    parser.add_argument("--top-k", default=1, type=int)
+    parser.add_argument("--min-capacity", default=0, type=int)
+    parser.add_argument("--noisy-gate-policy", default=None, type=str)
+    parser.add_argument("--moe-param-group", default=False, action="store_true")
 
 
 def images(n: int, seed: int) -> TensorDataset:
@@ -71,6 +112,7 @@ def main() -> None:
     parser.add_argument("-e", "--epochs", default=2, type=int)
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--out", help="the trained parameters and the test predictions")
+    add_moe_arguments(parser)
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -83,8 +125,12 @@ def main() -> None:
         dist.barrier()
     testset = images(8, seed=8)
 
-    net = build()
+    net = build(args, deepspeed)
     parameters = filter(lambda p: p.requires_grad, net.parameters())
+    if args.moe_param_group:
+        split = importlib.import_module(f"{deepspeed.__name__}.moe.utils")
+        whole = {"params": list(net.parameters()), "name": "parameters"}
+        parameters = split.split_params_into_different_moe_groups_for_optimizer(whole)
     model_engine, _optimizer, trainloader, _ = deepspeed.initialize(
         args=args, model=net, model_parameters=parameters, training_data=trainset
     )
@@ -105,7 +151,9 @@ def main() -> None:
     params = list(net.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         full = {n: p.detach().clone().float() for n, p in net.named_parameters()}
-    if args.out and dist.get_rank() == 0:
+    if args.out and args.moe and args.ep_world_size > 1:  # each rank holds its experts
+        torch.save({"params": full, "predicted": predicted}, f"{args.out}.{dist.get_rank()}")
+    elif args.out and dist.get_rank() == 0:
         torch.save({"params": full, "predicted": predicted}, args.out)
 
 

@@ -28,7 +28,9 @@ takes those calls as they are and answers them from a zeroplane engine
   (``set_z3_leaf_modules``, zeroplane's own: worker/leaves.py; ``logger``,
   ``log_dist``), ``accelerator`` (``get_accelerator()``), ``zero`` (``Init``: the
   model built on the meta device and born sharded; ``GatheredParameters``) and
-  ``moe.utils`` (``split_params_into_different_moe_groups_for_optimizer``).
+  ``moe`` (``layer.MoE``, DeepSpeed's MoE layer: its ``ep_size`` becomes
+  ``ParallelConfig(expert_parallel=ep_size)``; ``utils.
+  split_params_into_different_moe_groups_for_optimizer``).
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from worker import ds_sections
 from worker.deepspeed import accelerator, comm, moe, utils, zero
 from worker.deepspeed.comm import init_distributed
+from worker.deepspeed.moe.layer import expert_parallel_of
 from worker.engine import ZeroEngine
 from worker.entry import initialize as _initialize
+from worker.parallel import ParallelConfig
 from worker.spec import read_deepspeed_config
 
 __all__ = [
@@ -110,7 +114,10 @@ def initialize(
         groups = list(model_parameters)
         optimizer = ds_sections.optimizer_from_deepspeed(raw.pop("optimizer"), groups)
         config = raw
-    engine = _initialize(model, optimizer, config=config, lr_scheduler=lr_scheduler)
+    parallel = _parallel_for(model)
+    engine = _initialize(
+        model, optimizer, config=config, lr_scheduler=lr_scheduler, parallel=parallel
+    )
     zero.ENGINES.add(engine)  # zero.GatheredParameters finds a parameter's engine here
     ds = DeepSpeedEngine(engine, raw)
     loader = None
@@ -124,6 +131,21 @@ def initialize(
             collate_fn=collate_fn,
         )
     return ds, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _parallel_for(model: nn.Module) -> ParallelConfig | None:
+    """The launcher's layout with the expert parallelism the model's DeepSpeed MoE
+    layers ask for (their ``ep_size``); None (the launcher's alone) without any."""
+    ep = expert_parallel_of(model)
+    if ep == 1:
+        return None
+    launched = ParallelConfig.from_env()
+    if launched.expert_parallel not in (1, ep):
+        raise ValueError(
+            f"the model's MoE layers have ep_size={ep}, the launcher asks for "
+            f"--ep {launched.expert_parallel}: give one size"
+        )
+    return ParallelConfig.from_env(expert_parallel=ep)
 
 
 class DeepSpeedEngine:

@@ -98,9 +98,15 @@ def _engine_of(params: list[torch.Tensor]) -> Any:
     ids = {id(p) for p in params}
     for engine in list(ENGINES):
         held = {id(p) for p in engine.state.inventory.params.values()}
-        if ids & held:
+        if ids & (held | _expert_ids(engine)):
             return engine
     return None
+
+
+def _expert_ids(engine: Any) -> set[int]:
+    """The parameters of the experts an expert-parallel engine holds (none without)."""
+    experts = getattr(engine, "experts", None)
+    return set() if experts is None else {id(p) for p in experts.inventory.params.values()}
 
 
 @contextlib.contextmanager
@@ -131,6 +137,12 @@ def GatheredParameters(
                 for p in listed:
                     dist.broadcast(p.data, src=modifier_rank)
         return
+    if modifier_rank is not None and {id(p) for p in listed} & _expert_ids(engine):
+        raise ValueError(
+            "zero.GatheredParameters(modifier_rank=...) over experts split by expert "
+            "parallelism: their writes would not be kept; change them before "
+            "deepspeed.initialize, or load them with engine.load_weights"
+        )
     with engine.gathered_params():
         yield
         if modifier_rank is None:

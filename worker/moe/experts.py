@@ -62,6 +62,8 @@ class Experts(nn.Module):
         j-th expert this module holds."""
         pieces = torch.split(rows, counts.tolist())
         outs = [expert(x) for expert, x in zip(self._modules.values(), pieces, strict=True)]
+        # an expert returning (output, bias), as Megatron-style MLPs do: its output
+        outs = [out[0] if isinstance(out, tuple) else out for out in outs]
         return torch.cat(outs) if outs else rows
 
 

@@ -16,7 +16,9 @@ experts (worker/moe/parallel.py). ``capacity_factor``, when set, keeps at most
 ``ceil(factor · T·K / E)`` assignments per expert, the first in batch order;
 the rest are dropped (their tokens get nothing from that expert: the
 residual carries them), counted in :class:`Routed`. Without it routing is
-dropless.
+dropless. An assignment to expert -1 is one a router dropped itself (DeepSpeed's
+gates over capacity, worker/deepspeed/moe/sharded_moe.py): it reaches no expert
+and is counted as dropped.
 """
 
 from __future__ import annotations
@@ -50,22 +52,24 @@ def route(
     if top_k_index.dim() != 2:
         raise ValueError(f"top_k_index must be tokens x k, got shape {tuple(top_k_index.shape)}")
     flat = top_k_index.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+    if flat.numel() and (int(flat.min()) < -1 or int(flat.max()) >= num_experts):
         raise ValueError(
             f"top_k_index holds expert {int(flat.max())} or {int(flat.min())}, outside the "
-            f"layer's {num_experts} experts"
+            f"layer's {num_experts} experts (-1: dropped by the router)"
         )
     slots = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)
-    dropped = 0
+    valid = flat >= 0
+    counts = torch.bincount(flat[valid], minlength=num_experts)
+    dropped = flat.numel() - int(counts.sum())
+    slots = slots[dropped:]  # the router's drops sort first
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * flat.numel() / num_experts)
         starts = torch.cumsum(counts, 0) - counts
-        place = torch.arange(flat.numel(), device=flat.device) - torch.repeat_interleave(
+        place = torch.arange(slots.numel(), device=flat.device) - torch.repeat_interleave(
             starts, counts
         )
         keep = place < capacity
-        dropped = int((~keep).sum())
+        dropped += int((~keep).sum())
         slots = slots[keep]
         counts = counts.clamp(max=capacity)
     k = top_k_index.shape[1]

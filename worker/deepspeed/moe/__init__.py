@@ -1,7 +1,7 @@
-"""``deepspeed.moe``: ``utils`` for scripts that split their param groups for DeepSpeed's
-MoE layers. zeroplane's expert parallelism is ``ParallelConfig(expert_parallel=k)``
-(docs/guides/moe.md); DeepSpeed's ``moe.layer.MoE`` is not reproduced."""
+"""``deepspeed.moe``: ``layer.MoE`` (DeepSpeed's MoE layer over zeroplane's experts and
+expert parallelism: worker/deepspeed/moe/sharded_moe.py [Note: DeepSpeed's gates]) and
+``utils`` for scripts that split their param groups for it."""
 
-from worker.deepspeed.moe import utils
+from worker.deepspeed.moe import experts, layer, sharded_moe, utils
 
-__all__ = ["utils"]
+__all__ = ["experts", "layer", "sharded_moe", "utils"]
