@@ -22,7 +22,7 @@ import torch
 import worker
 from coordinator.core.manifest import CheckpointError
 from coordinator.launchers.local import find_free_port
-from worker.ds_checkpoint import is_deepspeed_checkpoint, read_deepspeed
+from worker.ds_checkpoint import _load, is_deepspeed_checkpoint, read_deepspeed
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "data" / "deepspeed" / "checkpoints"
@@ -119,6 +119,52 @@ def test_training_goes_on_from_a_deepspeed_checkpoint(saved: int, stage: int) ->
     engine.close()
 
 
+def going_on(whole, start: int, stop: int) -> dict[str, torch.Tensor]:
+    """One process, torch alone, from the state ``whole`` holds (fp32 masters, AdamW's
+    state, the frozen parameters as saved) on through steps ``[start, stop)``."""
+    model = ds_train.build()
+    opt = torch.optim.AdamW(ds_train.groups(model), lr=ds_train.LR)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in {**whole.master, **whole.frozen}.items():
+            params[name].copy_(value)
+    for name, held in whole.state.items():
+        p = params[name]
+        opt.state[p] = {k: v.reshape(p.shape).clone() if v.numel() == p.numel() else v.clone()
+                        for k, v in held.items()}  # fmt: skip
+    for step in range(start, stop):
+        x, y = ds_train.batch(step, 1)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return trained(model)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_bf16_deepspeed_checkpoint_reads_its_fp32_masters_and_goes_on(stage: int) -> None:
+    """DeepSpeed's bf16 runs name their optimizer states ``bf16_zero_pp_rank_*``: their
+    fp32 masters, not the bf16 copies the model trained with, are read; rounded, they
+    are DeepSpeed's own bf16 parameters. A zeroplane engine (fp32, one process,
+    another stage) goes on from them as torch does."""
+    saved = FIXTURES / f"bf16_stage{stage}"
+    whole = read_deepspeed(saved)
+    if stage == 1:
+        copies = _load(saved / "global_step5" / "mp_rank_00_model_states.pt")["module"]
+    else:  # DeepSpeed's run gathered them (ds_train.py --out)
+        copies = torch.load(FIXTURES / "bf16_stage3_params.pt", weights_only=True)
+    for name, master in whole.master.items():
+        assert master.dtype == torch.float32
+        assert torch.equal(master.to(torch.bfloat16), copies[name].to(torch.bfloat16)), name
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in whole.master.values())
+    assert {float(s["step"]) for s in whole.state.values()} == {float(SAVED_AT)}
+    engine = zp_engine(3 if stage == 1 else 2)
+    engine.load_checkpoint(saved)
+    zp_train(engine, SAVED_AT, 2 * SAVED_AT)
+    assert worst(trained_of(engine), going_on(whole, SAVED_AT, 2 * SAVED_AT)) < 1e-5
+    engine.close()
+
+
 @pytest.mark.timeout(120)
 def test_two_ranks_go_on_from_it_through_the_drop_in(tmp_path: Path) -> None:
     """The script itself under ``zeroplane run``, ``import worker.deepspeed as deepspeed``
@@ -197,8 +243,10 @@ def test_what_cannot_be_read_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="tensor-parallel"):
         read_deepspeed(ckpt)
     (tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt").rename(tag / f"bf16_{optim.name}")
-    with pytest.raises(CheckpointError, match="bf16 optimizer"):
+    with pytest.raises(CheckpointError, match="both bf16_zero_pp_rank_"):
         read_deepspeed(ckpt)
+    with pytest.raises(CheckpointError, match="without ZeRO"):
+        read_deepspeed(FIXTURES / "bf16_stage0")
     (tag / f"bf16_{optim.name}").rename(optim)
     optim.write_bytes(optim.read_bytes()[:1000])  # cut short
     with pytest.raises(CheckpointError, match="cannot read it"):

@@ -32,9 +32,12 @@ checkpoint of world size 1 (worker/foreign.py), which then loads at any world si
 and stage as every zeroplane checkpoint does, all or nothing. The files are read
 with ``torch.load(weights_only=True)``: the few DeepSpeed classes in them (its loss
 scaler, stage enum, fragment addresses) are allow-listed stand-ins here, so nothing
-of DeepSpeed is imported and no other code can run. Refused, with what to do:
-tensor- or pipeline-parallel checkpoints (``mp_rank_01``, ``layer_*``), and the bf16
-optimizer's (``bf16_zero_pp_rank_*``).
+of DeepSpeed is imported and no other code can run. A run with ``bf16`` enabled
+names its optimizer states ``bf16_zero_pp_rank_*`` (its fp32 masters and optimizer
+state laid out as above; the module's own copies, frozen parameters among them, in
+bf16): read the same way. Refused, with what to do: tensor- or pipeline-parallel
+checkpoints (``mp_rank_01``, ``layer_*``), and a ZeRO-less (stage 0) one, whose
+optimizer state names no parameter.
 """
 
 from __future__ import annotations
@@ -100,19 +103,23 @@ def _load(path: Path) -> Any:
         raise CheckpointError(f"{path}: cannot read it ({type(exc).__name__}: {first})") from None
 
 
+def _holds_states(tag: Path) -> bool:
+    """Whether ``tag`` holds a DeepSpeed save's optimizer states (or, without ZeRO,
+    its one model states file)."""
+    return (
+        any(_OPTIM.fullmatch(f.name) for f in tag.glob("*_optim_states.pt"))
+        or (tag / "mp_rank_00_model_states.pt").is_file()
+    )
+
+
 def _step_dir(path: str | os.PathLike) -> Path:
     p = Path(path)
-    if any(_OPTIM.fullmatch(f.name) for f in p.glob("*_optim_states.pt")):
+    if _holds_states(p):
         return p
     latest = p / "latest"
     if latest.is_file():
         tag = latest.read_bytes().decode(errors="replace").strip()
-        if (
-            tag
-            and "/" not in tag
-            and "\ufffd" not in tag
-            and any(_OPTIM.fullmatch(f.name) for f in (p / tag).glob("*_optim_states.pt"))
-        ):
+        if tag and "/" not in tag and "\ufffd" not in tag and _holds_states(p / tag):
             return p / tag
     raise CheckpointError(
         f"{p} is not a DeepSpeed checkpoint: no *_optim_states.pt and no 'latest' naming a tag"
@@ -139,22 +146,31 @@ def read_deepspeed(path: str | os.PathLike) -> WholeCheckpoint:
             "engine.load_weights"
         )
     optim: dict[int, Path] = {}
+    prefixes: set[str] = set()
     for f in step_dir.glob("*_optim_states.pt"):
         match = _OPTIM.fullmatch(f.name)
         if match is None:
             continue
-        if match[1]:
-            raise CheckpointError(
-                f"{f.name}: DeepSpeed's bf16 optimizer checkpoint is not read here; "
-                "load the weights (DeepSpeed's zero_to_fp32.py, then engine.load_weights)"
-            )
         if int(match[3]) != 0:
             raise CheckpointError(
                 f"{f.name}: a tensor-parallel DeepSpeed checkpoint (mp_rank "
                 f"{int(match[3])}) is not read here"
             )
+        prefixes.add(match[1] or "")
         optim[int(match[2])] = f
+    if len(prefixes) > 1:
+        raise CheckpointError(
+            f"{step_dir}: both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer states; "
+            "one run writes one kind"
+        )
     world = len(optim)
+    if world == 0 and (step_dir / "mp_rank_00_model_states.pt").exists():
+        raise CheckpointError(
+            f"{step_dir}: a DeepSpeed checkpoint without ZeRO (stage 0): its optimizer "
+            "state is by position, naming no parameter; save the weights, "
+            "torch.load(mp_rank_00_model_states.pt)['module'], to a file of their own and "
+            "load that with engine.load_weights"
+        )
     if world == 0 or sorted(optim) != list(range(world)):
         raise CheckpointError(f"{step_dir}: optimizer states of ranks {sorted(optim)}, not 0..N-1")
     states = [_load(optim[r])["optimizer_state_dict"] for r in range(world)]

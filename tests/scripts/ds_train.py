@@ -65,13 +65,14 @@ def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
 
 
-def config(stage: int) -> dict:
+def config(stage: int, bf16: bool = False) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
     }
 
 
@@ -89,6 +90,7 @@ def main() -> None:
         default=-1,
         help="rank 0 halves head.weight before this step (GatheredParameters, modifier_rank=0)",
     )
+    p.add_argument("--bf16", action="store_true", help="bf16 training (fp32 master weights)")
     args = p.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -100,7 +102,7 @@ def main() -> None:
     model = build()
     optimizer = torch.optim.AdamW(groups(model), lr=LR)
     engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=config(args.stage)
+        model=model, optimizer=optimizer, config=config(args.stage, args.bf16)
     )
     start = 0
     if args.load:
@@ -117,7 +119,8 @@ def main() -> None:
                     head.zero_()  # not the modifier: discarded
         x, y = batch(step, world)
         mine = slice(rank * MICRO, (rank + 1) * MICRO)
-        loss = nn.functional.mse_loss(engine(x[mine]), y[mine])
+        inputs = x[mine].to(torch.bfloat16) if args.bf16 else x[mine]
+        loss = nn.functional.mse_loss(engine(inputs).float(), y[mine])
         engine.backward(loss)
         engine.step()
     if args.save:
