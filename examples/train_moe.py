@@ -47,7 +47,9 @@ def build_model():
     return MixtralForCausalLM(config)
 
 
-def batch(step: int, rank: int, rows: int = 2, seq: int = 16) -> torch.Tensor:
+def batch(step: int, rank: int, rows: int = 2, seq: int = 17) -> torch.Tensor:
+    """Token ids of one share: ``seq - 1`` tokens predict the next (16, a length
+    context parallelism's chunks divide)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, VOCAB, (rows, seq), generator=g)
 

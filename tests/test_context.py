@@ -16,6 +16,7 @@ from torch import nn
 import worker
 from tests.reference import max_diff
 from worker.context.shards import documents, shard_index
+from worker.moe.experts import is_experts
 from worker.parallel import ParallelConfig
 
 VOCAB, SEQ, ROWS, STEPS = 64, 16, 2, 3
@@ -77,7 +78,9 @@ def train_llama_against_torch(
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = llama(heads, kv_heads, family), llama(heads, kv_heads, family)
     config = worker.ZeroConfig(stage=stage, bucket_numel=199, stage3_min_unit_numel=1, **options)
-    parallel = ParallelConfig(context_parallel=cp, context_parallel_kind=kind, tensor_parallel=tp)
+    parallel = ParallelConfig(
+        context_parallel=cp, context_parallel_kind=kind, tensor_parallel=tp, expert_parallel=ep
+    )
     # eps=1e-6, as tests/test_mesh.py says why: a parameter whose true gradient is zero
     # is stepped by +-lr on rounding noise with the default 1e-8, in every order alike
     engine = worker.initialize(
@@ -87,6 +90,8 @@ def train_llama_against_torch(
         parallel=parallel,
     )
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    if ep > 1:  # this rank's share of each layer's experts
+        assert {m.num_experts for m in model.modules() if is_experts(m)} == {4 // ep}
     group, groups = engine.data_rank
     assert (group, groups) == (rank // tp // cp, world // tp // cp)
     for step in range(STEPS):
@@ -150,11 +155,12 @@ def test_context_parallel_with_tensor_parallel_trains_like_torch(pools, kind, st
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("cp", "ep", "kind"), [(2, 2, "ring"), (2, 4, "ulysses")])
-def test_context_parallel_with_expert_parallel_trains_like_torch(pools, cp, ep, kind) -> None:
-    # a Mixtral on 4 ranks: cp=2, ep=2 (each cp group is an ep group: a rank's shard of
-    # the sequence reaches the other's experts) and ep=4 (experts over both groups)
-    pools(4).run(train_llama_against_torch, cp, kind, 3, True, 4, 2, "mixtral", 1, ep)
+@pytest.mark.parametrize(("cp", "ep", "tp", "kind"), [(2, 4, 1, "ulysses"), (2, 2, 2, "ring")])
+def test_context_parallel_with_expert_parallel_trains_like_torch(pools, cp, ep, tp, kind) -> None:
+    # a Mixtral on 4 ranks: cp=2 with ep=4 (a rank's shard of the sequence reaches the
+    # experts of all four), and tp=2 x cp=2 x ep=2 (the cp group of the two dp ranks at
+    # each tp position is their ep group too; the experts whole on both tp ranks)
+    pools(4).run(train_llama_against_torch, cp, kind, 3, True, 4, 2, "mixtral", tp, ep)
 
 
 # ---------------------------------------------------------------- a model of its own
@@ -252,7 +258,7 @@ def test_bad_context_parallel_configs_are_refused() -> None:
         ParallelConfig(context_parallel=0)
     from worker.parallel import check_combination
 
-    with pytest.raises(ValueError, match="context_parallel=2 runs with data, tensor or expert"):
+    with pytest.raises(ValueError, match="context_parallel=2 runs with data, tensor and expert"):
         check_combination(
             worker.ZeroConfig(), ParallelConfig(context_parallel=2, pipeline_parallel=2)
         )

@@ -54,7 +54,7 @@ def test_the_long_sequence_example_under_zeroplane_run_trains_like_torch(tmp_pat
     assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"
 
 
-def test_run_refuses_a_cp_that_does_not_divide_the_job() -> None:
+def test_run_refuses_a_cp_that_does_not_divide_the_job(capsys) -> None:
     from coordinator.cli import main
 
     assert main(["run", "--nproc", "3", "--cp", "2", str(EXAMPLE)]) == 2
@@ -65,7 +65,9 @@ def test_run_refuses_a_cp_that_does_not_divide_the_job() -> None:
         == 2
     )
     assert main(["run", "--nproc", "4", "--cp", "2", "--pp", "2", str(EXAMPLE)]) == 2
-    assert main(["run", "--nproc", "4", "--cp", "2", "--ep", "2", str(EXAMPLE)]) == 2
+    # with --ep as well the job's block is lcm(ep, cp) ranks
+    assert main(["run", "--nproc", "6", "--cp", "2", "--ep", "4", str(EXAMPLE)]) == 2
+    assert "not a multiple of 4 (--ep 4 and --cp 2)" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(300)

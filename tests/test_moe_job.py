@@ -28,35 +28,39 @@ def _example():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     # ep beside tp runs the same launch path, tested from Python (tests/test_moe_mesh.py)
-    ("tp", "pp", "stage"),
-    [(1, 1, 3), (1, 2, 2)],
-    ids=["ep", "pp-x-ep"],
+    ("tp", "pp", "cp", "stage"),
+    [(1, 1, 2, 3), (1, 2, 1, 2)],
+    ids=["ep-x-cp", "pp-x-ep"],
 )
 def test_an_expert_parallel_job_under_zeroplane_run_trains_like_torch(
-    tmp_path, tp: int, pp: int, stage: int
+    tmp_path, tp: int, pp: int, cp: int, stage: int
 ) -> None:
     """At tp = 2 the attention, embedding and head split over tp (worker/tp.py
     ``moe_plan``), the experts whole on each tp rank; at pp = 2 the layers in two
     stages; either way each stage's experts split over the ep group of two dp
-    indices at its tp and pp position."""
+    indices at its tp and pp position. At cp = 2 each share's sequences split over
+    the two ranks of its cp group (ring attention), which are its ep group too:
+    ``train_batch`` with ``lm_loss`` takes each rank's shard of the tokens."""
     out, steps, world = tmp_path / "final.pt", 3, 4
     cmd = [
         sys.executable, "-m", "coordinator.cli", "run", "--nproc", str(world), "--ep", "2",
-        "--tp", str(tp), "--pp", str(pp), "--no-http", str(EXAMPLE), "--steps", str(steps),
-        "--stage", str(stage), "--out", str(out),
+        "--tp", str(tp), "--pp", str(pp), "--cp", str(cp), "--cp-kind", "ring", "--no-http",
+        str(EXAMPLE), "--steps", str(steps), "--stage", str(stage), "--out", str(out),
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "expert parallel: ep=2" in done.stdout + done.stderr
     if tp * pp > 1:
         assert f"mesh pp={pp} dp=2 tp={tp}" in done.stdout + done.stderr
+    if cp > 1:
+        assert "context parallel: cp=2 (ring)" in done.stdout + done.stderr
 
     from worker.pipeline import lm_loss
 
     example = _example()
     ref = example.build_model()
     opt = example.optimizer(ref)
-    shares = world // (tp * pp)
+    shares = world // (tp * pp * cp)
     for step in range(steps):
         for share in range(shares):
             ids = example.batch(step, share)

@@ -527,7 +527,9 @@ class ZeroEngine(Checkpointing):
             )
         loss_fn = loss_fn or self.loss_fn
         for batch in batches:
-            if loss_fn is not None:
+            if loss_fn is not None and self.context is not None:
+                loss = self._sequence_shard_loss(loss_fn, *batch)
+            elif loss_fn is not None:
                 inputs, targets = batch
                 loss = loss_fn(_logits(self(inputs)), targets)
             elif isinstance(batch, Mapping):
@@ -537,6 +539,23 @@ class ZeroEngine(Checkpointing):
             self.backward(getattr(loss, "loss", loss))
             self.step(**_sizes(batch))
         return self.mean_loss()
+
+    def _sequence_shard_loss(self, loss_fn: LossFn, inputs: Any, targets: Any) -> torch.Tensor:
+        """Under context parallelism, ``loss_fn`` of this rank's shard of the sequence:
+        the token ids go in as a Hugging Face causal LM takes them (split by
+        :meth:`ContextParallel.prepare`), the targets split the same way. Each rank's
+        loss is the mean over its shard, so the step's is the mean over every token
+        where the shards count as many tokens each (``lm_loss``, no ignored targets)."""
+        if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+            raise ValueError(
+                "under context parallelism train_batch's micro-batch is (token ids, targets), "
+                "two tensors of batch x sequence"
+            )
+        assert self.context is not None
+        logits = _logits(self(input_ids=inputs))
+        assert self.context.batch is not None
+        index = self.context.batch.index.to(targets.device)
+        return loss_fn(logits, targets.index_select(1, index))
 
     # ---------------------------------------------------- step: clip → optimizer → publish
 

@@ -120,11 +120,10 @@ def check_combination(config: ZeroConfig, parallel: ParallelConfig) -> None:
     """Refuse, with the reason, what this composition does not do (README, "The mesh")."""
     pp = parallel.pipeline_parallel
     cp = parallel.context_parallel
-    if cp > 1 and (pp > 1 or (parallel.expert_parallel > 1 and parallel.tensor_parallel > 1)):
+    if cp > 1 and pp > 1:
         raise ValueError(
-            f"context_parallel={cp} runs with data, tensor or expert parallelism only for "
-            f"now, not with pipeline_parallel={pp} nor with tp and ep together "
-            "(docs/guides/long-sequences.md)"
+            f"context_parallel={cp} runs with data, tensor and expert parallelism only for "
+            f"now, not with pipeline_parallel={pp} (docs/guides/long-sequences.md)"
         )
     if pp > 1 and config.stage > 2:
         raise ValueError(

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
+import math
 import os
 import signal
 import sys
@@ -510,14 +511,17 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
     for flag, n in (("--ep", ep), ("--cp", cp)):
         if n < 1:
             raise ValueError(f"{flag} must be >= 1, got {n}")
-    if ep > 1 and cp > 1:
-        raise ValueError("--ep with --cp is not supported yet")
-    kind, size, what = ("--ep", ep, "ep") if ep > 1 else ("--cp", cp, "cp")
-    flag = kind
+    # the job's block: an ep and a cp group are consecutive ranks both, so with both
+    # the block is their least common multiple (worker/elastic/blocks.py)
+    asked = [(d, n) for d, n in (("ep", ep), ("cp", cp)) if n > 1]
+    kind = " and ".join(f"--{d}" for d, _ in asked)
+    size = math.lcm(ep, cp)
+    what = " x ".join(d for d, _ in asked)
+    named = " and ".join(f"--{d} {n}" for d, n in asked)
     with_mesh = args.tp > 1 or args.pp > 1
     if (cp > 1 and args.pp != 1) or getattr(args, "mesh", None) == "auto":
         others = "--pp/--mesh" if cp > 1 else "--mesh"
-        raise ValueError(f"{flag} runs with --tp/--pp only for now: not with {others}")
+        raise ValueError(f"{kind} runs with --tp/--pp only for now: not with {others}")
     if with_mesh:
         # an ep or cp group is that many consecutive dp indices at one tp and pp
         # position (worker/factory.py _split_dp): the job runs whole blocks of
@@ -525,7 +529,7 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
         dims = [(d, n) for d, n in (("pp", args.pp), ("tp", args.tp)) if n > 1]
         size *= args.tp * args.pp
         what = " x ".join([d for d, _ in dims] + [what])
-        flag = " x ".join([f"--{d} {n}" for d, n in dims] + [flag])
+        named = " x ".join([f"--{d} {n}" for d, n in dims] + [named])
         for count in ("min_workers", "max_workers"):
             n = getattr(args, count)
             if n is not None and n != args.nproc:
@@ -538,14 +542,12 @@ def _mesh_env(args: argparse.Namespace) -> dict[str, str]:
         if n is not None and (n < size or n % size):
             # an elastic one grows and shrinks by whole groups
             raise ValueError(
-                f"--{count.replace('_', '-')} {n} is not a multiple of {flag} {size}: the "
+                f"--{count.replace('_', '-')} {n} is not a multiple of {size} ({named}): the "
                 f"job runs whole {what} groups"
             )
-    env = (
-        {EP_ENV: str(ep)}
-        if ep > 1
-        else {CP_ENV: str(cp), CP_KIND_ENV: getattr(args, "cp_kind", "ulysses")}
-    )
+    env = {EP_ENV: str(ep)} if ep > 1 else {}
+    if cp > 1:
+        env |= {CP_ENV: str(cp), CP_KIND_ENV: getattr(args, "cp_kind", "ulysses")}
     if with_mesh:
         env |= _tp_pp_env(args)
     return env
