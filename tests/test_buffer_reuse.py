@@ -1,8 +1,10 @@
 """Transient bucket-sized buffers are reused, not made anew at every step or
 membership change: gloo's reduce-scatter receive buffer (worker/collectives.py
-[Note: a reduce-scatter's receive buffer is reused]) and the stage 2-3 gradient
+[Note: a reduce-scatter's receive buffer is reused]), the stage 2-3 gradient
 staging buffers across a rebuild for another world size (worker/reducers.py
-StagingPool.reset). Results are checked against sums computed here."""
+StagingPool.reset), each as large as its bucket needs, and stage 3's gathered
+storages (worker/flat.py [Note: gathered storages from a pool]). Results are
+checked against sums computed here."""
 
 from __future__ import annotations
 
@@ -107,3 +109,68 @@ def test_a_newcomer_built_ahead_writes_its_first_backwards_buffers_once() -> Non
     formed = Collectives.ahead(1, 3, "gloo")
     engine.state.rebind(formed)
     assert len(formed._scratch) == 2 and not ahead._scratch
+
+
+def _stage3_engine(**options) -> worker.ZeroEngine:
+    model = seeded_model()
+    config = worker.ZeroConfig(stage=3, stage3_min_unit_numel=1, **options)
+    return worker.initialize(model, OPTIMIZERS["adamw"](model), config=config)
+
+
+def _train(engine: worker.ZeroEngine, steps: int) -> list[set[int]]:
+    """``steps`` steps; each step's addresses of every gathered bucket's memory."""
+    seen: list[set[int]] = []
+    units = engine.state.params.units
+
+    def note(*_: object) -> None:
+        seen[-1].update(b.full.data_ptr() for u in units for b in u.buckets
+                        if b.full.untyped_storage().nbytes())  # fmt: skip
+
+    hooks = [u.module.register_forward_hook(note) for u in units]
+    for step in range(steps):
+        seen.append(set())
+        idx = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(idx, idx, True))
+        engine.step()
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="torch without storage swaps"
+)
+def test_stage3_gathers_reuse_their_memory_step_after_step() -> None:
+    """worker/flat.py [Note: gathered storages from a pool]: after the first steps the
+    gathers of every step land in the same memory, at most two free storages of a
+    size kept between steps, none once a rebuild changes the sizes."""
+    engine = _stage3_engine()
+    storages = engine.state.params.storages
+    seen = _train(engine, 5)
+    assert seen[2] and seen[2] == seen[3] == seen[4], seen
+    sizes = {b.full.numel() * b.full.element_size() for b in engine.buckets}
+    assert 0 < storages.held <= 2 * sum(sizes)
+    assert all(b.full.untyped_storage().nbytes() == 0 for b in engine.buckets)
+    # a rebuild forgets the sizes of the last one
+    engine.state.build(Collectives.ahead(1, 3, "gloo"), from_module=False)
+    assert storages.held == 0
+
+
+def test_staging_buffers_are_as_large_as_their_buckets_need() -> None:
+    """worker/reducers.py [Note: staging buffers by need]: a large bucket's buffer is
+    not made for every bucket; each takes the smallest free buffer that fits."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(  # an embedding of 4 x BUFFER_GRAIN elements, small layers
+        torch.nn.Embedding(8192, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+    )
+    config = worker.ZeroConfig(stage=2, bucket_numel=4096)
+    engine = worker.initialize(model, torch.optim.AdamW(model.parameters()), config=config)
+    for step in range(3):
+        idx = torch.randint(0, 8192, (2, 8), generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(idx).square().mean())
+        engine.step()
+    needs = sorted((b.spec.padded_numel for b in engine.buckets), reverse=True)
+    held = sorted((b.numel() for b in engine.state.pool.free), reverse=True)
+    assert len(held) == 2 and needs == [needs[0], needs[1]], (needs, held)
+    assert needs[0] > BUFFER_GRAIN > needs[1], (needs, held)
+    assert held == [-(-needs[0] // BUFFER_GRAIN) * BUFFER_GRAIN, BUFFER_GRAIN], (needs, held)

@@ -311,9 +311,13 @@ class Collectives:
         gloo only.
         """
         n = like.numel()
-        for i, buf in enumerate(self._scratch):
-            if buf.numel() >= n and buf.dtype == like.dtype and buf.device == like.device:
-                return self._scratch.pop(i)[:n].view(like.shape)
+        fits = [
+            i
+            for i, buf in enumerate(self._scratch)
+            if buf.numel() >= n and buf.dtype == like.dtype and buf.device == like.device
+        ]
+        if fits:  # the smallest that fits ([Note: staging buffers by need] in worker/reducers.py)
+            return self._scratch.pop(fits[-1])[:n].view(like.shape)
         # rounded up, so that a next generation's buckets fit too (inherit_scratch)
         made = torch.empty(grained(n), dtype=like.dtype, device=like.device)
         return made[:n].view(like.shape)
@@ -324,13 +328,13 @@ class Collectives:
         self._scratch.sort(key=lambda t: t.numel(), reverse=True)
         del self._scratch[_SCRATCH_KEPT:]
 
-    def warm_scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Make the receive buffers of two reduce-scatters of ``numel`` elements now,
-        written once (on gloo; other backends receive in place)."""
+    def warm_scratch(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> None:
+        """Make the receive buffers of the two largest of reduce-scatters of ``numels``
+        elements now, written once (on gloo; other backends receive in place)."""
         if self.backend != "gloo" or not self.distributed:
             return
-        n = grained(numel)
-        self._give_scratch(*(torch.zeros(n, dtype=dtype, device=device) for _ in range(2)))
+        largest = sorted(numels, reverse=True)[:_SCRATCH_KEPT]
+        self._give_scratch(*(torch.zeros(grained(n), dtype=dtype, device=device) for n in largest))
 
     def inherit_scratch(self, old: Collectives) -> None:
         """Take the free receive buffers of ``old``, the group this one replaces (a

@@ -44,6 +44,13 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 eager = torch.compiler.disable
 
 
+def can_swap_storages() -> bool:
+    """Whether torch swaps two storages' memory (``UntypedStorage._swap_data_ptr_``,
+    worker/flat.py [Note: gathered storages from a pool]); without it, stage 3
+    resizes its storages."""
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
 @contextlib.contextmanager
 def compile_disabled() -> Iterator[None]:
     """Everything called inside runs eager, compiled modules and functions included

@@ -17,6 +17,21 @@ what changes is whether ``full``'s storage is allocated. Resharding resizes
 the storage to zero bytes; gathering resizes it back and all-gathers into it.
 Autograd's saved references to the parameters then see the re-gathered
 values in backward, with nothing re-registered on the module.
+
+[Note: gathered storages from a pool]
+On the CPU, where the memory comes from glibc's malloc, a gather's storage made
+anew each time (``resize_``) and freed at the reshard was carved up by the
+activations allocated meanwhile: the next unit's gather no longer fitted the
+hole and the heap grew, about 5 MiB a step per 8 MiB unit (bench/birth.py, 8
+ranks: a first step's peak 299 MiB of resident memory over a model state of 113).
+So a CPU unit's storage takes its memory from :class:`GatheredStorages`: the
+gather swaps the data of a pooled storage of the bucket's size into ``full``'s
+(``UntypedStorage._swap_data_ptr_``, worker/compat.py; the views see it as they
+saw a resize), the reshard swaps it back out into the pool, which keeps two free
+of each size for the next gathers and frees the rest. The gathers' memory is
+then made once and reused, never given to activations. Accelerators keep
+``resize_`` (their caching allocators pool it already), as do torch versions
+without the swap.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ from torch import nn
 
 from coordinator.core.layout import Bucket, SlotShard
 from worker.collectives import Collectives, Handle
+from worker.compat import can_swap_storages
 from worker.compression import (
     Codec,
     PendingAllGather,
@@ -46,6 +62,7 @@ __all__ = [
     "BucketState",
     "FlatBucket",
     "GatherUnit",
+    "GatheredStorages",
     "HierarchicalUnit",
     "LiveElements",
     "NodeGroup",
@@ -160,6 +177,52 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
+class GatheredStorages:
+    """The memory of gathered stage-3 buckets ([Note: gathered storages from a pool]):
+    :meth:`fill` gives a bucket's empty ``full`` its memory, :meth:`empty` takes it
+    back; up to ``keep`` free storages of each size are kept for the next fills."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: dict[tuple[torch.device, int], list[torch.UntypedStorage]] = {}
+
+    @staticmethod
+    def pooled(full: torch.Tensor) -> bool:
+        return full.device.type == "cpu" and can_swap_storages()
+
+    def fill(self, full: torch.Tensor) -> None:
+        nbytes = full.numel() * full.element_size()
+        if not self.pooled(full):
+            full.untyped_storage().resize_(nbytes)
+            return
+        free = self._free.get((full.device, nbytes))
+        if free:
+            donor = free.pop()
+        else:
+            donor = torch.empty(nbytes, dtype=torch.uint8, device=full.device).untyped_storage()
+        full.untyped_storage()._swap_data_ptr_(donor)
+
+    def empty(self, full: torch.Tensor) -> None:
+        storage = full.untyped_storage()
+        if not self.pooled(full) or storage.nbytes() == 0:
+            storage.resize_(0)
+            return
+        nbytes = storage.nbytes()
+        holder = torch.empty(0, dtype=torch.uint8, device=full.device).untyped_storage()
+        storage._swap_data_ptr_(holder)
+        free = self._free.setdefault((full.device, nbytes), [])
+        if len(free) < self.keep:
+            free.append(holder)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+    @property
+    def held(self) -> int:
+        """Bytes of the free storages kept."""
+        return sum(s.nbytes() for free in self._free.values() for s in free)
+
+
 @dataclass
 class LiveElements:
     """The parameter elements of the gather units that are gathered or gathering."""
@@ -203,6 +266,7 @@ class GatherUnit:
     fetch: Callable[[torch.Tensor], torch.Tensor] | None = None
     inbound: list[torch.Tensor] = field(default_factory=list)
     live: LiveElements = field(default_factory=LiveElements)  # shared by a model's units
+    storages: GatheredStorages = field(default_factory=GatheredStorages)  # shared alike
     _counted: int = 0  # what this unit added to ``live``
 
     @property
@@ -228,7 +292,7 @@ class GatherUnit:
         if self.codec is not None:
             self.wire += [WireBuffers() for _ in self.buckets[len(self.wire) :]]
         for i, b in enumerate(self.buckets):
-            b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
+            self.storages.fill(b.full)
             mark_gathered(b.params)
             assert b.shard is not None
             src = b.shard if self.fetch is None else self.fetch(b.shard)
@@ -255,7 +319,7 @@ class GatherUnit:
         self.wait()
         if self.state is UnitState.GATHERED:
             for b in self.buckets:
-                b.full.untyped_storage().resize_(0)
+                self.storages.empty(b.full)
                 mark_sharded(b.params)
             self.state = UnitState.SHARDED
             self.live.numel -= self._counted
@@ -318,7 +382,7 @@ class HierarchicalUnit(GatherUnit):
         self._counted = self.numel
         self.live.numel += self._counted
         for b in self.buckets:
-            b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
+            self.storages.fill(b.full)
             mark_gathered(b.params)
             assert b.secondary is not None
             self.handles.append(node.all_gather(b.full, b.secondary, async_op=True))

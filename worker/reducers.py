@@ -155,6 +155,16 @@ class ReduceScatterPersistent(GradReducer):
 class StagingPool:
     """Transient staging buffers for stage 2–3 gradients: normally two, bucket-sized.
 
+    [Note: staging buffers by need]
+    Each buffer is made as large as the bucket that takes it needs (rounded up by
+    BUFFER_GRAIN), and a bucket takes the smallest free one that fits. Made at the
+    largest bucket's size every one, at stage 3 the pool held two of the root unit's
+    (a GPT's embedding and head: 32 MiB each, 8 ranks, bench/birth.py's model) where
+    the backward needs one of those and one of a block's (8 MiB): the root's bucket
+    is taken by the head's gradients first and kept until the embedding's come last.
+    Where small buckets take buffers before a large one in every backward, the pool
+    still ends with two of the large one's size, as before.
+
     A bucket takes one when its first gradient of a backward arrives and gives
     it back once its reduce-scatter is waited on. When both are taken, the
     oldest bucket already reducing is waited on to free one (its collective
@@ -176,16 +186,24 @@ class StagingPool:
             if reducing:
                 finish(reducing[0])
         numel = b.spec.padded_numel
-        for i, buf in enumerate(self._free):
-            if buf.numel() >= numel and buf.dtype == b.full.dtype and buf.device == b.full.device:
-                self._free.pop(i)
-                break
+        fits = [
+            i
+            for i, buf in enumerate(self._free)
+            if buf.numel() >= numel and buf.dtype == b.full.dtype and buf.device == b.full.device
+        ]
+        if fits:  # the smallest that fits: a larger one stays for a larger bucket
+            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         else:
+            if self._free and self._count >= self.size:
+                # none fits: give one back rather than hold a buffer more
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+                self._count -= 1
             self._count += 1
             if self._count > self.size:
                 logger.debug("staging pool grew to %d buffers", self._count)
-            # rounded up, so that the next world's buckets fit too (see reset)
-            buf = b.full.new_empty(grained(max(numel, self._largest)))
+            # as large as this bucket needs ([Note: staging buffers by need]), rounded up
+            # so that the next world's buckets fit too (see reset)
+            buf = b.full.new_empty(grained(numel))
         self._holders.append(b)
         return buf[:numel]
 
@@ -206,20 +224,21 @@ class StagingPool:
             del self._free[keep:]
             self._count = len(self._free) + len(self._holders)
 
-    def warm(self, like: torch.Tensor) -> None:
-        """Make the pool's buffers now, written once, as ``like``'s dtype and device:
-        a backward then takes them without a page fault per 4 KiB."""
-        while self._largest and self._count < self.size:
-            self._free.append(like.new_zeros(grained(self._largest)))
+    def warm(self, like: torch.Tensor, numels: list[int]) -> None:
+        """Make the pool's buffers now, written once, as ``like``'s dtype and device, for
+        the largest of the buckets' ``numels`` (one each): a backward then takes them
+        without a page fault per 4 KiB."""
+        for numel in sorted(numels, reverse=True)[: max(0, self.size - self._count)]:
+            self._free.append(like.new_zeros(grained(numel)))
             self._count += 1
 
     def reset(self, largest: int) -> None:
-        """After a rebuild: new buffers hold ``largest`` elements. The free buffers that
-        still do are kept (a membership change keeps every bucket's size within a
+        """After a rebuild (``largest``: the largest bucket now; 0 drops every buffer):
+        the free buffers are kept (a membership change keeps every bucket's size within a
         few padding elements, and a buffer taken afresh there is a page fault per
         4 KiB in the first backward of the new world); held ones are not reused
         (a backward cut short may still be reducing from them)."""
-        self._free = [buf for buf in self._free if buf.numel() >= largest > 0]
+        self._free = self._free[: self.size] if largest > 0 else []
         self._holders.clear()
         self._count = len(self._free)
         self._largest = largest

@@ -52,6 +52,7 @@ from worker.compression import (
 from worker.flat import (
     BucketState,
     FlatBucket,
+    GatheredStorages,
     GatherUnit,
     HierarchicalUnit,
     LiveElements,
@@ -175,6 +176,9 @@ class ParamStorage:
     def gathered(self) -> contextlib.AbstractContextManager:
         """Every compute parameter whole on this rank for the duration (a collective)."""
         return contextlib.nullcontext()
+
+    def release_pooled(self) -> None:
+        """Give back the memory kept for the next gathers (stage 3's pool)."""
 
 
 class ReplicatedParams(ParamStorage):
@@ -302,6 +306,8 @@ class ShardedParams(ParamStorage):
         self.node: NodeGroup | None = None
         self.max_reuse_distance, self.max_live = max_reuse_distance, max_live
         self.live = LiveElements()
+        # [Note: gathered storages from a pool] in worker/flat.py
+        self.storages = GatheredStorages()
         self.home: ShardHome = home or _OnDevice()
         self.units: list[GatherUnit] = []
         self._unit_by_index: dict[int, GatherUnit] = {}
@@ -326,7 +332,7 @@ class ShardedParams(ParamStorage):
         b.shard = self.home.new_shard(b.master, self.dtype, zeros)
         if not self.master_apart:
             b.master = b.shard
-        b.full.untyped_storage().resize_(0)
+        self.storages.empty(b.full)  # the built values' memory, for the first gathers
         mark_sharded(b.params)
 
     def attach(self, buckets: list[FlatBucket], comm: Collectives, units: dict) -> None:
@@ -334,6 +340,7 @@ class ShardedParams(ParamStorage):
         self.comm = comm
         self.agreement = GatherAgreement(comm, units, when=self.check_gathers)
         self.live = LiveElements()
+        self.storages.clear()  # the sizes of another build's buckets
         self.node = self._node_group(comm)
         for b in buckets:
             b.secondary_fresh = False
@@ -356,6 +363,7 @@ class ShardedParams(ParamStorage):
                 self.gather_codec,
                 fetch=self.home.fetch,
                 live=self.live,
+                storages=self.storages,
             )
             if self.node is not None:
                 unit = HierarchicalUnit(
@@ -365,6 +373,7 @@ class ShardedParams(ParamStorage):
                     self.gather_codec,
                     fetch=self.home.fetch,
                     live=self.live,
+                    storages=self.storages,
                     node=self.node,
                 )
             self.units.append(unit)
@@ -423,6 +432,9 @@ class ShardedParams(ParamStorage):
         # a backward cut short by a lost peer never reached end_backward(): left set,
         # the next forward would skip its backward gathers while a newcomer's did not
         self._in_backward = False
+
+    def release_pooled(self) -> None:
+        self.storages.clear()
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

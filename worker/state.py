@@ -316,11 +316,9 @@ class ShardState:
         first backward, which every member waits for, would fault them in."""
         if not isinstance(self.reducer, ReduceScatterStaging) or not self.buckets:
             return
-        largest = max(self.buckets, key=lambda b: b.spec.padded_numel)
-        self.pool.warm(largest.full)
-        self.comm.warm_scratch(
-            largest.spec.padded_numel, self.reducer.reduce_dtype, largest.full.device
-        )
+        numels = [b.spec.padded_numel for b in self.buckets]
+        self.pool.warm(self.buckets[0].full, numels)
+        self.comm.warm_scratch(numels, self.reducer.reduce_dtype, self.buckets[0].full.device)
 
     def shard_optimizer(
         self, shards: list[tuple[Bucket, list[SlotShard], torch.Tensor]]
@@ -513,6 +511,10 @@ class ShardState:
         with the other chunks' gradients absent, which torch.optim skips, so
         the numbers are those of one step over all.
         """
+        if not self.optimizer.inner.state:
+            # the optimizer's state is made in this first step: let it take the memory
+            # the gathers keep ([Note: gathered storages from a pool] in worker/flat.py)
+            self.params.release_pooled()
         chunks = self._publish_chunks
         if len(chunks) <= 1:
             with record_function("zeroplane.optimizer_step"):
