@@ -336,3 +336,29 @@ class HFNetCheckpointed(HFNet):
             gradient_checkpointing_kwargs={"use_reentrant": True}
         )
         self.model.train()
+
+
+def test_a_full_backward_hook_keeps_the_buckets_overlapping() -> None:
+    """worker/grad_hooks.py [Note: graphs that grow during backward]: the identity a
+    module's full backward hook puts in the graph runs no backward of its own, so
+    the walk stays exact and each bucket is reduced as its gradients complete (the
+    hook still sees its gradients), equal to torch."""
+    import worker
+    from tests.reference import OPTIMIZERS, VOCAB, seeded_model
+
+    model, ref = seeded_model(), seeded_model()
+    seen: list[str] = []
+    for m in (model, ref):
+        next(iter(m.children())).register_full_backward_hook(lambda *_: seen.append("hook"))
+    config = worker.ZeroConfig(stage=2, bucket_numel=97)
+    engine = worker.initialize(model, OPTIMIZERS["adamw"](model), config=config)
+    ref_opt = OPTIMIZERS["adamw"](ref)
+    idx = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(idx, idx, True))
+    assert engine._hooks.exact and seen == ["hook"]
+    engine.step()
+    ref(idx, idx, True).backward()
+    ref_opt.step()
+    want = {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}
+    diff, name = max_diff(engine.full_state_dict(), want)
+    assert diff < 1e-6, f"{name} differs from torch by {diff:.3g}"

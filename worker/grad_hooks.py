@@ -24,7 +24,9 @@ gradient hooks mark the parameters used, every bucket is reduced once
 ``backward()`` has returned (when all nested backwards have finished), and
 the step-boundary ballot is cast then. Only overlap is lost, and only for
 those graphs. Known-safe Functions (non-reentrant checkpointing's
-``_NoopSaveInputs``) keep the walk. A gradient that still arrives after its
+``_NoopSaveInputs``, and the identity a module's full backward hook adds) keep the
+walk: a model with such a hook kept its buckets until the backward ended, all of
+them staged at once. A gradient that still arrives after its
 bucket was reduced is an error naming the parameter, never a silent loss.
 """
 
@@ -155,8 +157,10 @@ class GradHooks:
         self.handles = []
 
 
-# custom autograd Functions known not to run a backward of their own
-_SAFE_FUNCTIONS = frozenset({"_NoopSaveInputsBackward"})
+# custom autograd Functions known not to run a backward of their own: non-reentrant
+# checkpointing's, and the identity a module's full backward hook puts in the graph
+# (``register_full_backward_hook``: it calls the hook with the gradients, no backward)
+_SAFE_FUNCTIONS = frozenset({"_NoopSaveInputsBackward", "BackwardHookFunctionBackward"})
 
 
 def _params_in_graph(root: Any) -> tuple[set[torch.Tensor], bool]:
