@@ -143,7 +143,7 @@ def _train(engine: worker.ZeroEngine, steps: int) -> list[set[int]]:
 def test_stage3_gathers_reuse_their_memory_step_after_step() -> None:
     """worker/flat.py [Note: gathered storages from a pool]: after the first steps the
     gathers of every step land in the same memory, at most two free storages of a
-    size kept between steps, none once a rebuild changes the sizes."""
+    size kept between steps, only the new sizes once a rebuild changes them."""
     engine = _stage3_engine()
     storages = engine.state.params.storages
     seen = _train(engine, 5)
@@ -151,8 +151,11 @@ def test_stage3_gathers_reuse_their_memory_step_after_step() -> None:
     sizes = {b.full.numel() * b.full.element_size() for b in engine.buckets}
     assert 0 < storages.held <= 2 * sum(sizes)
     assert all(b.full.untyped_storage().nbytes() == 0 for b in engine.buckets)
-    # a rebuild forgets the sizes of the last one
+    # a rebuild for another world keeps only its own buckets' sizes
     engine.state.build(Collectives.ahead(1, 3, "gloo"), from_module=False)
+    rebuilt = {b.full.numel() * b.full.element_size() for b in engine.buckets}
+    assert rebuilt != sizes and storages.sizes <= rebuilt
+    engine.state.release()
     assert storages.held == 0
 
 

@@ -29,7 +29,9 @@ gather swaps the data of a pooled storage of the bucket's size into ``full``'s
 (``UntypedStorage._swap_data_ptr_``, worker/compat.py; the views see it as they
 saw a resize), the reshard swaps it back out into the pool, which keeps two free
 of each size for the next gathers and frees the rest. The gathers' memory is
-then made once and reused, never given to activations. Accelerators keep
+then made once and reused, never given to activations; a build puts the memory
+of the values it shards there for the first gathers, and a release (before a
+build for another world) empties it. Accelerators keep
 ``resize_`` (their caching allocators pool it already), as do torch versions
 without the swap.
 """
@@ -221,6 +223,11 @@ class GatheredStorages:
     def held(self) -> int:
         """Bytes of the free storages kept."""
         return sum(s.nbytes() for free in self._free.values() for s in free)
+
+    @property
+    def sizes(self) -> set[int]:
+        """The sizes in bytes of the free storages kept."""
+        return {nbytes for (_, nbytes), free in self._free.items() if free}
 
 
 @dataclass

@@ -332,7 +332,7 @@ class ShardedParams(ParamStorage):
         b.shard = self.home.new_shard(b.master, self.dtype, zeros)
         if not self.master_apart:
             b.master = b.shard
-        self.storages.empty(b.full)  # the built values' memory, for the first gathers
+        self.storages.empty(b.full)  # the built values' memory serves the first gathers
         mark_sharded(b.params)
 
     def attach(self, buckets: list[FlatBucket], comm: Collectives, units: dict) -> None:
@@ -340,7 +340,6 @@ class ShardedParams(ParamStorage):
         self.comm = comm
         self.agreement = GatherAgreement(comm, units, when=self.check_gathers)
         self.live = LiveElements()
-        self.storages.clear()  # the sizes of another build's buckets
         self.node = self._node_group(comm)
         for b in buckets:
             b.secondary_fresh = False

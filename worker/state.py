@@ -373,6 +373,7 @@ class ShardState:
         next build to reuse."""
         self.whole = False
         self.params.detach()
+        self.params.release_pooled()  # a build for another world has other sizes
         # a backward cut short (a lost peer) can leave a gradient the engine never
         # took (stages 2-3 take each from .grad as it arrives): the next backward
         # would add to it. Stages 0-1 point .grad at the new buffers when built.
