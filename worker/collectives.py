@@ -161,6 +161,18 @@ _SCRATCH_KEPT = 2
 BUFFER_GRAIN = 1 << 16
 
 
+def smallest_fit(buffers: list[torch.Tensor], numel: int, like: torch.Tensor) -> int | None:
+    """The index of the smallest of ``buffers`` that holds ``numel`` elements of ``like``'s
+    dtype and device (None: none does), so that a larger one stays for a larger need
+    (worker/reducers.py [Note: staging buffers by need])."""
+    fits = [
+        i
+        for i, buf in enumerate(buffers)
+        if buf.numel() >= numel and buf.dtype == like.dtype and buf.device == like.device
+    ]
+    return min(fits, key=lambda i: buffers[i].numel()) if fits else None
+
+
 def grained(numel: int) -> int:
     """``numel`` rounded up to a multiple of :data:`BUFFER_GRAIN`."""
     return numel + (-numel % BUFFER_GRAIN)
@@ -311,13 +323,9 @@ class Collectives:
         gloo only.
         """
         n = like.numel()
-        fits = [
-            i
-            for i, buf in enumerate(self._scratch)
-            if buf.numel() >= n and buf.dtype == like.dtype and buf.device == like.device
-        ]
-        if fits:  # the smallest that fits ([Note: staging buffers by need] in worker/reducers.py)
-            return self._scratch.pop(fits[-1])[:n].view(like.shape)
+        fit = smallest_fit(self._scratch, n, like)
+        if fit is not None:
+            return self._scratch.pop(fit)[:n].view(like.shape)
         # rounded up, so that a next generation's buckets fit too (inherit_scratch)
         made = torch.empty(grained(n), dtype=like.dtype, device=like.device)
         return made[:n].view(like.shape)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from coordinator.core.layout import Bucket
-from worker.collectives import Collectives, grained
+from worker.collectives import Collectives, grained, smallest_fit
 from worker.compression import (
     Codec,
     PendingHierarchicalReduceScatter,
@@ -186,13 +186,9 @@ class StagingPool:
             if reducing:
                 finish(reducing[0])
         numel = b.spec.padded_numel
-        fits = [
-            i
-            for i, buf in enumerate(self._free)
-            if buf.numel() >= numel and buf.dtype == b.full.dtype and buf.device == b.full.device
-        ]
-        if fits:  # the smallest that fits: a larger one stays for a larger bucket
-            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        fit = smallest_fit(self._free, numel, b.full)
+        if fit is not None:
+            buf = self._free.pop(fit)
         else:
             if self._free and self._count >= self.size:
                 # none fits: give one back rather than hold a buffer more
