@@ -24,6 +24,9 @@ same model and the same batches:
   parameters are wrong by design, so is the loss. Beside ``zp3``/``zp3r`` in one
   run, the difference is what moving the parameters costs, the rest is stage 3's
   own bookkeeping.
+* ``zp3t`` / ``zp3rt``  diagnostics: ``zp3`` / ``zp3r`` with the gathers over gloo's
+  own transport (loopback TCP), not this host's shared memory (worker/shared_exchange.py),
+  what every stage-3 gather did before.
 * ``zp3u`` / ``zp3c``  diagnostics too: ``zp3`` with ``stage3_check_gathers=False``
   (no agreement even in the first step) and ``True`` (every gather of every step
   agreed), so that beside ``zp3`` (the default, ``"first"``) the cost of the
@@ -89,10 +92,11 @@ SEQ_LEN = 64
 KINDS = ("params", "grads", "master", "optimizer")
 ALL_SYSTEMS = ("ddp", "fsdp2", "zp0", "zp1", "zp2", "zp3", "zp3r", "ds0", "ds1", "ds2", "ds3")
 OFFLOAD_SYSTEMS = tuple(f"{p}{s}o" for p in ("zp", "ds") for s in (1, 2, 3))
-DIAGNOSTIC_SYSTEMS = ("zp3l", "zp3rl", "zp3u", "zp3c")
+DIAGNOSTIC_SYSTEMS = ("zp3l", "zp3rl", "zp3u", "zp3c", "zp3t", "zp3rt")
 NAMED_ONLY = OFFLOAD_SYSTEMS + DIAGNOSTIC_SYSTEMS
 STAGE_OF = (
-    {"ddp": 0, "fsdp2": 3, "zp3r": 3, "zp3l": 3, "zp3rl": 3, "zp3u": 3, "zp3c": 3}
+    {"ddp": 0, "fsdp2": 3}
+    | dict.fromkeys(("zp3r", *DIAGNOSTIC_SYSTEMS), 3)
     | {f"{p}{s}": s for p in ("zp", "ds") for s in range(4)}
     | {name: int(name[2]) for name in OFFLOAD_SYSTEMS}
 )
@@ -381,6 +385,19 @@ def _gather_locally(engine: Any) -> None:
         unit.gather = lambda comm, real=real: real(_LocalGathers(comm))
 
 
+def _gather_over_tcp(engine: Any) -> None:
+    """Diagnostic (``zp3t``, ``zp3rt``): stage 3's gathers over gloo's own transport,
+    not this host's shared memory (worker/shared_exchange.py)."""
+    for unit in engine.units:
+        real = unit.gather
+
+        def gather(comm: Any, real: Any = real) -> Any:
+            comm._host_opened, comm._host = True, None  # never opened: gloo's broadcasts
+            return real(comm)
+
+        unit.gather = gather
+
+
 def build_zeroplane(
     model: nn.Module,
     stage: int,
@@ -389,6 +406,7 @@ def build_zeroplane(
     keep: bool = False,
     local: bool = False,
     checked: bool | str = "first",
+    tcp: bool = False,
 ) -> Harness:
     import worker
 
@@ -403,6 +421,8 @@ def build_zeroplane(
     engine = worker.initialize(model, opt, config=config)
     if local:
         _gather_locally(engine)
+    if tcp:
+        _gather_over_tcp(engine)
 
     def forward_backward(x: Tensor, y: Tensor) -> Tensor:
         loss = engine(x, y)
@@ -430,9 +450,10 @@ def make_harness(system: str, model: nn.Module, spec: ModelSpec, ctx: RankContex
             STAGE_OF[system],
             ctx,
             offload,
-            keep=system in ("zp3r", "zp3rl"),
+            keep=system in ("zp3r", "zp3rl", "zp3rt"),
             local=system in ("zp3l", "zp3rl"),
             checked={"zp3u": False, "zp3c": True}.get(system, "first"),
+            tcp=system in ("zp3t", "zp3rt"),
         )
     known = ", ".join(ALL_SYSTEMS + NAMED_ONLY)
     raise ValueError(f"unknown system {system!r}; choose from {known}")

@@ -686,6 +686,14 @@ ENV_DOCS: dict[str, str] = {
     "ZEROPLANE_COLLECTIVE_TIMEOUT_S": "Seconds a collective of a coordinator-formed "
     "process group may take before it fails (default 60): how fast survivors notice a "
     "lost peer. A bad value fails at registration.",
+    "ZEROPLANE_SHM_DISABLE": "`1` sends every collective of gloo ranks on one host over "
+    "gloo's loopback TCP, as `NCCL_SHM_DISABLE=1` does for NCCL. By default their "
+    "all-gathers and reduce-scatters of 64 KiB to "
+    "64 MiB (all ranks' parts together) go through a file in `/dev/shm`, unlinked once "
+    "every rank has opened it, read and written by system calls (its pages count in no "
+    "rank's resident set): up to three times the largest exchange, once per host and "
+    "process group. Without room in `/dev/shm` the "
+    "group falls back to gloo by itself.",
     "ZEROPLANE_MEMBERSHIP_WAIT_S": "Seconds a worker waits for a generation it can "
     "train in (below `--min-workers`, or all ranks meeting at the rendezvous) before it "
     "gives up (default 600); it says every 30 s what it waits for.",

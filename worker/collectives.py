@@ -26,6 +26,7 @@ native ones. The local sum runs in fp32 for bf16/fp16 inputs.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from worker.compat import all_gather_flat, reduce_scatter_flat
+from worker.shared_exchange import MIN_SHARED_BYTES, SHM_DISABLE_ENV, SharedExchange, Started
 from worker.whereabouts import TRACKER, Call, GroupTag
 
 __all__ = ["CollectiveError", "Collectives", "Handle", "OpStats", "StepAborted"]
@@ -193,6 +195,9 @@ class Collectives:
     # receive buffers of gloo's reduce-scatter, free for the next one
     # ([Note: a reduce-scatter's receive buffer is reused])
     _scratch: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # this group's shared memory on one host (None: not every rank shares it)
+    _host: SharedExchange | None = field(default=None, repr=False)
+    _host_opened: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -290,9 +295,17 @@ class Collectives:
         if self.backend == "gloo":
             # [Note: gloo's flat collectives] an all-to-all moves each chunk once
             chunks = self._take_scratch(input)
-            work = _issue(dist.all_to_all_single, chunks, input, group=self.group, async_op=True)
+            shared = self._shared("all_to_all", chunks, input)
+            if shared is None:
+                work = _issue(
+                    dist.all_to_all_single, chunks, input, group=self.group, async_op=True
+                )
+            else:  # [Note: exchanges through shared memory]
+                work, received = shared
 
             def add_up() -> None:
+                if shared is not None:
+                    received()
                 parts = chunks.view(self.world_size, -1)
                 if parts.dtype in (torch.bfloat16, torch.float16):
                     output.copy_(parts.float().sum(dim=0))
@@ -371,6 +384,10 @@ class Collectives:
         wire = _nbytes(output)
         stats, start = self._book("all_gather", logical_bytes or wire, wire)
         if self.backend == "gloo":
+            shared = self._shared("all_gather", output, input)
+            if shared is not None:  # [Note: exchanges through shared memory]
+                work, finish = shared
+                return self._finish(work, stats, start, async_op, finish)
             # [Note: gloo's flat collectives] each rank broadcasts its own slot
             slots = output.view(self.world_size, -1)
             if slots[self.rank].data_ptr() != input.data_ptr():
@@ -384,6 +401,25 @@ class Collectives:
             return self._finish(works, stats, start, async_op)
         work = _issue(all_gather_flat, output, input, group=self.group, async_op=async_op)
         return self._finish(work, stats, start, async_op)
+
+    def _shared(self, op: str, output: torch.Tensor, input: torch.Tensor) -> Started | None:
+        """Start ``op`` ("all_gather" or "all_to_all", equal chunks) through this host's
+        shared memory where every rank of the group can (worker/shared_exchange.py);
+        None: over gloo's transport."""
+        if (
+            output.device.type != "cpu"
+            or not (output.is_contiguous() and input.is_contiguous())
+            or max(_nbytes(output), _nbytes(input)) < MIN_SHARED_BYTES
+        ):
+            return None
+        with _translated(op):
+            if not self._host_opened:
+                self._host_opened = True
+                if os.environ.get(SHM_DISABLE_ENV, "0") != "1":
+                    self._host = SharedExchange.open(self.group, self.rank, self.world_size)
+            if self._host is None:
+                return None
+            return getattr(self._host, op)(output, input)
 
     def split(self, size: int) -> Collectives:
         """Collectives over this rank's block of ``size`` consecutive ranks of this

@@ -26,6 +26,7 @@ __all__ = [
     "close_connections_to",
     "compile_disabled",
     "eager",
+    "group_timeout",
     "parallelize_local",
     "rebind_hook_mesh",
     "reduce_scatter_flat",
@@ -208,11 +209,28 @@ def time_out_subgroups_as(timeout: timedelta) -> None:
             setattr(distributed_c10d, name, timeout)
 
 
+def group_timeout(group: object | None) -> timedelta:
+    """The collective timeout of ``group`` (None: the default group); torch's default
+    for gloo where the group does not say."""
+    from torch.distributed import distributed_c10d
+
+    pg = group if group is not None else distributed_c10d._get_default_group()
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return distributed_c10d.default_pg_timeout
+
+
 def close_connections_to(peers: Iterable[int], group: object | None = None) -> None:
     """Close this rank's gloo connections to ``peers`` (global ranks) in ``group`` (None:
     the default group), so that an operation waiting on one of them fails now
-    ([Note: a survivor that learns late]). Safe from another thread than the one
+    ([Note: a survivor that learns late]), and the gathers through this host's shared
+    memory with them (worker/shared_exchange.py). Safe from another thread than the one
     that waits: a receive that times out closes its pair, whoever posted it."""
+    from worker.shared_exchange import hang_up
+
+    peers = list(peers)
+    hang_up(peers, group)
     probe = torch.empty(1)
     for peer in peers:
         # the timeout is the point: it closes the connection (or it already was)

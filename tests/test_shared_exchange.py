@@ -1,0 +1,204 @@
+"""Collectives of ranks on one host go through shared memory (worker/shared_exchange.py).
+
+Real gloo ranks gather and reduce-scatter tensors through ``Collectives`` and
+compare each result with the concatenation or the sum of what every rank
+contributed (each rank knows the others' tensors: they are drawn from a seed
+per rank). The sizes vary so that the ring grows and wraps, collectives are
+issued ahead of their waits as stage 3 prefetches them, gathers and
+reduce-scatters interleave, and the files are gone from /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+SIZES = [20_000, 70_000, 300_000, 5_000, 120_000, 300_000, 900_000, 64, 250_000, 900_000]
+
+
+def _contribution(rank: int, i: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + i)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def gather_many(dtype_name: str, ahead: int) -> dict:
+    import torch.distributed as dist
+
+    from worker.collectives import Collectives
+
+    dtype = getattr(torch, dtype_name)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = set(os.listdir("/dev/shm"))
+    comm = Collectives(None)
+    outputs, handles = [], []
+    mismatches = []
+    for i, n in enumerate(SIZES * 2):
+        out = torch.empty(n * world, dtype=dtype)
+        # as stage 3 gathers: the input is this rank's slot of the output
+        out.view(world, -1)[rank].copy_(_contribution(rank, i, n, dtype))
+        handles.append(comm.all_gather(out, out.view(world, -1)[rank], async_op=True))
+        outputs.append(out)
+        if len(handles) > ahead:  # wait ``ahead`` gathers behind the issue
+            handles[len(handles) - ahead - 1].wait()
+    for h in handles:
+        h.wait()
+    for i, (n, out) in enumerate(zip(SIZES * 2, outputs, strict=True)):
+        want = torch.cat([_contribution(r, i, n, dtype) for r in range(world)])
+        if not torch.equal(out, want):
+            mismatches.append(i)
+    # reduce-scatters (gloo's: an all-to-all and a sum), between gathers as in a backward
+    for i, n in enumerate(SIZES):
+        full = _contribution(rank, 100 + i, n * world, torch.float32)
+        mine = torch.empty(n)
+        comm.all_gather(torch.empty(n * world), torch.ones(n))  # between them
+        comm.reduce_scatter(mine, full)
+        parts = [_contribution(r, 100 + i, n * world, torch.float32) for r in range(world)]
+        want = torch.stack(parts).sum(dim=0).view(world, -1)[rank]
+        if not torch.allclose(mine, want, rtol=0, atol=1e-5):
+            mismatches.append(("reduce_scatter", i))
+    host = comm._host
+    files = [os.fstat(fd) for fd in (host.fd, host.bell)] if host else []
+    return {
+        # the security guide's row: 0600, and no name left to open
+        "modes": [(f.st_mode & 0o777, f.st_nlink) for f in files],
+        "mismatches": mismatches,
+        "shared": host is not None,
+        "gathers": comm.stats["all_gather"].calls - len(SIZES),
+        "capacity": host.capacity if host else 0,
+        "left": sorted(set(os.listdir("/dev/shm")) - before),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathers_through_shared_memory_equal_the_concatenation(pools, world: int) -> None:
+    for dtype, ahead in [("float32", 1), ("bfloat16", 0), ("uint8", 2)]:
+        results = pools(world).run(gather_many, dtype, ahead)
+        for r in results:
+            assert r["shared"], "ranks of one host gather through /dev/shm"
+            assert r["mismatches"] == [], (dtype, ahead, r["mismatches"])
+            assert r["gathers"] == 2 * len(SIZES)
+            assert r["left"] == [], "the shared file is unlinked once every rank opened it"
+            assert r["modes"] == [(0o600, 0), (0o600, 0)]
+        # the ring: three times the largest gather, rounded to MiB
+        largest = max(SIZES) * world * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        assert results[0]["capacity"] >= 3 * largest
+
+
+def gather_disagreeing() -> str:
+    import torch.distributed as dist
+
+    from worker.collectives import CollectiveError, Collectives
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = Collectives(None)
+    n = 100_000 if rank == 0 else 50_000  # a data-dependent unit: sizes differ
+    out = torch.empty(n * world)
+    try:
+        comm.all_gather(out, torch.ones(n))
+    except CollectiveError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_gather_different_sizes_fail_with_the_reason(pools) -> None:
+    for message in pools(2).run(gather_disagreeing):
+        assert "disagree on exchange #1" in message and "all-gather of" in message, message
+
+
+def gather_off(value: str) -> bool:
+    from worker.shared_exchange import SHM_DISABLE_ENV
+
+    os.environ[SHM_DISABLE_ENV] = value
+    try:
+        result = gather_many("float32", 1)
+    finally:
+        del os.environ[SHM_DISABLE_ENV]
+    assert result["mismatches"] == []
+    return result["shared"]
+
+
+def test_the_environment_turns_it_off(pools) -> None:
+    assert pools(2).run(gather_off, "1") == [False, False]
+
+
+def _failing_rank(rank: int, world: int, port: int, scenario: str, results) -> None:
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from worker.collectives import CollectiveError, Collectives
+    from worker.compat import close_connections_to
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    comm = Collectives(None)
+    n = 100_000
+    comm.all_gather(torch.empty(world * n), torch.ones(n))  # opens the shared file
+    if scenario == "dies" and rank == world - 1:
+        os._exit(9)  # lost mid-job
+    if scenario == "stuck" and rank == 1:
+        time.sleep(3)  # stuck in the script (or stopped) past the moment rank 0 gives up
+    if scenario == "stuck" and rank == 0:
+        # as the coordinator's release of a rank it dropped (worker/rendezvous.py)
+        threading.Timer(1.0, close_connections_to, args=([1],)).start()
+    start = time.monotonic()
+    try:
+        # rank 0's shard of the first may be there before it gave up: that one completes
+        for _ in range(3):
+            comm.all_gather(torch.empty(world * n), torch.ones(n))
+        results.put((rank, "gathered", time.monotonic() - start))
+    except CollectiveError as exc:
+        results.put((rank, str(exc), time.monotonic() - start))
+    if scenario == "stuck" and rank == 0:
+        time.sleep(4)  # alive, on to the next generation, as rank 1 comes back
+    results.close()
+    results.join_thread()  # flushed before the exit below
+    os._exit(0)  # without tearing down a group whose peer is gone
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("scenario", "world", "want"),
+    [
+        # "rank 2 (pid …) exited", or "rank 2 is gone" when its doorbell had no reader
+        ("dies", 3, {0: "rank 2 ", 1: "rank 2 "}),
+        ("stuck", 2, {0: "gave up on rank(s) [1]", 1: "rank 0 left the group"}),
+    ],
+)
+def test_a_lost_or_released_peer_fails_a_shared_wait_at_once(
+    scenario: str, world: int, want: dict[int, str]
+) -> None:
+    """Not at the collective timeout (60 s): a dead peer's doorbell has no reader, and
+    a rank that gives up on a peer rings it a last time ([Note: exchanges through shared
+    memory])."""
+    import torch.multiprocessing as mp
+
+    from coordinator.core.ports import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_failing_rank, args=(r, world, port, scenario, results), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for _ in want:
+            rank, message, seconds = results.get(timeout=90)
+            got[rank] = (message, seconds)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    for rank, words in want.items():
+        message, seconds = got[rank]
+        assert words in message and "through shared memory failed" in message, (rank, message)
+        assert seconds < 10, (rank, seconds)

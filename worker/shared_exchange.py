@@ -1,0 +1,465 @@
+"""All-gathers and all-to-alls among the ranks of one host through shared memory.
+
+[Note: exchanges through shared memory]
+On gloo, every byte a collective moves between two ranks of one host crosses
+loopback TCP: copied into the kernel by the sender and out of it by the
+receiver, on the cores the ranks compute on, and each collective is handed to
+gloo's thread, which takes the core from the training thread. Stage 3
+gathers Ψ once or twice a step and reduce-scatters it once, unit by unit
+(gloo's reduce-scatter is an all-to-all and a sum: [Note: gloo's flat
+collectives]), and on the held-out peer shape that movement was most of
+stage 3's excess over DDP (bench/README.md, "Smaller units").
+
+When every rank of a group can open the same file in ``/dev/shm`` and see
+the others' processes (checked when the group's first large exchange runs:
+rank 0 makes the file and writes a random nonce into it, every rank opens it
+by name and reads the nonce back, and the group agrees on the answer), an
+exchange instead writes this rank's contribution into its slot of a region
+of that file (``pwrite``: an all-gather's shard, an all-to-all's whole
+input), rings every other rank's doorbell (a named pipe per rank, one
+24-byte record: who, which exchange, how many bytes), waits for the other
+ranks' rings and reads what it receives from their slots (``preadv``: their
+shards, or the chunk each sent it). Each byte is copied once into shared
+memory and once out of it; nothing goes through gloo's thread. Measured on 2
+ranks of this machine (2 cores, another job running): a ring and its wait
+take 8-55 µs and ~4 µs of CPU, a gloo all-reduce of 32 bytes 0.9 ms and
+~0.45 ms of CPU; a 3.2 MB gather's bytes 1.2-1.3 ms against 2.8-3.0 ms by
+gloo's broadcasts.
+
+The file is read and written by system calls, never mapped, so its pages
+count in the host's shared memory once, not in any rank's resident set (a
+mapped region read by N ranks would count N times). The file and the pipes
+are unlinked as soon as every rank has opened them: a crash leaves nothing in
+``/dev/shm``.
+
+Where an exchange's region lies is decided the same way on every rank, from
+the sizes alone (every rank exchanges the same sizes in the same order). The
+file holds a ring three times the largest region: a region is placed right
+after the previous one, or at the start when it does not fit before the end.
+Its bytes are free to overwrite once every rank has read them, which no rank
+has to be told: before a rank issues exchange ``u`` it completes exchange
+``u - 1`` (waits for its rings and reads it). So a rank that has every ring
+of ``u - 1`` knows every rank has issued ``u - 1``, hence has read ``u - 2``:
+only ``u - 1``'s bytes can still be unread, and the placement never overlaps
+them (with the ring at three times the largest region, a region that does
+not fit after ``u - 1`` fits before it). The order costs little: stage 3
+prefetches one unit, and ``u - 1`` was issued a unit's compute before ``u``.
+
+A ring carries the exchange's number and size, so ranks that disagree on one
+fail with :class:`~worker.collectives.CollectiveError` rather than read each
+other's bytes for another tensor. A wait is a collective's wait for the
+coordinator's stall naming, and it ends in a
+:class:`~worker.collectives.CollectiveError` as a gloo wait does: when a peer
+process is gone (checked every 100 ms), when a peer left the group (a rank
+aborting a broken group rings its peers a last time, as it closes its gloo
+connections: [Note: a survivor that learns late] in worker/compat.py), when
+this rank releases a wait on ranks the coordinator dropped, or at the group's
+collective timeout. When the file cannot grow to hold a larger region
+(``/dev/shm`` full: ``posix_fallocate`` fails on some rank), the group agrees
+to use gloo's collectives from then on. Regions over 64 MiB (an all-to-all's
+is the world size times its input) go over gloo, so that the ring stays under
+200 MiB of host memory a group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import secrets
+import select
+import struct
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from worker.compat import group_timeout
+
+__all__ = ["MIN_SHARED_BYTES", "SHM_DISABLE_ENV", "SharedExchange", "Started", "hang_up"]
+
+logger = logging.getLogger(__name__)
+
+# "1" turns it off: every collective goes over gloo's transport (as NCCL_SHM_DISABLE=1)
+SHM_DISABLE_ENV = "ZEROPLANE_SHM_DISABLE"
+# smaller exchanges stay on gloo
+MIN_SHARED_BYTES = 1 << 16
+# so do exchanges of larger regions (an all-to-all's is world x its input): the ring,
+# three of them, is host memory (charged to the job's memory limit in a container)
+MAX_REGION_BYTES = 64 << 20
+_DIR = "/dev/shm"
+_HEADER = 4096  # the nonce; the ring starts after it
+_ALIGN = 64
+_GRAIN = 1 << 20  # the file grows in whole MiB
+_RING = struct.Struct("<qqq")  # rank, exchange number (-1: left the group), bytes
+_POLL_MS = 100
+_LEFT = -1
+
+# the shared exchanges of this process, to hang up when a group breaks
+_OPEN: weakref.WeakSet[SharedExchange] = weakref.WeakSet()
+
+Started = tuple["_Rings", Callable[[], None]]
+
+
+def _buffer(t: torch.Tensor, start: int = 0, stop: int | None = None) -> memoryview:
+    """A writable view of bytes ``[start, stop)`` of contiguous CPU tensor ``t``."""
+    stop = _nbytes(t) if stop is None else stop
+    raw = (ctypes.c_char * (stop - start)).from_address(t.data_ptr() + start)
+    return memoryview(raw).cast("B")
+
+
+def _write(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        done = os.pwrite(fd, data, offset)
+        data, offset = data[done:], offset + done
+
+
+def _read(fd: int, into: memoryview, offset: int) -> None:
+    while into:
+        done = os.preadv(fd, [into], offset)
+        if done == 0:
+            raise OSError(f"the shared exchange file ended at byte {offset}")
+        into, offset = into[done:], offset + done
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return n + (-n % multiple)
+
+
+class SharedExchange:
+    """The shared file and doorbells of one process group whose ranks all run on this
+    host. Made by :meth:`open` (a collective of the group); :meth:`start` issues one
+    all-gather or all-to-all through it. One thread issues and waits on a group's
+    collectives, as
+    torch.distributed requires; :func:`hang_up` may come from another.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        bell: int,
+        peers: dict[int, tuple[int, int]],
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world: int,
+    ) -> None:
+        self.fd, self.bell, self.group, self.rank, self.world = fd, bell, group, rank, world
+        self.peers = peers  # group rank -> (doorbell fd, pid)
+        self.global_ranks = {r: _global(group, r) for r in range(world)}
+        self.timeout_s = group_timeout(group).total_seconds()
+        self.capacity = 0  # bytes of ring, after the header
+        self.largest = 0
+        self.seq = 0
+        self.last: tuple[int, int] = (0, 0)  # the previous region's [start, end)
+        self.pending: Callable[[], None] | None = None  # completes the previous exchange
+        self.heard: dict[int, dict[int, int]] = defaultdict(dict)  # seq -> {rank: bytes}
+        self.broken: str | None = None  # why no wait can succeed any more
+        self.fallen_back = False  # the group agreed to use gloo's collectives
+        fds = [fd, bell, *(w for w, _ in peers.values())]
+        weakref.finalize(self, _close_all, fds)
+        _OPEN.add(self)
+
+    @classmethod
+    def open(cls, group: dist.ProcessGroup | None, rank: int, world: int) -> SharedExchange | None:
+        """The group's shared file and doorbells, or None where some rank cannot use
+        them (another host, another ``/dev/shm`` or process namespace, none at all).
+        A collective of ``group``."""
+        fd, bell, path, token = -1, -1, "", secrets.token_hex(8)
+        nonce = secrets.token_bytes(16)
+        if rank == 0:
+            with contextlib.suppress(OSError):
+                fd, path = _make_file(nonce)
+        box = [path, nonce, token]
+        dist.broadcast_object_list(box, src=_global(group, 0), group=group)
+        path, nonce, token = box
+        bells = [os.path.join(_DIR, f"zeroplane-bell-{token}-{r}") for r in range(world)]
+        ok = bool(path)
+        try:
+            if rank != 0 and path:
+                fd = os.open(path, os.O_RDWR)
+            ok = ok and os.pread(fd, len(nonce), 0) == nonce
+            if ok:
+                os.mkfifo(bells[rank], 0o600)
+                bell = os.open(bells[rank], os.O_RDWR | os.O_NONBLOCK)
+        except OSError:
+            ok = False
+        pids: list[object] = [None] * world
+        dist.all_gather_object(pids, os.getpid() if ok else None, group=group)
+        peers: dict[int, tuple[int, int]] = {}
+        if all(pid is not None for pid in pids):
+            try:
+                for r, pid in enumerate(pids):
+                    if r != rank:
+                        if not _alive(int(pid)):  # its process is visible from this one
+                            raise ProcessLookupError(pid)
+                        peers[r] = (os.open(bells[r], os.O_WRONLY | os.O_NONBLOCK), int(pid))
+            except OSError:
+                ok = False
+        agreed = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        with contextlib.suppress(OSError):  # every rank that could open them has
+            if bell >= 0:
+                os.unlink(bells[rank])
+            if rank == 0 and path:
+                os.unlink(path)
+        if not agreed.item():
+            _close_all([fd, bell, *(w for w, _ in peers.values())])
+            logger.info("this group's collectives go over gloo: not every rank shares %s", _DIR)
+            return None
+        return cls(fd, bell, peers, group, rank, world)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Started | None:
+        """Issue the all-gather of ``input`` into ``output`` (contiguous, on the CPU):
+        what to wait on and what completes it once done. None: the group uses gloo's
+        collectives, from now or before."""
+        total = _nbytes(output)
+        slot = total // self.world
+        own = input.reshape(-1)
+        out_slots = output.view(self.world, -1)
+        reads = [(output, 0, self.rank * slot), (output, (self.rank + 1) * slot, total)]
+        reads = [(t, a, b, a) for t, a, b in reads if b > a]
+        started = self._start("all-gather", total, own, reads)
+        if started is not None and out_slots[self.rank].data_ptr() != own.data_ptr():
+            out_slots[self.rank].copy_(own)
+        return started
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Started | None:
+        """Issue the all-to-all of ``input``'s equal chunks into ``output`` (contiguous,
+        on the CPU): chunk r of rank p lands in chunk p of rank r. As
+        :meth:`all_gather`."""
+        slot = _nbytes(input)
+        chunk = slot // self.world
+        reads = [
+            (output, p * chunk, (p + 1) * chunk, p * slot + self.rank * chunk)
+            for p in range(self.world)
+            if p != self.rank
+        ]
+        started = self._start("all-to-all", self.world * slot, input.reshape(-1), reads)
+        if started is not None:
+            output.view(self.world, -1)[self.rank].copy_(input.view(self.world, -1)[self.rank])
+        return started
+
+    def _start(
+        self,
+        op: str,
+        total: int,
+        own: torch.Tensor,
+        reads: list[tuple[torch.Tensor, int, int, int]],
+    ) -> Started | None:
+        """Issue one exchange through a region of ``total`` bytes: this rank writes
+        ``own`` into its slot (``total / world`` bytes); once every rank has, each
+        ``(tensor, start, stop, at)`` of ``reads`` gets bytes ``[start, stop)`` of
+        ``tensor`` from the region's bytes from ``at`` on."""
+        if self.pending is not None:
+            self.pending()  # [Note: exchanges through shared memory]: u - 1 first
+        if self.fallen_back or total > MAX_REGION_BYTES:
+            return None
+        if total > self.largest and not self._grow(total):
+            return None
+        at = self._place(total)
+        self.seq += 1
+        seq = self.seq
+        _write(self.fd, _buffer(own), _HEADER + at + self.rank * (total // self.world))
+        self._ring(_RING.pack(self.rank, seq, total), self.peers)
+        rings, done = _Rings(self, seq, total, op), False
+
+        def finish() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            if self.pending is complete:
+                self.pending = None
+            for tensor, start, stop, offset in reads:
+                _read(self.fd, _buffer(tensor, start, stop), _HEADER + at + offset)
+
+        def complete() -> None:
+            rings.wait()
+            finish()
+
+        self.pending = complete
+        return rings, finish
+
+    def _place(self, total: int) -> int:
+        start, end = self.last
+        at = _round_up(end, _ALIGN) if end else 0
+        if at + total > self.capacity:
+            at = 0
+        if at < end and at + total > start:
+            raise AssertionError("a shared region overlaps the previous one")  # see the Note
+        self.last = (at, at + total)
+        return at
+
+    def _grow(self, total: int) -> bool:
+        """Make the ring three times ``total`` (the new largest region) on every rank, or
+        agree to fall back to gloo's collectives where some rank cannot."""
+        capacity = _round_up(3 * total + 2 * _ALIGN, _GRAIN)
+        ok = 1
+        try:
+            os.posix_fallocate(self.fd, 0, _HEADER + capacity)
+        except OSError as exc:
+            logger.warning("no room for %d bytes in %s (%s): gloo's collectives", total, _DIR, exc)
+            ok = 0
+        agreed = torch.tensor([ok], dtype=torch.int32)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        if not agreed.item():
+            self.fallen_back = True
+            return False
+        self.capacity, self.largest = capacity, total
+        return True
+
+    def _ring(self, record: bytes, peers: Iterable[int]) -> None:
+        for r in peers:
+            try:
+                os.write(self.peers[r][0], record)
+            except OSError as exc:  # its reader is gone: the process died
+                self.broken = self.broken or f"rank {self.global_ranks[r]} is gone ({exc})"
+
+    def _hear(self, seq: int, deadline: float) -> dict[int, int]:
+        """Block until every peer rang for exchange ``seq``; their byte counts."""
+        heard = self.heard[seq]
+        poller = select.poll()
+        poller.register(self.bell, select.POLLIN)
+        checked = time.monotonic()
+        while len(heard) < self.world - 1:
+            if self.broken is not None:
+                raise _error(f"exchange #{seq} through shared memory failed: {self.broken}")
+            try:
+                data = os.read(self.bell, _RING.size * 64)
+            except BlockingIOError:
+                data = b""
+            for r, s, nbytes in _RING.iter_unpack(data):
+                if s == _LEFT and r != self.rank:
+                    self.broken = self.broken or f"rank {self.global_ranks[r]} left the group"
+                elif s == _LEFT:
+                    continue  # this rank's own wake-up (hang_up)
+                else:
+                    self.heard[s][r] = nbytes
+            if data or len(heard) == self.world - 1:
+                continue
+            now = time.monotonic()
+            if now >= deadline:
+                missing = sorted(self.global_ranks[r] for r in self.peers if r not in heard)
+                raise _error(
+                    f"exchange #{seq} through shared memory timed out after "
+                    f"{self.timeout_s:g}s waiting on rank(s) {missing}"
+                )
+            if now - checked >= _POLL_MS / 1000:
+                checked = now
+                self._check_alive()
+            poller.poll(_POLL_MS)
+        return self.heard.pop(seq)
+
+    def _check_alive(self) -> None:
+        for r, (_, pid) in self.peers.items():
+            if not _alive(pid):
+                self.broken = self.broken or f"rank {self.global_ranks[r]} (pid {pid}) exited"
+
+    def hang_up(self, global_ranks: Iterable[int], why: str) -> None:
+        """Fail this rank's waits on the group, and theirs on this rank (see the Note)."""
+        self.broken = self.broken or why
+        gone = set(global_ranks)
+        peers = [r for r in self.peers if self.global_ranks[r] in gone]
+        self._ring(_RING.pack(self.rank, _LEFT, 0), peers)
+        with contextlib.suppress(OSError):  # wakes this rank's own wait, if one polls
+            os.write(self.bell, _RING.pack(self.rank, _LEFT, 0))
+
+
+class _Rings:
+    """What a shared exchange's :class:`~worker.collectives.Handle` waits on: the other
+    ranks' rings for it (in the place of a gloo work)."""
+
+    __slots__ = ("_deadline", "_done", "_host", "_op", "_seq", "_total")
+
+    def __init__(self, host: SharedExchange, seq: int, total: int, op: str) -> None:
+        self._host, self._seq, self._total, self._op, self._done = host, seq, total, op, False
+        self._deadline = time.monotonic() + host.timeout_s
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        host = self._host
+        sizes = host._hear(self._seq, self._deadline)
+        self._done = True
+        wrong = {host.global_ranks[r]: n for r, n in sizes.items() if n != self._total}
+        if wrong:
+            raise _error(
+                f"the ranks disagree on exchange #{self._seq} of this group: this rank "
+                f"issues an {self._op} of {self._total} bytes, rank(s) {wrong} other sizes "
+                "(ranks issuing "
+                "different collectives: data-dependent module execution?)"
+            )
+
+
+def hang_up(global_ranks: Iterable[int], group: object | None) -> None:
+    """A rank leaves ``group`` or gives up on ``global_ranks`` in it: every shared exchange
+    of the group here, waiting or to come, fails, and so do those ranks' waits on this
+    one ([Note: exchanges through shared memory]). Called where gloo's connections to
+    them are closed (worker/compat.py)."""
+    ranks = set(global_ranks)
+    world = dist.group.WORLD
+    for host in list(_OPEN):
+        same = host.group is group or {host.group, group} <= {None, world}
+        if same:
+            host.hang_up(ranks, f"this rank gave up on rank(s) {sorted(ranks)}")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: a zombie, one that exited and that its parent
+    has not reaped yet, does not (``kill(pid, 0)`` still reaches it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return _signalled(pid)
+    return state not in (b"Z", b"X")
+
+
+def _signalled(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _make_file(nonce: bytes) -> tuple[int, str]:
+    path = os.path.join(_DIR, f"zeroplane-exchange-{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.pwrite(fd, nonce, 0)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd, path
+
+
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _error(message: str) -> Exception:
+    from worker.collectives import CollectiveError
+
+    return CollectiveError(message)
