@@ -24,9 +24,9 @@ same model and the same batches:
   parameters are wrong by design, so is the loss. Beside ``zp3``/``zp3r`` in one
   run, the difference is what moving the parameters costs, the rest is stage 3's
   own bookkeeping.
-* ``zp3t`` / ``zp3rt``  diagnostics: ``zp3`` / ``zp3r`` with the gathers over gloo's
-  own transport (loopback TCP), not this host's shared memory (worker/shared_exchange.py),
-  what every stage-3 gather did before.
+* ``zp3t`` / ``zp3rt``  diagnostics: ``zp3`` / ``zp3r`` with their gathers and
+  reduce-scatters over gloo's own transport (loopback TCP), not this host's shared
+  memory (worker/shared_exchange.py), as every stage-3 collective ran before.
 * ``zp3u`` / ``zp3c``  diagnostics too: ``zp3`` with ``stage3_check_gathers=False``
   (no agreement even in the first step) and ``True`` (every gather of every step
   agreed), so that beside ``zp3`` (the default, ``"first"``) the cost of the
@@ -386,8 +386,8 @@ def _gather_locally(engine: Any) -> None:
 
 
 def _gather_over_tcp(engine: Any) -> None:
-    """Diagnostic (``zp3t``, ``zp3rt``): stage 3's gathers over gloo's own transport,
-    not this host's shared memory (worker/shared_exchange.py)."""
+    """Diagnostic (``zp3t``, ``zp3rt``): the engine's collectives over gloo's own
+    transport, not this host's shared memory (worker/shared_exchange.py)."""
     for unit in engine.units:
         real = unit.gather
 
