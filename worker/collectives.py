@@ -405,18 +405,24 @@ class Collectives:
     def _shared(self, op: str, output: torch.Tensor, input: torch.Tensor) -> Started | None:
         """Start ``op`` ("all_gather" or "all_to_all", equal chunks) through this host's
         shared memory where every rank of the group can (worker/shared_exchange.py);
-        None: over gloo's transport."""
+        None: over gloo's transport. Every rank decides alike from the shapes."""
+        expected = _nbytes(input) * (self.world_size if op == "all_gather" else 1)
         if (
             output.device.type != "cpu"
+            or input.device.type != "cpu"
             or not (output.is_contiguous() and input.is_contiguous())
-            or max(_nbytes(output), _nbytes(input)) < MIN_SHARED_BYTES
+            or _nbytes(output) != expected  # gloo says what is wrong
+            or _nbytes(output) < MIN_SHARED_BYTES
         ):
             return None
-        with _translated(op):
+        # issuing completes the one before: a wait ([Note: naming a stall])
+        with _translated(op), TRACKER.waiting(TRACKER.last):
             if not self._host_opened:
                 self._host_opened = True
-                if os.environ.get(SHM_DISABLE_ENV, "0") != "1":
-                    self._host = SharedExchange.open(self.group, self.rank, self.world_size)
+                wanted = os.environ.get(SHM_DISABLE_ENV, "0") != "1"
+                self._host = SharedExchange.open(
+                    self.group, self.rank, self.world_size, wanted=wanted
+                )
             if self._host is None:
                 return None
             return getattr(self._host, op)(output, input)

@@ -44,6 +44,8 @@ only ``u - 1``'s bytes can still be unread, and the placement never overlaps
 them (with the ring at three times the largest region, a region that does
 not fit after ``u - 1`` fits before it). The order costs little: stage 3
 prefetches one unit, and ``u - 1`` was issued a unit's compute before ``u``.
+When a larger region comes, every rank completes all it has issued before
+the group agrees on the larger ring (an all-reduce), which then starts empty.
 
 A ring carries the exchange's number and size, so ranks that disagree on one
 fail with :class:`~worker.collectives.CollectiveError` rather than read each
@@ -70,9 +72,10 @@ import os
 import secrets
 import select
 import struct
+import threading
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 
 import torch
@@ -97,10 +100,13 @@ _ALIGN = 64
 _GRAIN = 1 << 20  # the file grows in whole MiB
 _RING = struct.Struct("<qqq")  # rank, exchange number (-1: left the group), bytes
 _POLL_MS = 100
+# issuing exchange u completes exchange u - BEHIND (see the Note)
+BEHIND = 1
 _LEFT = -1
 
-# the shared exchanges of this process, to hang up when a group breaks
+# the shared exchanges of this process, to hang up when a group breaks (from any thread)
 _OPEN: weakref.WeakSet[SharedExchange] = weakref.WeakSet()
+_OPEN_LOCK = threading.Lock()
 
 Started = tuple["_Rings", Callable[[], None]]
 
@@ -158,60 +164,73 @@ class SharedExchange:
         self.capacity = 0  # bytes of ring, after the header
         self.largest = 0
         self.seq = 0
-        self.last: tuple[int, int] = (0, 0)  # the previous region's [start, end)
-        self.pending: Callable[[], None] | None = None  # completes the previous exchange
+        # the regions other ranks may not have read yet, [start, end), oldest first
+        self.live: deque[tuple[int, int]] = deque(maxlen=2 * BEHIND - 1)
+        # what completes each exchange not yet completed, by number (oldest first)
+        self.pending: dict[int, Callable[[], None]] = {}
         self.heard: dict[int, dict[int, int]] = defaultdict(dict)  # seq -> {rank: bytes}
         self.broken: str | None = None  # why no wait can succeed any more
         self.fallen_back = False  # the group agreed to use gloo's collectives
         fds = [fd, bell, *(w for w, _ in peers.values())]
         weakref.finalize(self, _close_all, fds)
-        _OPEN.add(self)
+        with _OPEN_LOCK:
+            _OPEN.add(self)
 
     @classmethod
-    def open(cls, group: dist.ProcessGroup | None, rank: int, world: int) -> SharedExchange | None:
+    def open(
+        cls, group: dist.ProcessGroup | None, rank: int, world: int, *, wanted: bool = True
+    ) -> SharedExchange | None:
         """The group's shared file and doorbells, or None where some rank cannot use
-        them (another host, another ``/dev/shm`` or process namespace, none at all).
-        A collective of ``group``."""
+        them (another host, another ``/dev/shm`` or process namespace, none at all) or
+        does not want them (``wanted``: ``ZEROPLANE_SHM_DISABLE`` on that rank). A
+        collective of ``group``, whatever this rank wants, so that ranks that disagree
+        agree on gloo."""
         fd, bell, path, token = -1, -1, "", secrets.token_hex(8)
         nonce = secrets.token_bytes(16)
-        if rank == 0:
-            with contextlib.suppress(OSError):
-                fd, path = _make_file(nonce)
-        box = [path, nonce, token]
-        dist.broadcast_object_list(box, src=_global(group, 0), group=group)
-        path, nonce, token = box
-        bells = [os.path.join(_DIR, f"zeroplane-bell-{token}-{r}") for r in range(world)]
-        ok = bool(path)
-        try:
-            if rank != 0 and path:
-                fd = os.open(path, os.O_RDWR)
-            ok = ok and os.pread(fd, len(nonce), 0) == nonce
-            if ok:
-                os.mkfifo(bells[rank], 0o600)
-                bell = os.open(bells[rank], os.O_RDWR | os.O_NONBLOCK)
-        except OSError:
-            ok = False
-        pids: list[object] = [None] * world
-        dist.all_gather_object(pids, os.getpid() if ok else None, group=group)
         peers: dict[int, tuple[int, int]] = {}
-        if all(pid is not None for pid in pids):
+        bells: list[str] = []
+        agreed = torch.tensor([0], dtype=torch.int32)
+        try:
+            if rank == 0 and wanted:
+                with contextlib.suppress(OSError):
+                    fd, path = _make_file(nonce)
+            box = [path, nonce, token]
+            dist.broadcast_object_list(box, src=_global(group, 0), group=group)
+            path, nonce, token = box
+            bells = [os.path.join(_DIR, f"zeroplane-bell-{token}-{r}") for r in range(world)]
+            ok = bool(path) and wanted
             try:
-                for r, pid in enumerate(pids):
-                    if r != rank:
-                        if not _alive(int(pid)):  # its process is visible from this one
-                            raise ProcessLookupError(pid)
-                        peers[r] = (os.open(bells[r], os.O_WRONLY | os.O_NONBLOCK), int(pid))
+                if rank != 0 and ok:
+                    fd = os.open(path, os.O_RDWR)
+                ok = ok and os.pread(fd, len(nonce), 0) == nonce
+                if ok:
+                    os.mkfifo(bells[rank], 0o600)
+                    bell = os.open(bells[rank], os.O_RDWR | os.O_NONBLOCK)
             except OSError:
                 ok = False
-        agreed = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        with contextlib.suppress(OSError):  # every rank that could open them has
-            if bell >= 0:
-                os.unlink(bells[rank])
-            if rank == 0 and path:
-                os.unlink(path)
+            pids: list[object] = [None] * world
+            dist.all_gather_object(pids, os.getpid() if ok else None, group=group)
+            if all(pid is not None for pid in pids):
+                try:
+                    for r, pid in enumerate(pids):
+                        if r != rank:
+                            if not _alive(int(pid)):  # its process is visible from this one
+                                raise ProcessLookupError(pid)
+                            writer = os.open(bells[r], os.O_WRONLY | os.O_NONBLOCK)
+                            peers[r] = (writer, int(pid))
+                except OSError:
+                    ok = False
+            agreed[0] = 1 if ok else 0
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        finally:
+            # every rank that could open them has (or the group failed as they did);
+            # this rank's pipe may exist unopened
+            for mine in bells[rank : rank + 1] + ([path] if rank == 0 and path else []):
+                with contextlib.suppress(OSError):
+                    os.unlink(mine)
+            if not agreed.item():
+                _close_all([fd, bell, *(w for w, _ in peers.values())])
         if not agreed.item():
-            _close_all([fd, bell, *(w for w, _ in peers.values())])
             logger.info("this group's collectives go over gloo: not every rank shares %s", _DIR)
             return None
         return cls(fd, bell, peers, group, rank, world)
@@ -258,8 +277,7 @@ class SharedExchange:
         ``own`` into its slot (``total / world`` bytes); once every rank has, each
         ``(tensor, start, stop, at)`` of ``reads`` gets bytes ``[start, stop)`` of
         ``tensor`` from the region's bytes from ``at`` on."""
-        if self.pending is not None:
-            self.pending()  # [Note: exchanges through shared memory]: u - 1 first
+        self._complete(self.seq + 1 - BEHIND)  # [Note: exchanges through shared memory]
         if self.fallen_back or total > MAX_REGION_BYTES:
             return None
         if total > self.largest and not self._grow(total):
@@ -267,7 +285,10 @@ class SharedExchange:
         at = self._place(total)
         self.seq += 1
         seq = self.seq
-        _write(self.fd, _buffer(own), _HEADER + at + self.rank * (total // self.world))
+        try:
+            _write(self.fd, _buffer(own), _HEADER + at + self.rank * (total // self.world))
+        except OSError as exc:
+            raise _error(f"exchange #{seq} through shared memory failed: {exc}") from exc
         self._ring(_RING.pack(self.rank, seq, total), self.peers)
         rings, done = _Rings(self, seq, total, op), False
 
@@ -276,32 +297,46 @@ class SharedExchange:
             if done:
                 return
             done = True
-            if self.pending is complete:
-                self.pending = None
-            for tensor, start, stop, offset in reads:
-                _read(self.fd, _buffer(tensor, start, stop), _HEADER + at + offset)
+            self.pending.pop(seq, None)
+            try:
+                for tensor, start, stop, offset in reads:
+                    _read(self.fd, _buffer(tensor, start, stop), _HEADER + at + offset)
+            except OSError as exc:
+                self.broken = self.broken or f"reading exchange #{seq} failed: {exc}"
+                raise _error(f"exchange #{seq} through shared memory failed: {exc}") from exc
 
         def complete() -> None:
             rings.wait()
             finish()
 
-        self.pending = complete
+        self.pending[seq] = complete
         return rings, finish
 
+    def _complete(self, upto: int) -> None:
+        """Complete every exchange this rank issued up to number ``upto``."""
+        while self.pending:
+            seq = next(iter(self.pending))
+            if seq > upto:
+                return
+            self.pending.pop(seq)()
+
     def _place(self, total: int) -> int:
-        start, end = self.last
-        at = _round_up(end, _ALIGN) if end else 0
+        end = self.live[-1][1] if self.live else 0
+        at = _round_up(end, _ALIGN)
         if at + total > self.capacity:
             at = 0
-        if at < end and at + total > start:
-            raise AssertionError("a shared region overlaps the previous one")  # see the Note
-        self.last = (at, at + total)
+        if any(at < b and at + total > a for a, b in self.live):
+            raise AssertionError("a shared region overlaps an unread one")  # see the Note
+        self.live.append((at, at + total))
         return at
 
     def _grow(self, total: int) -> bool:
-        """Make the ring three times ``total`` (the new largest region) on every rank, or
-        agree to fall back to gloo's collectives where some rank cannot."""
-        capacity = _round_up(3 * total + 2 * _ALIGN, _GRAIN)
+        """Make the ring ``2·BEHIND + 1`` times ``total`` (the new largest region) on every
+        rank, or agree to fall back to gloo's collectives where some rank cannot. Every
+        rank completes all it issued first, so that past the agreement every region has
+        been read everywhere and the ring starts empty."""
+        self._complete(self.seq)
+        capacity = _round_up((2 * BEHIND + 1) * (total + _ALIGN), _GRAIN)
         ok = 1
         try:
             os.posix_fallocate(self.fd, 0, _HEADER + capacity)
@@ -314,6 +349,7 @@ class SharedExchange:
             self.fallen_back = True
             return False
         self.capacity, self.largest = capacity, total
+        self.live.clear()
         return True
 
     def _ring(self, record: bytes, peers: Iterable[int]) -> None:
@@ -328,6 +364,9 @@ class SharedExchange:
         heard = self.heard[seq]
         poller = select.poll()
         poller.register(self.bell, select.POLLIN)
+        writers = {w: r for r, (w, _) in self.peers.items()}
+        for w in writers:  # a peer's pipe with no reader left: its process ended
+            poller.register(w, select.POLLERR)
         checked = time.monotonic()
         while len(heard) < self.world - 1:
             if self.broken is not None:
@@ -348,6 +387,7 @@ class SharedExchange:
             now = time.monotonic()
             if now >= deadline:
                 missing = sorted(self.global_ranks[r] for r in self.peers if r not in heard)
+                self.broken = f"exchange #{seq} timed out"
                 raise _error(
                     f"exchange #{seq} through shared memory timed out after "
                     f"{self.timeout_s:g}s waiting on rank(s) {missing}"
@@ -355,7 +395,10 @@ class SharedExchange:
             if now - checked >= _POLL_MS / 1000:
                 checked = now
                 self._check_alive()
-            poller.poll(_POLL_MS)
+            for fd, events in poller.poll(_POLL_MS):
+                if fd in writers and events & select.POLLERR:
+                    gone = self.global_ranks[writers[fd]]
+                    self.broken = self.broken or f"rank {gone} left its doorbell: it ended"
         return self.heard.pop(seq)
 
     def _check_alive(self) -> None:
@@ -394,6 +437,7 @@ class _Rings:
         self._done = True
         wrong = {host.global_ranks[r]: n for r, n in sizes.items() if n != self._total}
         if wrong:
+            host.broken = f"the ranks disagreed on exchange #{self._seq}"
             raise _error(
                 f"the ranks disagree on exchange #{self._seq} of this group: this rank "
                 f"issues an {self._op} of {self._total} bytes, rank(s) {wrong} other sizes "
@@ -409,7 +453,9 @@ def hang_up(global_ranks: Iterable[int], group: object | None) -> None:
     them are closed (worker/compat.py)."""
     ranks = set(global_ranks)
     world = dist.group.WORLD
-    for host in list(_OPEN):
+    with _OPEN_LOCK:
+        hosts = list(_OPEN)
+    for host in hosts:
         same = host.group is group or {host.group, group} <= {None, world}
         if same:
             host.hang_up(ranks, f"this rank gave up on rank(s) {sorted(ranks)}")
