@@ -148,7 +148,8 @@ class Handle:
         self._works = []
         if self._then is not None:
             then, self._then = self._then, None
-            then()
+            with _translated("completing a collective"):  # a shared exchange's reads
+                then()
         if self._stats is not None:
             self._stats.seconds += time.perf_counter() - self._start
             self._stats = None

@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,6 +27,7 @@ __all__ = [
     "compile_disabled",
     "eager",
     "group_timeout",
+    "on_closing_connections",
     "parallelize_local",
     "rebind_hook_mesh",
     "reduce_scatter_flat",
@@ -221,16 +222,26 @@ def group_timeout(group: object | None) -> timedelta:
         return distributed_c10d.default_pg_timeout
 
 
+# what else closes its connections to peers along with gloo's (worker/shared_exchange.py)
+_CLOSING: list[Callable[[list[int], object | None], None]] = []
+
+
+def on_closing_connections(fn: Callable[[list[int], object | None], None]) -> Callable:
+    """Run ``fn(peers, group)`` whenever :func:`close_connections_to` closes gloo's
+    connections to ``peers`` in ``group`` (a decorator)."""
+    _CLOSING.append(fn)
+    return fn
+
+
 def close_connections_to(peers: Iterable[int], group: object | None = None) -> None:
     """Close this rank's gloo connections to ``peers`` (global ranks) in ``group`` (None:
     the default group), so that an operation waiting on one of them fails now
     ([Note: a survivor that learns late]), and the gathers through this host's shared
     memory with them (worker/shared_exchange.py). Safe from another thread than the one
     that waits: a receive that times out closes its pair, whoever posted it."""
-    from worker.shared_exchange import hang_up
-
     peers = list(peers)
-    hang_up(peers, group)
+    for hang_up in _CLOSING:
+        hang_up(peers, group)
     probe = torch.empty(1)
     for peer in peers:
         # the timeout is the point: it closes the connection (or it already was)

@@ -81,9 +81,16 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from worker.compat import group_timeout
+from worker.compat import group_timeout, on_closing_connections
 
-__all__ = ["MIN_SHARED_BYTES", "SHM_DISABLE_ENV", "SharedExchange", "Started", "hang_up"]
+__all__ = [
+    "MIN_SHARED_BYTES",
+    "SHM_DISABLE_ENV",
+    "SharedExchange",
+    "SharedExchangeError",
+    "Started",
+    "hang_up",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -446,6 +453,7 @@ class _Rings:
             )
 
 
+@on_closing_connections
 def hang_up(global_ranks: Iterable[int], group: object | None) -> None:
     """A rank leaves ``group`` or gives up on ``global_ranks`` in it: every shared exchange
     of the group here, waiting or to come, fails, and so do those ranks' waits on this
@@ -505,7 +513,10 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _error(message: str) -> Exception:
-    from worker.collectives import CollectiveError
+class SharedExchangeError(RuntimeError):
+    """An exchange through shared memory failed; :class:`~worker.collectives.Collectives`
+    raises it as a :class:`~worker.collectives.CollectiveError`, as any collective's."""
 
-    return CollectiveError(message)
+
+def _error(message: str) -> Exception:
+    return SharedExchangeError(message)
