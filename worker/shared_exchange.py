@@ -250,8 +250,8 @@ class SharedExchange:
         slot = total // self.world
         own = input.reshape(-1)
         out_slots = output.view(self.world, -1)
-        reads = [(output, 0, self.rank * slot), (output, (self.rank + 1) * slot, total)]
-        reads = [(t, a, b, a) for t, a, b in reads if b > a]
+        spans = [(0, self.rank * slot), ((self.rank + 1) * slot, total)]  # the peers' slots
+        reads = [(output, a, b, a) for a, b in spans if b > a]
         started = self._start("all-gather", total, own, reads)
         if started is not None and out_slots[self.rank].data_ptr() != own.data_ptr():
             out_slots[self.rank].copy_(own)
@@ -369,11 +369,8 @@ class SharedExchange:
     def _hear(self, seq: int, deadline: float) -> dict[int, int]:
         """Block until every peer rang for exchange ``seq``; their byte counts."""
         heard = self.heard[seq]
-        poller = select.poll()
-        poller.register(self.bell, select.POLLIN)
+        poller = None  # made only if the rings are not all there yet
         writers = {w: r for r, (w, _) in self.peers.items()}
-        for w in writers:  # a peer's pipe with no reader left: its process ended
-            poller.register(w, select.POLLERR)
         checked = time.monotonic()
         while len(heard) < self.world - 1:
             if self.broken is not None:
@@ -402,6 +399,11 @@ class SharedExchange:
             if now - checked >= _POLL_MS / 1000:
                 checked = now
                 self._check_alive()
+            if poller is None:
+                poller = select.poll()
+                poller.register(self.bell, select.POLLIN)
+                for w in writers:  # a peer's pipe with no reader left: its process ended
+                    poller.register(w, select.POLLERR)
             for fd, events in poller.poll(_POLL_MS):
                 if fd in writers and events & select.POLLERR:
                     gone = self.global_ranks[writers[fd]]
