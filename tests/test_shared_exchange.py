@@ -205,3 +205,80 @@ def test_a_lost_or_released_peer_fails_a_shared_wait_at_once(
         message, seconds = got[rank]
         assert words in message and "through shared memory failed" in message, (rank, message)
         assert seconds < 10, (rank, seconds)
+
+
+def _exiting_rank(rank: int, port: int, results, go) -> None:
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from worker.collectives import CollectiveError, Collectives
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    comm = Collectives(None)
+    n = 100_000
+    comm.all_gather(torch.empty(2 * n), torch.ones(n))  # opens the shared file
+    out = torch.empty(2 * n)
+    if rank == 0:
+        go.wait(60)  # rank 1 waits (and is stopped) in its last exchange
+    handle = comm.all_gather(out, torch.full((n,), float(rank + 1)), async_op=True)
+    if rank == 1:
+        results.put((rank, "waiting", os.getpid()))
+    try:
+        handle.wait()
+        want = torch.cat([torch.full((n,), 1.0), torch.full((n,), 2.0)])
+        results.put((rank, "equal" if torch.equal(out, want) else "wrong", time.monotonic()))
+    except CollectiveError as exc:
+        results.put((rank, str(exc), time.monotonic()))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # its last exchange done, gone before its peer has read it
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_rang_and_exited_is_heard_not_lost() -> None:
+    """A rank whose last exchange is done exits while its peer still waits in it: the
+    peer finds the doorbell's reader gone in the same poll that brings the ring, and must
+    read the exchange rather than call the peer lost (a clean-clone CI failure of
+    test_no_rank_aborts_at_exit_after_async_collectives). Rank 1 is stopped inside its
+    wait until rank 0 has rung and exited, so that both events are there at once."""
+    import signal
+    import time
+
+    import torch.multiprocessing as mp
+
+    from coordinator.core.ports import free_port
+
+    ctx = mp.get_context("spawn")
+    results, go = ctx.Queue(), ctx.Event()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_exiting_rank, args=(r, port, results, go), daemon=True)
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        rank, what, pid = results.get(timeout=90)
+        assert (rank, what) == (1, "waiting")
+        time.sleep(0.5)  # into its poll
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            go.set()
+            procs[0].join(timeout=60)
+            assert procs[0].exitcode == 0
+            rank, what, _ = results.get(timeout=10)
+            got[rank] = what
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        rank, what, _ = results.get(timeout=60)
+        got[rank] = what
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: "equal", 1: "equal"}, got

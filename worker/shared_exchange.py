@@ -52,15 +52,17 @@ fail with :class:`~worker.collectives.CollectiveError` rather than read each
 other's bytes for another tensor. A wait is a collective's wait for the
 coordinator's stall naming, and it ends in a
 :class:`~worker.collectives.CollectiveError` as a gloo wait does: when a peer
-process is gone (checked every 100 ms), when a peer left the group (a rank
-aborting a broken group rings its peers a last time, as it closes its gloo
-connections: [Note: a survivor that learns late] in worker/compat.py), when
-this rank releases a wait on ranks the coordinator dropped, or at the group's
-collective timeout. When the file cannot grow to hold a larger region
-(``/dev/shm`` full: ``posix_fallocate`` fails on some rank), the group agrees
-to use gloo's collectives from then on. Regions over 64 MiB (an all-to-all's
-is the world size times its input) go over gloo, so that the ring stays under
-200 MiB of host memory a group.
+process is gone (checked every 100 ms) without having rung for it (a peer that
+rang for its last exchange and exited is heard: its rings are in the pipe
+before it ends, and the doorbell is drained before a loss is judged), when a
+peer left the group (a rank aborting a broken group rings its peers a last
+time, as it closes its gloo connections: [Note: a survivor that learns late]
+in worker/compat.py), when this rank releases a wait on ranks the coordinator
+dropped, or at the group's collective timeout. When the file cannot grow to
+hold a larger region (``/dev/shm`` full: ``posix_fallocate`` fails on some
+rank), the group agrees to use gloo's collectives from then on. Regions over
+64 MiB (an all-to-all's is the world size times its input) go over gloo, so
+that the ring stays under 200 MiB of host memory a group.
 """
 
 from __future__ import annotations
@@ -177,6 +179,8 @@ class SharedExchange:
         self.pending: dict[int, Callable[[], None]] = {}
         self.heard: dict[int, dict[int, int]] = defaultdict(dict)  # seq -> {rank: bytes}
         self.broken: str | None = None  # why no wait can succeed any more
+        # peers found ended (why), each failing the exchanges it did not ring for
+        self.ended: dict[int, str] = {}
         self.fallen_back = False  # the group agreed to use gloo's collectives
         fds = [fd, bell, *(w for w, _ in peers.values())]
         weakref.finalize(self, _close_all, fds)
@@ -364,30 +368,43 @@ class SharedExchange:
             try:
                 os.write(self.peers[r][0], record)
             except OSError as exc:  # its reader is gone: the process died
-                self.broken = self.broken or f"rank {self.global_ranks[r]} is gone ({exc})"
+                self.ended.setdefault(r, f"rank {self.global_ranks[r]} is gone ({exc})")
+
+    def _drain(self) -> None:
+        """Take every ring waiting in this rank's doorbell."""
+        while True:
+            try:
+                data = os.read(self.bell, _RING.size * 64)
+            except BlockingIOError:
+                return
+            for r, s, nbytes in _RING.iter_unpack(data):
+                if s != _LEFT:
+                    self.heard[s][r] = nbytes
+                elif r != self.rank:  # its rings came before: the pipe keeps their order
+                    self.ended.setdefault(r, f"rank {self.global_ranks[r]} left the group")
+            if len(data) < _RING.size * 64:
+                return
 
     def _hear(self, seq: int, deadline: float) -> dict[int, int]:
-        """Block until every peer rang for exchange ``seq``; their byte counts."""
+        """Block until every peer rang for exchange ``seq``; their byte counts. A peer
+        found ended fails the exchange only if its ring is still missing once the
+        doorbell has been drained after the finding: a process's rings are in the pipe
+        before it ends, so a peer that rang and then exited (its last exchange done,
+        others still to read it) is heard, not lost."""
         heard = self.heard[seq]
         poller = None  # made only if the rings are not all there yet
         writers = {w: r for r, (w, _) in self.peers.items()}
         checked = time.monotonic()
-        while len(heard) < self.world - 1:
+        while True:
+            self._drain()  # every peer in self.ended was found so before this drain
+            if len(heard) == self.world - 1:
+                return self.heard.pop(seq)
+            lost = sorted(r for r in self.ended if r not in heard)
+            if lost:
+                self.broken = self.broken or self.ended[lost[0]]
             if self.broken is not None:
                 raise _error(f"exchange #{seq} through shared memory failed: {self.broken}")
-            try:
-                data = os.read(self.bell, _RING.size * 64)
-            except BlockingIOError:
-                data = b""
-            for r, s, nbytes in _RING.iter_unpack(data):
-                if s == _LEFT and r != self.rank:
-                    self.broken = self.broken or f"rank {self.global_ranks[r]} left the group"
-                elif s == _LEFT:
-                    continue  # this rank's own wake-up (hang_up)
-                else:
-                    self.heard[s][r] = nbytes
-            if data or len(heard) == self.world - 1:
-                continue
+            known = len(self.ended)
             now = time.monotonic()
             if now >= deadline:
                 missing = sorted(self.global_ranks[r] for r in self.peers if r not in heard)
@@ -404,16 +421,17 @@ class SharedExchange:
                 poller.register(self.bell, select.POLLIN)
                 for w in writers:  # a peer's pipe with no reader left: its process ended
                     poller.register(w, select.POLLERR)
-            for fd, events in poller.poll(_POLL_MS):
+            for fd, events in poller.poll(0 if len(self.ended) > known else _POLL_MS):
                 if fd in writers and events & select.POLLERR:
-                    gone = self.global_ranks[writers[fd]]
-                    self.broken = self.broken or f"rank {gone} left its doorbell: it ended"
-        return self.heard.pop(seq)
+                    poller.unregister(fd)
+                    r = writers.pop(fd)
+                    gone = self.global_ranks[r]
+                    self.ended.setdefault(r, f"rank {gone} left its doorbell: it ended")
 
     def _check_alive(self) -> None:
         for r, (_, pid) in self.peers.items():
-            if not _alive(pid):
-                self.broken = self.broken or f"rank {self.global_ranks[r]} (pid {pid}) exited"
+            if r not in self.ended and not _alive(pid):
+                self.ended[r] = f"rank {self.global_ranks[r]} (pid {pid}) exited"
 
     def hang_up(self, global_ranks: Iterable[int], why: str) -> None:
         """Fail this rank's waits on the group, and theirs on this rank (see the Note)."""
