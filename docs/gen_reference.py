@@ -696,7 +696,9 @@ ENV_DOCS: dict[str, str] = {
     "group falls back to gloo by itself.",
     "ZEROPLANE_MEMBERSHIP_WAIT_S": "Seconds a worker waits for a generation it can "
     "train in (below `--min-workers`, or all ranks meeting at the rendezvous) before it "
-    "gives up (default 600); it says every 30 s what it waits for.",
+    "gives up (default 600); it says every 30 s what it waits for. Also how long "
+    "members all asked to leave train on for workers on their way before they stop "
+    "the job.",
     "ZEROPLANE_STALL_AFTER_S": "Seconds a rank waits in one collective before the "
     "coordinator names the job's stall on `zeroplane status`, the status page, the "
     "`zeroplane_coordinator_stalled` metric and its log (default 5; `--stall-after`).",

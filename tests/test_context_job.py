@@ -126,3 +126,38 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return {n: p.detach() for n, p in ref.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+def test_sigterms_to_every_member_one_after_another_hand_over_to_the_replacements(
+    tmp_path, mesh_job
+) -> None:
+    """A job of one cp group at its minimum: one member is asked to leave (the leave
+    waits, its group being the whole job, and the launcher starts a group in its
+    place), then the other. Every member is now leaving, but workers are on their way:
+    the members train on, grow into the newcomers' generation and hand over to them,
+    rather than stop the job (worker/elastic/change.py [Note: leaving with nobody to
+    hand over to])."""
+    steps = STEPS
+    job = mesh_job(
+        "--nproc", "2", "--min-nproc", "2", "--max-nproc", "4", stage=2,
+        mesh=("--cp", "2", "--cp-kind", "ring"), script=SCRIPT, steps=steps,
+    )  # fmt: skip
+    job.wait_until("two ranks training", lambda: job.world() == 2 and job.step() >= 3)
+    job.pace(3.0)  # while the replacements start (a loaded machine takes tens of seconds)
+    first, second = job.workers()[:2]
+    os.kill(first, signal.SIGTERM)
+    job.wait_until("the leave waits", lambda: "waits until another group joins" in job.text())
+    # (SIGTERMs to every member before the launcher saw one stay stop the job)
+    job.wait_until("the replacements", lambda: job.text().count("in its place") == 2)
+    os.kill(second, signal.SIGTERM)
+    job.wait_until("both leavers gone", lambda: job.text().count("handed over at step") == 2)
+    job.pace(0.0)  # (the rest of the job at its own pace)
+    text = job.finish()
+    assert "workers are on their way" in text and "grew to 4 ranks" in text, text[-4000:]
+    assert "nobody to hand the shards over to" not in text
+    assert "recovered" not in text
+
+    got = torch.load(tmp_path / "final.pt", weights_only=True)
+    diff, name = max_diff(got, reference(steps))
+    assert diff < 1e-5, f"{name} differs from torch by {diff:.3g}"

@@ -80,6 +80,29 @@ def test_the_launchers_expected_workers_form_the_first_generation_at_once() -> N
     assert m.maybe_form() is None  # the expectation was met: the window again
 
 
+def test_newcomers_count_workers_started_or_waiting_until_the_job_stops() -> None:
+    """What members all asked to leave wait for (worker/elastic/change.py [Note:
+    leaving with nobody to hand over to]): workers a launcher started and that have
+    not registered, and registered ones waiting for a generation, not leaving."""
+    clock = Clock()
+    m = membership(clock, min_workers=2, max_workers=4)
+    for wid in ("a", "b"):
+        m.register(worker(wid), inventory())
+    clock.now += 6
+    gen = m.maybe_form()
+    assert gen is not None and m.status().newcomers == 0
+    m.expect_more(2)  # a launcher started two
+    assert m.status().newcomers == 2
+    m.register(worker("c"), inventory())
+    assert m.status().newcomers == 2  # one registered and waiting, one on its way
+    m.heartbeat("c", gen.id, leaving=True)  # asked to leave before it joined: not coming
+    assert m.status().newcomers == 1
+    m.register(worker("d"), inventory())
+    assert m.status().newcomers == 1
+    m.stop("the launcher stops the job")
+    assert m.status().newcomers == 0
+
+
 def test_max_workers_forms_at_once_and_extra_workers_stand_by() -> None:
     clock = Clock()
     m = membership(clock)

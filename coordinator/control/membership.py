@@ -254,6 +254,8 @@ class Membership:
         # the world a launcher's workers make once registered: the next generation forms
         # then, without the rest of the join window (expect_more; None: the window decides)
         self._expected = config.expected_workers
+        # workers a launcher said it started (expect_more) that have not registered yet
+        self._starting = 0
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -296,6 +298,7 @@ class Membership:
         if not self.roster.live:
             self._arrangement = arrangement_for(info)
         self._wait(WorkerEntry(info, now, lease, info.free_ports, peer=peer))
+        self._starting = max(0, self._starting - 1)
         self._event("registered", info.worker_id, f"host {info.host}")
         return False
 
@@ -426,6 +429,15 @@ class Membership:
         if base is None:
             base = 0 if self.generation is None else self.generation.world_size
         self._expected = base + count
+        self._starting += count
+
+    @property
+    def newcomers(self) -> int:
+        """Workers on their way: started by a launcher and not registered yet, or
+        waiting for a generation and not asked to leave; none once over or stopping."""
+        if self.finished or self._stopping is not None:
+            return 0
+        return self._starting + sum(not self.roster.live[w].leaving for w in self.roster.waiting())
 
     def placeable(self, workers: Collection[str]) -> int:
         """How many of ``workers`` a generation of them alone could hold (whole groups
@@ -725,6 +737,7 @@ class Membership:
             mesh_reason="" if gen is None else gen.mesh_reason,
             stall=self.stall or self.stalled,
             stall_kind=self.stall_kind or ("mismatch" if self.stalled else ""),
+            newcomers=self.newcomers,
         )
 
     def snapshot(self) -> Snapshot:

@@ -131,6 +131,7 @@ def api_status(
         "mesh_reason": report.mesh_reason,
         "stall": report.stall,
         "stall_kind": report.stall_kind,
+        "newcomers": report.newcomers,
         "trainable_parameters": report.trainable_numel,
         "workers": [
             {

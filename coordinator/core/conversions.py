@@ -342,6 +342,7 @@ def status_to_proto(status: StatusReport) -> pb.StatusResponse:
         mesh_reason=status.mesh_reason,
         stall=status.stall,
         stall_kind=status.stall_kind,
+        newcomers=status.newcomers,
     )
     mesh_to_proto(status.mesh, msg.mesh)
     return msg
@@ -393,4 +394,5 @@ def status_from_proto(msg: pb.StatusResponse) -> StatusReport:
         mesh_reason=msg.mesh_reason,
         stall=msg.stall,
         stall_kind=msg.stall_kind,
+        newcomers=msg.newcomers,
     )

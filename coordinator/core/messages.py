@@ -366,6 +366,8 @@ class StatusReport:
     # a stall named by comparing the members' whereabouts, and its kind (stalls.py)
     stall: str = ""
     stall_kind: str = ""
+    # workers on their way into the job (Membership.newcomers; 0 once over or stopping)
+    newcomers: int = 0
 
     def coords(self, rank: int | None) -> MeshCoords | None:
         """A member's place in the generation's mesh; None without one (or a rank)."""

@@ -19,6 +19,24 @@ and hands over in the generation that forms. Before, the members handed
 the state to each other one boundary after another until the last one had
 nobody to give it to and crashed (or waited for a generation that never
 formed until it was killed).
+
+Every member asked to leave is not always a job being stopped: SIGTERMs from
+outside reach the members one after another (a node drained, pods evicted),
+and a launcher keeping the job's minimum starts a replacement for each
+leaver while others still stay (coordinator/commands/keeping.py
+``keep_minimum``). A leave that had to wait for a newcomer (the leaver's ep
+or cp group is the whole job, or the world is one rank) then meets the next
+SIGTERM, and every member is leaving while the replacements are seconds from
+registering. So at such a boundary each member asks the coordinator whether
+workers are on their way (``StatusReport.newcomers``: started by a launcher
+and not registered yet, or registered and waiting for a generation; none
+once the launcher says it stops the job; or a newer generation has formed
+with them), and the members agree on the answer (a MAX all-reduce, since
+they may hear it at different moments). Yes: they train on, announcing no
+leave that would hold back the newcomers' generation, grow into it, and the
+leavers then hand over to the newcomers as in any leave. No, or no newcomer
+joined within ``$ZEROPLANE_MEMBERSHIP_WAIT_S``: they leave holding the
+state, as above.
 """
 
 from __future__ import annotations
@@ -27,9 +45,12 @@ import logging
 import time
 from typing import NoReturn
 
+import torch
 import torch.distributed as dist
 
+from coordinator.control.client import CoordinatorError
 from coordinator.core.messages import STOPPED, Generation
+from coordinator.core.settings import env_seconds
 from worker import live
 from worker.collectives import Collectives
 from worker.compat import abort_default_group
@@ -37,6 +58,7 @@ from worker.elastic import blocks
 from worker.elastic.phases import Handed, PeerLost, Phase, Session, admitted
 from worker.elastic.prepared import PreparedLeave, PreparedScaleUp
 from worker.engine import ZeroEngine
+from worker.rendezvous import MEMBERSHIP_WAIT_ENV
 
 __all__ = [
     "NO_GENERATION",
@@ -46,6 +68,7 @@ __all__ = [
     "hand_over",
     "join_ahead",
     "leave_holding_state",
+    "newcomers_awaited",
     "prepare_leave",
     "ready_for",
 ]
@@ -307,6 +330,25 @@ def leave_holding_state(
     control.close(leave=True, reason=STOPPED)
     session._to(Phase.LEFT)
     raise SystemExit(0)
+
+
+def newcomers_awaited(session: Session, since: float) -> bool:
+    """Every member was asked to leave at this boundary: whether they all agree to
+    train on for workers on their way, having waited since ``since`` (monotonic)
+    ([Note: leaving with nobody to hand over to]). A collective of every member."""
+    control = admitted(session)
+    patience = env_seconds(MEMBERSHIP_WAIT_ENV, 600.0)
+    coming = False
+    if time.monotonic() - since < patience:
+        try:
+            status = control.client.status()
+            # (a newer generation holds them: the members switch to it when all are ready)
+            coming = status.newcomers > 0 or status.generation_id > control.generation.id
+        except CoordinatorError as exc:  # (another member may hear it)
+            logger.warning("could not ask the coordinator for newcomers: %s", exc)
+    agreed = torch.tensor([int(coming)], dtype=torch.int32)
+    Collectives(None).all_reduce(agreed, op="max", control=True)
+    return bool(agreed.item())
 
 
 def grow_to(session: Session, engine: ZeroEngine, gen: Generation) -> None:

@@ -79,6 +79,9 @@ class ElasticSession(FinalReport):
         self.carried: rings.Carried | None = None
         # a leave it could not make yet was said (_leave_deferred)
         self._told_deferred = False
+        # since when every member, asked to leave, trains on for workers on their way
+        # ([Note: leaving with nobody to hand over to] in worker/elastic/change.py)
+        self._awaiting_since: float | None = None
 
     # what the keeper holds, read as the session's own
     @property
@@ -127,7 +130,11 @@ class ElasticSession(FinalReport):
         if isinstance(ahead, PreparedLeave):
             # a leave was announced: hand over once every survivor has prepared
             waiting = ahead.rank is not None and not ahead.ready(_LEAVE_PATIENCE_S)
-        elif self.leave_requested and not self._leave_deferred(engine, control.rank):
+        elif (
+            self.leave_requested
+            and self._awaiting_since is None  # (the announcement would hold them back)
+            and not self._leave_deferred(engine, control.rank)
+        ):
             # announce the leave first, where a step is short enough to afford it
             waiting = self.clock.estimate() <= _ANNOUNCE_MAX_STEP_S
         elif (
@@ -194,14 +201,17 @@ class ElasticSession(FinalReport):
             self.keeper.log.commit(engine.global_steps)
         self.clock.tick()
         self._confirm_refresh(engine)  # before anything changes the membership
+        switching = agreed.switches_to_newer(control.generation.id)
+        everyone = agreed.everyone_leaving and not switching and not self._newcomers_awaited()
+        if not agreed.everyone_leaving:
+            self._awaiting_since = None  # (those it waited for joined)
         leaving = None if agreed.everyone_leaving else agreed.leaving_rank
         if leaving is not None and self._leave_deferred(engine, leaving):
             leaving = None
         if leaving is not None and agreed.waiting:
             change.prepare_leave(self, engine, leaving)  # announced: hand over once prepared
             leaving = None
-        switching = agreed.switches_to_newer(control.generation.id)
-        changing = agreed.everyone_leaving or leaving is not None or switching
+        changing = everyone or leaving is not None or switching
         if stepped:
             interval = engine.config.replica_interval
             if interval and engine.global_steps % interval == 0 and not changing:
@@ -211,7 +221,7 @@ class ElasticSession(FinalReport):
         start = time.perf_counter()
         if changing:
             change.join_ahead(self, drop=not (switching or leaving is not None))
-        if agreed.everyone_leaving:
+        if everyone:
             change.leave_holding_state(self, engine, "every member was asked to leave at this step")
         if leaving is not None:
             change.hand_over(self, engine, leaving)
@@ -222,6 +232,19 @@ class ElasticSession(FinalReport):
                 control.generation, gen = gen, control.wait_newer()
             change.grow_to(self, engine, gen)
             engine.stats.record_pause("scale_up", time.perf_counter() - start)
+
+    def _newcomers_awaited(self) -> bool:
+        """Every member was asked to leave: whether they agree to train on for
+        workers on their way (``change.newcomers_awaited``)."""
+        now = time.monotonic()
+        awaited = change.newcomers_awaited(self, self._awaiting_since or now)
+        if awaited and self._awaiting_since is None:
+            logger.warning(
+                "every member was asked to leave, but workers are on their way: training "
+                "goes on, and the members hand over to them once they join"
+            )
+        self._awaiting_since = (self._awaiting_since or now) if awaited else None
+        return awaited
 
     def _leave_deferred(self, engine: ZeroEngine, leaving: int) -> bool:
         """Rank ``leaving``'s block (its ep or cp group) is the whole world while the

@@ -489,7 +489,7 @@ class MembershipSettings(_message.Message):
     def __init__(self, min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., join_window_s: _Optional[float] = ..., lease_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("phase", "waiting_reason", "generation_id", "world_size", "stage", "stage_reason", "rendezvous_endpoint", "workers", "events", "settings", "trainable_numel", "inventory_digest", "server_version", "epoch", "mesh", "mesh_reason", "stall", "stall_kind")
+    __slots__ = ("phase", "waiting_reason", "generation_id", "world_size", "stage", "stage_reason", "rendezvous_endpoint", "workers", "events", "settings", "trainable_numel", "inventory_digest", "server_version", "epoch", "mesh", "mesh_reason", "stall", "stall_kind", "newcomers")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     WAITING_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -508,6 +508,7 @@ class StatusResponse(_message.Message):
     MESH_REASON_FIELD_NUMBER: _ClassVar[int]
     STALL_FIELD_NUMBER: _ClassVar[int]
     STALL_KIND_FIELD_NUMBER: _ClassVar[int]
+    NEWCOMERS_FIELD_NUMBER: _ClassVar[int]
     phase: str
     waiting_reason: str
     generation_id: int
@@ -526,7 +527,8 @@ class StatusResponse(_message.Message):
     mesh_reason: str
     stall: str
     stall_kind: str
-    def __init__(self, phase: _Optional[str] = ..., waiting_reason: _Optional[str] = ..., generation_id: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., rendezvous_endpoint: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., settings: _Optional[_Union[MembershipSettings, _Mapping]] = ..., trainable_numel: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., server_version: _Optional[str] = ..., epoch: _Optional[str] = ..., mesh: _Optional[_Union[MeshShape, _Mapping]] = ..., mesh_reason: _Optional[str] = ..., stall: _Optional[str] = ..., stall_kind: _Optional[str] = ...) -> None: ...
+    newcomers: int
+    def __init__(self, phase: _Optional[str] = ..., waiting_reason: _Optional[str] = ..., generation_id: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ..., stage_reason: _Optional[str] = ..., rendezvous_endpoint: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., settings: _Optional[_Union[MembershipSettings, _Mapping]] = ..., trainable_numel: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., server_version: _Optional[str] = ..., epoch: _Optional[str] = ..., mesh: _Optional[_Union[MeshShape, _Mapping]] = ..., mesh_reason: _Optional[str] = ..., stall: _Optional[str] = ..., stall_kind: _Optional[str] = ..., newcomers: _Optional[int] = ...) -> None: ...
 
 class PersistedState(_message.Message):
     __slots__ = ("format_version", "inventory", "generation", "members", "epoch", "inventory_digest", "left", "finished_by", "stopping")
