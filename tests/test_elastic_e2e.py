@@ -699,8 +699,13 @@ def test_retiring_a_worker_that_is_still_starting_is_a_clean_leave(tmp_path: Pat
         run.proc.send_signal(signal.SIGUSR1)
         run.wait_for("started worker 2")
         run.proc.send_signal(signal.SIGUSR2)
+        # the job must outlast the new worker's start: at full speed once it is gone
+        deadline = time.monotonic() + 90
+        while len(run.workers()) > 2 and run.proc.poll() is None:
+            assert time.monotonic() < deadline, run.story()
+            time.sleep(0.2)
     finally:
-        code = run.wait(hurry=False)  # the job must outlast the new worker's start
+        code = run.wait()
     assert code == 0, run.story()
     assert_matches_reference(run.out)
 

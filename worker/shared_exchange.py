@@ -291,6 +291,8 @@ class SharedExchange:
         self._complete(self.seq + 1 - BEHIND)  # [Note: exchanges through shared memory]
         if self.fallen_back or total > MAX_REGION_BYTES:
             return None
+        if self.broken is not None:  # no ring after a hang-up: peers would read it
+            raise _error(f"exchange #{self.seq + 1} through shared memory failed: {self.broken}")
         if total > self.largest and not self._grow(total):
             return None
         at = self._place(total)
@@ -396,14 +398,15 @@ class SharedExchange:
         writers = {w: r for r, (w, _) in self.peers.items()}
         checked = time.monotonic()
         while True:
+            if self.broken is not None:  # (this rank hung up, or an exchange failed)
+                raise _error(f"exchange #{seq} through shared memory failed: {self.broken}")
             self._drain()  # every peer in self.ended was found so before this drain
             if len(heard) == self.world - 1:
                 return self.heard.pop(seq)
             lost = sorted(r for r in self.ended if r not in heard)
             if lost:
-                self.broken = self.broken or self.ended[lost[0]]
-            if self.broken is not None:
-                raise _error(f"exchange #{seq} through shared memory failed: {self.broken}")
+                self.broken = self.ended[lost[0]]
+                continue
             known = len(self.ended)
             now = time.monotonic()
             if now >= deadline:
