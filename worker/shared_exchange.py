@@ -395,7 +395,8 @@ class SharedExchange:
         others still to read it) is heard, not lost."""
         heard = self.heard[seq]
         poller = None  # made only if the rings are not all there yet
-        writers = {w: r for r, (w, _) in self.peers.items()}
+        # (a peer found ended has no pipe left to watch)
+        writers = {w: r for r, (w, _) in self.peers.items() if r not in self.ended}
         checked = time.monotonic()
         while True:
             if self.broken is not None:  # (this rank hung up, or an exchange failed)

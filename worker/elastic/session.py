@@ -236,14 +236,14 @@ class ElasticSession(FinalReport):
     def _newcomers_awaited(self) -> bool:
         """Every member was asked to leave: whether they agree to train on for
         workers on their way (``change.newcomers_awaited``)."""
-        now = time.monotonic()
-        awaited = change.newcomers_awaited(self, self._awaiting_since or now)
+        since = self._awaiting_since or time.monotonic()
+        awaited = change.newcomers_awaited(self, since)
         if awaited and self._awaiting_since is None:
             logger.warning(
                 "every member was asked to leave, but workers are on their way: training "
                 "goes on, and the members hand over to them once they join"
             )
-        self._awaiting_since = (self._awaiting_since or now) if awaited else None
+        self._awaiting_since = since if awaited else None
         return awaited
 
     def _leave_deferred(self, engine: ZeroEngine, leaving: int) -> bool:
