@@ -8,12 +8,16 @@ checked against sums computed here."""
 
 from __future__ import annotations
 
+import copy
+import os
+
 import pytest
 import torch
 
 import worker
 from tests.reference import OPTIMIZERS, VOCAB, seeded_model
 from worker.collectives import BUFFER_GRAIN, Collectives
+from worker.shared_exchange import SHM_DISABLE_ENV
 
 
 def _input(rank: int, it: int, numel: int) -> torch.Tensor:
@@ -24,14 +28,23 @@ def _reduce_scatter_reuses(sizes: list[int]) -> dict:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ[SHM_DISABLE_ENV] = "1"  # over gloo's transport (shared memory needs none)
+    try:
+        return _gloo_reduce_scatter_reuses(sizes, rank, world)
+    finally:
+        del os.environ[SHM_DISABLE_ENV]
+
+
+def _gloo_reduce_scatter_reuses(sizes: list[int], rank: int, world: int) -> dict:
     comm = Collectives(None)
     seen: list[set[int]] = []
     for it, n in enumerate(sizes):
         numel = n * world
         out = torch.empty(n)
         comm.reduce_scatter(out, _input(rank, it, numel), async_op=True).wait()
+        # the chunks added in rank order, as through shared memory
         want = sum(_input(r, it, numel) for r in range(world)).view(world, -1)[rank]
-        torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+        assert torch.equal(out, want)
         seen.append({b.data_ptr() for b in comm._scratch})
     # three in flight at once need three buffers; two are kept afterwards
     outs = [torch.empty(sizes[0]) for _ in range(3)]
@@ -159,21 +172,58 @@ def test_stage3_gathers_reuse_their_memory_step_after_step() -> None:
     assert storages.held == 0
 
 
-def test_staging_buffers_are_as_large_as_their_buckets_need() -> None:
-    """worker/reducers.py [Note: staging buffers by need]: a large bucket's buffer is
-    not made for every bucket; each takes the smallest free buffer that fits."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(  # an embedding of 4 x BUFFER_GRAIN elements, small layers
-        torch.nn.Embedding(8192, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
-    )
-    config = worker.ZeroConfig(stage=2, bucket_numel=4096)
+class _TwoTables(torch.nn.Module):
+    """Two embeddings that fill one bucket between them, and small layers after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # (buckets fill from the last parameter: the tables' first, then the layers')
+        self.head = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 8))
+        self.a, self.b = torch.nn.Embedding(4096, 32), torch.nn.Embedding(4096, 32)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.a(idx % 4096) + self.b(idx // 2))
+
+
+def _train_three_steps(model: torch.nn.Module, bucket_numel: int) -> worker.ZeroEngine:
+    config = worker.ZeroConfig(stage=2, bucket_numel=bucket_numel)
     engine = worker.initialize(model, torch.optim.AdamW(model.parameters()), config=config)
     for step in range(3):
         idx = torch.randint(0, 8192, (2, 8), generator=torch.Generator().manual_seed(step))
         engine.backward(engine(idx).square().mean())
         engine.step()
+    return engine
+
+
+def test_staging_buffers_are_as_large_as_their_buckets_need() -> None:
+    """worker/reducers.py [Note: staging buffers by need]: a large bucket's buffer is
+    not made for every bucket; each takes the smallest free buffer that fits."""
+    torch.manual_seed(0)
+    engine = _train_three_steps(_TwoTables(), bucket_numel=2 * 4096 * 32)
     needs = sorted((b.spec.padded_numel for b in engine.buckets), reverse=True)
     held = sorted((b.numel() for b in engine.state.pool.free), reverse=True)
     assert len(held) == 2 and needs == [needs[0], needs[1]], (needs, held)
     assert needs[0] > BUFFER_GRAIN > needs[1], (needs, held)
     assert held == [-(-needs[0] // BUFFER_GRAIN) * BUFFER_GRAIN, BUFFER_GRAIN], (needs, held)
+
+
+def test_a_bucket_of_one_parameter_reduces_its_gradient_without_a_buffer() -> None:
+    """An embedding alone in its bucket: its gradient is reduced as it is, so the pool
+    never makes a buffer of its size, and the training is AdamW's in one process."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(  # an embedding of 4 x BUFFER_GRAIN elements, small layers
+        torch.nn.Embedding(8192, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+    )
+    ref = copy.deepcopy(model)
+    engine = _train_three_steps(model, bucket_numel=4096)
+    assert [len(b.params) for b in engine.buckets if b.spec.numel > BUFFER_GRAIN] == [1]
+    assert [b.numel() for b in engine.state.pool.free] == [BUFFER_GRAIN]
+    opt = torch.optim.AdamW(ref.parameters())
+    for step in range(3):
+        idx = torch.randint(0, 8192, (2, 8), generator=torch.Generator().manual_seed(step))
+        ref(idx).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    got = engine.full_state_dict()
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6, msg=name)

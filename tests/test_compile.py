@@ -154,8 +154,11 @@ def compiled_under_tp(stage: int, kind: str = "gpt") -> tuple[dict[str, torch.Te
     from tests.test_mesh import _mesh_engine, _train
 
     torch._dynamo.reset()
-    engine = _mesh_engine(kind, stage, 2, 0.0, compile=True)
-    _train(engine, kind, engine.shape.dp, engine.coords.dp, range(MESH_STEPS))
+    # stage 3's hooks out of the graphs is dynamo's part: inductor's code generation for
+    # four ranks on two cores adds nothing to it (the Llama case generates code)
+    with _without_codegen() if stage == 3 else contextlib.nullcontext():
+        engine = _mesh_engine(kind, stage, 2, 0.0, compile=True)
+        _train(engine, kind, engine.shape.dp, engine.coords.dp, range(MESH_STEPS))
     report = engine.compile_report()
     return engine.full_state_dict(), str(report), report.graph_breaks
 

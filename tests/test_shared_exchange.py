@@ -27,6 +27,7 @@ def gather_many(dtype_name: str, ahead: int) -> dict:
     import torch.distributed as dist
 
     from worker.collectives import Collectives
+    from worker.shared_exchange import MIN_SHARED_BYTES
 
     dtype = getattr(torch, dtype_name)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -48,15 +49,28 @@ def gather_many(dtype_name: str, ahead: int) -> dict:
         want = torch.cat([_contribution(r, i, n, dtype) for r in range(world)])
         if not torch.equal(out, want):
             mismatches.append(i)
-    # reduce-scatters (gloo's: an all-to-all and a sum), between gathers as in a backward
+    # reduce-scatters, between gathers as in a backward, waited ``ahead`` behind; each
+    # input is overwritten once issued (through shared memory it is free then)
+    summed = dtype if dtype.is_floating_point else torch.float32
+    reduced, handles = [], []
     for i, n in enumerate(SIZES):
-        full = _contribution(rank, 100 + i, n * world, torch.float32)
-        mine = torch.empty(n)
+        full = _contribution(rank, 100 + i, n * world, summed)
+        reduced.append(torch.empty(n, dtype=summed))
         comm.all_gather(torch.empty(n * world), torch.ones(n))  # between them
-        comm.reduce_scatter(mine, full)
-        parts = [_contribution(r, 100 + i, n * world, torch.float32) for r in range(world)]
-        want = torch.stack(parts).sum(dim=0).view(world, -1)[rank]
-        if not torch.allclose(mine, want, rtol=0, atol=1e-5):
+        handles.append(comm.reduce_scatter(reduced[-1], full, async_op=True))
+        if comm._host is not None and full.numel() * full.element_size() >= MIN_SHARED_BYTES:
+            full.fill_(float("nan"))
+        if len(handles) > ahead:
+            handles[len(handles) - ahead - 1].wait()
+    for h in handles:
+        h.wait()
+    for i, n in enumerate(SIZES):
+        parts = [_contribution(r, 100 + i, n * world, summed) for r in range(world)]
+        # the ranks' chunks added one after another in rank order, in fp32 for bf16
+        want = parts[0].float()
+        for part in parts[1:]:
+            want += part
+        if not torch.equal(reduced[i], want.to(summed).view(world, -1)[rank]):
             mismatches.append(("reduce_scatter", i))
     host = comm._host
     files = [os.fstat(fd) for fd in (host.fd, host.bell)] if host else []
@@ -68,6 +82,10 @@ def gather_many(dtype_name: str, ahead: int) -> dict:
         "gathers": comm.stats["all_gather"].calls - len(SIZES),
         "capacity": host.capacity if host else 0,
         "left": sorted(set(os.listdir("/dev/shm")) - before),
+        # no receive buffer as large as an input (only gloo's, for the exchanges too
+        # small for shared memory), but one chunk's
+        "receive_bytes": max((t.numel() * t.element_size() for t in comm._scratch), default=0),
+        "chunk_bytes": host._chunk.numel() if host and host._chunk is not None else 0,
     }
 
 
@@ -84,9 +102,59 @@ def test_exchanges_through_shared_memory_equal_the_concatenation_and_the_sum(
         assert r["gathers"] == 2 * len(SIZES)
         assert r["left"] == [], "the shared file is unlinked once every rank opened it"
         assert r["modes"] == [(0o600, 0), (0o600, 0)]
+        # a reduce-scatter reads one chunk at a time: no buffer of its input's size
+        summed = 2 if dtype == "bfloat16" else 4
+        assert r["receive_bytes"] < max(SIZES) * world * summed, r["receive_bytes"]
+        assert r["chunk_bytes"] == max(SIZES) * summed, r["chunk_bytes"]
     # the ring: three times the largest region (a reduce-scatter's: world x its input)
-    largest = max(SIZES) * world * world * 4
+    largest = max(SIZES) * world * world * summed
     assert results[0]["capacity"] >= 3 * largest
+
+
+def reduce_in_pieces(dtype_name: str, limit: int) -> dict:
+    """Reduce-scatters whose regions are over ``limit`` bytes (made the largest here),
+    so that each goes in pieces (the last one narrower)."""
+    import torch.distributed as dist
+
+    import worker.shared_exchange as shared
+    from worker.collectives import Collectives
+
+    dtype = getattr(torch, dtype_name)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm, mismatches = Collectives(None), []
+    before, shared.MAX_REGION_BYTES = shared.MAX_REGION_BYTES, limit
+    try:
+        for i, n in enumerate([70_001, 150_000, 20_000]):
+            mine = torch.empty(n, dtype=dtype)
+            full = _contribution(rank, 200 + i, n * world, dtype)
+            comm.reduce_scatter(mine, full, async_op=True).wait()
+            parts = [_contribution(r, 200 + i, n * world, dtype) for r in range(world)]
+            want = parts[0].float()
+            for part in parts[1:]:
+                want += part
+            if not torch.equal(mine, want.to(dtype).view(world, -1)[rank]):
+                mismatches.append(i)
+        host = comm._host
+        return {
+            "mismatches": mismatches,
+            "shared": host is not None,
+            "largest": host.largest if host else 0,
+            "chunk_bytes": host._chunk.numel() if host and host._chunk is not None else 0,
+            "receive_buffers": len(comm._scratch),
+        }
+    finally:
+        shared.MAX_REGION_BYTES = before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_reduce_scatter_over_the_region_limit_goes_in_pieces(pools, dtype: str) -> None:
+    world, limit = 3, 1 << 20
+    for r in pools(world).run(reduce_in_pieces, dtype, limit):
+        assert r["shared"] and r["mismatches"] == [], r
+        assert r["receive_buffers"] == 0, r
+        # every region within the limit, and read a piece's chunk at a time
+        assert 0 < r["largest"] <= limit, r
+        assert r["chunk_bytes"] <= limit // world**2, r
 
 
 def gather_disagreeing() -> str:

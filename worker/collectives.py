@@ -20,7 +20,11 @@ the full tensor. Measured on this project's CPU machines, 2 ranks, 10M fp32
 elements: reduce-scatter 94-127 ms, all-to-all plus a local sum 25-32 ms;
 all-gather 60 ms, one broadcast per rank of its own slot 18 ms; all-reduce
 35-50 ms. On gloo the two ops are therefore built from those; NCCL keeps its
-native ones. The local sum runs in fp32 for bf16/fp16 inputs.
+native ones. The local sum adds the ranks' chunks one after another in rank
+order, in fp32 for bf16/fp16 inputs (``sum_chunks``), the same sum whether they
+came over gloo or through shared memory, where a reduce-scatter reads and adds
+them one at a time, with no buffer as large as its input
+(worker/shared_exchange.py).
 """
 
 from __future__ import annotations
@@ -38,7 +42,13 @@ import torch
 import torch.distributed as dist
 
 from worker.compat import all_gather_flat, reduce_scatter_flat
-from worker.shared_exchange import MIN_SHARED_BYTES, SHM_DISABLE_ENV, SharedExchange, Started
+from worker.shared_exchange import (
+    MIN_SHARED_BYTES,
+    SHM_DISABLE_ENV,
+    SharedExchange,
+    Started,
+    sum_chunks,
+)
 from worker.whereabouts import TRACKER, Call, GroupTag
 
 __all__ = ["CollectiveError", "Collectives", "Handle", "OpStats", "StepAborted"]
@@ -117,7 +127,7 @@ class Handle:
     are nearly always buffers the engine keeps anyway.
     """
 
-    __slots__ = ("_call", "_outlive", "_start", "_stats", "_then", "_works")
+    __slots__ = ("_call", "_outlive", "_start", "_stats", "_then", "_works", "input_free")
 
     def __init__(
         self,
@@ -133,6 +143,9 @@ class Handle:
         self._stats, self._start, self._then = stats, start, then
         self._outlive = outlive  # a gloo work: keep it past the wait (see the Note)
         self._call = call  # worker/whereabouts.py [Note: naming a stall]
+        # the collective holds no reference to its input any more (a shared exchange
+        # wrote it out as it was issued): the caller may reuse it before the wait
+        self.input_free = False
 
     def done(self) -> bool:
         """Whether every work has completed (or failed), without waiting: ``wait()``
@@ -294,24 +307,19 @@ class Collectives:
             return _DONE
         stats, start = self._book("reduce_scatter", _nbytes(input))
         if self.backend == "gloo":
+            shared = self._shared("reduce_scatter", output, input)
+            if shared is not None:  # [Note: exchanges through shared memory]
+                self._scratch.clear()  # none needed (a fall-back to gloo makes them anew)
+                work, finish = shared
+                handle = self._finish(work, stats, start, async_op, finish)
+                handle.input_free = True
+                return handle
             # [Note: gloo's flat collectives] an all-to-all moves each chunk once
             chunks = self._take_scratch(input)
-            shared = self._shared("all_to_all", chunks, input)
-            if shared is None:
-                work = _issue(
-                    dist.all_to_all_single, chunks, input, group=self.group, async_op=True
-                )
-            else:  # [Note: exchanges through shared memory]
-                work, received = shared
+            work = _issue(dist.all_to_all_single, chunks, input, group=self.group, async_op=True)
 
             def add_up() -> None:
-                if shared is not None:
-                    received()
-                parts = chunks.view(self.world_size, -1)
-                if parts.dtype in (torch.bfloat16, torch.float16):
-                    output.copy_(parts.float().sum(dim=0))
-                else:
-                    torch.sum(parts, dim=0, out=output)
+                sum_chunks(output, chunks.view(self.world_size, -1))
                 self._give_scratch(chunks)
 
             return self._finish(work, stats, start, async_op, add_up)
@@ -404,16 +412,18 @@ class Collectives:
         return self._finish(work, stats, start, async_op)
 
     def _shared(self, op: str, output: torch.Tensor, input: torch.Tensor) -> Started | None:
-        """Start ``op`` ("all_gather" or "all_to_all", equal chunks) through this host's
-        shared memory where every rank of the group can (worker/shared_exchange.py);
-        None: over gloo's transport. Every rank decides alike from the shapes."""
-        expected = _nbytes(input) * (self.world_size if op == "all_gather" else 1)
+        """Start ``op`` ("all_gather", "all_to_all" or "reduce_scatter", equal chunks)
+        through this host's shared memory where every rank of the group can
+        (worker/shared_exchange.py); None: over gloo's transport. Every rank decides
+        alike from the shapes."""
+        moved = _nbytes(input) * (self.world_size if op == "all_gather" else 1)
+        expected = moved // self.world_size if op == "reduce_scatter" else moved
         if (
             output.device.type != "cpu"
             or input.device.type != "cpu"
             or not (output.is_contiguous() and input.is_contiguous())
             or _nbytes(output) != expected  # gloo says what is wrong
-            or _nbytes(output) < MIN_SHARED_BYTES
+            or moved < MIN_SHARED_BYTES
         ):
             return None
         # issuing completes the one before: a wait ([Note: naming a stall])

@@ -166,7 +166,12 @@ class StagingPool:
     still ends with two of the large one's size, as before.
 
     A bucket takes one when its first gradient of a backward arrives and gives
-    it back once its reduce-scatter is waited on. When both are taken, the
+    it back once its reduce-scatter is waited on, or at once where the collective
+    no longer reads it (a shared exchange writes its input out as it is issued:
+    worker/shared_exchange.py; a reduction in another dtype reads a copy), so
+    that one buffer serves bucket after bucket. A bucket of one parameter that
+    fills it takes none: its gradient is reduced as it is (``_is_the_bucket``),
+    which spares a copy and a buffer of an embedding's or a head's size. When both are taken, the
     oldest bucket already reducing is waited on to free one (its collective
     was issued long before, so this rarely blocks); only when no holder is
     reducing yet (gradients of several buckets arrive interleaved) does the
@@ -206,9 +211,10 @@ class StagingPool:
     def release(self, b: FlatBucket) -> None:
         if b.staging is None:
             return
-        self._holders.remove(b)
-        base = b.staging._base if b.staging._base is not None else b.staging
-        self._free.append(base)
+        if b in self._holders:  # not a gradient reduced in place of a buffer
+            self._holders.remove(b)
+            base = b.staging._base if b.staging._base is not None else b.staging
+            self._free.append(base)
         b.staging = None
 
     def trim(self) -> None:
@@ -283,10 +289,28 @@ class ReduceScatterStaging(GradReducer):
             b.staged = [False] * len(b.params)
         return b.staging
 
+    def _is_the_bucket(self, b: FlatBucket, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` can be reduced as it is, in the place of a staging buffer:
+        the gradient of a bucket's only parameter, filling it (no padding), contiguous,
+        in the dtype and on the device the bucket reduces in ([Note: staging buffers by
+        need]). An embedding's or an output head's bucket is often that."""
+        return (
+            b.staging is None
+            and len(b.params) == 1
+            and b.spec.padded_numel == b.spec.numel == grad.numel()
+            and grad.dtype == self.reduce_dtype
+            and grad.device == b.full.device
+            and grad.is_contiguous()
+        )
+
     def on_grad(self, b: FlatBucket, pos: int, p: nn.Parameter) -> None:
+        grad = p.grad.reshape(-1)
+        if self._is_the_bucket(b, grad):  # the bucket is the gradient: no copy
+            b.staging, b.staged = grad, [True]
+            p.grad = None
+            return
         slot = b.spec.slots[pos]
         dst = self._staging(b)[slot.offset : slot.offset + slot.numel]
-        grad = p.grad.reshape(-1)
         # a parameter can receive its gradient in several pieces within one
         # backward (a reentrant checkpoint runs a backward of its own)
         dst.add_(grad) if b.staged[pos] else dst.copy_(grad)
@@ -303,11 +327,14 @@ class ReduceScatterStaging(GradReducer):
         return staging
 
     def launch(self, b: FlatBucket, comm: Collectives) -> None:
-        src = _as(self.source(b), self.reduce_dtype)
+        staging = self.source(b)
+        src = _as(staging, self.reduce_dtype)
         assert b.grad_shard is not None
         direct = not b.accumulated and src.dtype == b.grad_shard.dtype
         b.reduced = b.grad_shard if direct else src.new_empty(b.spec.shard_numel)
         b.handle = comm.reduce_scatter(b.reduced, src, async_op=True)
+        if src is not staging or b.handle.input_free:
+            self.pool.release(b)  # nothing reads it any more: the next bucket may take it
 
     def done(self, b: FlatBucket) -> None:
         assert b.grad_shard is not None and b.reduced is not None

@@ -78,7 +78,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,7 @@ __all__ = [
     "SharedExchangeError",
     "Started",
     "hang_up",
+    "sum_chunks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,8 @@ _LEFT = -1
 _OPEN: weakref.WeakSet[SharedExchange] = weakref.WeakSet()
 _OPEN_LOCK = threading.Lock()
 
-Started = tuple["_Rings", Callable[[], None]]
+# what to wait on (one exchange, or the pieces of one) and what completes it once done
+Started = tuple["_Rings | list[_Rings]", Callable[[], None]]
 
 
 def _buffer(t: torch.Tensor, start: int = 0, stop: int | None = None) -> memoryview:
@@ -139,6 +141,22 @@ def _read(fd: int, into: memoryview, offset: int) -> None:
         if done == 0:
             raise OSError(f"the shared exchange file ended at byte {offset}")
         into, offset = into[done:], offset + done
+
+
+def sum_chunks(output: torch.Tensor, chunks: Iterable[torch.Tensor]) -> None:
+    """``output`` = the sum of ``chunks`` (each as ``output``, taken as it comes: an
+    iterator may refill one buffer), added one after another in their order, in fp32
+    for 16-bit dtypes: the same sum through shared memory and over gloo."""
+    acc: torch.Tensor | None = None
+    wide = output.dtype in (torch.bfloat16, torch.float16)
+    for chunk in chunks:
+        chunk = chunk.view(output.shape)
+        if acc is None:
+            acc = chunk.float() if wide else output.copy_(chunk)
+        else:
+            acc.add_(chunk)
+    if acc is not None and acc is not output:
+        output.copy_(acc)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -182,6 +200,7 @@ class SharedExchange:
         # peers found ended (why), each failing the exchanges it did not ring for
         self.ended: dict[int, str] = {}
         self.fallen_back = False  # the group agreed to use gloo's collectives
+        self._chunk: torch.Tensor | None = None  # a reduce-scatter's (see reduce_scatter)
         fds = [fd, bell, *(w for w, _ in peers.values())]
         weakref.finalize(self, _close_all, fds)
         with _OPEN_LOCK:
@@ -277,17 +296,81 @@ class SharedExchange:
             output.view(self.world, -1)[self.rank].copy_(input.view(self.world, -1)[self.rank])
         return started
 
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Started | None:
+        """Issue the reduce-scatter (a sum) of ``input``'s equal chunks into ``output``
+        (contiguous, on the CPU): chunk r of every rank, summed in rank order
+        (:func:`sum_chunks`), lands in rank r's ``output``. The all-to-all of
+        :meth:`all_to_all`, but each chunk is read out of the region into one
+        chunk-sized buffer and added as it comes: no receive buffer as large as the
+        input (what gloo's all-to-all and a sum need: [Note: gloo's flat
+        collectives] in worker/collectives.py). This rank's own chunk is read back
+        from its slot too, so ``input`` is free to reuse once this returns.
+
+        An input whose region (world x its bytes) is over ``MAX_REGION_BYTES`` goes
+        in pieces, each the same columns of every chunk, one exchange each: issuing
+        a piece completes the one before (see the Note), so all but the last are
+        waited for here."""
+        world, numel = self.world, output.numel()
+        columns = max(1, MAX_REGION_BYTES // (world * world * input.element_size()))
+        rows = input.view(world, numel)
+        started = []
+        for lo in range(0, numel, columns):
+            hi = min(numel, lo + columns)
+            piece = self._reduce_piece(output[lo:hi], rows[:, lo:hi])
+            if piece is None:  # only the first can be (later ones are no larger)
+                return None
+            started.append(piece)
+        if len(started) == 1:
+            return started[0]
+
+        def finish() -> None:
+            for _, done in started:
+                done()
+
+        return [rings for rings, _ in started], finish
+
+    def _reduce_piece(self, output: torch.Tensor, rows: torch.Tensor) -> Started | None:
+        """One exchange of :meth:`reduce_scatter`: ``rows`` (world x the piece's
+        columns) written as one slot, chunk ``rank`` of every slot summed into
+        ``output``."""
+        chunk = output.numel() * rows.element_size()
+        slot = self.world * chunk
+
+        def reduce(read: Callable[[torch.Tensor, int], None]) -> None:
+            buffer = self._chunk_buffer(output.numel(), rows.dtype)
+
+            def chunks() -> Iterator[torch.Tensor]:
+                for p in range(self.world):
+                    read(buffer, p * slot + self.rank * chunk)
+                    yield buffer
+
+            sum_chunks(output, chunks())
+
+        own = list(rows) if not rows.is_contiguous() else [rows.reshape(-1)]
+        return self._start("reduce-scatter", self.world * slot, own, [], reduce)
+
+    def _chunk_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer a reduce-scatter reads each chunk into: kept, as large as the
+        largest chunk yet (a bucket's share: 1/world of gloo's receive buffer)."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._chunk is None or self._chunk.numel() < nbytes:
+            self._chunk = torch.empty(nbytes, dtype=torch.uint8)
+        return self._chunk[:nbytes].view(dtype)
+
     def _start(
         self,
         op: str,
         total: int,
-        own: torch.Tensor,
+        own: torch.Tensor | list[torch.Tensor],
         reads: list[tuple[torch.Tensor, int, int, int]],
+        then: Callable[[Callable[[torch.Tensor, int], None]], None] | None = None,
     ) -> Started | None:
         """Issue one exchange through a region of ``total`` bytes: this rank writes
-        ``own`` into its slot (``total / world`` bytes); once every rank has, each
+        ``own`` (one tensor, or several one after another) into its slot (``total /
+        world`` bytes); once every rank has, each
         ``(tensor, start, stop, at)`` of ``reads`` gets bytes ``[start, stop)`` of
-        ``tensor`` from the region's bytes from ``at`` on."""
+        ``tensor`` from the region's bytes from ``at`` on, then ``then`` runs with a
+        reader (``read(tensor, at)`` fills ``tensor`` from the region's byte ``at``)."""
         self._complete(self.seq + 1 - BEHIND)  # [Note: exchanges through shared memory]
         if self.fallen_back or total > MAX_REGION_BYTES:
             return None
@@ -299,7 +382,10 @@ class SharedExchange:
         self.seq += 1
         seq = self.seq
         try:
-            _write(self.fd, _buffer(own), _HEADER + at + self.rank * (total // self.world))
+            offset = _HEADER + at + self.rank * (total // self.world)
+            for part in own if isinstance(own, list) else [own]:
+                _write(self.fd, _buffer(part), offset)
+                offset += _nbytes(part)
         except OSError as exc:
             raise _error(f"exchange #{seq} through shared memory failed: {exc}") from exc
         self._ring(_RING.pack(self.rank, seq, total), self.peers)
@@ -314,6 +400,8 @@ class SharedExchange:
             try:
                 for tensor, start, stop, offset in reads:
                     _read(self.fd, _buffer(tensor, start, stop), _HEADER + at + offset)
+                if then is not None:
+                    then(lambda into, offset: _read(self.fd, _buffer(into), _HEADER + at + offset))
             except OSError as exc:
                 self.broken = self.broken or f"reading exchange #{seq} failed: {exc}"
                 raise _error(f"exchange #{seq} through shared memory failed: {exc}") from exc
