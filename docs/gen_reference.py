@@ -688,8 +688,9 @@ ENV_DOCS: dict[str, str] = {
     "lost peer. A bad value fails at registration.",
     "ZEROPLANE_SHM_DISABLE": "`1` sends every collective of gloo ranks on one host over "
     "gloo's loopback TCP, as `NCCL_SHM_DISABLE=1` does for NCCL. By default their "
-    "all-gathers and reduce-scatters of 64 KiB to "
-    "64 MiB (all ranks' parts together) go through a file in `/dev/shm`, unlinked once "
+    "all-gathers of 64 KiB to 64 MiB (all ranks' parts together) and reduce-scatters "
+    "of 64 KiB and more (in pieces of at most 64 MiB) go through a file in `/dev/shm`, "
+    "unlinked once "
     "every rank has opened it, read and written by system calls (its pages count in no "
     "rank's resident set): up to three times the largest exchange, once per host and "
     "process group. Without room in `/dev/shm` the "
