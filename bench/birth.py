@@ -266,9 +266,10 @@ def main() -> None:
                 rows.append((world, method, got, fixed))
                 print(f"N={world} {method}: {got} fixed {fixed}", file=sys.stderr, flush=True)
     psi = next(g["psi"] for _, _, g, _ in rows if g is not None)
-    # the largest gathered unit: the root's (embedding, head, final norm), here bigger
-    # than a block (two linears and a norm)
-    unit = max(4 * D * D * 2 + 4 * D + D + 2 * D, 2 * VOCAB * D + 2 * D)
+    # the largest gathered unit: with stage3_min_unit_numel=1 every module that holds
+    # parameters is a unit of its own, the embedding and the head (VOCAB x D each) the
+    # largest (a block's linears are 4 D x D)
+    unit = max(VOCAB * D, 4 * D * D + 4 * D)
     print(
         f"Ψ = {psi / 1e6:.1f}M parameters (fp32 AdamW, stage 3); the largest gathered "
         f"unit {unit * 4 / MIB:.0f} MiB. Peaks are each rank's resident-set growth (the "
