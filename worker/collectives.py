@@ -412,11 +412,11 @@ class Collectives:
         return self._finish(work, stats, start, async_op)
 
     def _shared(self, op: str, output: torch.Tensor, input: torch.Tensor) -> Started | None:
-        """Start ``op`` ("all_gather", "all_to_all" or "reduce_scatter", equal chunks)
+        """Start ``op`` ("all_gather" or "reduce_scatter", equal chunks)
         through this host's shared memory where every rank of the group can
         (worker/shared_exchange.py); None: over gloo's transport. Every rank decides
         alike from the shapes."""
-        moved = _nbytes(input) * (self.world_size if op == "all_gather" else 1)
+        moved = _nbytes(input) * (self.world_size if op == "all_gather" else 1)  # the region
         expected = moved // self.world_size if op == "reduce_scatter" else moved
         if (
             output.device.type != "cpu"

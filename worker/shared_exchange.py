@@ -1,4 +1,4 @@
-"""All-gathers and all-to-alls among the ranks of one host through shared memory.
+"""All-gathers and reduce-scatters among the ranks of one host through shared memory.
 
 [Note: exchanges through shared memory]
 On gloo, every byte a collective moves between two ranks of one host crosses
@@ -61,7 +61,7 @@ in worker/compat.py), when this rank releases a wait on ranks the coordinator
 dropped, or at the group's collective timeout. When the file cannot grow to
 hold a larger region (``/dev/shm`` full: ``posix_fallocate`` fails on some
 rank), the group agrees to use gloo's collectives from then on. Regions over
-64 MiB (an all-to-all's is the world size times its input) go over gloo, so
+64 MiB (a reduce-scatter's is the world size times its input) go over gloo, so
 that the ring stays under 200 MiB of host memory a group; a reduce-scatter's
 goes in pieces instead (:meth:`SharedExchange.reduce_scatter`, which reads and
 adds one chunk at a time, so that it needs no receive buffer as large as its
@@ -173,7 +173,7 @@ def _round_up(n: int, multiple: int) -> int:
 class SharedExchange:
     """The shared file and doorbells of one process group whose ranks all run on this
     host. Made by :meth:`open` (a collective of the group); :meth:`start` issues one
-    all-gather or all-to-all through it. One thread issues and waits on a group's
+    all-gather or reduce-scatter through it. One thread issues and waits on a group's
     collectives, as
     torch.distributed requires; :func:`hang_up` may come from another.
     """
@@ -283,27 +283,11 @@ class SharedExchange:
             out_slots[self.rank].copy_(own)
         return started
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Started | None:
-        """Issue the all-to-all of ``input``'s equal chunks into ``output`` (contiguous,
-        on the CPU): chunk r of rank p lands in chunk p of rank r. As
-        :meth:`all_gather`."""
-        slot = _nbytes(input)
-        chunk = slot // self.world
-        reads = [
-            (output, p * chunk, (p + 1) * chunk, p * slot + self.rank * chunk)
-            for p in range(self.world)
-            if p != self.rank
-        ]
-        started = self._start("all-to-all", self.world * slot, input.reshape(-1), reads)
-        if started is not None:
-            output.view(self.world, -1)[self.rank].copy_(input.view(self.world, -1)[self.rank])
-        return started
-
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Started | None:
         """Issue the reduce-scatter (a sum) of ``input``'s equal chunks into ``output``
         (contiguous, on the CPU): chunk r of every rank, summed in rank order
-        (:func:`sum_chunks`), lands in rank r's ``output``. The all-to-all of
-        :meth:`all_to_all`, but each chunk is read out of the region into one
+        (:func:`sum_chunks`), lands in rank r's ``output``. Each rank writes its whole
+        input (an all-to-all's), but each chunk is read out of the region into one
         chunk-sized buffer and added as it comes: no receive buffer as large as the
         input (what gloo's all-to-all and a sum need: [Note: gloo's flat
         collectives] in worker/collectives.py). This rank's own chunk is read back
