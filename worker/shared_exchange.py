@@ -61,7 +61,7 @@ in worker/compat.py), when this rank releases a wait on ranks the coordinator
 dropped, or at the group's collective timeout. When the file cannot grow to
 hold a larger region (``/dev/shm`` full: ``posix_fallocate`` fails on some
 rank), the group agrees to use gloo's collectives from then on. Regions over
-64 MiB (a reduce-scatter's is the world size times its input) go over gloo, so
+64 MiB (an all-gather's is the world size times its input) go over gloo, so
 that the ring stays under 200 MiB of host memory a group; a reduce-scatter's
 goes in pieces instead (:meth:`SharedExchange.reduce_scatter`, which reads and
 adds one chunk at a time, so that it needs no receive buffer as large as its
